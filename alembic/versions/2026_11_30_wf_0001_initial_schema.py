@@ -1,0 +1,138 @@
+"""Initial schema: workflow catalog, executions, history.
+
+Why: the foundation every later revision builds on. The root revision carries the branch
+label ``wf_persist`` so a host can merge our versions into its own Alembic chain
+(``version_locations`` + ``upgrade heads``). Types here are frozen copies of what the models
+declared at this revision; never import live models into a revision.
+
+Downgrade drops all three tables and every row in them.
+
+Revision ID: wf_0001
+Revises:
+Create Date: 2026-11-30
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+from sqlalchemy.dialects import mysql, postgresql
+
+revision: str = "wf_0001"
+down_revision: str | Sequence[str] | None = None
+branch_labels: str | Sequence[str] | None = ("wf_persist",)
+depends_on: str | Sequence[str] | None = None
+
+
+def _ts() -> sa.types.TypeEngine[object]:
+    return sa.DateTime(timezone=True).with_variant(mysql.DATETIME(fsp=6), "mysql", "mariadb")
+
+
+def _json() -> sa.types.TypeEngine[object]:
+    return sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
+
+
+def upgrade() -> None:
+    op.create_table(
+        "wf_workflows",
+        sa.Column("name", sa.String(200), nullable=False),
+        sa.Column("version", sa.Integer(), nullable=False),
+        sa.Column("source_hash", sa.String(64), nullable=False),
+        sa.Column("registered_at", _ts(), nullable=False),
+        sa.CheckConstraint("version >= 1", name=op.f("ck_wf_workflows__version_positive")),
+        sa.PrimaryKeyConstraint("name", "version", name=op.f("pk_wf_workflows")),
+    )
+    op.create_table(
+        "wf_executions",
+        sa.Column("id", sa.String(36), nullable=False),
+        sa.Column("workflow_name", sa.String(200), nullable=False),
+        sa.Column("workflow_version", sa.Integer(), nullable=False),
+        sa.Column("status", sa.String(16), nullable=False),
+        sa.Column("input", _json(), nullable=True),
+        sa.Column("result", _json(), nullable=True),
+        sa.Column("error", _json(), nullable=True),
+        sa.Column("idempotency_key", sa.String(255), nullable=True),
+        sa.Column("actor", sa.String(255), nullable=True),
+        sa.Column("next_seq", sa.BigInteger(), nullable=False),
+        sa.Column("wake_at", _ts(), nullable=True),
+        sa.Column("lease_owner", sa.String(255), nullable=True),
+        sa.Column("lease_expires_at", _ts(), nullable=True),
+        sa.Column("created_at", _ts(), nullable=False),
+        sa.Column("started_at", _ts(), nullable=True),
+        sa.Column("finished_at", _ts(), nullable=True),
+        sa.Column("updated_at", _ts(), nullable=False),
+        sa.CheckConstraint(
+            "status IN ('running', 'suspended', 'compensating', 'completed', 'failed')",
+            name=op.f("ck_wf_executions__status"),
+        ),
+        sa.ForeignKeyConstraint(
+            ["workflow_name", "workflow_version"],
+            ["wf_workflows.name", "wf_workflows.version"],
+            name=op.f("fk_wf_executions__workflow_name__workflow_version__wf_workflows"),
+        ),
+        sa.PrimaryKeyConstraint("id", name=op.f("pk_wf_executions")),
+        sa.UniqueConstraint(
+            "workflow_name",
+            "idempotency_key",
+            name=op.f("uq_wf_executions__workflow_name__idempotency_key"),
+        ),
+    )
+    op.create_index(
+        op.f("ix_wf_executions__workflow_name__created_at__id"),
+        "wf_executions",
+        ["workflow_name", "created_at", "id"],
+    )
+    op.create_index(
+        op.f("ix_wf_executions__workflow_name__workflow_version__created_at__id"),
+        "wf_executions",
+        ["workflow_name", "workflow_version", "created_at", "id"],
+    )
+    op.create_index(
+        op.f("ix_wf_executions__workflow_name__status__created_at__id"),
+        "wf_executions",
+        ["workflow_name", "status", "created_at", "id"],
+    )
+    op.create_index(
+        op.f("ix_wf_executions__status__wake_at"), "wf_executions", ["status", "wake_at"]
+    )
+    op.create_table(
+        "wf_history",
+        sa.Column("execution_id", sa.String(36), nullable=False),
+        sa.Column("sequence", sa.BigInteger(), nullable=False),
+        sa.Column("type", sa.String(64), nullable=False),
+        sa.Column("activity_name", sa.String(255), nullable=True),
+        sa.Column("dedupe_key", sa.String(255), nullable=True),
+        sa.Column("created_at", _ts(), nullable=False),
+        sa.Column("event", _json(), nullable=False),
+        sa.ForeignKeyConstraint(
+            ["execution_id"],
+            ["wf_executions.id"],
+            name=op.f("fk_wf_history__execution_id__wf_executions"),
+            ondelete="CASCADE",
+        ),
+        sa.PrimaryKeyConstraint("execution_id", "sequence", name=op.f("pk_wf_history")),
+        sa.UniqueConstraint(
+            "execution_id", "dedupe_key", name=op.f("uq_wf_history__execution_id__dedupe_key")
+        ),
+    )
+    op.create_index(op.f("ix_wf_history__type__created_at"), "wf_history", ["type", "created_at"])
+
+
+def downgrade() -> None:
+    op.drop_index(op.f("ix_wf_history__type__created_at"), table_name="wf_history")
+    op.drop_table("wf_history")
+    op.drop_index(op.f("ix_wf_executions__status__wake_at"), table_name="wf_executions")
+    op.drop_index(
+        op.f("ix_wf_executions__workflow_name__status__created_at__id"), table_name="wf_executions"
+    )
+    op.drop_index(
+        op.f("ix_wf_executions__workflow_name__workflow_version__created_at__id"),
+        table_name="wf_executions",
+    )
+    op.drop_index(
+        op.f("ix_wf_executions__workflow_name__created_at__id"), table_name="wf_executions"
+    )
+    op.drop_table("wf_executions")
+    op.drop_table("wf_workflows")

@@ -1,0 +1,80 @@
+"""wf_persist: durable Python workflows on an SQLAlchemy persistence layer.
+
+Workflows are plain functions whose durable calls go through a context; their history lives
+in ordinary tables (``wf_workflows``, ``wf_executions``, ``wf_history``) made by Alembic
+migrations, on SQLite, PostgreSQL or MySQL/MariaDB.
+"""
+
+from __future__ import annotations
+
+from . import migrate as migrate
+from ._dialect import create_engine as create_engine
+from .authoring import Step as Step
+from .authoring import Workflow as Workflow
+from .authoring import step as step
+from .authoring import workflow as workflow
+from .client import Completed as Completed
+from .client import ExecutionHandle as ExecutionHandle
+from .client import ExecutionInfo as ExecutionInfo
+from .client import Failed as Failed
+from .client import HistoryRecord as HistoryRecord
+from .client import Outcome as Outcome
+from .client import Page as Page
+from .client import WorkflowClient as WorkflowClient
+from .context import Context as Context
+from .errors import InvalidArgumentError as InvalidArgumentError
+from .errors import InvalidCursorError as InvalidCursorError
+from .errors import InvalidPayloadError as InvalidPayloadError
+from .errors import LeaseLostError as LeaseLostError
+from .errors import MissingWorkflowVersionError as MissingWorkflowVersionError
+from .errors import NonDeterminismError as NonDeterminismError
+from .errors import NotSerializableError as NotSerializableError
+from .errors import ResultTimeoutError as ResultTimeoutError
+from .errors import SchemaVersionError as SchemaVersionError
+from .errors import StepExecutionError as StepExecutionError
+from .errors import UnknownExecutionError as UnknownExecutionError
+from .errors import UnknownWorkflowError as UnknownWorkflowError
+from .errors import WfPersistError as WfPersistError
+from .errors import WorkflowDefinitionError as WorkflowDefinitionError
+from .errors import WorkflowFailedError as WorkflowFailedError
+from .errors import WorkflowVersionConflictError as WorkflowVersionConflictError
+from .models import Base as Base
+from .models import metadata as metadata
+from .runtime import Runtime as Runtime
+
+__all__ = [
+    "Base",
+    "Completed",
+    "Context",
+    "ExecutionHandle",
+    "ExecutionInfo",
+    "Failed",
+    "HistoryRecord",
+    "InvalidArgumentError",
+    "InvalidCursorError",
+    "InvalidPayloadError",
+    "LeaseLostError",
+    "MissingWorkflowVersionError",
+    "NonDeterminismError",
+    "NotSerializableError",
+    "Outcome",
+    "Page",
+    "ResultTimeoutError",
+    "Runtime",
+    "SchemaVersionError",
+    "Step",
+    "StepExecutionError",
+    "UnknownExecutionError",
+    "UnknownWorkflowError",
+    "WfPersistError",
+    "Workflow",
+    "WorkflowClient",
+    "WorkflowDefinitionError",
+    "WorkflowFailedError",
+    "WorkflowVersionConflictError",
+    "create_engine",
+    "metadata",
+    "migrate",
+    "step",
+    "workflow",
+]

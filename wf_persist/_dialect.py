@@ -1,0 +1,131 @@
+"""The one place that tells SQLite, PostgreSQL and MySQL apart.
+
+Everything else asks this module for an insert construct that can ignore conflicts, whether
+a data-modifying CTE is available, or how to begin a write transaction.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Final
+
+from sqlalchemy import Connection, Engine, event, make_url
+from sqlalchemy import create_engine as sa_create_engine
+from sqlalchemy.dialects import mysql, postgresql, sqlite
+from sqlalchemy.engine import URL, Dialect
+from sqlalchemy.pool import ConnectionPoolEntry
+
+#: Environment variable that names the database when no URL is passed.
+DATABASE_URL_ENV: Final = "WF_PERSIST_DATABASE_URL"
+#: The embedded default: a SQLite file in the working directory.
+DEFAULT_URL: Final = "sqlite:///wf_persist.sqlite3"
+#: How long a SQLite writer waits for the lock before failing (milliseconds).
+SQLITE_BUSY_TIMEOUT_MS: Final = 30_000
+
+
+def is_sqlite(dialect: Dialect) -> bool:
+    return dialect.name == "sqlite"
+
+
+def is_postgresql(dialect: Dialect) -> bool:
+    return dialect.name == "postgresql"
+
+
+def is_mysql(dialect: Dialect) -> bool:
+    return dialect.name in ("mysql", "mariadb")
+
+
+def insert_for(dialect: Dialect) -> Any:
+    """Return the dialect's ``insert`` (with ``on_conflict_do_nothing`` where it exists)."""
+    if is_postgresql(dialect):
+        return postgresql.insert
+    if is_sqlite(dialect):
+        return sqlite.insert
+    if is_mysql(dialect):
+        return mysql.insert
+    raise NotImplementedError(f"wf_persist does not support the {dialect.name} dialect")
+
+
+def insert_ignoring(dialect: Dialect, table: Any, conflict_columns: list[str]) -> Any:
+    """An INSERT into ``table`` that silently drops rows conflicting on ``conflict_columns``.
+
+    PostgreSQL and SQLite name the constraint (``ON CONFLICT (...) DO NOTHING``), so a
+    conflict on any *other* unique constraint still raises. MySQL has no conflict target; a
+    no-op ``ON DUPLICATE KEY UPDATE`` is the closest equivalent.
+    """
+    # rowcount tells the caller whether the row went in; SQLAlchemy only keeps it for
+    # INSERTs when asked to.
+    ins = insert_for(dialect)(table).execution_options(preserve_rowcount=True)
+    if is_mysql(dialect):
+        first = conflict_columns[0]
+        return ins.on_duplicate_key_update({first: ins.inserted[first]})
+    return ins.on_conflict_do_nothing(index_elements=conflict_columns)
+
+
+def supports_dml_cte(dialect: Dialect) -> bool:
+    """PostgreSQL can run UPDATE ... RETURNING inside a WITH feeding an INSERT: one round trip."""
+    return is_postgresql(dialect)
+
+
+def normalize_url(url: str | URL) -> URL:
+    """Pick psycopg 3 for ``postgresql://`` URLs (SQLAlchemy's default driver is psycopg2)."""
+    parsed = make_url(url)
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    elif parsed.drivername == "mysql":
+        parsed = parsed.set(drivername="mysql+pymysql")
+    return parsed
+
+
+def resolve_url(url: str | URL | None) -> URL:
+    """The URL to use: the argument, else ``$WF_PERSIST_DATABASE_URL``, else embedded SQLite."""
+    if url is None:
+        url = os.environ.get(DATABASE_URL_ENV) or DEFAULT_URL
+    return normalize_url(url)
+
+
+def create_engine(url: str | URL | None = None, **kwargs: Any) -> Engine:
+    """Create an engine configured the way wf_persist wants its own engines.
+
+    SQLite gets WAL, ``synchronous=FULL`` (a commit survives power loss), foreign keys, a busy
+    timeout and ``BEGIN IMMEDIATE`` for write transactions, so two writers queue on the lock
+    instead of failing on a read-to-write upgrade. Read-only transactions can opt into a
+    deferred BEGIN with the execution option ``wf_persist_readonly=True``.
+
+    Engines handed to wf_persist by a host application are never changed; this function is
+    only for engines wf_persist owns.
+    """
+    resolved = resolve_url(url)
+    if resolved.get_backend_name() == "sqlite":
+        engine = sa_create_engine(resolved, **kwargs)
+        _configure_sqlite(engine)
+        return engine
+    kwargs.setdefault("pool_pre_ping", False)
+    return sa_create_engine(resolved, **kwargs)
+
+
+def _configure_sqlite(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: ConnectionPoolEntry) -> None:
+        # Take transaction control away from the sqlite3 module so BEGIN is ours to send.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+            cursor.execute("PRAGMA journal_mode = WAL")
+            cursor.execute("PRAGMA synchronous = FULL")
+            cursor.execute("PRAGMA foreign_keys = ON")
+        finally:
+            cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        if conn.get_execution_options().get("wf_persist_readonly"):
+            conn.exec_driver_sql("BEGIN")
+        else:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def describe_url(url: URL) -> str:
+    """The URL as it may appear in messages: password hidden."""
+    return url.render_as_string(hide_password=True)

@@ -1,0 +1,204 @@
+"""Authoring: ``@workflow`` and ``@step`` definitions, their pydantic types and source hash.
+
+Source hash: sha256 over ``name NUL version NUL body`` where *body* is the workflow function's
+source parsed with :mod:`ast`, stripped of its decorators and docstring, and printed back with
+:func:`ast.unparse`. Comments, blank lines, quoting style and formatting therefore never change
+the hash; any change to what the code does (or to its annotations) does. Step definitions and
+helper functions are not part of it: they are recorded results, not replayed code.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import hashlib
+import inspect
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, get_type_hints, overload
+
+from pydantic import TypeAdapter
+
+from .errors import WorkflowDefinitionError
+
+if TYPE_CHECKING:
+    from .context import Context
+
+I = TypeVar("I")  # noqa: E741
+O = TypeVar("O")  # noqa: E741
+R = TypeVar("R")
+F = TypeVar("F", bound=Callable[..., Any])
+
+_ANY_ADAPTER: TypeAdapter[Any] = TypeAdapter(Any)
+
+
+@functools.lru_cache(maxsize=512)
+def _adapter(tp: Any) -> TypeAdapter[Any]:
+    return TypeAdapter(tp)
+
+
+def adapter_for(tp: Any) -> TypeAdapter[Any]:
+    """A (cached) pydantic TypeAdapter; unannotated means ``Any``."""
+    if tp is inspect.Parameter.empty or tp is Any:
+        return _ANY_ADAPTER
+    try:
+        return _adapter(tp)
+    except TypeError:  # unhashable annotation objects
+        return TypeAdapter(tp)
+
+
+def normalized_source(fn: Callable[..., Any]) -> str:
+    """The function's code without decorators, docstring, comments or formatting."""
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError) as exc:
+        raise WorkflowDefinitionError(
+            f"cannot read the source of {fn!r}; workflows must be defined in a module file"
+        ) from exc
+    tree = ast.parse(source)
+    node = tree.body[0]
+    if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+        raise WorkflowDefinitionError(f"{fn!r} is not a plain function definition")
+    node.decorator_list = []
+    body = node.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        if isinstance(body[0].value.value, str):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.unparse(node)
+
+
+def source_hash(name: str, version: int, fn: Callable[..., Any]) -> str:
+    """sha256 (hex) over name, version and the normalized workflow source."""
+    digest = hashlib.sha256()
+    digest.update(name.encode())
+    digest.update(b"\0")
+    digest.update(str(version).encode())
+    digest.update(b"\0")
+    digest.update(normalized_source(fn).encode())
+    return digest.hexdigest()
+
+
+def _hints(fn: Callable[..., Any]) -> dict[str, Any]:
+    try:
+        return get_type_hints(fn)
+    except Exception as exc:  # unresolvable forward references and the like
+        raise WorkflowDefinitionError(f"cannot resolve the annotations of {fn!r}: {exc}") from exc
+
+
+@dataclass(frozen=True, eq=False)
+class Workflow(Generic[I, O]):
+    """A registered-able workflow definition. Create with :func:`workflow`."""
+
+    name: str
+    version: int
+    fn: Callable[..., O]
+    input_adapter: TypeAdapter[Any]
+    output_adapter: TypeAdapter[Any]
+    takes_input: bool
+    source_hash: str
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.name, self.version)
+
+    def __repr__(self) -> str:
+        return f"<Workflow {self.name}@v{self.version}>"
+
+
+def workflow(
+    *, name: str | None = None, version: int = 1
+) -> Callable[[Callable[[Context, I], O]], Workflow[I, O]]:
+    """Declare a workflow: a plain function ``(ctx, input) -> output``.
+
+    The input and output annotations are validated with pydantic (models, dataclasses or
+    any type a ``TypeAdapter`` accepts). The body must be deterministic: its only contact with
+    the outside world goes through ``ctx``.
+
+    Args:
+        name: the workflow's durable name (default: the function name).
+        version: positive integer; a run stays pinned to the version it started with.
+    """
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise WorkflowDefinitionError(f"workflow version must be an integer >= 1, got {version!r}")
+
+    def decorate(fn: Callable[[Context, I], O]) -> Workflow[I, O]:
+        params = list(inspect.signature(fn).parameters.values())
+        if len(params) not in (1, 2):
+            raise WorkflowDefinitionError(
+                f"workflow {fn.__name__} must take (ctx) or (ctx, input), got {len(params)} params"
+            )
+        hints = _hints(fn)
+        wf_name = name or fn.__name__
+        takes_input = len(params) == 2
+        in_type = hints.get(params[1].name, Any) if takes_input else type(None)
+        return Workflow(
+            name=wf_name,
+            version=version,
+            fn=cast(Callable[..., O], fn),
+            input_adapter=adapter_for(in_type),
+            output_adapter=adapter_for(hints.get("return", Any)),
+            takes_input=takes_input,
+            source_hash=source_hash(wf_name, version, fn),
+        )
+
+    return decorate
+
+
+@dataclass(frozen=True, eq=False)
+class Step(Generic[R]):
+    """A durable step definition. Create with :func:`step`; call through ``ctx.run``.
+
+    Calling the object directly runs the function without recording anything (handy in
+    unit tests of the step itself).
+    """
+
+    name: str
+    fn: Callable[..., R]
+    signature: inspect.Signature
+    param_adapters: dict[str, TypeAdapter[Any]]
+    output_adapter: TypeAdapter[Any]
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> R:
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<Step {self.name}>"
+
+
+def _make_step(fn: Callable[..., R], name: str | None) -> Step[R]:
+    if not callable(fn):
+        raise WorkflowDefinitionError(f"@step needs a function, got {fn!r}")
+    sig = inspect.signature(fn)
+    hints = _hints(fn)
+    return Step(
+        name=name or fn.__name__,
+        fn=fn,
+        signature=sig,
+        param_adapters={p: adapter_for(hints.get(p, Any)) for p in sig.parameters},
+        output_adapter=adapter_for(hints.get("return", Any)),
+    )
+
+
+@overload
+def step(fn: Callable[..., R], /) -> Step[R]: ...
+@overload
+def step(*, name: str | None = None) -> Callable[[Callable[..., R]], Step[R]]: ...
+
+
+def step(
+    fn: Callable[..., R] | None = None, /, *, name: str | None = None
+) -> Step[R] | Callable[[Callable[..., R]], Step[R]]:
+    """Declare a durable step. Its result is recorded and returned on replay without
+    re-running it. Arguments and the result are validated against the annotations.
+
+    Use bare (``@step``) or with options (``@step(name="charge")``).
+    """
+    if fn is not None:
+        return _make_step(fn, name)
+
+    def decorate(f: Callable[..., R]) -> Step[R]:
+        return _make_step(f, name)
+
+    return decorate

@@ -1,0 +1,183 @@
+"""Errors. One root, :class:`WfPersistError`; subclasses carry the data callers act on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class WfPersistError(Exception):
+    """Root of every error wf_persist raises on purpose."""
+
+
+class InvalidArgumentError(WfPersistError, ValueError):
+    """An argument to a public API is out of range or malformed."""
+
+
+class InvalidCursorError(InvalidArgumentError):
+    """A pagination cursor was not produced by :meth:`WorkflowClient.list`."""
+
+    def __init__(self, cursor: str) -> None:
+        self.cursor = cursor
+        super().__init__(f"Malformed pagination cursor: {cursor!r}")
+
+
+class InvalidPayloadError(WfPersistError, ValueError):
+    """A payload failed validation against its declared type; nothing was written.
+
+    Attributes:
+        errors: pydantic's list of problems (``loc``, ``msg``, ``type``).
+    """
+
+    def __init__(self, what: str, errors: list[dict[str, Any]]) -> None:
+        self.what = what
+        self.errors = errors
+        details = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ())) or '<root>'}: {e.get('msg')}"
+            for e in errors
+        )
+        super().__init__(f"Invalid {what}: {details}")
+
+
+class NotSerializableError(WfPersistError, TypeError):
+    """A value that must be recorded cannot be turned into JSON."""
+
+    def __init__(self, what: str, detail: str) -> None:
+        self.what = what
+        super().__init__(f"{what} is not JSON-serializable: {detail}")
+
+
+class UnknownExecutionError(WfPersistError, LookupError):
+    """No execution has this id."""
+
+    def __init__(self, execution_id: str) -> None:
+        self.execution_id = execution_id
+        super().__init__(f"Unknown workflow execution: {execution_id}")
+
+
+class UnknownWorkflowError(WfPersistError, LookupError):
+    """No workflow of this name is registered in this runtime."""
+
+    def __init__(self, name: str) -> None:
+        self.workflow_name = name
+        super().__init__(f"Workflow {name} is not registered in this runtime")
+
+
+class MissingWorkflowVersionError(WfPersistError):
+    """The run is pinned to a (name, version) this runtime does not have."""
+
+    def __init__(self, name: str, version: int) -> None:
+        self.workflow_name = name
+        self.version = version
+        super().__init__(
+            f"Workflow {name}@v{version} is not registered in this runtime; "
+            "re-register that exact version before resuming this execution"
+        )
+
+
+class WorkflowVersionConflictError(WfPersistError):
+    """(name, version) is already cataloged with a different source hash."""
+
+    def __init__(self, name: str, version: int, cataloged_hash: str, new_hash: str) -> None:
+        self.workflow_name = name
+        self.version = version
+        self.cataloged_hash = cataloged_hash
+        self.new_hash = new_hash
+        super().__init__(
+            f"Workflow {name}@v{version} is already cataloged with different source; "
+            "register a new version instead"
+        )
+
+
+class WorkflowDefinitionError(WfPersistError, TypeError):
+    """A workflow or step definition is unusable (bad signature, no source, bad option)."""
+
+
+class SchemaVersionError(WfPersistError):
+    """The database schema is not at the revision this wf_persist needs.
+
+    Attributes:
+        current: the revision found (``None`` when the schema was never migrated).
+        head: the revision this version of wf_persist needs.
+        command: the command that brings the database to head.
+    """
+
+    def __init__(self, current: str | None, head: str, command: str) -> None:
+        self.current = current
+        self.head = head
+        self.command = command
+        state = "is not migrated" if current is None else f"is at revision {current}"
+        super().__init__(
+            f"The wf_persist schema {state}; this version needs {head}. Run: {command}"
+        )
+
+
+class NonDeterminismError(WfPersistError):
+    """A replay made a different call than the one recorded at the same position."""
+
+    def __init__(self, expected: str, actual: str) -> None:
+        self.expected = expected
+        self.actual = actual
+        super().__init__(
+            f"Non-deterministic workflow replay: expected {expected} but saw {actual}"
+        )
+
+
+class StepExecutionError(WfPersistError):
+    """A step failed (its exception is the ``cause``)."""
+
+    def __init__(self, step_name: str, cause: dict[str, Any]) -> None:
+        self.step_name = step_name
+        self.cause = cause
+        super().__init__(f"Step {step_name} failed: {cause.get('message', '')}")
+
+
+class WorkflowFailedError(WfPersistError):
+    """Raised by :meth:`Failed.unwrap`; carries the stored error document."""
+
+    def __init__(self, execution_id: str, error: dict[str, Any]) -> None:
+        self.execution_id = execution_id
+        self.error = error
+        super().__init__(
+            f"Execution {execution_id} failed: {error.get('name')}: {error.get('message')}"
+        )
+
+
+class ResultTimeoutError(WfPersistError, TimeoutError):
+    """The run did not finish within the time the caller was willing to wait."""
+
+    def __init__(self, execution_id: str, timeout: float) -> None:
+        self.execution_id = execution_id
+        self.timeout = timeout
+        super().__init__(f"Execution {execution_id} did not finish within {timeout}s")
+
+
+class LeaseLostError(WfPersistError):
+    """This runtime no longer owns the run's lease; another worker drives it now."""
+
+    def __init__(self, execution_id: str) -> None:
+        self.execution_id = execution_id
+        super().__init__(f"Lost the lease on execution {execution_id}")
+
+
+def error_document(exc: BaseException) -> dict[str, Any]:
+    """A JSON document for a stored error: its type name, message and JSON-able fields.
+
+    Keeping the type name and fields (not only the message) lets callers match failures by
+    type after they crossed the database, even in a process that never saw the exception.
+    """
+    import json
+
+    doc: dict[str, Any] = {
+        "name": type(exc).__name__,
+        "module": type(exc).__module__,
+        "message": str(exc),
+    }
+    for key, value in vars(exc).items():
+        if key.startswith("_") or key in doc:
+            continue
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            continue
+        doc[key] = value
+    return doc

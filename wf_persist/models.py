@@ -1,0 +1,195 @@
+"""The wf_persist schema: workflow catalog, executions and append-only history.
+
+Every table is prefixed ``wf_`` and registered on one private :data:`metadata` with a naming
+convention, so constraint names are deterministic on every backend and a host application's
+Alembic autogenerate can recognise (and ignore) our tables.
+
+Time policy: all timestamps are timezone-aware UTC in Python (:class:`UTCDateTime` refuses
+naive values). The database never supplies "now": every timestamp is bound from the runtime's
+clock, so behaviour is the same on every backend and tests can control time.
+
+JSON columns are JSONB on PostgreSQL and native JSON on MySQL/MariaDB. The columns people
+filter on (event type, activity name, status) are plain columns, so common SQL needs no JSON
+operators.
+
+This module is the model of the schema; the schema itself is made only by the Alembic
+revisions shipped with the package (see :mod:`wf_persist.migrate`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any, Final
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    Dialect,
+    ForeignKeyConstraint,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    UniqueConstraint,
+)
+from sqlalchemy.dialects import mysql, postgresql
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+NAMING_CONVENTION: Final = {
+    "ix": "ix_%(table_name)s__%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s__%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s__%(constraint_name)s",
+    "fk": "fk_%(table_name)s__%(column_0_N_name)s__%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+#: Execution statuses (SPEC section 3). ``completed`` and ``failed`` are terminal.
+STATUSES: Final = ("running", "suspended", "compensating", "completed", "failed")
+TERMINAL_STATUSES: Final = frozenset({"completed", "failed"})
+
+
+class UTCDateTime(TypeDecorator[dt.datetime]):
+    """Timezone-aware UTC timestamps on every backend.
+
+    SQLite has no timestamp type and MySQL's DATETIME drops the offset, so values are
+    normalised to UTC on the way in and marked UTC on the way out. Microseconds are kept
+    (MySQL needs ``fsp=6`` for that) because keyset pagination orders by them.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> Any:
+        if dialect.name in ("mysql", "mariadb"):
+            return dialect.type_descriptor(mysql.DATETIME(fsp=6))
+        return dialect.type_descriptor(DateTime(timezone=True))
+
+    def process_bind_param(self, value: dt.datetime | None, dialect: Dialect) -> Any:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("wf_persist stores timezone-aware datetimes only")
+        value = value.astimezone(dt.UTC)
+        if dialect.name != "postgresql":
+            return value.replace(tzinfo=None)
+        return value
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        assert isinstance(value, dt.datetime)
+        if value.tzinfo is None:
+            return value.replace(tzinfo=dt.UTC)
+        return value.astimezone(dt.UTC)
+
+
+#: JSON that is JSONB on PostgreSQL; SQL NULL stands for "absent".
+JSONDoc = JSON(none_as_null=True).with_variant(postgresql.JSONB(none_as_null=True), "postgresql")
+
+
+class Base(DeclarativeBase):
+    """Declarative base for wf_persist's own tables only (never a host's)."""
+
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {
+        dt.datetime: UTCDateTime(),
+        dict[str, Any]: JSONDoc,
+    }
+
+
+metadata: Final = Base.metadata
+
+
+class WorkflowVersion(Base):
+    """The version catalog: first registration of (name, version) wins, forever."""
+
+    __tablename__ = "wf_workflows"
+
+    name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    source_hash: Mapped[str] = mapped_column(String(64))
+    registered_at: Mapped[dt.datetime]
+
+    __table_args__ = (CheckConstraint("version >= 1", name="version_positive"),)
+
+
+class Execution(Base):
+    """One run of a workflow, pinned to the catalog entry it started with.
+
+    ``status`` is authoritative and changes in the same transaction as the history event that
+    causes it. ``next_seq`` is the next history sequence number; it is bumped under the row
+    lock, so concurrent appenders never collide. ``lease_owner``/``lease_expires_at`` say which
+    runtime drives the run; ``wake_at`` says when a non-leased run becomes runnable.
+    """
+
+    __tablename__ = "wf_executions"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    workflow_name: Mapped[str] = mapped_column(String(200))
+    workflow_version: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16))
+    input: Mapped[dict[str, Any] | None]
+    result: Mapped[dict[str, Any] | None]
+    error: Mapped[dict[str, Any] | None]
+    idempotency_key: Mapped[str | None] = mapped_column(String(255))
+    actor: Mapped[str | None] = mapped_column(String(255))
+    next_seq: Mapped[int] = mapped_column(BigInteger)
+    wake_at: Mapped[dt.datetime | None]
+    lease_owner: Mapped[str | None] = mapped_column(String(255))
+    lease_expires_at: Mapped[dt.datetime | None]
+    created_at: Mapped[dt.datetime]
+    started_at: Mapped[dt.datetime | None]
+    finished_at: Mapped[dt.datetime | None]
+    updated_at: Mapped[dt.datetime]
+
+    __table_args__ = (
+        ForeignKeyConstraint(
+            ["workflow_name", "workflow_version"],
+            ["wf_workflows.name", "wf_workflows.version"],
+        ),
+        CheckConstraint(
+            "status IN ('running', 'suspended', 'compensating', 'completed', 'failed')",
+            name="status",
+        ),
+        # NULL keys never conflict on any backend, so a plain unique constraint is the
+        # idempotency index everywhere (MySQL has no partial indexes).
+        UniqueConstraint("workflow_name", "idempotency_key"),
+        # Keyset listing: by workflow, optionally by version or status, oldest first.
+        Index(None, "workflow_name", "created_at", "id"),
+        Index(None, "workflow_name", "workflow_version", "created_at", "id"),
+        Index(None, "workflow_name", "status", "created_at", "id"),
+        # Finding runnable work: non-terminal runs by wake time.
+        Index(None, "status", "wake_at"),
+    )
+
+
+class HistoryEvent(Base):
+    """Append-only history. ``event`` holds the whole event as JSON (SPEC section 2).
+
+    ``dedupe_key`` is set for events that replay may emit again; the unique constraint plus an
+    insert that ignores conflicts drops the duplicate without a read-before-write.
+    """
+
+    __tablename__ = "wf_history"
+
+    execution_id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    sequence: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    type: Mapped[str] = mapped_column(String(64))
+    activity_name: Mapped[str | None] = mapped_column(String(255))
+    dedupe_key: Mapped[str | None] = mapped_column(String(255))
+    created_at: Mapped[dt.datetime]
+    event: Mapped[dict[str, Any]]
+
+    __table_args__ = (
+        ForeignKeyConstraint(["execution_id"], ["wf_executions.id"], ondelete="CASCADE"),
+        UniqueConstraint("execution_id", "dedupe_key"),
+        Index(None, "type", "created_at"),
+    )
+
+
+workflows_table: Final = WorkflowVersion.__table__
+executions_table: Final = Execution.__table__
+history_table: Final = HistoryEvent.__table__

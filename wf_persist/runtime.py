@@ -1,0 +1,369 @@
+"""The runtime: workflow registry, leases and the replay loop.
+
+Driving a run is: claim its lease (one transaction that also records ``workflow.started`` and
+reads the whole history), replay the workflow function against that history, write each new
+step as one fenced append, and finish with one transaction that records the outcome and
+releases the lease. A runtime that loses its lease stops writing at once; whoever claimed the
+run replays it from the database.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Connection, Engine
+from sqlalchemy.engine import URL
+
+from . import _dialect, migrate
+from .authoring import Workflow
+from .context import Context, Halt, Journal, _to_json
+from .errors import (
+    InvalidArgumentError,
+    InvalidPayloadError,
+    LeaseLostError,
+    MissingWorkflowVersionError,
+    UnknownWorkflowError,
+    WfPersistError,
+    WorkflowVersionConflictError,
+    error_document,
+)
+from .store import catalog, executions, history
+from .store.history import NewEvent
+
+if TYPE_CHECKING:
+    from .client import WorkflowClient
+
+Clock = Callable[[], dt.datetime]
+
+
+def utc_now() -> dt.datetime:
+    """The default clock."""
+    return dt.datetime.now(dt.UTC)
+
+
+class Runtime:
+    """Holds the database binding and the registered workflows; drives runs.
+
+    Args:
+        bind: a database URL, or an existing SQLAlchemy ``Engine`` (used as is, never
+            reconfigured). Default: ``$WF_PERSIST_DATABASE_URL``, else ``wf_persist.sqlite3``
+            in the working directory.
+        auto_migrate: upgrade the schema on open. Default: only for an embedded SQLite
+            database this runtime created; any other database must be migrated beforehand
+            (``wf-persist db upgrade``) and opening it otherwise raises
+            :class:`~wf_persist.errors.SchemaVersionError`.
+        lease_ttl: seconds a claim lasts without renewal. A runtime renews its leases every
+            third of this while it works; if it dies, any other runtime may take its runs over
+            after the lease ran out.
+        clock: the source of "now" (UTC, timezone-aware).
+    """
+
+    def __init__(
+        self,
+        bind: str | URL | Engine | None = None,
+        *,
+        auto_migrate: bool | None = None,
+        lease_ttl: float = 30.0,
+        clock: Clock = utc_now,
+    ) -> None:
+        if lease_ttl <= 0:
+            raise InvalidArgumentError("lease_ttl must be positive")
+        if isinstance(bind, Engine):
+            self.engine = bind
+            self._owns_engine = False
+        else:
+            self.engine = _dialect.create_engine(bind)
+            self._owns_engine = True
+        dialect = self.engine.dialect
+        if auto_migrate is None:
+            auto_migrate = self._owns_engine and _dialect.is_sqlite(dialect)
+        if auto_migrate:
+            migrate.upgrade(self.engine)
+        else:
+            migrate.assert_at_head(self.engine)
+        self.clock = clock
+        self.lease_ttl = dt.timedelta(seconds=lease_ttl)
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._registry: dict[tuple[str, int], Workflow[Any, Any]] = {}
+        self._latest: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._driving: set[str] = set()
+        self._keeper: _LeaseKeeper | None = None
+        self._closed = False
+        self._hot_autocommit = _dialect.supports_dml_cte(dialect)
+
+    # registry -------------------------------------------------------------------------
+
+    def register(self, *workflows: Workflow[Any, Any]) -> None:
+        """Register workflows here and in the database catalog (first registration wins).
+
+        All or nothing: if any (name, version) is cataloged with a different source hash,
+        nothing is registered.
+
+        Raises:
+            WorkflowVersionConflictError: (name, version) exists with a different source.
+        """
+        self._check_open()
+        for wf in workflows:
+            known = self._registry.get(wf.key)
+            if known is not None and known.source_hash != wf.source_hash:
+                raise WorkflowVersionConflictError(
+                    wf.name, wf.version, known.source_hash, wf.source_hash
+                )
+        now = self.clock()
+        with self.engine.begin() as conn:
+            for wf in workflows:
+                cataloged = catalog.catalog_version(conn, wf.name, wf.version, wf.source_hash, now)
+                if cataloged != wf.source_hash:
+                    raise WorkflowVersionConflictError(
+                        wf.name, wf.version, cataloged, wf.source_hash
+                    )
+        with self._lock:
+            for wf in workflows:
+                self._registry[wf.key] = wf
+                if wf.version > self._latest.get(wf.name, 0):
+                    self._latest[wf.name] = wf.version
+
+    def resolve(self, workflow: Workflow[Any, Any] | str, version: int | None) -> Workflow[Any, Any]:
+        """The registered definition to start: ``version`` if given, else the highest."""
+        name = workflow if isinstance(workflow, str) else workflow.name
+        if isinstance(workflow, Workflow) and workflow.key not in self._registry:
+            self.register(workflow)
+        if version is None:
+            latest = self._latest.get(name)
+            if latest is None:
+                raise UnknownWorkflowError(name)
+            version = latest
+        found = self._registry.get((name, version))
+        if found is None:
+            if name not in self._latest:
+                raise UnknownWorkflowError(name)
+            raise MissingWorkflowVersionError(name, version)
+        return found
+
+    def definition(self, name: str, version: int) -> Workflow[Any, Any]:
+        """The exact pinned version, or :class:`MissingWorkflowVersionError`."""
+        found = self._registry.get((name, version))
+        if found is None:
+            raise MissingWorkflowVersionError(name, version)
+        return found
+
+    # validation -------------------------------------------------------------------------
+
+    @staticmethod
+    def validate_input(wf: Workflow[Any, Any], payload: Any) -> Any:
+        """The payload's stored JSON form; raises before anything is written."""
+        if not wf.takes_input and payload is not None:
+            raise InvalidPayloadError(
+                f"input of workflow {wf.name}",
+                [{"loc": (), "msg": "this workflow takes no input"}],
+            )
+        return _to_json(wf.input_adapter, payload, f"input of workflow {wf.name}")
+
+    # driving --------------------------------------------------------------------------
+
+    def client(self) -> WorkflowClient:
+        """A client bound to this runtime."""
+        from .client import WorkflowClient
+
+        return WorkflowClient(self)
+
+    def drive(self, execution_id: str) -> bool:
+        """Run ``execution_id`` to its end if this runtime can claim it.
+
+        Returns False when another runtime (or thread) holds the lease or the run is already
+        finished; True when this call drove it (it may have finished or lost the lease).
+        """
+        self._check_open()
+        with self._lock:
+            if execution_id in self._driving:
+                return False
+            self._driving.add(execution_id)
+        try:
+            return self._drive(execution_id)
+        finally:
+            with self._lock:
+                self._driving.discard(execution_id)
+
+    def _lease_until(self) -> dt.datetime:
+        return self.clock() + self.lease_ttl
+
+    def _drive(self, execution_id: str) -> bool:
+        now = self.clock()
+        with self.engine.begin() as conn:
+            row = executions.get(conn, execution_id)
+            if row is None or row.status in ("completed", "failed"):
+                return False
+            wf = self.definition(row.workflow_name, row.workflow_version)
+            if not executions.claim(conn, execution_id, self.owner, now, now + self.lease_ttl):
+                return False
+            started = {
+                "type": "workflow.started",
+                "executionId": execution_id,
+                "workflowName": wf.name,
+                "version": wf.version,
+            }
+            history.append(conn, execution_id, [NewEvent(started, now, "workflow.started")], now=now)
+            executions.mark_started(conn, execution_id, now)
+            events = [r.event for r in history.load(conn, execution_id)]
+            payload = row.input
+        self._keep_lease(execution_id)
+        try:
+            with self.engine.connect() as hot:
+                if self._hot_autocommit:
+                    hot = hot.execution_options(isolation_level="AUTOCOMMIT")
+                self._replay(hot, wf, execution_id, payload, Journal.from_events(events))
+        except Halt as halt:
+            if not isinstance(halt.cause, LeaseLostError):
+                raise halt.cause from None
+        except LeaseLostError:
+            pass
+        finally:
+            self._release_keeper(execution_id)
+        return True
+
+    def _recorder(
+        self, conn: Connection, execution_id: str
+    ) -> Callable[[Sequence[NewEvent]], None]:
+        owner = self.owner
+        autocommit = self._hot_autocommit
+
+        def record(events: Sequence[NewEvent]) -> None:
+            now = self.clock()
+            try:
+                if autocommit:  # one atomic statement: no BEGIN/COMMIT round trips
+                    history.append_fenced(
+                        conn, execution_id, owner, events, now=now, lease_until=now + self.lease_ttl
+                    )
+                else:
+                    with conn.begin():
+                        history.append_fenced(
+                            conn, execution_id, owner, events, now=now,
+                            lease_until=now + self.lease_ttl,
+                        )
+            except Exception as exc:
+                raise Halt(exc) from exc
+
+        return record
+
+    def _replay(
+        self,
+        conn: Connection,
+        wf: Workflow[Any, Any],
+        execution_id: str,
+        payload: Any,
+        journal: Journal,
+    ) -> None:
+        ctx = Context(execution_id, journal, self._recorder(conn, execution_id), self.clock)
+        try:
+            value = wf.input_adapter.validate_python(payload)
+            out = wf.fn(ctx, value) if wf.takes_input else wf.fn(ctx)
+            if ctx.divergence is not None:
+                raise ctx.divergence
+            stored = _to_json(wf.output_adapter, out, f"output of workflow {wf.name}")
+        except Exception as exc:
+            if ctx.divergence is not None:
+                exc = ctx.divergence
+            self._finish(execution_id, wf, ok=False, value=error_document(exc))
+            return
+        self._finish(execution_id, wf, ok=True, value=stored)
+
+    def _finish(self, execution_id: str, wf: Workflow[Any, Any], *, ok: bool, value: Any) -> None:
+        now = self.clock()
+        kind = "completed" if ok else "failed"
+        event: dict[str, Any] = {
+            "type": f"workflow.{kind}",
+            "executionId": execution_id,
+            "workflowName": wf.name,
+            "result" if ok else "error": value,
+        }
+        outcome = {"result": value} if ok else {"error": value}
+        with self.engine.begin() as conn:
+            history.append(
+                conn,
+                execution_id,
+                [NewEvent(event, now, f"workflow.{kind}", kind)],
+                now=now,
+                owner=self.owner,
+                on_transition={**outcome, "finished_at": now},
+            )
+            executions.release(conn, execution_id, self.owner)
+
+    # leases ---------------------------------------------------------------------------
+
+    def _keep_lease(self, execution_id: str) -> None:
+        with self._lock:
+            if self._keeper is None or not self._keeper.is_alive():
+                self._keeper = _LeaseKeeper(self)
+                self._keeper.start()
+            self._keeper.held.add(execution_id)
+
+    def _release_keeper(self, execution_id: str) -> None:
+        with self._lock:
+            if self._keeper is not None:
+                self._keeper.held.discard(execution_id)
+
+    # lifecycle ------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise WfPersistError("Workflow runtime has been closed")
+
+    def close(self) -> None:
+        """Stop renewing leases and dispose of an engine this runtime created. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            keeper = self._keeper
+        if keeper is not None:
+            keeper.stop()
+        if self._owns_engine:
+            self.engine.dispose()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[Connection]:
+        """A connection in a transaction on this runtime's engine."""
+        with self.engine.begin() as conn:
+            yield conn
+
+
+class _LeaseKeeper(threading.Thread):
+    """Renews this runtime's leases every third of the TTL while runs are being driven."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        super().__init__(name="wf-persist-lease-keeper", daemon=True)
+        self.runtime = runtime
+        self.held: set[str] = set()
+        self._stop_event = threading.Event()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=5)
+
+    def run(self) -> None:
+        rt = self.runtime
+        interval = rt.lease_ttl.total_seconds() / 3
+        while not self._stop_event.wait(interval):
+            with rt._lock:
+                ids = list(self.held)
+            if not ids:
+                continue
+            try:
+                with rt.engine.begin() as conn:
+                    executions.renew_leases(conn, rt.owner, ids, rt._lease_until())
+            except Exception:  # noqa: BLE001 - a failed renewal is retried next tick
+                continue

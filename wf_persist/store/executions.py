@@ -1,0 +1,174 @@
+"""Executions: idempotent creation, lookup, leases, keyset listing."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Row, and_, or_, select, tuple_, update
+
+from .. import _dialect
+from ..models import TERMINAL_STATUSES
+from ..models import executions_table as ex
+from ..models import history_table as hist
+from . import Executor, dialect_of
+from .history import NewEvent
+
+
+def create(
+    conn: Executor,
+    *,
+    execution_id: str,
+    workflow_name: str,
+    workflow_version: int,
+    payload: dict[str, Any] | None,
+    idempotency_key: str | None,
+    actor: str | None,
+    started: NewEvent,
+    now: dt.datetime,
+) -> tuple[str, int, bool]:
+    """Insert a run and its ``execution.started`` event (sequence 1) atomically.
+
+    With an idempotency key the insert ignores a conflict on (workflow_name, key), so 20
+    threads or two processes starting with one key create exactly one run; the losers get the
+    winner's id and record nothing.
+
+    Returns:
+        ``(execution_id, version, created)`` where ``created`` is false for an existing run.
+    """
+    row = {
+        "id": execution_id,
+        "workflow_name": workflow_name,
+        "workflow_version": workflow_version,
+        "status": "running",
+        "input": payload,
+        "idempotency_key": idempotency_key,
+        "actor": actor,
+        "next_seq": 2,
+        "wake_at": now,
+        "created_at": now,
+        "updated_at": now,
+    }
+    dialect = dialect_of(conn)
+    if idempotency_key is None:
+        conn.execute(ex.insert().values(row))
+    else:
+        stmt = _dialect.insert_ignoring(dialect, ex, ["workflow_name", "idempotency_key"])
+        if conn.execute(stmt.values(row)).rowcount != 1:
+            found = conn.execute(
+                select(ex.c.id, ex.c.workflow_version).where(
+                    ex.c.workflow_name == workflow_name, ex.c.idempotency_key == idempotency_key
+                )
+            ).one()
+            return str(found.id), int(found.workflow_version), False
+    conn.execute(
+        hist.insert().values(
+            execution_id=execution_id,
+            sequence=1,
+            type=started.type,
+            activity_name=None,
+            dedupe_key=None,
+            created_at=started.created_at,
+            event=started.event,
+        )
+    )
+    return execution_id, workflow_version, True
+
+
+def get(conn: Executor, execution_id: str) -> Row[Any] | None:
+    """The execution row, or ``None``."""
+    return conn.execute(select(ex).where(ex.c.id == execution_id)).one_or_none()
+
+
+def claim(
+    conn: Executor, execution_id: str, owner: str, now: dt.datetime, lease_until: dt.datetime
+) -> bool:
+    """Take (or renew) the lease on a non-terminal run that nobody else holds.
+
+    A conditional UPDATE, so two claimers never both win: the row lock serializes them and
+    the loser's WHERE no longer matches.
+    """
+    claimed = conn.execute(
+        update(ex)
+        .where(
+            ex.c.id == execution_id,
+            ex.c.status.not_in(TERMINAL_STATUSES),
+            or_(
+                ex.c.lease_owner.is_(None),
+                ex.c.lease_owner == owner,
+                ex.c.lease_expires_at < now,
+            ),
+        )
+        .values(lease_owner=owner, lease_expires_at=lease_until, wake_at=None, updated_at=now)
+    ).rowcount
+    return bool(claimed == 1)
+
+
+def mark_started(conn: Executor, execution_id: str, now: dt.datetime) -> None:
+    """Set ``started_at`` the first time a runtime enters the workflow body."""
+    conn.execute(
+        update(ex)
+        .where(ex.c.id == execution_id, ex.c.started_at.is_(None))
+        .values(started_at=now)
+    )
+
+
+def release(conn: Executor, execution_id: str, owner: str) -> None:
+    """Give up the lease (the run stays where it is; a later claim resumes it)."""
+    conn.execute(
+        update(ex)
+        .where(ex.c.id == execution_id, ex.c.lease_owner == owner)
+        .values(lease_owner=None, lease_expires_at=None)
+    )
+
+
+def renew_leases(
+    conn: Executor, owner: str, execution_ids: Sequence[str], until: dt.datetime
+) -> int:
+    """Extend every lease ``owner`` still holds among ``execution_ids``; return how many."""
+    if not execution_ids:
+        return 0
+    return int(
+        conn.execute(
+            update(ex)
+            .where(ex.c.id.in_(list(execution_ids)), ex.c.lease_owner == owner)
+            .values(lease_expires_at=until)
+        ).rowcount
+    )
+
+
+def list_page(
+    conn: Executor,
+    workflow_name: str,
+    *,
+    status: str | None,
+    version: int | None,
+    after: tuple[dt.datetime, str] | None,
+    limit: int | None,
+) -> Sequence[Row[Any]]:
+    """Runs of one workflow, oldest first, after a keyset position.
+
+    The WHERE and ORDER BY match the ``(workflow_name, [status | version,] created_at, id)``
+    indexes, so every page is an index range scan however deep the cursor is.
+    """
+    query = select(ex).where(ex.c.workflow_name == workflow_name)
+    if status is not None:
+        query = query.where(ex.c.status == status)
+    if version is not None:
+        query = query.where(ex.c.workflow_version == version)
+    if after is not None:
+        created_at, last_id = after
+        if dialect_of(conn).name == "postgresql":
+            query = query.where(tuple_(ex.c.created_at, ex.c.id) > tuple_(created_at, last_id))
+        else:
+            query = query.where(
+                or_(
+                    ex.c.created_at > created_at,
+                    and_(ex.c.created_at == created_at, ex.c.id > last_id),
+                )
+            )
+    query = query.order_by(ex.c.created_at, ex.c.id)
+    if limit is not None:
+        query = query.limit(limit)
+    return conn.execute(query).all()
