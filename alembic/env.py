@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from alembic import context
 from sqlalchemy import Connection, text
 from sqlalchemy.pool import NullPool
 
+from alembic import context
 from wf_persist import _dialect
 from wf_persist.migrate import MIGRATION_LOCK_KEY, VERSION_TABLE, include_name
 from wf_persist.models import metadata
@@ -40,9 +40,7 @@ def _lock(connection: Connection) -> None:
     if name == "postgresql":
         connection.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": MIGRATION_LOCK_KEY})
     elif name in ("mysql", "mariadb"):
-        got = connection.execute(
-            text("SELECT GET_LOCK('wf_persist_migrate', 600)")
-        ).scalar_one()
+        got = connection.execute(text("SELECT GET_LOCK('wf_persist_migrate', 600)")).scalar_one()
         if got != 1:
             raise RuntimeError("could not take the wf_persist migration lock")
 

@@ -16,14 +16,14 @@ import inspect
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, get_type_hints, overload
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, get_type_hints, overload
 
 from pydantic import TypeAdapter
 
 from .errors import WorkflowDefinitionError
 
 if TYPE_CHECKING:
-    from .context import Context
+    pass
 
 I = TypeVar("I")  # noqa: E741
 O = TypeVar("O")  # noqa: E741
@@ -62,9 +62,14 @@ def normalized_source(fn: Callable[..., Any]) -> str:
         raise WorkflowDefinitionError(f"{fn!r} is not a plain function definition")
     node.decorator_list = []
     body = node.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-        if isinstance(body[0].value.value, str):
-            node.body = body[1:] or [ast.Pass()]
+    first = body[0] if body else None
+    is_docstring = (
+        isinstance(first, ast.Expr)
+        and isinstance(first.value, ast.Constant)
+        and isinstance(first.value.value, str)
+    )
+    if is_docstring:
+        node.body = body[1:] or [ast.Pass()]
     return ast.unparse(node)
 
 
@@ -108,7 +113,7 @@ class Workflow(Generic[I, O]):
 
 def workflow(
     *, name: str | None = None, version: int = 1
-) -> Callable[[Callable[[Context, I], O]], Workflow[I, O]]:
+) -> Callable[[Callable[..., O]], Workflow[Any, O]]:
     """Declare a workflow: a plain function ``(ctx, input) -> output``.
 
     The input and output annotations are validated with pydantic (models, dataclasses or
@@ -122,7 +127,7 @@ def workflow(
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise WorkflowDefinitionError(f"workflow version must be an integer >= 1, got {version!r}")
 
-    def decorate(fn: Callable[[Context, I], O]) -> Workflow[I, O]:
+    def decorate(fn: Callable[..., O]) -> Workflow[Any, O]:
         params = list(inspect.signature(fn).parameters.values())
         if len(params) not in (1, 2):
             raise WorkflowDefinitionError(
@@ -135,7 +140,7 @@ def workflow(
         return Workflow(
             name=wf_name,
             version=version,
-            fn=cast(Callable[..., O], fn),
+            fn=fn,
             input_adapter=adapter_for(in_type),
             output_adapter=adapter_for(hints.get("return", Any)),
             takes_input=takes_input,

@@ -148,7 +148,9 @@ def _decode_cursor(cursor: str) -> tuple[dt.datetime, str]:
 
 def _check_text(what: str, value: str | None) -> None:
     if value is not None and (not isinstance(value, str) or not value or len(value) > _MAX_TEXT):
-        raise InvalidArgumentError(f"{what} must be a non-empty string of at most {_MAX_TEXT} chars")
+        raise InvalidArgumentError(
+            f"{what} must be a non-empty string of at most {_MAX_TEXT} chars"
+        )
 
 
 class WorkflowClient:
@@ -285,7 +287,9 @@ class WorkflowClient:
         name = workflow if isinstance(workflow, str) else workflow.name
         if status is not None and status not in STATUSES:
             raise InvalidArgumentError(f"unknown status {status!r}; expected one of {STATUSES}")
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0
+        ):
             raise InvalidArgumentError(f"limit must be a positive integer, got {limit!r}")
         after = None if cursor is None else _decode_cursor(cursor)
         with self._reading() as conn:

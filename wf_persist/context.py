@@ -14,7 +14,7 @@ import random as _random
 import uuid as _uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from pydantic import TypeAdapter, ValidationError
 from pydantic_core import PydanticSerializationError
@@ -55,10 +55,8 @@ class Halt(BaseException):
         self.cause = cause
 
 
-class Recorder(Protocol):
-    """Persists events for the run being driven (provided by the runtime)."""
-
-    def __call__(self, events: Sequence[NewEvent]) -> None: ...
+#: Persists events for the run being driven (provided by the runtime).
+Recorder = Callable[[Sequence[NewEvent]], None]
 
 
 @dataclass(slots=True)
@@ -95,7 +93,7 @@ def _to_json(adapter: TypeAdapter[Any], value: Any, what: str) -> Any:
     try:
         return adapter.dump_python(adapter.validate_python(value), mode="json")
     except ValidationError as exc:
-        raise InvalidPayloadError(what, exc.errors(include_url=False)) from exc
+        raise InvalidPayloadError(what, [dict(e) for e in exc.errors(include_url=False)]) from exc
     except PydanticSerializationError as exc:
         raise NotSerializableError(what, str(exc)) from exc
 

@@ -117,9 +117,7 @@ class NonDeterminismError(WfPersistError):
     def __init__(self, expected: str, actual: str) -> None:
         self.expected = expected
         self.actual = actual
-        super().__init__(
-            f"Non-deterministic workflow replay: expected {expected} but saw {actual}"
-        )
+        super().__init__(f"Non-deterministic workflow replay: expected {expected} but saw {actual}")
 
 
 class StepExecutionError(WfPersistError):

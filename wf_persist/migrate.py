@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from sqlalchemy import Connection, Engine, inspect, select, table, column
+from sqlalchemy import Connection, Engine, column, inspect, select, table
 from sqlalchemy.engine import URL
 
 from . import _dialect
@@ -32,6 +33,10 @@ SCHEMA_HEAD: Final = "wf_0001"
 MIGRATION_LOCK_KEY: Final = 0x77665F70657273  # "wf_pers"
 
 Bind = Engine | Connection | str | URL
+
+# Alembic keeps its running environment in module globals: one command per process at a time.
+# Across processes the environment's database lock serializes upgrades.
+_alembic_lock = threading.Lock()
 
 
 def script_location() -> Path:
@@ -68,7 +73,9 @@ def _config(connection: Connection | None, url: URL | None, output: io.StringIO 
     cfg.set_main_option("path_separator", "os")
     if url is not None:
         # Offline mode renders SQL for a dialect without connecting; Alembic needs the URL.
-        cfg.set_main_option("sqlalchemy.url", url.render_as_string(hide_password=False).replace("%", "%%"))
+        cfg.set_main_option(
+            "sqlalchemy.url", url.render_as_string(hide_password=False).replace("%", "%%")
+        )
     cfg.attributes["connection"] = connection
     return cfg
 
@@ -109,12 +116,13 @@ def upgrade(bind: Bind, revision: str = "heads", *, sql: bool = False) -> str | 
     """
     from alembic import command
 
-    if sql:
-        buf = io.StringIO()
-        command.upgrade(_config(None, _url_of(bind), buf), revision, sql=True)
-        return buf.getvalue()
-    with _connection(bind) as conn:
-        command.upgrade(_config(conn, None, None), revision)
+    with _alembic_lock:
+        if sql:
+            buf = io.StringIO()
+            command.upgrade(_config(None, _url_of(bind), buf), revision, sql=True)
+            return buf.getvalue()
+        with _connection(bind) as conn:
+            command.upgrade(_config(conn, None, None), revision)
     return None
 
 
@@ -122,13 +130,14 @@ def downgrade(bind: Bind, revision: str, *, sql: bool = False) -> str | None:
     """Downgrade the schema to ``revision`` (``base`` removes every wf_persist table)."""
     from alembic import command
 
-    if sql:
-        buf = io.StringIO()
-        rng = revision if ":" in revision else f"{SCHEMA_HEAD}:{revision}"
-        command.downgrade(_config(None, _url_of(bind), buf), rng, sql=True)
-        return buf.getvalue()
-    with _connection(bind) as conn:
-        command.downgrade(_config(conn, None, None), revision)
+    with _alembic_lock:
+        if sql:
+            buf = io.StringIO()
+            rng = revision if ":" in revision else f"{SCHEMA_HEAD}:{revision}"
+            command.downgrade(_config(None, _url_of(bind), buf), rng, sql=True)
+            return buf.getvalue()
+        with _connection(bind) as conn:
+            command.downgrade(_config(conn, None, None), revision)
     return None
 
 

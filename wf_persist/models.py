@@ -19,7 +19,7 @@ revisions shipped with the package (see :mod:`wf_persist.migrate`).
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from sqlalchemy import (
     JSON,
@@ -32,6 +32,7 @@ from sqlalchemy import (
     Integer,
     MetaData,
     String,
+    Table,
     UniqueConstraint,
 )
 from sqlalchemy.dialects import mysql, postgresql
@@ -190,6 +191,6 @@ class HistoryEvent(Base):
     )
 
 
-workflows_table: Final = WorkflowVersion.__table__
-executions_table: Final = Execution.__table__
-history_table: Final = HistoryEvent.__table__
+workflows_table: Final = cast(Table, WorkflowVersion.__table__)
+executions_table: Final = cast(Table, Execution.__table__)
+history_table: Final = cast(Table, HistoryEvent.__table__)

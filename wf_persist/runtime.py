@@ -84,10 +84,15 @@ class Runtime:
         dialect = self.engine.dialect
         if auto_migrate is None:
             auto_migrate = self._owns_engine and _dialect.is_sqlite(dialect)
-        if auto_migrate:
-            migrate.upgrade(self.engine)
-        else:
-            migrate.assert_at_head(self.engine)
+        try:
+            if auto_migrate:
+                migrate.upgrade(self.engine)
+            else:
+                migrate.assert_at_head(self.engine)
+        except BaseException:
+            if self._owns_engine:
+                self.engine.dispose()
+            raise
         self.clock = clock
         self.lease_ttl = dt.timedelta(seconds=lease_ttl)
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -131,7 +136,9 @@ class Runtime:
                 if wf.version > self._latest.get(wf.name, 0):
                     self._latest[wf.name] = wf.version
 
-    def resolve(self, workflow: Workflow[Any, Any] | str, version: int | None) -> Workflow[Any, Any]:
+    def resolve(
+        self, workflow: Workflow[Any, Any] | str, version: int | None
+    ) -> Workflow[Any, Any]:
         """The registered definition to start: ``version`` if given, else the highest."""
         name = workflow if isinstance(workflow, str) else workflow.name
         if isinstance(workflow, Workflow) and workflow.key not in self._registry:
@@ -210,7 +217,9 @@ class Runtime:
                 "workflowName": wf.name,
                 "version": wf.version,
             }
-            history.append(conn, execution_id, [NewEvent(started, now, "workflow.started")], now=now)
+            history.append(
+                conn, execution_id, [NewEvent(started, now, "workflow.started")], now=now
+            )
             executions.mark_started(conn, execution_id, now)
             events = [r.event for r in history.load(conn, execution_id)]
             payload = row.input
@@ -245,7 +254,11 @@ class Runtime:
                 else:
                     with conn.begin():
                         history.append_fenced(
-                            conn, execution_id, owner, events, now=now,
+                            conn,
+                            execution_id,
+                            owner,
+                            events,
+                            now=now,
                             lease_until=now + self.lease_ttl,
                         )
             except Exception as exc:
@@ -269,9 +282,9 @@ class Runtime:
                 raise ctx.divergence
             stored = _to_json(wf.output_adapter, out, f"output of workflow {wf.name}")
         except Exception as exc:
-            if ctx.divergence is not None:
-                exc = ctx.divergence
-            self._finish(execution_id, wf, ok=False, value=error_document(exc))
+            # A divergence wins even if the workflow caught it and failed otherwise.
+            failure: BaseException = ctx.divergence or exc
+            self._finish(execution_id, wf, ok=False, value=error_document(failure))
             return
         self._finish(execution_id, wf, ok=True, value=stored)
 
@@ -365,5 +378,5 @@ class _LeaseKeeper(threading.Thread):
             try:
                 with rt.engine.begin() as conn:
                     executions.renew_leases(conn, rt.owner, ids, rt._lease_until())
-            except Exception:  # noqa: BLE001 - a failed renewal is retried next tick
+            except Exception:
                 continue

@@ -17,8 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import sqlalchemy as sa
-from alembic import op
 from sqlalchemy.dialects import mysql, postgresql
+
+from alembic import op
 
 revision: str = "wf_0001"
 down_revision: str | Sequence[str] | None = None
@@ -70,32 +71,32 @@ def upgrade() -> None:
         sa.ForeignKeyConstraint(
             ["workflow_name", "workflow_version"],
             ["wf_workflows.name", "wf_workflows.version"],
-            name=op.f("fk_wf_executions__workflow_name__workflow_version__wf_workflows"),
+            name=op.f("fk_wf_executions__workflow_name_workflow_version__wf_workflows"),
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_wf_executions")),
         sa.UniqueConstraint(
             "workflow_name",
             "idempotency_key",
-            name=op.f("uq_wf_executions__workflow_name__idempotency_key"),
+            name=op.f("uq_wf_executions__workflow_name_idempotency_key"),
         ),
     )
     op.create_index(
-        op.f("ix_wf_executions__workflow_name__created_at__id"),
+        op.f("ix_wf_executions__workflow_name_created_at_id"),
         "wf_executions",
         ["workflow_name", "created_at", "id"],
     )
     op.create_index(
-        op.f("ix_wf_executions__workflow_name__workflow_version__created_at__id"),
+        op.f("ix_wf_executions__workflow_name_workflow_version_created_at_id"),
         "wf_executions",
         ["workflow_name", "workflow_version", "created_at", "id"],
     )
     op.create_index(
-        op.f("ix_wf_executions__workflow_name__status__created_at__id"),
+        op.f("ix_wf_executions__workflow_name_status_created_at_id"),
         "wf_executions",
         ["workflow_name", "status", "created_at", "id"],
     )
     op.create_index(
-        op.f("ix_wf_executions__status__wake_at"), "wf_executions", ["status", "wake_at"]
+        op.f("ix_wf_executions__status_wake_at"), "wf_executions", ["status", "wake_at"]
     )
     op.create_table(
         "wf_history",
@@ -114,25 +115,23 @@ def upgrade() -> None:
         ),
         sa.PrimaryKeyConstraint("execution_id", "sequence", name=op.f("pk_wf_history")),
         sa.UniqueConstraint(
-            "execution_id", "dedupe_key", name=op.f("uq_wf_history__execution_id__dedupe_key")
+            "execution_id", "dedupe_key", name=op.f("uq_wf_history__execution_id_dedupe_key")
         ),
     )
-    op.create_index(op.f("ix_wf_history__type__created_at"), "wf_history", ["type", "created_at"])
+    op.create_index(op.f("ix_wf_history__type_created_at"), "wf_history", ["type", "created_at"])
 
 
 def downgrade() -> None:
-    op.drop_index(op.f("ix_wf_history__type__created_at"), table_name="wf_history")
+    op.drop_index(op.f("ix_wf_history__type_created_at"), table_name="wf_history")
     op.drop_table("wf_history")
-    op.drop_index(op.f("ix_wf_executions__status__wake_at"), table_name="wf_executions")
+    op.drop_index(op.f("ix_wf_executions__status_wake_at"), table_name="wf_executions")
     op.drop_index(
-        op.f("ix_wf_executions__workflow_name__status__created_at__id"), table_name="wf_executions"
+        op.f("ix_wf_executions__workflow_name_status_created_at_id"), table_name="wf_executions"
     )
     op.drop_index(
-        op.f("ix_wf_executions__workflow_name__workflow_version__created_at__id"),
+        op.f("ix_wf_executions__workflow_name_workflow_version_created_at_id"),
         table_name="wf_executions",
     )
-    op.drop_index(
-        op.f("ix_wf_executions__workflow_name__created_at__id"), table_name="wf_executions"
-    )
+    op.drop_index(op.f("ix_wf_executions__workflow_name_created_at_id"), table_name="wf_executions")
     op.drop_table("wf_executions")
     op.drop_table("wf_workflows")

@@ -6,7 +6,9 @@ transaction, so a host application can include wf_persist writes in its own.
 
 from __future__ import annotations
 
-from sqlalchemy import Connection
+from typing import Any, cast
+
+from sqlalchemy import Connection, CursorResult, Result
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Session
 
@@ -19,3 +21,8 @@ def dialect_of(conn: Executor) -> Dialect:
     if isinstance(conn, Connection):
         return conn.dialect
     return conn.get_bind().dialect
+
+
+def rowcount(result: Result[Any]) -> int:
+    """Rows matched by a DML statement (sessions type their results more loosely)."""
+    return int(cast(CursorResult[Any], result).rowcount)

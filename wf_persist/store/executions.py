@@ -6,13 +6,13 @@ import datetime as dt
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Row, and_, or_, select, tuple_, update
+from sqlalchemy import Row, and_, insert, or_, select, tuple_, update
 
 from .. import _dialect
 from ..models import TERMINAL_STATUSES
 from ..models import executions_table as ex
 from ..models import history_table as hist
-from . import Executor, dialect_of
+from . import Executor, dialect_of, rowcount
 from .history import NewEvent
 
 
@@ -52,10 +52,10 @@ def create(
     }
     dialect = dialect_of(conn)
     if idempotency_key is None:
-        conn.execute(ex.insert().values(row))
+        conn.execute(insert(ex).values(row))
     else:
         stmt = _dialect.insert_ignoring(dialect, ex, ["workflow_name", "idempotency_key"])
-        if conn.execute(stmt.values(row)).rowcount != 1:
+        if rowcount(conn.execute(stmt.values(row))) != 1:
             found = conn.execute(
                 select(ex.c.id, ex.c.workflow_version).where(
                     ex.c.workflow_name == workflow_name, ex.c.idempotency_key == idempotency_key
@@ -63,7 +63,7 @@ def create(
             ).one()
             return str(found.id), int(found.workflow_version), False
     conn.execute(
-        hist.insert().values(
+        insert(hist).values(
             execution_id=execution_id,
             sequence=1,
             type=started.type,
@@ -89,28 +89,28 @@ def claim(
     A conditional UPDATE, so two claimers never both win: the row lock serializes them and
     the loser's WHERE no longer matches.
     """
-    claimed = conn.execute(
-        update(ex)
-        .where(
-            ex.c.id == execution_id,
-            ex.c.status.not_in(TERMINAL_STATUSES),
-            or_(
-                ex.c.lease_owner.is_(None),
-                ex.c.lease_owner == owner,
-                ex.c.lease_expires_at < now,
-            ),
+    claimed = rowcount(
+        conn.execute(
+            update(ex)
+            .where(
+                ex.c.id == execution_id,
+                ex.c.status.not_in(TERMINAL_STATUSES),
+                or_(
+                    ex.c.lease_owner.is_(None),
+                    ex.c.lease_owner == owner,
+                    ex.c.lease_expires_at < now,
+                ),
+            )
+            .values(lease_owner=owner, lease_expires_at=lease_until, wake_at=None, updated_at=now)
         )
-        .values(lease_owner=owner, lease_expires_at=lease_until, wake_at=None, updated_at=now)
-    ).rowcount
-    return bool(claimed == 1)
+    )
+    return claimed == 1
 
 
 def mark_started(conn: Executor, execution_id: str, now: dt.datetime) -> None:
     """Set ``started_at`` the first time a runtime enters the workflow body."""
     conn.execute(
-        update(ex)
-        .where(ex.c.id == execution_id, ex.c.started_at.is_(None))
-        .values(started_at=now)
+        update(ex).where(ex.c.id == execution_id, ex.c.started_at.is_(None)).values(started_at=now)
     )
 
 
@@ -129,12 +129,12 @@ def renew_leases(
     """Extend every lease ``owner`` still holds among ``execution_ids``; return how many."""
     if not execution_ids:
         return 0
-    return int(
+    return rowcount(
         conn.execute(
             update(ex)
             .where(ex.c.id.in_(list(execution_ids)), ex.c.lease_owner == owner)
             .values(lease_expires_at=until)
-        ).rowcount
+        )
     )
 
 

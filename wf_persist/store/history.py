@@ -37,7 +37,7 @@ from ..errors import LeaseLostError, UnknownExecutionError
 from ..models import JSONDoc, UTCDateTime
 from ..models import executions_table as ex
 from ..models import history_table as hist
-from . import Executor, dialect_of
+from . import Executor, dialect_of, rowcount
 
 #: Statuses that event-driven transitions never leave (SPEC section 3 guards).
 _STICKY = frozenset({"completed", "failed", "compensating"})
@@ -134,11 +134,13 @@ def append(
             if plain:
                 conn.execute(insert(hist), plain)
                 plain = []
-            inserted = conn.execute(
-                _dialect.insert_ignoring(dialect, hist, ["execution_id", "dedupe_key"]).values(
-                    _row(execution_id, seq, ev)
+            inserted = rowcount(
+                conn.execute(
+                    _dialect.insert_ignoring(dialect, hist, ["execution_id", "dedupe_key"]).values(
+                        _row(execution_id, seq, ev)
+                    )
                 )
-            ).rowcount
+            )
             if inserted != 1:
                 continue  # a replayed duplicate: no sequence, no status change
         result.sequences.append(seq)
@@ -161,7 +163,13 @@ def append(
 
 
 _HOT_COLUMNS = (
-    "execution_id", "sequence", "type", "activity_name", "dedupe_key", "created_at", "event"
+    "execution_id",
+    "sequence",
+    "type",
+    "activity_name",
+    "dedupe_key",
+    "created_at",
+    "event",
 )
 _cte_statements: dict[int, Insert] = {}
 
@@ -227,7 +235,10 @@ def append_fenced(
     n = len(events)
     if _dialect.supports_dml_cte(dialect):
         params: dict[str, Any] = {
-            "eid": execution_id, "owner": owner, "now": now, "lease": lease_until
+            "eid": execution_id,
+            "owner": owner,
+            "now": now,
+            "lease": lease_until,
         }
         for i, ev in enumerate(events):
             params[f"type{i}"] = ev.type
@@ -266,7 +277,7 @@ def append_fenced(
     return [base + i for i in range(n)]
 
 
-def load(conn: Executor, execution_id: str) -> Sequence[Row[Any]]:
+def load(conn: Executor, execution_id: str) -> Sequence[Row[Any, Any, Any]]:
     """Every event of one execution, in sequence order: one query per replay."""
     return conn.execute(
         select(hist.c.sequence, hist.c.created_at, hist.c.event)

@@ -1,0 +1,193 @@
+"""Client API: idempotent starts, status, keyset listing, history, and its typed errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Table, create_engine, func, select
+
+import wf_persist as wp
+from wf_persist.models import executions_table, history_table
+
+from .fixtures import workflows as w
+
+
+def _count(url: str, table: Table, **where: object) -> int:
+    engine = create_engine(url)
+    query = select(func.count()).select_from(table)
+    for col, value in where.items():
+        query = query.where(table.c[col] == value)
+    with engine.connect() as conn:
+        n = int(conn.execute(query).scalar_one())
+    engine.dispose()
+    return n
+
+
+def test_unknown_execution_id_everywhere(client: wp.WorkflowClient) -> None:
+    for call in (client.status, client.describe, client.history, client.result):
+        with pytest.raises(wp.UnknownExecutionError) as info:
+            call("no-such-id")
+        assert info.value.execution_id == "no-such-id"
+        assert "Unknown workflow execution: no-such-id" in str(info.value)
+
+
+def test_idempotency_key_returns_the_same_handle_and_records_nothing(
+    runtime: wp.Runtime, db_url: str
+) -> None:
+    runtime.register(w.echo_wf)
+    client = runtime.client()
+    a = client.start(w.echo_wf, 3, idempotency_key="k-1", actor="ann")
+    b = client.start(w.echo_wf, 4, idempotency_key="k-1", actor="bob")
+    c = client.start(w.echo_wf, 3)
+    d = client.start(w.echo_wf, 3)
+    assert a == b and b.created is False and a.created is True
+    assert len({a.execution_id, c.execution_id, d.execution_id}) == 3
+    assert _count(db_url, executions_table) == 3
+    assert _count(db_url, history_table, execution_id=a.execution_id) == 1
+    assert client.describe(a.execution_id).actor == "ann"
+    with pytest.raises(wp.InvalidArgumentError):
+        client.start(w.echo_wf, 3, idempotency_key="")
+    with pytest.raises(wp.InvalidArgumentError):
+        client.start(w.echo_wf, 3, actor="x" * 256)
+
+
+def test_idempotent_start_from_20_threads_creates_one_run(runtime: wp.Runtime, db_url: str) -> None:
+    runtime.register(w.echo_wf)
+    client = runtime.client()
+    barrier = threading.Barrier(20)
+    ids: list[str] = []
+    errors: list[BaseException] = []
+
+    def go() -> None:
+        try:
+            barrier.wait()
+            ids.append(client.start(w.echo_wf, 3, idempotency_key="same").execution_id)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go) for _ in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert len(ids) == 20 and len(set(ids)) == 1
+    assert _count(db_url, executions_table) == 1
+    assert _count(db_url, history_table) == 1
+
+
+def test_idempotent_start_from_two_processes_creates_one_run(
+    runtime: wp.Runtime, db_url: str, tmp_path: Path
+) -> None:
+    runtime.register(w.echo_wf)
+    go = tmp_path / "go"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.fixtures.proc",
+                db_url,
+                "start-idem",
+                "proc-key",
+                "5",
+                str(go),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    import time
+
+    time.sleep(1.5)  # let both processes import and open their runtimes
+    go.touch()
+    outputs = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 1
+    assert _count(db_url, executions_table) == 1
+
+
+def test_list_is_keyset_paginated_with_opaque_cursors(runtime: wp.Runtime) -> None:
+    runtime.register(w.echo_wf, w.order_wf)
+    client = runtime.client()
+    started = [client.start(w.echo_wf, 3).execution_id for _ in range(7)]
+    client.start(w.order_wf, {"order_id": "x", "amount": 1})
+    for execution_id in started[:3]:
+        client.result(execution_id)
+    seen: list[str] = []
+    cursor = None
+    pages = 0
+    while True:
+        page = client.list(w.echo_wf, limit=3, cursor=cursor)
+        seen += [i.execution_id for i in page.items]
+        pages += 1
+        cursor = page.next_cursor
+        if cursor is None:
+            break
+    assert seen == started and pages == 3
+    assert [i.execution_id for i in client.list("echo").items] == started
+    done = client.list("echo", status="completed", limit=2)
+    assert [i.execution_id for i in done.items] == started[:2]
+    rest = client.list("echo", status="completed", limit=2, cursor=done.next_cursor)
+    assert [i.execution_id for i in rest.items] == started[2:3] and rest.next_cursor is None
+    assert [i.execution_id for i in client.list("echo", status="running").items] == started[3:]
+    assert client.list("nobody").items == []
+
+
+@pytest.mark.parametrize("cursor", ["not-a-cursor", "", "e30", "WyJ4IiwgMV0", "!!!"])
+def test_malformed_cursor_raises(client: wp.WorkflowClient, cursor: str) -> None:
+    with pytest.raises(wp.InvalidCursorError):
+        client.list("echo", cursor=cursor)
+
+
+@pytest.mark.parametrize("limit", [0, -1, True])
+def test_non_positive_limit_raises(client: wp.WorkflowClient, limit: int) -> None:
+    with pytest.raises(wp.InvalidArgumentError):
+        client.list("echo", limit=limit)
+
+
+def test_unknown_status_filter_raises(client: wp.WorkflowClient) -> None:
+    with pytest.raises(wp.InvalidArgumentError):
+        client.list("echo", status="done")
+
+
+def test_history_records_have_sequence_time_and_event(runtime: wp.Runtime) -> None:
+    runtime.register(w.echo_wf)
+    client = runtime.client()
+    handle = client.start(w.echo_wf, 2)
+    client.result(handle.execution_id)
+    records = client.history(handle.execution_id)
+    assert [r.sequence for r in records] == list(range(1, len(records) + 1))
+    assert all(r.created_at.tzinfo is not None for r in records)
+    times = [r.created_at for r in records]
+    assert times == sorted(times)
+    assert records[-1].event == {
+        "type": "workflow.completed",
+        "executionId": handle.execution_id,
+        "workflowName": "echo",
+        "result": [1, 2],
+    }
+
+
+def test_result_times_out_while_another_runtime_holds_the_lease(make_runtime: object) -> None:
+    holder = make_runtime(lease_ttl=60)  # type: ignore[operator]
+    holder.register(w.echo_wf)
+    handle = holder.client().start(w.echo_wf, 3)
+    from wf_persist.store import executions
+
+    with holder.engine.begin() as conn:
+        now = holder.clock()
+        assert executions.claim(
+            conn, handle.execution_id, holder.owner, now, now + holder.lease_ttl
+        )
+    waiter = make_runtime()  # type: ignore[operator]
+    waiter.register(w.echo_wf)
+    with pytest.raises(wp.ResultTimeoutError):
+        waiter.client().result(handle.execution_id, timeout=0.3)
+    assert waiter.client().status(handle.execution_id) == "running"

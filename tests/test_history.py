@@ -1,0 +1,146 @@
+"""History appends: dedupe keys, sequence allocation under concurrency, atomic status."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select, update
+
+import wf_persist as wp
+from wf_persist.models import executions_table as ex
+from wf_persist.models import history_table as hist
+from wf_persist.store import executions, history
+from wf_persist.store.history import NewEvent
+
+from .fixtures import workflows as w
+
+
+def _started(runtime: wp.Runtime) -> str:
+    runtime.register(w.echo_wf)
+    return runtime.client().start(w.echo_wf, 3).execution_id
+
+
+def test_duplicate_dedupe_key_is_dropped_and_changes_no_status(runtime: wp.Runtime) -> None:
+    execution_id = _started(runtime)
+    now = runtime.clock()
+    waiting = {"type": "signal.waiting", "executionId": execution_id, "activityName": "approval#1"}
+    with runtime.transaction() as conn:
+        first = history.append(
+            conn,
+            execution_id,
+            [NewEvent(waiting, now, "signal.waiting:approval#1", "suspended")],
+            now=now,
+        )
+    assert first.sequences == [2] and first.transitioned and first.status == "suspended"
+    with runtime.transaction() as conn:
+        conn.execute(update(ex).where(ex.c.id == execution_id).values(status="running"))
+    with runtime.transaction() as conn:
+        again = history.append(
+            conn,
+            execution_id,
+            [
+                NewEvent(waiting, now, "signal.waiting:approval#1", "suspended"),
+                NewEvent({"type": "note", "executionId": execution_id}, now),
+            ],
+            now=now,
+        )
+    assert again.sequences == [3], "the duplicate takes no sequence number"
+    assert again.transitioned is False
+    client = runtime.client()
+    assert client.status(execution_id) == "running", "a dropped duplicate changes no status"
+    types = [r.event["type"] for r in client.history(execution_id)]
+    assert types == ["execution.started", "signal.waiting", "note"]
+    assert [r.sequence for r in client.history(execution_id)] == [1, 2, 3]
+
+
+def test_status_change_rolls_back_with_its_event(runtime: wp.Runtime) -> None:
+    execution_id = _started(runtime)
+    now = runtime.clock()
+    ev = {"type": "sleep.started", "executionId": execution_id, "activityName": "nap#1"}
+    with pytest.raises(RuntimeError), runtime.transaction() as conn:
+        history.append(
+            conn, execution_id, [NewEvent(ev, now, "sleep.started:nap#1", "suspended")], now=now
+        )
+        raise RuntimeError("host aborts")
+    client = runtime.client()
+    assert client.status(execution_id) == "running"
+    assert len(client.history(execution_id)) == 1
+
+
+def test_terminal_status_is_final(runtime: wp.Runtime) -> None:
+    execution_id = _started(runtime)
+    client = runtime.client()
+    client.result(execution_id)
+    now = runtime.clock()
+    with runtime.transaction() as conn:
+        res = history.append(
+            conn,
+            execution_id,
+            [NewEvent({"type": "step.started", "executionId": execution_id}, now, None, "running")],
+            now=now,
+        )
+    assert res.transitioned is False
+    assert client.status(execution_id) == "completed"
+
+
+def test_fenced_append_requires_the_lease(runtime: wp.Runtime) -> None:
+    execution_id = _started(runtime)
+    now = runtime.clock()
+    ev = NewEvent(
+        {"type": "step.completed", "executionId": execution_id, "activityName": "x#1"}, now
+    )
+    with pytest.raises(wp.LeaseLostError), runtime.transaction() as conn:
+        history.append_fenced(conn, execution_id, "someone-else", [ev], now=now, lease_until=now)
+    with runtime.transaction() as conn:
+        assert executions.claim(conn, execution_id, runtime.owner, now, now + runtime.lease_ttl)
+    with runtime.transaction() as conn:
+        assert history.append_fenced(
+            conn, execution_id, runtime.owner, [ev, ev], now=now, lease_until=now
+        ) == [2, 3]
+    with pytest.raises(wp.UnknownExecutionError), runtime.transaction() as conn:
+        history.append(conn, "missing", [ev], now=now)
+
+
+def test_two_processes_appending_to_one_execution_never_collide(
+    runtime: wp.Runtime, db_url: str, tmp_path: Path
+) -> None:
+    execution_id = _started(runtime)
+    go = tmp_path / "go"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.fixtures.proc",
+                db_url,
+                "append",
+                execution_id,
+                "100",
+                str(go),
+            ]
+        )
+        for _ in range(2)
+    ]
+    time.sleep(1.5)
+    go.touch()
+    for p in procs:
+        assert p.wait(timeout=120) == 0
+    with runtime.transaction() as conn:
+        seqs = (
+            conn.execute(
+                select(hist.c.sequence)
+                .where(hist.c.execution_id == execution_id)
+                .order_by(hist.c.sequence)
+            )
+            .scalars()
+            .all()
+        )
+        next_seq = conn.execute(select(ex.c.next_seq).where(ex.c.id == execution_id)).scalar_one()
+    assert seqs == list(range(1, 202))
+    assert next_seq == 202
+    writers = {r.event.get("pid") for r in runtime.client().history(execution_id)[1:]}
+    assert len(writers) == 2

@@ -1,0 +1,250 @@
+"""Migrations are the only way the schema is made; they match the models on every backend."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import create_engine, inspect, text
+
+import wf_persist as wp
+from wf_persist import migrate
+
+from .fixtures import workflows as w
+
+ROOT = Path(__file__).resolve().parent.parent
+WF_TABLES = {"wf_workflows", "wf_executions", "wf_history"}
+
+
+def _tables(url: str) -> set[str]:
+    engine = create_engine(url)
+    try:
+        return set(inspect(engine).get_table_names())
+    finally:
+        engine.dispose()
+
+
+def test_single_head_matching_the_code() -> None:
+    assert list(migrate.heads()) == [migrate.SCHEMA_HEAD]
+
+
+def test_revision_files_are_well_formed() -> None:
+    files = sorted((ROOT / "alembic" / "versions").glob("*.py"))
+    assert files
+    roots = 0
+    for path in files:
+        tree = ast.parse(path.read_text())
+        assert ast.get_docstring(tree) and "Why" in ast.get_docstring(tree), path  # type: ignore[operator]
+        names = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        assert {"upgrade", "downgrade"} <= names, path
+        assigns: dict[str, ast.expr] = {
+            n.target.id: n.value
+            for n in tree.body
+            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and n.value
+        }
+        revision = ast.literal_eval(assigns["revision"])
+        assert revision.startswith("wf_") and revision in path.name
+        assert "wf_persist" not in {
+            node.names[0].name.split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import | ast.ImportFrom) and node.names
+        } - {"alembic"}
+        if ast.literal_eval(assigns["down_revision"]) is None:
+            roots += 1
+            assert ast.literal_eval(assigns["branch_labels"]) == ("wf_persist",)
+    assert roots == 1
+
+
+def test_upgrade_matches_models_and_uses_own_version_table(blank_db_url: str) -> None:
+    assert migrate.current(blank_db_url) is None
+    migrate.upgrade(blank_db_url)
+    assert migrate.current(blank_db_url) == migrate.SCHEMA_HEAD
+    tables = _tables(blank_db_url)
+    assert WF_TABLES | {migrate.VERSION_TABLE} <= tables
+    assert "alembic_version" not in tables
+    engine = create_engine(blank_db_url)
+    with engine.connect() as conn:
+        ctx = MigrationContext.configure(
+            conn, opts={"include_name": migrate.include_name, "compare_type": True}
+        )
+        diff = compare_metadata(ctx, wp.metadata)
+    engine.dispose()
+    assert diff == []
+
+
+def test_downgrade_to_base_and_up_again_with_rows_present(blank_db_url: str) -> None:
+    migrate.upgrade(blank_db_url)
+    with wp.Runtime(blank_db_url) as rt:
+        rt.register(w.echo_wf)
+        client = rt.client()
+        done = client.start(w.echo_wf, 2)
+        client.result(done.execution_id)
+        client.start(w.echo_wf, 2)
+    migrate.downgrade(blank_db_url, "base")
+    assert not (WF_TABLES & _tables(blank_db_url))
+    assert migrate.current(blank_db_url) is None
+    migrate.upgrade(blank_db_url)
+    with wp.Runtime(blank_db_url) as rt:
+        rt.register(w.echo_wf)
+        client = rt.client()
+        again = client.start(w.echo_wf, 3)
+        assert client.result(again.execution_id).unwrap() == [1, 2, 3]
+
+
+def test_unmigrated_database_error_names_the_command(blank_db_url: str, backend: str) -> None:
+    with pytest.raises(wp.SchemaVersionError) as info:
+        wp.Runtime(blank_db_url, auto_migrate=False)
+    assert info.value.current is None and info.value.head == migrate.SCHEMA_HEAD
+    assert "wf-persist db upgrade --url" in str(info.value)
+    assert "not migrated" in str(info.value)
+    if backend == "postgresql":  # servers are never migrated implicitly
+        with pytest.raises(wp.SchemaVersionError):
+            wp.Runtime(blank_db_url)
+    assert not (WF_TABLES & _tables(blank_db_url))
+
+
+def test_outdated_database_error_reports_the_revision(blank_db_url: str) -> None:
+    migrate.upgrade(blank_db_url)
+    engine = create_engine(blank_db_url)
+    with engine.begin() as conn:
+        conn.execute(text(f"UPDATE {migrate.VERSION_TABLE} SET version_num = 'wf_0000'"))
+    engine.dispose()
+    with pytest.raises(wp.SchemaVersionError) as info:
+        wp.Runtime(blank_db_url, auto_migrate=False)
+    assert info.value.current == "wf_0000"
+    assert "is at revision wf_0000" in str(info.value)
+
+
+def test_embedded_sqlite_default_migrates_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WF_PERSIST_DATABASE_URL", raising=False)
+    with wp.Runtime() as rt:
+        rt.register(w.echo_wf)
+        assert rt.client().result(rt.client().start(w.echo_wf, 2).execution_id).unwrap() == [1, 2]
+    assert (tmp_path / "wf_persist.sqlite3").exists()
+    assert migrate.current(f"sqlite:///{tmp_path / 'wf_persist.sqlite3'}") == migrate.SCHEMA_HEAD
+
+
+def test_offline_sql_for_review(backend: str) -> None:
+    url = "sqlite:///unused.sqlite3" if backend == "sqlite" else "postgresql+psycopg://u@h/db"
+    script = migrate.upgrade(url, sql=True)
+    assert script is not None
+    assert "CREATE TABLE wf_executions" in script and migrate.VERSION_TABLE in script
+    if backend == "postgresql":
+        assert "pg_advisory_xact_lock" in script and "JSONB" in script
+    down = migrate.downgrade(url, "base", sql=True)
+    assert down is not None and "DROP TABLE wf_history" in down
+    assert not Path("unused.sqlite3").exists()
+
+
+def test_concurrent_upgrades_are_serialized(blank_db_url: str) -> None:
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            migrate.upgrade(blank_db_url)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "wf_persist.cli", "db", "upgrade", "--url", blank_db_url]
+        )
+        for _ in range(3)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
+    assert errors == []
+    assert migrate.current(blank_db_url) == migrate.SCHEMA_HEAD
+
+
+def test_cli_upgrade_current_downgrade(blank_db_url: str) -> None:
+    cli = [sys.executable, "-m", "wf_persist.cli"]
+    env = {**os.environ, "WF_PERSIST_DATABASE_URL": blank_db_url}
+    out = subprocess.run(
+        [*cli, "db", "current"], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "none"
+    subprocess.run([*cli, "db", "upgrade", "--url", blank_db_url], capture_output=True, check=True)
+    out = subprocess.run(
+        [*cli, "db", "current"], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == migrate.SCHEMA_HEAD
+    sql = subprocess.run(
+        [*cli, "db", "upgrade", "--sql"], env=env, capture_output=True, text=True, check=True
+    )
+    assert "CREATE TABLE wf_workflows" in sql.stdout
+    subprocess.run([*cli, "db", "downgrade", "base"], env=env, capture_output=True, check=True)
+    assert not (WF_TABLES & _tables(blank_db_url))
+    bad = subprocess.run(
+        [*cli, "db", "upgrade", "--url", "nosuchdb://x"], capture_output=True, text=True
+    )
+    assert bad.returncode != 0
+
+
+def test_installed_wheel_migrates_from_any_directory(tmp_path: Path) -> None:
+    """The migrations ship inside the wheel: install it elsewhere and migrate from there."""
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(ROOT),
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(wheels),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = wheels.glob("wf_persist-*.whl")
+    site = tmp_path / "site"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "-q",
+            "--target",
+            str(site),
+            str(wheel),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    probe = (
+        "import wf_persist, sys; from wf_persist import migrate;"
+        "assert wf_persist.__file__.startswith(sys.argv[1]), wf_persist.__file__;"
+        "assert str(migrate.script_location()).startswith(sys.argv[1]);"
+        "migrate.upgrade('sqlite:///db.sqlite3'); print(migrate.current('sqlite:///db.sqlite3'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe, str(site)],
+        cwd=elsewhere,
+        env={**os.environ, "PYTHONPATH": str(site)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == migrate.SCHEMA_HEAD

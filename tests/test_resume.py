@@ -1,0 +1,84 @@
+"""Resume across processes: a run whose process was killed is finished elsewhere by replay."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import wf_persist as wp
+
+from .fixtures import workflows as w
+
+
+def _wait_for_mark(path: Path, label: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while label not in w.marks(path):
+        assert time.monotonic() < deadline, f"mark {label!r} never appeared"
+        time.sleep(0.02)
+
+
+def test_killed_process_run_is_finished_by_another_process(
+    runtime: wp.Runtime, db_url: str, tmp_path: Path
+) -> None:
+    marks, hang = tmp_path / "marks", tmp_path / "hang"
+    hang.touch()
+    starter = subprocess.Popen(
+        [sys.executable, "-m", "tests.fixtures.proc", db_url, "start-three", str(marks), str(hang)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert starter.stdout is not None
+    execution_id = starter.stdout.readline().strip()
+    _wait_for_mark(marks, "b-start")
+    os.kill(starter.pid, signal.SIGKILL)
+    starter.wait(timeout=30)
+    starter.stdout.close()
+    hang.unlink()
+
+    client = runtime.client()
+    assert client.status(execution_id) == "running"
+    resumer = subprocess.run(
+        [sys.executable, "-m", "tests.fixtures.proc", db_url, "result", execution_id],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert json.loads(resumer.stdout) == {"status": "completed", "value": "abc"}
+
+    assert Counter(w.marks(marks)) == Counter({"a": 1, "b-start": 2, "b": 1, "c": 1})
+    events = [r.event for r in client.history(execution_id)]
+    completed = Counter(e["activityName"] for e in events if e["type"] == "step.completed")
+    assert completed == Counter({"step_a#1": 1, "step_b#1": 1, "step_c#1": 1})
+    types = Counter(e["type"] for e in events)
+    assert types["workflow.started"] == 1
+    assert types["workflow.completed"] == 1
+    assert types["execution.started"] == 1
+    info = client.describe(execution_id)
+    assert info.status == "completed" and info.finished_at is not None
+
+
+def test_expired_lease_of_a_dead_driver_is_taken_over(make_runtime: object, tmp_path: Path) -> None:
+    marks, hang = tmp_path / "marks", tmp_path / "hang"
+    dead = make_runtime(lease_ttl=0.5)  # type: ignore[operator]
+    dead.register(w.three_steps_wf)
+    handle = dead.client().start(w.three_steps_wf, {"marks": str(marks), "hang_file": str(hang)})
+    from wf_persist.store import executions
+
+    with dead.transaction() as conn:  # it claimed the run, then died without a word
+        now = dead.clock()
+        assert executions.claim(conn, handle.execution_id, dead.owner, now, now + dead.lease_ttl)
+
+    second = make_runtime(lease_ttl=5)  # type: ignore[operator]
+    second.register(w.three_steps_wf)
+    began = time.monotonic()
+    outcome = second.client().result(handle.execution_id, timeout=30)
+    assert time.monotonic() - began >= 0.3, "the lease must be honoured until it expires"
+    assert isinstance(outcome, wp.Completed) and outcome.value == "abc"
+    assert w.marks(marks) == ["a", "b-start", "b", "c"]
