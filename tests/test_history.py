@@ -94,12 +94,12 @@ def test_fenced_append_requires_the_lease(runtime: wp.Runtime) -> None:
         {"type": "step.completed", "executionId": execution_id, "activityName": "x#1"}, now
     )
     with pytest.raises(wp.LeaseLostError), runtime.transaction() as conn:
-        history.append_fenced(conn, execution_id, "someone-else", [ev], now=now, lease_until=now)
+        history.append_fenced(conn, execution_id, "someone-else", [ev], now=now)
     with runtime.transaction() as conn:
         assert executions.claim(conn, execution_id, runtime.owner, now, now + runtime.lease_ttl)
     with runtime.transaction() as conn:
         assert history.append_fenced(
-            conn, execution_id, runtime.owner, [ev, ev], now=now, lease_until=now
+            conn, execution_id, runtime.owner, [ev, ev], now=now
         ) == [2, 3]
     with pytest.raises(wp.UnknownExecutionError), runtime.transaction() as conn:
         history.append(conn, "missing", [ev], now=now)

@@ -20,8 +20,11 @@ from .client import Failed as Failed
 from .client import HistoryRecord as HistoryRecord
 from .client import Outcome as Outcome
 from .client import Page as Page
+from .client import PendingSignal as PendingSignal
 from .client import WorkflowClient as WorkflowClient
 from .context import Context as Context
+from .context import Received as Received
+from .context import TimedOut as TimedOut
 from .errors import InvalidArgumentError as InvalidArgumentError
 from .errors import InvalidCursorError as InvalidCursorError
 from .errors import InvalidPayloadError as InvalidPayloadError
@@ -31,6 +34,10 @@ from .errors import NonDeterminismError as NonDeterminismError
 from .errors import NotSerializableError as NotSerializableError
 from .errors import ResultTimeoutError as ResultTimeoutError
 from .errors import SchemaVersionError as SchemaVersionError
+from .errors import SignalAlreadyDeliveredError as SignalAlreadyDeliveredError
+from .errors import SignalDeliveryError as SignalDeliveryError
+from .errors import SignalNotWaitingError as SignalNotWaitingError
+from .errors import SignalPayloadError as SignalPayloadError
 from .errors import StepExecutionError as StepExecutionError
 from .errors import UnknownExecutionError as UnknownExecutionError
 from .errors import UnknownWorkflowError as UnknownWorkflowError
@@ -41,6 +48,7 @@ from .errors import WorkflowVersionConflictError as WorkflowVersionConflictError
 from .models import Base as Base
 from .models import metadata as metadata
 from .runtime import Runtime as Runtime
+from .worker import Worker as Worker
 
 __all__ = [
     "Base",
@@ -59,14 +67,22 @@ __all__ = [
     "NotSerializableError",
     "Outcome",
     "Page",
+    "PendingSignal",
+    "Received",
     "ResultTimeoutError",
     "Runtime",
     "SchemaVersionError",
+    "SignalAlreadyDeliveredError",
+    "SignalDeliveryError",
+    "SignalNotWaitingError",
+    "SignalPayloadError",
     "Step",
     "StepExecutionError",
+    "TimedOut",
     "UnknownExecutionError",
     "UnknownWorkflowError",
     "WfPersistError",
+    "Worker",
     "Workflow",
     "WorkflowClient",
     "WorkflowDefinitionError",

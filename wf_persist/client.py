@@ -8,24 +8,29 @@ import datetime as dt
 import json
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
+from jsonschema import Draft202012Validator
+from pydantic import ValidationError
 from sqlalchemy import Connection, Row
 from sqlalchemy.orm import Session
 
-from .authoring import Workflow
+from .authoring import Workflow, adapter_for
+from .context import resolve_type_reference
 from .errors import (
     InvalidArgumentError,
     InvalidCursorError,
     ResultTimeoutError,
+    SignalNotWaitingError,
+    SignalPayloadError,
     UnknownExecutionError,
     WorkflowFailedError,
 )
 from .models import STATUSES, TERMINAL_STATUSES
-from .store import Executor, executions, history
+from .store import Executor, executions, history, signals
 from .store.history import NewEvent
 
 if TYPE_CHECKING:
@@ -146,6 +151,57 @@ def _decode_cursor(cursor: str) -> tuple[dt.datetime, str]:
         raise InvalidCursorError(cursor) from exc
 
 
+@dataclass(frozen=True)
+class PendingSignal:
+    """A wait the run is parked on: what to send and what shape it must have."""
+
+    name: str
+    invocation: int
+    activity_name: str
+    timeout: float | None
+    payload_schema: dict[str, Any] | None
+
+    @classmethod
+    def from_event(cls, event: Mapping[str, Any]) -> PendingSignal:
+        return cls(
+            name=str(event["name"]),
+            invocation=int(event["invocation"]),
+            activity_name=str(event["activityName"]),
+            timeout=event.get("timeout"),
+            payload_schema=event.get("payloadSchema"),
+        )
+
+
+def _validate_signal(execution_id: str, name: str, wait: Mapping[str, Any], payload: Any) -> Any:
+    """The payload's stored JSON form, validated by the wait's type or recorded schema."""
+    tp = resolve_type_reference(wait.get("payloadType"))
+    if tp is not None and isinstance(payload, tp):
+        return adapter_for(tp).dump_python(payload, mode="json")
+    try:
+        text = json.dumps(payload)
+    except (TypeError, ValueError) as exc:
+        raise SignalPayloadError(execution_id, name, [{"loc": (), "msg": str(exc)}]) from exc
+    if tp is not None:
+        # Strict JSON validation: the payload must already have the declared shape ("yes" is
+        # not a boolean), as the recorded JSON Schema would judge it.
+        adapter = adapter_for(tp)
+        try:
+            return adapter.dump_python(adapter.validate_json(text, strict=True), mode="json")
+        except ValidationError as exc:
+            errors = [dict(e) for e in exc.errors(include_url=False)]
+            raise SignalPayloadError(execution_id, name, errors) from exc
+    doc = json.loads(text)
+    schema = wait.get("payloadSchema")
+    if schema:
+        found = sorted(
+            Draft202012Validator(schema).iter_errors(doc), key=lambda e: list(e.absolute_path)
+        )
+        if found:
+            errors = [{"loc": tuple(e.absolute_path), "msg": e.message} for e in found]
+            raise SignalPayloadError(execution_id, name, errors)
+    return doc
+
+
 def _check_text(what: str, value: str | None) -> None:
     if value is not None and (not isinstance(value, str) or not value or len(value) > _MAX_TEXT):
         raise InvalidArgumentError(
@@ -250,29 +306,75 @@ class WorkflowClient:
     def result(self, execution_id: str, timeout: float | None = None) -> Outcome:
         """Wait for the run to finish and return its outcome.
 
-        An unfinished run is driven in this thread when no other runtime holds it; otherwise
-        this waits (polling with backoff) for whoever does. Requires the run's pinned version
-        to be registered here unless the run has already finished.
+        A due run nobody holds is driven in this thread (embedded mode); otherwise this waits
+        for its timer, a signal, or the runtime holding it, without spinning: it sleeps until
+        the run's wake time or a change made by this runtime, re-reading at most every
+        ``poll_interval``. Requires the run's pinned version to be registered here unless the
+        run has already finished.
 
         Raises:
             UnknownExecutionError, MissingWorkflowVersionError, ResultTimeoutError.
         """
+        rt = self.runtime
         deadline = None if timeout is None else time.monotonic() + timeout
-        delay = 0.005
+        delay = 0.002
         while True:
             with self._reading() as conn:
                 row = self._row(conn, execution_id)
             if row.status in TERMINAL_STATUSES:
                 return self._outcome(row)
-            self.runtime.definition(row.workflow_name, row.workflow_version)
-            if self.runtime.drive(execution_id):
-                delay = 0.005
+            rt.definition(row.workflow_name, row.workflow_version)
+            now = rt.clock()
+            due = row.wake_at is not None and row.wake_at <= now
+            if (due or row.lease_owner == rt.owner) and rt.drive(execution_id):
+                delay = 0.002
                 continue
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise ResultTimeoutError(execution_id, float(timeout or 0))
-            time.sleep(delay if remaining is None else min(delay, remaining))
-            delay = min(delay * 2, 0.25)
+            wait = delay
+            if row.wake_at is not None and row.wake_at > now:
+                wait = max(wait, (row.wake_at - now).total_seconds())
+            wait = min(wait, rt.poll_interval)
+            rt.wait_for_change(wait if remaining is None else min(wait, remaining))
+            delay = min(delay * 2, rt.poll_interval)
+
+    def pending_signals(self, execution_id: str) -> list[PendingSignal]:
+        """The waits the run is parked on (or about to be), oldest first."""
+        with self._reading() as conn:
+            waits = signals.pending(conn, execution_id)
+            if not waits:
+                self._row(conn, execution_id)
+        return [PendingSignal.from_event(w) for w in waits]
+
+    def signal(
+        self, execution_id: str, name: str, payload: Any, *, actor: str | None = None
+    ) -> None:
+        """Deliver a signal to the run's latest pending wait on ``name``.
+
+        The payload is validated against the waiting call's type before anything is
+        persisted: with the type itself when this process has it, else with the JSON Schema
+        the wait recorded (so a process that never ran the workflow validates too). A bad
+        payload raises :class:`SignalPayloadError` and the run keeps waiting.
+
+        Raises:
+            SignalNotWaitingError: no pending wait on ``name`` (nothing is recorded).
+            SignalPayloadError: the payload does not fit; nothing is recorded.
+            SignalAlreadyDeliveredError: a concurrent delivery to the same wait won.
+            MissingWorkflowVersionError: this runtime lacks the run's pinned version.
+        """
+        _check_text("actor", actor)
+        with self._reading() as conn:
+            row = self._row(conn, execution_id)
+            waits = [w for w in signals.pending(conn, execution_id) if w.get("name") == name]
+        self.runtime.definition(row.workflow_name, row.workflow_version)
+        if not waits or row.status in TERMINAL_STATUSES:
+            raise SignalNotWaitingError(execution_id, name)
+        wait = waits[-1]
+        stored = _validate_signal(execution_id, name, wait, payload)
+        with self.runtime.engine.begin() as conn:
+            signals.deliver(conn, execution_id, wait, stored, actor, self.runtime.clock())
+        self.runtime._notify()
 
     def list(
         self,

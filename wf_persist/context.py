@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import datetime as dt
 import random as _random
+import sys
 import uuid as _uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from pydantic import TypeAdapter, ValidationError
 from pydantic_core import PydanticSerializationError
 
-from .authoring import Step
+from .authoring import Step, adapter_for
 from .errors import (
+    InvalidArgumentError,
     InvalidPayloadError,
     NonDeterminismError,
     NotSerializableError,
@@ -30,6 +32,7 @@ from .errors import (
 from .store.history import NewEvent
 
 R = TypeVar("R")
+T = TypeVar("T")
 
 #: Which kind of journal entry each event type records.
 _KIND_OF_EVENT: Mapping[str, str] = {
@@ -39,6 +42,11 @@ _KIND_OF_EVENT: Mapping[str, str] = {
     "now.recorded": "now",
     "random.recorded": "random",
     "uuid.recorded": "uuid",
+    "sleep.started": "sleep",
+    "sleep.completed": "sleep",
+    "signal.waiting": "signal",
+    "signal.received": "signal",
+    "signal.timeout": "signal",
 }
 _VALUE_EVENTS = frozenset({"now.recorded", "random.recorded", "uuid.recorded"})
 
@@ -55,8 +63,70 @@ class Halt(BaseException):
         self.cause = cause
 
 
-#: Persists events for the run being driven (provided by the runtime).
-Recorder = Callable[[Sequence[NewEvent]], None]
+class Suspended(BaseException):
+    """Unwinds the workflow function once the run is parked (a sleep or a signal wait).
+
+    Nothing is kept in memory: the run is a row with a wake time (or none, until a signal).
+    """
+
+
+class Reload(BaseException):
+    """Someone else wrote to the run (a signal, a cancellation) after its history was read:
+    replay again from the fresh history instead of suspending on a stale view."""
+
+
+class Driver(Protocol):
+    """What the runtime provides to a context for the run it drives."""
+
+    def record(self, events: Sequence[NewEvent]) -> None:
+        """Append dedupe-free events (one write; the hot path)."""
+
+    def record_checked(self, events: Sequence[NewEvent]) -> None:
+        """Append under the row lock; raise :class:`Reload` if news arrived first."""
+
+    def suspend(self, events: Sequence[NewEvent], wake_at: dt.datetime | None) -> None:
+        """Append, release the lease and park the run until ``wake_at`` (or a signal)."""
+
+
+@dataclass(frozen=True)
+class Received(Generic[T]):
+    """``wait_for_signal`` got a signal; ``value`` is validated into the payload type."""
+
+    value: T
+    timed_out: bool = False
+
+
+@dataclass(frozen=True)
+class TimedOut:
+    """``wait_for_signal`` reached its timeout first (a value, not an exception)."""
+
+    timed_out: bool = True
+
+
+def _seconds(duration: dt.timedelta | float, what: str) -> float:
+    seconds = duration.total_seconds() if isinstance(duration, dt.timedelta) else duration
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds >= 0:
+        raise InvalidArgumentError(f"{what} must be a non-negative duration, got {duration!r}")
+    return float(seconds)
+
+
+def type_reference(tp: Any) -> str | None:
+    """``module:qualname`` of a class defined at module level, else ``None``."""
+    module, qualname = getattr(tp, "__module__", None), getattr(tp, "__qualname__", None)
+    if not isinstance(tp, type) or not module or not qualname or "<locals>" in qualname:
+        return None
+    return f"{module}:{qualname}"
+
+
+def resolve_type_reference(ref: str | None) -> Any:
+    """The class a :func:`type_reference` names, if its module is already imported."""
+    if not ref:
+        return None
+    module_name, _, qualname = ref.partition(":")
+    target: Any = sys.modules.get(module_name)
+    for part in qualname.split("."):
+        target = getattr(target, part, None)
+    return target if isinstance(target, type) else None
 
 
 @dataclass(slots=True)
@@ -65,6 +135,12 @@ class Journal:
 
     entries: list[tuple[str, str]] = field(default_factory=list)
     outcomes: dict[str, tuple[bool, Any]] = field(default_factory=dict)
+    #: Sleep activity -> wake time; present while started and not completed.
+    sleeping: dict[str, dt.datetime] = field(default_factory=dict)
+    #: Signal wait activity -> its ``signal.waiting`` event, while pending.
+    waiting: dict[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: Signal wait activity -> payload delivered by a client, not yet received.
+    delivered: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_events(cls, events: Sequence[Mapping[str, Any]]) -> Journal:
@@ -85,6 +161,22 @@ class Journal:
                 journal.outcomes[activity] = (False, ev.get("error"))
             elif etype in _VALUE_EVENTS:
                 journal.outcomes[activity] = (True, ev.get("value"))
+            elif etype == "sleep.started":
+                journal.sleeping[activity] = dt.datetime.fromisoformat(ev["wakeAt"])
+            elif etype == "sleep.completed":
+                journal.sleeping.pop(activity, None)
+                journal.outcomes[activity] = (True, None)
+            elif etype == "signal.waiting":
+                journal.waiting[activity] = ev
+            elif etype == "signal.received":
+                journal.waiting.pop(activity, None)
+                journal.outcomes[activity] = (True, Received(ev.get("payload")))
+            elif etype == "signal.timeout":
+                journal.waiting.pop(activity, None)
+                journal.outcomes[activity] = (True, TimedOut())
+        for ev in events:  # client-written: not journal positions
+            if ev["type"] == "signal.delivered" and ev["activityName"] in journal.waiting:
+                journal.delivered[ev["activityName"]] = ev.get("payload")
         return journal
 
 
@@ -105,12 +197,13 @@ class Context:
         self,
         execution_id: str,
         journal: Journal,
-        record: Recorder,
+        driver: Driver,
         clock: Callable[[], dt.datetime],
     ) -> None:
         self._execution_id = execution_id
         self._journal = journal
-        self._record = record
+        self._driver = driver
+        self._record = driver.record
         self._clock = clock
         self._counters: dict[str, int] = {}
         self._position = 0
@@ -217,3 +310,106 @@ class Context:
     def uuid(self) -> _uuid.UUID:
         """A random UUID4, recorded: a replay sees the same id."""
         return _uuid.UUID(self._value("uuid", lambda: str(_uuid.uuid4())))
+
+    def _base(self, name: str, invocation: int, activity: str) -> dict[str, Any]:
+        return {
+            "executionId": self._execution_id,
+            "name": name,
+            "invocation": invocation,
+            "activityName": activity,
+        }
+
+    def sleep(self, duration: dt.timedelta | float, *, name: str | None = None) -> None:
+        """Sleep durably (``timedelta`` or seconds). The run is parked as a row with a wake
+        time and resumed when due, by whichever worker is alive then.
+
+        The default name is ``sleep:<seconds>s``, so the activity is e.g. ``sleep:30s#1``.
+        """
+        seconds = _seconds(duration, "sleep duration")
+        base_name = name or f"sleep:{seconds:g}s"
+        activity, invocation = self._enter("sleep", base_name)
+        if activity in self._journal.outcomes:
+            return
+        base = self._base(base_name, invocation, activity)
+        wake_at = self._journal.sleeping.get(activity)
+        if wake_at is None:
+            now = self._clock()
+            wake_at = now + dt.timedelta(seconds=seconds)
+            event = {
+                "type": "sleep.started",
+                **base,
+                "duration": seconds,
+                "wakeAt": wake_at.isoformat(),
+            }
+            key = f"sleep.started:{activity}"
+            self._driver.suspend([NewEvent(event, now, key, "suspended")], wake_at)
+            raise Suspended
+        if self._clock() < wake_at:
+            self._driver.suspend([], wake_at)
+            raise Suspended
+        event = {
+            "type": "sleep.completed",
+            **base,
+            "duration": seconds,
+            "wakeAt": wake_at.isoformat(),
+        }
+        self._driver.record_checked(
+            [NewEvent(event, self._clock(), f"sleep.completed:{activity}", "running")]
+        )
+
+    def wait_for_signal(
+        self,
+        name: str,
+        payload_type: type[T] | Any = Any,
+        *,
+        timeout: dt.timedelta | float | None = None,
+    ) -> Received[T] | TimedOut:
+        """Park the run until a signal ``name`` arrives or ``timeout`` passes.
+
+        Returns :class:`Received` with the payload validated into ``payload_type``, or
+        :class:`TimedOut`. Each wait on a name is one invocation (``approval#1``,
+        ``approval#2``), so waiting again in a loop replays safely.
+        """
+        limit = None if timeout is None else _seconds(timeout, "signal timeout")
+        activity, invocation = self._enter("signal", name)
+        adapter = adapter_for(payload_type)
+        recorded = self._journal.outcomes.get(activity)
+        if recorded is not None:
+            outcome = recorded[1]
+            if isinstance(outcome, Received):
+                return Received(adapter.validate_python(outcome.value))
+            return TimedOut()
+        base = self._base(name, invocation, activity)
+        waiting = self._journal.waiting.get(activity)
+        if waiting is None:
+            now = self._clock()
+            deadline = None if limit is None else now + dt.timedelta(seconds=limit)
+            event = {
+                "type": "signal.waiting",
+                **base,
+                "timeout": limit,
+                "deadline": None if deadline is None else deadline.isoformat(),
+                "payloadSchema": adapter.json_schema(),
+                "payloadType": type_reference(payload_type),
+            }
+            key = f"signal.waiting:{activity}"
+            self._driver.suspend([NewEvent(event, now, key, "suspended")], deadline)
+            raise Suspended
+        if activity in self._journal.delivered:
+            payload = self._journal.delivered[activity]
+            event = {"type": "signal.received", **base, "payload": payload}
+            self._driver.record_checked(
+                [NewEvent(event, self._clock(), f"signal.received:{activity}", "running")]
+            )
+            return Received(adapter.validate_python(payload))
+        deadline_text = waiting.get("deadline")
+        deadline = None if deadline_text is None else dt.datetime.fromisoformat(deadline_text)
+        if deadline is not None and self._clock() >= deadline:
+            event = {"type": "signal.timeout", **base, "timeout": waiting.get("timeout")}
+            # Checked: a signal delivered since the history was read wins over the timeout.
+            self._driver.record_checked(
+                [NewEvent(event, self._clock(), f"signal.timeout:{activity}", "running")]
+            )
+            return TimedOut()
+        self._driver.suspend([], deadline)
+        raise Suspended

@@ -149,6 +149,54 @@ class ResultTimeoutError(WfPersistError, TimeoutError):
         super().__init__(f"Execution {execution_id} did not finish within {timeout}s")
 
 
+class SignalDeliveryError(WfPersistError):
+    """A signal could not be delivered; nothing was recorded."""
+
+
+class SignalNotWaitingError(SignalDeliveryError, LookupError):
+    """The run has no pending wait for this signal name."""
+
+    def __init__(self, execution_id: str, name: str) -> None:
+        self.execution_id = execution_id
+        self.signal_name = name
+        super().__init__(f"Execution {execution_id} is not waiting for signal {name}")
+
+
+class SignalAlreadyDeliveredError(SignalDeliveryError):
+    """Another delivery to the same wait won the race."""
+
+    def __init__(self, execution_id: str, name: str) -> None:
+        self.execution_id = execution_id
+        self.signal_name = name
+        super().__init__(f"Signal {name} has already been delivered to execution {execution_id}")
+
+
+class SignalPayloadError(SignalDeliveryError, InvalidPayloadError):
+    """The payload does not match the waiting call's type; the run keeps waiting."""
+
+    def __init__(self, execution_id: str, name: str, errors: list[dict[str, Any]]) -> None:
+        self.execution_id = execution_id
+        self.signal_name = name
+        InvalidPayloadError.__init__(self, f"signal {name} payload", errors)
+        self.args = (f"Signal payload failed schema validation: {self},",)
+
+    def __str__(self) -> str:
+        details = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ())) or '<root>'}: {e.get('msg')}"
+            for e in self.errors
+        )
+        return f"Signal payload failed schema validation: {details}"
+
+
+class StaleHistoryError(WfPersistError):
+    """Events arrived from outside (a signal, a cancellation) since the driver read the
+    history; it must re-read before parking or deciding a race."""
+
+    def __init__(self, execution_id: str) -> None:
+        self.execution_id = execution_id
+        super().__init__(f"Execution {execution_id} has new events")
+
+
 class LeaseLostError(WfPersistError):
     """This runtime no longer owns the run's lease; another worker drives it now."""
 

@@ -23,22 +23,27 @@ from sqlalchemy.engine import URL
 
 from . import _dialect, migrate
 from .authoring import Workflow
-from .context import Context, Halt, Journal, _to_json
+from .context import Context, Halt, Journal, Reload, Suspended, _to_json
 from .errors import (
     InvalidArgumentError,
     InvalidPayloadError,
     LeaseLostError,
     MissingWorkflowVersionError,
+    StaleHistoryError,
     UnknownWorkflowError,
     WfPersistError,
     WorkflowVersionConflictError,
     error_document,
 )
+from .models import TERMINAL_STATUSES
 from .store import catalog, executions, history
 from .store.history import NewEvent
 
 if TYPE_CHECKING:
+    from sqlalchemy import Row
+
     from .client import WorkflowClient
+    from .worker import Worker
 
 Clock = Callable[[], dt.datetime]
 
@@ -62,6 +67,8 @@ class Runtime:
         lease_ttl: seconds a claim lasts without renewal. A runtime renews its leases every
             third of this while it works; if it dies, any other runtime may take its runs over
             after the lease ran out.
+        poll_interval: seconds between looks for due work (timers, signals, expired leases)
+            when nothing in this process announced it; a timer fires at most this late.
         clock: the source of "now" (UTC, timezone-aware).
     """
 
@@ -71,10 +78,11 @@ class Runtime:
         *,
         auto_migrate: bool | None = None,
         lease_ttl: float = 30.0,
+        poll_interval: float = 0.25,
         clock: Clock = utc_now,
     ) -> None:
-        if lease_ttl <= 0:
-            raise InvalidArgumentError("lease_ttl must be positive")
+        if lease_ttl <= 0 or poll_interval <= 0:
+            raise InvalidArgumentError("lease_ttl and poll_interval must be positive")
         if isinstance(bind, Engine):
             self.engine = bind
             self._owns_engine = False
@@ -100,7 +108,10 @@ class Runtime:
         self._latest: dict[str, int] = {}
         self._lock = threading.Lock()
         self._driving: set[str] = set()
+        self.poll_interval = poll_interval
         self._keeper: _LeaseKeeper | None = None
+        self._worker: Worker | None = None
+        self._changed = threading.Condition()
         self._closed = False
         self._hot_autocommit = _dialect.supports_dml_cte(dialect)
 
@@ -183,10 +194,10 @@ class Runtime:
         return WorkflowClient(self)
 
     def drive(self, execution_id: str) -> bool:
-        """Run ``execution_id`` to its end if this runtime can claim it.
+        """Drive ``execution_id`` until it finishes or parks, if this runtime can claim it.
 
-        Returns False when another runtime (or thread) holds the lease or the run is already
-        finished; True when this call drove it (it may have finished or lost the lease).
+        Returns False when the run is finished, not due, or held by another runtime (or
+        thread); True when this call drove it.
         """
         self._check_open()
         with self._lock:
@@ -198,19 +209,24 @@ class Runtime:
         finally:
             with self._lock:
                 self._driving.discard(execution_id)
+            self._notify()
 
     def _lease_until(self) -> dt.datetime:
         return self.clock() + self.lease_ttl
 
-    def _drive(self, execution_id: str) -> bool:
+    def _claim(
+        self, execution_id: str
+    ) -> tuple[Workflow[Any, Any], Any, tuple[Journal, int]] | None:
+        """Lease the run, record ``workflow.started`` once and read its history: one
+        transaction."""
         now = self.clock()
         with self.engine.begin() as conn:
             row = executions.get(conn, execution_id)
-            if row is None or row.status in ("completed", "failed"):
-                return False
+            if row is None or row.status in TERMINAL_STATUSES:
+                return None
             wf = self.definition(row.workflow_name, row.workflow_version)
             if not executions.claim(conn, execution_id, self.owner, now, now + self.lease_ttl):
-                return False
+                return None
             started = {
                 "type": "workflow.started",
                 "executionId": execution_id,
@@ -221,14 +237,36 @@ class Runtime:
                 conn, execution_id, [NewEvent(started, now, "workflow.started")], now=now
             )
             executions.mark_started(conn, execution_id, now)
-            events = [r.event for r in history.load(conn, execution_id)]
-            payload = row.input
+            loaded = _journal(history.load(conn, execution_id))
+        return wf, row.input, loaded
+
+    def _load(self, execution_id: str) -> tuple[Journal, int]:
+        with self.engine.connect() as conn:
+            conn = conn.execution_options(wf_persist_readonly=True)
+            with conn.begin():
+                return _journal(history.load(conn, execution_id))
+
+    def _drive(self, execution_id: str) -> bool:
+        claimed = self._claim(execution_id)
+        if claimed is None:
+            return False
+        wf, payload, loaded = claimed
         self._keep_lease(execution_id)
         try:
             with self.engine.connect() as hot:
                 if self._hot_autocommit:
                     hot = hot.execution_options(isolation_level="AUTOCOMMIT")
-                self._replay(hot, wf, execution_id, payload, Journal.from_events(events))
+                while True:
+                    journal, seen = loaded
+                    driver = _RunDriver(self, hot, execution_id, seen)
+                    try:
+                        self._replay(driver, wf, payload, journal)
+                    except Reload:
+                        loaded = self._load(execution_id)
+                        continue
+                    except Suspended:
+                        pass
+                    break
         except Halt as halt:
             if not isinstance(halt.cause, LeaseLostError):
                 raise halt.cause from None
@@ -238,43 +276,10 @@ class Runtime:
             self._release_keeper(execution_id)
         return True
 
-    def _recorder(
-        self, conn: Connection, execution_id: str
-    ) -> Callable[[Sequence[NewEvent]], None]:
-        owner = self.owner
-        autocommit = self._hot_autocommit
-
-        def record(events: Sequence[NewEvent]) -> None:
-            now = self.clock()
-            try:
-                if autocommit:  # one atomic statement: no BEGIN/COMMIT round trips
-                    history.append_fenced(
-                        conn, execution_id, owner, events, now=now, lease_until=now + self.lease_ttl
-                    )
-                else:
-                    with conn.begin():
-                        history.append_fenced(
-                            conn,
-                            execution_id,
-                            owner,
-                            events,
-                            now=now,
-                            lease_until=now + self.lease_ttl,
-                        )
-            except Exception as exc:
-                raise Halt(exc) from exc
-
-        return record
-
     def _replay(
-        self,
-        conn: Connection,
-        wf: Workflow[Any, Any],
-        execution_id: str,
-        payload: Any,
-        journal: Journal,
+        self, driver: _RunDriver, wf: Workflow[Any, Any], payload: Any, journal: Journal
     ) -> None:
-        ctx = Context(execution_id, journal, self._recorder(conn, execution_id), self.clock)
+        ctx = Context(driver.execution_id, journal, driver, self.clock)
         try:
             value = wf.input_adapter.validate_python(payload)
             out = wf.fn(ctx, value) if wf.takes_input else wf.fn(ctx)
@@ -284,30 +289,57 @@ class Runtime:
         except Exception as exc:
             # A divergence wins even if the workflow caught it and failed otherwise.
             failure: BaseException = ctx.divergence or exc
-            self._finish(execution_id, wf, ok=False, value=error_document(failure))
+            driver.finish(wf, ok=False, value=error_document(failure))
             return
-        self._finish(execution_id, wf, ok=True, value=stored)
+        driver.finish(wf, ok=True, value=stored)
 
-    def _finish(self, execution_id: str, wf: Workflow[Any, Any], *, ok: bool, value: Any) -> None:
+    # waiting for changes ----------------------------------------------------------------
+
+    def _notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+        worker = self._worker
+        if worker is not None:
+            worker.wake()
+
+    def wait_for_change(self, timeout: float) -> None:
+        """Block up to ``timeout`` seconds, or until this runtime finishes or parks a run."""
+        with self._changed:
+            self._changed.wait(timeout)
+
+    # workers ----------------------------------------------------------------------------
+
+    def runnable_workflows(self) -> list[tuple[str, int]]:
+        """The (name, version)s this runtime can drive."""
+        with self._lock:
+            return sorted(self._registry)
+
+    def claim_due(self, limit: int) -> list[str]:
+        """Lease up to ``limit`` due runs this runtime can drive (for workers)."""
         now = self.clock()
-        kind = "completed" if ok else "failed"
-        event: dict[str, Any] = {
-            "type": f"workflow.{kind}",
-            "executionId": execution_id,
-            "workflowName": wf.name,
-            "result" if ok else "error": value,
-        }
-        outcome = {"result": value} if ok else {"error": value}
         with self.engine.begin() as conn:
-            history.append(
-                conn,
-                execution_id,
-                [NewEvent(event, now, f"workflow.{kind}", kind)],
-                now=now,
-                owner=self.owner,
-                on_transition={**outcome, "finished_at": now},
+            return executions.claim_due(
+                conn, self.owner, now, now + self.lease_ttl, limit, self.runnable_workflows()
             )
-            executions.release(conn, execution_id, self.owner)
+
+    def next_wake(self) -> dt.datetime | None:
+        """The earliest wake time of a run this runtime can drive (None: nothing scheduled)."""
+        with self.engine.connect() as conn:
+            conn = conn.execution_options(wf_persist_readonly=True)
+            with conn.begin():
+                return executions.next_wake(conn, self.runnable_workflows(), self.clock())
+
+    def start_worker(self, *, concurrency: int = 4, poll_interval: float | None = None) -> Worker:
+        """Run a worker in background threads of this process (embedded mode)."""
+        from .worker import Worker
+
+        with self._lock:
+            if self._worker is not None:
+                return self._worker
+            self._worker = Worker(
+                self, concurrency=concurrency, poll_interval=poll_interval or self.poll_interval
+            )
+        return self._worker.start()
 
     # leases ---------------------------------------------------------------------------
 
@@ -335,7 +367,9 @@ class Runtime:
             if self._closed:
                 return
             self._closed = True
-            keeper = self._keeper
+            keeper, worker = self._keeper, self._worker
+        if worker is not None:
+            worker.stop()
         if keeper is not None:
             keeper.stop()
         if self._owns_engine:
@@ -352,6 +386,86 @@ class Runtime:
         """A connection in a transaction on this runtime's engine."""
         with self.engine.begin() as conn:
             yield conn
+
+
+def _journal(rows: Sequence[Row[Any, Any, Any]]) -> tuple[Journal, int]:
+    return Journal.from_events([r.event for r in rows]), int(rows[-1].sequence) if rows else 0
+
+
+class _RunDriver:
+    """Writes for one run on behalf of its context, fenced by this runtime's lease.
+
+    ``seen`` is the last sequence read; a client event after it (a signal, a cancellation)
+    makes parking or deciding a race stale, so the context replays from fresh history.
+    Database failures unwind the workflow as :class:`Halt`, which user code cannot catch.
+    """
+
+    def __init__(self, runtime: Runtime, conn: Connection, execution_id: str, seen: int) -> None:
+        self.runtime = runtime
+        self.conn = conn
+        self.execution_id = execution_id
+        self.seen = seen
+
+    def record(self, events: Sequence[NewEvent]) -> None:
+        rt = self.runtime
+        try:
+            if rt._hot_autocommit:  # one atomic statement: no BEGIN/COMMIT round trips
+                history.append_fenced(
+                    self.conn, self.execution_id, rt.owner, events, now=rt.clock()
+                )
+            else:
+                with self.conn.begin():
+                    history.append_fenced(
+                        self.conn, self.execution_id, rt.owner, events, now=rt.clock()
+                    )
+        except Exception as exc:
+            raise Halt(exc) from exc
+
+    def _locked(self, events: Sequence[NewEvent], park: bool, wake_at: dt.datetime | None) -> None:
+        rt = self.runtime
+        now = rt.clock()
+        try:
+            with rt.engine.begin() as conn:
+                history.append(
+                    conn, self.execution_id, events, now=now, owner=rt.owner, seen_through=self.seen
+                )
+                if park:
+                    executions.park(conn, self.execution_id, rt.owner, wake_at)
+        except StaleHistoryError:
+            raise Reload from None
+        except Exception as exc:
+            raise Halt(exc) from exc
+
+    def record_checked(self, events: Sequence[NewEvent]) -> None:
+        self._locked(events, False, None)
+
+    def suspend(self, events: Sequence[NewEvent], wake_at: dt.datetime | None) -> None:
+        self._locked(events, True, wake_at)
+
+    def finish(self, wf: Workflow[Any, Any], *, ok: bool, value: Any) -> None:
+        rt = self.runtime
+        now = rt.clock()
+        kind = "completed" if ok else "failed"
+        event: dict[str, Any] = {
+            "type": f"workflow.{kind}",
+            "executionId": self.execution_id,
+            "workflowName": wf.name,
+            "result" if ok else "error": value,
+        }
+        outcome = {"result": value} if ok else {"error": value}
+        try:
+            with rt.engine.begin() as conn:
+                history.append(
+                    conn,
+                    self.execution_id,
+                    [NewEvent(event, now, f"workflow.{kind}", kind)],
+                    now=now,
+                    owner=rt.owner,
+                    on_transition={**outcome, "finished_at": now},
+                )
+                executions.park(conn, self.execution_id, rt.owner, None)
+        except Exception as exc:
+            raise Halt(exc) from exc
 
 
 class _LeaseKeeper(threading.Thread):

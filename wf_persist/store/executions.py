@@ -6,7 +6,7 @@ import datetime as dt
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Row, and_, insert, or_, select, tuple_, update
+from sqlalchemy import Row, and_, func, insert, or_, select, tuple_, update
 
 from .. import _dialect
 from ..models import TERMINAL_STATUSES
@@ -81,10 +81,18 @@ def get(conn: Executor, execution_id: str) -> Row[Any] | None:
     return conn.execute(select(ex).where(ex.c.id == execution_id)).one_or_none()
 
 
+def _runnable(now: dt.datetime) -> Any:
+    """Non-terminal and due. ``wake_at`` is when a run next needs a driver: its timer for a
+    parked run, its lease expiry for a leased one, NULL while it waits for a signal."""
+    return and_(
+        ex.c.status.not_in(TERMINAL_STATUSES), ex.c.wake_at.is_not(None), ex.c.wake_at <= now
+    )
+
+
 def claim(
     conn: Executor, execution_id: str, owner: str, now: dt.datetime, lease_until: dt.datetime
 ) -> bool:
-    """Take (or renew) the lease on a non-terminal run that nobody else holds.
+    """Take (or renew) the lease on a run that is due, or that ``owner`` already holds.
 
     A conditional UPDATE, so two claimers never both win: the row lock serializes them and
     the loser's WHERE no longer matches.
@@ -94,17 +102,71 @@ def claim(
             update(ex)
             .where(
                 ex.c.id == execution_id,
-                ex.c.status.not_in(TERMINAL_STATUSES),
                 or_(
-                    ex.c.lease_owner.is_(None),
-                    ex.c.lease_owner == owner,
-                    ex.c.lease_expires_at < now,
+                    _runnable(now),
+                    and_(ex.c.lease_owner == owner, ex.c.status.not_in(TERMINAL_STATUSES)),
                 ),
             )
-            .values(lease_owner=owner, lease_expires_at=lease_until, wake_at=None, updated_at=now)
+            .values(
+                lease_owner=owner, lease_expires_at=lease_until, wake_at=lease_until, updated_at=now
+            )
         )
     )
     return claimed == 1
+
+
+def claim_due(
+    conn: Executor,
+    owner: str,
+    now: dt.datetime,
+    lease_until: dt.datetime,
+    limit: int,
+    workflows: Sequence[tuple[str, int]],
+) -> list[str]:
+    """Lease up to ``limit`` due runs of the given (name, version)s, oldest wake time first.
+
+    PostgreSQL (and MySQL) skip rows another worker is claiming (``FOR UPDATE SKIP LOCKED``),
+    so workers never queue behind each other; SQLite serializes claimers on its write lock.
+    """
+    if not workflows or limit <= 0:
+        return []
+    pinned = _pinned(workflows)
+    ids = list(
+        conn.execute(
+            select(ex.c.id)
+            .where(_runnable(now), pinned)
+            .order_by(ex.c.wake_at)
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+        ).scalars()
+    )
+    if ids:
+        conn.execute(
+            update(ex)
+            .where(ex.c.id.in_(ids))
+            .values(
+                lease_owner=owner, lease_expires_at=lease_until, wake_at=lease_until, updated_at=now
+            )
+        )
+    return [str(i) for i in ids]
+
+
+def _pinned(workflows: Sequence[tuple[str, int]]) -> Any:
+    return or_(*(and_(ex.c.workflow_name == n, ex.c.workflow_version == v) for n, v in workflows))
+
+
+def next_wake(
+    conn: Executor, workflows: Sequence[tuple[str, int]], after: dt.datetime
+) -> dt.datetime | None:
+    """The earliest future wake time among runs of these workflows (an index probe)."""
+    if not workflows:
+        return None
+    found = conn.execute(
+        select(func.min(ex.c.wake_at)).where(
+            ex.c.status.not_in(TERMINAL_STATUSES), ex.c.wake_at > after, _pinned(workflows)
+        )
+    ).scalar_one_or_none()
+    return found if isinstance(found, dt.datetime) else None
 
 
 def mark_started(conn: Executor, execution_id: str, now: dt.datetime) -> None:
@@ -114,12 +176,19 @@ def mark_started(conn: Executor, execution_id: str, now: dt.datetime) -> None:
     )
 
 
-def release(conn: Executor, execution_id: str, owner: str) -> None:
-    """Give up the lease (the run stays where it is; a later claim resumes it)."""
+def park(conn: Executor, execution_id: str, owner: str, wake_at: dt.datetime | None) -> None:
+    """Give up the lease; the run sleeps until ``wake_at`` (NULL: until a signal)."""
     conn.execute(
         update(ex)
         .where(ex.c.id == execution_id, ex.c.lease_owner == owner)
-        .values(lease_owner=None, lease_expires_at=None)
+        .values(lease_owner=None, lease_expires_at=None, wake_at=wake_at)
+    )
+
+
+def wake(conn: Executor, execution_id: str, now: dt.datetime) -> None:
+    """Make a parked run due now (a delivered signal); a leased run's driver sees the news."""
+    conn.execute(
+        update(ex).where(ex.c.id == execution_id, ex.c.lease_owner.is_(None)).values(wake_at=now)
     )
 
 
@@ -133,7 +202,7 @@ def renew_leases(
         conn.execute(
             update(ex)
             .where(ex.c.id.in_(list(execution_ids)), ex.c.lease_owner == owner)
-            .values(lease_expires_at=until)
+            .values(lease_expires_at=until, wake_at=until)
         )
     )
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from sqlalchemy import (
     Insert,
@@ -33,11 +33,15 @@ from sqlalchemy import (
 )
 
 from .. import _dialect
-from ..errors import LeaseLostError, UnknownExecutionError
+from ..errors import LeaseLostError, StaleHistoryError, UnknownExecutionError
 from ..models import JSONDoc, UTCDateTime
 from ..models import executions_table as ex
 from ..models import history_table as hist
 from . import Executor, dialect_of, rowcount
+
+#: Event types written from outside the driving runtime (clients). The driver never writes
+#: them, so any it has not seen are news.
+CLIENT_EVENT_TYPES: Final = ("signal.delivered", "execution.cancelled")
 
 #: Statuses that event-driven transitions never leave (SPEC section 3 guards).
 _STICKY = frozenset({"completed", "failed", "compensating"})
@@ -99,6 +103,7 @@ def append(
     owner: str | None = None,
     on_transition: dict[str, Any] | None = None,
     force_status: str | None = None,
+    seen_through: int | None = None,
 ) -> AppendResult:
     """Append ``events`` under the execution row lock, in the caller's transaction.
 
@@ -108,6 +113,8 @@ def append(
         on_transition: extra execution columns written only if a status change applied
             (e.g. the result and ``finished_at`` of a completion).
         force_status: a status set regardless of the events (cancellation claims).
+        seen_through: the last sequence the caller has read; if a client event arrived
+            after it, raise :class:`StaleHistoryError` instead of writing.
 
     Raises:
         UnknownExecutionError: no such execution.
@@ -122,6 +129,8 @@ def append(
         raise UnknownExecutionError(execution_id)
     if owner is not None and locked.lease_owner != owner:
         raise LeaseLostError(execution_id)
+    if seen_through is not None and has_news(conn, execution_id, seen_through):
+        raise StaleHistoryError(execution_id)
     seq = int(locked.next_seq)
     status = str(locked.status)
     result = AppendResult(status=status)
@@ -185,7 +194,6 @@ def _cte_statement(n: int) -> Insert:
         .values(
             next_seq=ex.c.next_seq + n,
             updated_at=bindparam("now", type_=UTCDateTime()),
-            lease_expires_at=bindparam("lease", type_=UTCDateTime()),
         )
         .returning(ex.c.next_seq.label("top"))
         .cte("bump")
@@ -220,9 +228,11 @@ def append_fenced(
     events: Sequence[NewEvent],
     *,
     now: dt.datetime,
-    lease_until: dt.datetime,
 ) -> list[int]:
-    """Append dedupe-free events if ``owner`` holds the lease, extending the lease.
+    """Append dedupe-free events if ``owner`` holds the lease.
+
+    The lease is renewed by the runtime's keeper, not here: an indexed column left alone
+    keeps this UPDATE a heap-only (HOT) update on PostgreSQL.
 
     On PostgreSQL this is one statement, safe to run in autocommit (it is atomic on its
     own). Elsewhere it is an UPDATE ... RETURNING plus an INSERT; the caller provides the
@@ -234,12 +244,7 @@ def append_fenced(
     dialect = dialect_of(conn)
     n = len(events)
     if _dialect.supports_dml_cte(dialect):
-        params: dict[str, Any] = {
-            "eid": execution_id,
-            "owner": owner,
-            "now": now,
-            "lease": lease_until,
-        }
+        params: dict[str, Any] = {"eid": execution_id, "owner": owner, "now": now}
         for i, ev in enumerate(events):
             params[f"type{i}"] = ev.type
             params[f"act{i}"] = ev.activity_name
@@ -253,7 +258,7 @@ def append_fenced(
         top = conn.execute(
             update(ex)
             .where(ex.c.id == execution_id, ex.c.lease_owner == owner)
-            .values(next_seq=ex.c.next_seq + n, updated_at=now, lease_expires_at=lease_until)
+            .values(next_seq=ex.c.next_seq + n, updated_at=now)
             .returning(ex.c.next_seq)
         ).scalar_one_or_none()
         if top is None:
@@ -269,12 +274,24 @@ def append_fenced(
             raise LeaseLostError(execution_id)
         base = int(locked)
         conn.execute(
-            update(ex)
-            .where(ex.c.id == execution_id)
-            .values(next_seq=base + n, updated_at=now, lease_expires_at=lease_until)
+            update(ex).where(ex.c.id == execution_id).values(next_seq=base + n, updated_at=now)
         )
     conn.execute(insert(hist), [_row(execution_id, base + i, ev) for i, ev in enumerate(events)])
     return [base + i for i in range(n)]
+
+
+def has_news(conn: Executor, execution_id: str, seen_through: int) -> bool:
+    """Whether a client event was appended after sequence ``seen_through``."""
+    found = conn.execute(
+        select(hist.c.sequence)
+        .where(
+            hist.c.execution_id == execution_id,
+            hist.c.sequence > seen_through,
+            hist.c.type.in_(CLIENT_EVENT_TYPES),
+        )
+        .limit(1)
+    ).first()
+    return found is not None
 
 
 def load(conn: Executor, execution_id: str) -> Sequence[Row[Any, Any, Any]]:
