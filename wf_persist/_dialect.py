@@ -6,6 +6,7 @@ a data-modifying CTE is available, or how to begin a write transaction.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Final
 
@@ -49,17 +50,26 @@ def insert_for(dialect: Dialect) -> Any:
 def insert_ignoring(dialect: Dialect, table: Any, conflict_columns: list[str]) -> Any:
     """An INSERT into ``table`` that silently drops rows conflicting on ``conflict_columns``.
 
+    Built once per (dialect, table, columns); pass the row as execution parameters.
+
     PostgreSQL and SQLite name the constraint (``ON CONFLICT (...) DO NOTHING``), so a
     conflict on any *other* unique constraint still raises. MySQL has no conflict target; a
     no-op ``ON DUPLICATE KEY UPDATE`` is the closest equivalent.
     """
+    return _insert_ignoring(dialect.name, table, tuple(conflict_columns))
+
+
+@functools.lru_cache(maxsize=64)
+def _insert_ignoring(dialect_name: str, table: Any, conflict_columns: tuple[str, ...]) -> Any:
     # rowcount tells the caller whether the row went in; SQLAlchemy only keeps it for
     # INSERTs when asked to.
-    ins = insert_for(dialect)(table).execution_options(preserve_rowcount=True)
-    if is_mysql(dialect):
+    factories: dict[str, Any] = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
+    factory = factories.get(dialect_name, mysql.insert)
+    ins = factory(table).execution_options(preserve_rowcount=True)
+    if dialect_name in ("mysql", "mariadb"):
         first = conflict_columns[0]
         return ins.on_duplicate_key_update({first: ins.inserted[first]})
-    return ins.on_conflict_do_nothing(index_elements=conflict_columns)
+    return ins.on_conflict_do_nothing(index_elements=list(conflict_columns))
 
 
 def supports_dml_cte(dialect: Dialect) -> bool:

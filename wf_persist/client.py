@@ -30,6 +30,7 @@ from .errors import (
     WorkflowFailedError,
 )
 from .models import STATUSES, TERMINAL_STATUSES
+from .runtime import _NOT_DRIVEN
 from .store import Executor, executions, history, signals
 from .store.history import NewEvent
 
@@ -326,9 +327,17 @@ class WorkflowClient:
             rt.definition(row.workflow_name, row.workflow_version)
             now = rt.clock()
             due = row.wake_at is not None and row.wake_at <= now
-            if (due or row.lease_owner == rt.owner) and rt.drive(execution_id):
-                delay = 0.002
-                continue
+            if due or row.lease_owner == rt.owner:
+                drove = rt.drive_for_outcome(execution_id)
+                if isinstance(drove, tuple):  # finished here: no need to read it back
+                    ok, value = drove
+                    if not ok:
+                        return Failed(execution_id, dict(value or {}))
+                    definition = rt.definition(row.workflow_name, row.workflow_version)
+                    return Completed(execution_id, definition.output_adapter.validate_python(value))
+                if drove is not _NOT_DRIVEN:
+                    delay = 0.002
+                    continue
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise ResultTimeoutError(execution_id, float(timeout or 0))

@@ -15,7 +15,7 @@ import sys
 import uuid as _uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, overload
 
 from pydantic import TypeAdapter, ValidationError
 from pydantic_core import PydanticSerializationError
@@ -357,13 +357,22 @@ class Context:
             [NewEvent(event, self._clock(), f"sleep.completed:{activity}", "running")]
         )
 
+    @overload
+    def wait_for_signal(
+        self, name: str, payload_type: type[T], *, timeout: dt.timedelta | float | None = None
+    ) -> Received[T] | TimedOut: ...
+    @overload
+    def wait_for_signal(
+        self, name: str, payload_type: Any = Any, *, timeout: dt.timedelta | float | None = None
+    ) -> Received[Any] | TimedOut: ...
+
     def wait_for_signal(
         self,
         name: str,
-        payload_type: type[T] | Any = Any,
+        payload_type: Any = Any,
         *,
         timeout: dt.timedelta | float | None = None,
-    ) -> Received[T] | TimedOut:
+    ) -> Received[Any] | TimedOut:
         """Park the run until a signal ``name`` arrives or ``timeout`` passes.
 
         Returns :class:`Received` with the payload validated into ``payload_type``, or

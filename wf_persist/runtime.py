@@ -35,7 +35,6 @@ from .errors import (
     WorkflowVersionConflictError,
     error_document,
 )
-from .models import TERMINAL_STATUSES
 from .store import catalog, executions, history
 from .store.history import NewEvent
 
@@ -199,10 +198,15 @@ class Runtime:
         Returns False when the run is finished, not due, or held by another runtime (or
         thread); True when this call drove it.
         """
+        return self.drive_for_outcome(execution_id) is not _NOT_DRIVEN
+
+    def drive_for_outcome(self, execution_id: str) -> Any:
+        """Like :meth:`drive`; returns ``(ok, stored value)`` if the run finished here,
+        ``None`` if it parked, ``_NOT_DRIVEN`` if it could not be claimed."""
         self._check_open()
         with self._lock:
             if execution_id in self._driving:
-                return False
+                return _NOT_DRIVEN
             self._driving.add(execution_id)
         try:
             return self._drive(execution_id)
@@ -217,28 +221,32 @@ class Runtime:
     def _claim(
         self, execution_id: str
     ) -> tuple[Workflow[Any, Any], Any, tuple[Journal, int]] | None:
-        """Lease the run, record ``workflow.started`` once and read its history: one
-        transaction."""
+        """Read the history, lease the run and record ``workflow.started`` the first time:
+        one transaction of three or four statements."""
         now = self.clock()
         with self.engine.begin() as conn:
-            row = executions.get(conn, execution_id)
-            if row is None or row.status in TERMINAL_STATUSES:
-                return None
-            wf = self.definition(row.workflow_name, row.workflow_version)
-            if not executions.claim(conn, execution_id, self.owner, now, now + self.lease_ttl):
-                return None
-            started = {
-                "type": "workflow.started",
-                "executionId": execution_id,
-                "workflowName": wf.name,
-                "version": wf.version,
-            }
-            history.append(
-                conn, execution_id, [NewEvent(started, now, "workflow.started")], now=now
+            rows = history.load(conn, execution_id)
+            first_entry = not any(r.event["type"] == "workflow.started" for r in rows)
+            claimed = executions.claim(
+                conn, execution_id, self.owner, now, now + self.lease_ttl, reserve=int(first_entry)
             )
-            executions.mark_started(conn, execution_id, now)
-            loaded = _journal(history.load(conn, execution_id))
-        return wf, row.input, loaded
+            if claimed is None:
+                return None
+            wf = self.definition(claimed.workflow_name, claimed.workflow_version)
+            if first_entry:
+                started = {
+                    "type": "workflow.started",
+                    "executionId": execution_id,
+                    "workflowName": wf.name,
+                    "version": wf.version,
+                }
+                history.insert_once(
+                    conn,
+                    execution_id,
+                    int(claimed.next_seq) - 1,
+                    NewEvent(started, now, "workflow.started"),
+                )
+        return wf, claimed.input, _journal(rows)
 
     def _load(self, execution_id: str) -> tuple[Journal, int]:
         with self.engine.connect() as conn:
@@ -246,10 +254,10 @@ class Runtime:
             with conn.begin():
                 return _journal(history.load(conn, execution_id))
 
-    def _drive(self, execution_id: str) -> bool:
+    def _drive(self, execution_id: str) -> Any:
         claimed = self._claim(execution_id)
         if claimed is None:
-            return False
+            return _NOT_DRIVEN
         wf, payload, loaded = claimed
         self._keep_lease(execution_id)
         try:
@@ -266,7 +274,7 @@ class Runtime:
                         continue
                     except Suspended:
                         pass
-                    break
+                    return driver.finished
         except Halt as halt:
             if not isinstance(halt.cause, LeaseLostError):
                 raise halt.cause from None
@@ -274,7 +282,7 @@ class Runtime:
             pass
         finally:
             self._release_keeper(execution_id)
-        return True
+        return None
 
     def _replay(
         self, driver: _RunDriver, wf: Workflow[Any, Any], payload: Any, journal: Journal
@@ -388,6 +396,10 @@ class Runtime:
             yield conn
 
 
+#: Returned by :meth:`Runtime.drive_for_outcome` when the run could not be claimed.
+_NOT_DRIVEN: Any = object()
+
+
 def _journal(rows: Sequence[Row[Any, Any, Any]]) -> tuple[Journal, int]:
     return Journal.from_events([r.event for r in rows]), int(rows[-1].sequence) if rows else 0
 
@@ -405,21 +417,32 @@ class _RunDriver:
         self.conn = conn
         self.execution_id = execution_id
         self.seen = seen
+        #: ``(ok, stored value)`` once this driver recorded the run's outcome.
+        self.finished: tuple[bool, Any] | None = None
 
-    def record(self, events: Sequence[NewEvent]) -> None:
+    def _fenced(
+        self,
+        events: Sequence[NewEvent],
+        values: dict[str, Any] | None = None,
+        from_statuses: tuple[str, ...] | None = None,
+    ) -> None:
         rt = self.runtime
+        now = rt.clock()
         try:
-            if rt._hot_autocommit:  # one atomic statement: no BEGIN/COMMIT round trips
-                history.append_fenced(
-                    self.conn, self.execution_id, rt.owner, events, now=rt.clock()
-                )
-            else:
-                with self.conn.begin():
-                    history.append_fenced(
-                        self.conn, self.execution_id, rt.owner, events, now=rt.clock()
-                    )
+            history.append_fenced_autocommit(
+                self.conn,
+                self.execution_id,
+                rt.owner,
+                events,
+                now=now,
+                values=values,
+                from_statuses=from_statuses,
+            )
         except Exception as exc:
             raise Halt(exc) from exc
+
+    def record(self, events: Sequence[NewEvent]) -> None:
+        self._fenced(events)
 
     def _locked(self, events: Sequence[NewEvent], park: bool, wake_at: dt.datetime | None) -> None:
         rt = self.runtime
@@ -443,8 +466,8 @@ class _RunDriver:
         self._locked(events, True, wake_at)
 
     def finish(self, wf: Workflow[Any, Any], *, ok: bool, value: Any) -> None:
-        rt = self.runtime
-        now = rt.clock()
+        """Record the outcome and release the lease: one fenced write."""
+        now = self.runtime.clock()
         kind = "completed" if ok else "failed"
         event: dict[str, Any] = {
             "type": f"workflow.{kind}",
@@ -452,20 +475,18 @@ class _RunDriver:
             "workflowName": wf.name,
             "result" if ok else "error": value,
         }
-        outcome = {"result": value} if ok else {"error": value}
-        try:
-            with rt.engine.begin() as conn:
-                history.append(
-                    conn,
-                    self.execution_id,
-                    [NewEvent(event, now, f"workflow.{kind}", kind)],
-                    now=now,
-                    owner=rt.owner,
-                    on_transition={**outcome, "finished_at": now},
-                )
-                executions.park(conn, self.execution_id, rt.owner, None)
-        except Exception as exc:
-            raise Halt(exc) from exc
+        values: dict[str, Any] = {
+            "status": kind,
+            "result" if ok else "error": value,
+            "finished_at": now,
+            "lease_owner": None,
+            "lease_expires_at": None,
+            "wake_at": None,
+        }
+        # Terminal states are final; a run being compensated may only fail.
+        guard = ("running", "suspended") if ok else ("running", "suspended", "compensating")
+        self._fenced([NewEvent(event, now, f"workflow.{kind}", kind)], values, guard)
+        self.finished = (ok, value)
 
 
 class _LeaseKeeper(threading.Thread):

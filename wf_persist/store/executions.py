@@ -6,14 +6,17 @@ import datetime as dt
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Row, and_, func, insert, or_, select, tuple_, update
+from sqlalchemy import BigInteger, Row, and_, bindparam, func, insert, or_, select, tuple_, update
 
 from .. import _dialect
-from ..models import TERMINAL_STATUSES
+from ..models import TERMINAL_STATUSES, UTCDateTime
 from ..models import executions_table as ex
 from ..models import history_table as hist
 from . import Executor, dialect_of, rowcount
 from .history import NewEvent
+
+_insert_execution = insert(ex)
+_insert_history = insert(hist)
 
 
 def create(
@@ -52,10 +55,10 @@ def create(
     }
     dialect = dialect_of(conn)
     if idempotency_key is None:
-        conn.execute(insert(ex).values(row))
+        conn.execute(_insert_execution, row)
     else:
         stmt = _dialect.insert_ignoring(dialect, ex, ["workflow_name", "idempotency_key"])
-        if rowcount(conn.execute(stmt.values(row))) != 1:
+        if rowcount(conn.execute(stmt, row)) != 1:
             found = conn.execute(
                 select(ex.c.id, ex.c.workflow_version).where(
                     ex.c.workflow_name == workflow_name, ex.c.idempotency_key == idempotency_key
@@ -63,15 +66,16 @@ def create(
             ).one()
             return str(found.id), int(found.workflow_version), False
     conn.execute(
-        insert(hist).values(
-            execution_id=execution_id,
-            sequence=1,
-            type=started.type,
-            activity_name=None,
-            dedupe_key=None,
-            created_at=started.created_at,
-            event=started.event,
-        )
+        _insert_history,
+        {
+            "execution_id": execution_id,
+            "sequence": 1,
+            "type": started.type,
+            "activity_name": None,
+            "dedupe_key": None,
+            "created_at": started.created_at,
+            "event": started.event,
+        },
     )
     return execution_id, workflow_version, True
 
@@ -81,7 +85,7 @@ def get(conn: Executor, execution_id: str) -> Row[Any] | None:
     return conn.execute(select(ex).where(ex.c.id == execution_id)).one_or_none()
 
 
-def _runnable(now: dt.datetime) -> Any:
+def _runnable(now: Any) -> Any:
     """Non-terminal and due. ``wake_at`` is when a run next needs a driver: its timer for a
     parked run, its lease expiry for a leased one, NULL while it waits for a signal."""
     return and_(
@@ -89,30 +93,55 @@ def _runnable(now: dt.datetime) -> Any:
     )
 
 
+_CLAIMED = (ex.c.workflow_name, ex.c.workflow_version, ex.c.input, ex.c.next_seq, ex.c.status)
+
+
 def claim(
-    conn: Executor, execution_id: str, owner: str, now: dt.datetime, lease_until: dt.datetime
-) -> bool:
+    conn: Executor,
+    execution_id: str,
+    owner: str,
+    now: dt.datetime,
+    lease_until: dt.datetime,
+    *,
+    reserve: int = 0,
+) -> Row[Any, Any, Any, Any, Any] | None:
     """Take (or renew) the lease on a run that is due, or that ``owner`` already holds.
 
     A conditional UPDATE, so two claimers never both win: the row lock serializes them and
-    the loser's WHERE no longer matches.
+    the loser's WHERE no longer matches. ``reserve`` sequence numbers are set aside for the
+    caller's next events in the same statement (the first is ``next_seq - reserve``).
+
+    Returns:
+        ``(workflow_name, workflow_version, input, next_seq, status)``, or ``None``.
     """
-    claimed = rowcount(
-        conn.execute(
-            update(ex)
-            .where(
-                ex.c.id == execution_id,
-                or_(
-                    _runnable(now),
-                    and_(ex.c.lease_owner == owner, ex.c.status.not_in(TERMINAL_STATUSES)),
-                ),
-            )
-            .values(
-                lease_owner=owner, lease_expires_at=lease_until, wake_at=lease_until, updated_at=now
-            )
-        )
+    params = {"p_id": execution_id, "p_owner": owner, "p_now": now, "p_until": lease_until}
+    params["p_reserve"] = reserve
+    if dialect_of(conn).update_returning:
+        return conn.execute(_claim_returning, params).one_or_none()
+    if rowcount(conn.execute(_claim, params)) != 1:
+        return None
+    return conn.execute(select(*_CLAIMED).where(ex.c.id == execution_id)).one()
+
+
+_claim = (
+    update(ex)
+    .where(
+        ex.c.id == bindparam("p_id"),
+        or_(
+            _runnable(bindparam("p_now", type_=UTCDateTime())),
+            and_(ex.c.lease_owner == bindparam("p_owner"), ex.c.status.not_in(TERMINAL_STATUSES)),
+        ),
     )
-    return claimed == 1
+    .values(
+        lease_owner=bindparam("p_owner"),
+        lease_expires_at=bindparam("p_until", type_=UTCDateTime()),
+        wake_at=bindparam("p_until", type_=UTCDateTime()),
+        updated_at=bindparam("p_now", type_=UTCDateTime()),
+        started_at=func.coalesce(ex.c.started_at, bindparam("p_now", type_=UTCDateTime())),
+        next_seq=ex.c.next_seq + bindparam("p_reserve", type_=BigInteger()),
+    )
+)
+_claim_returning = _claim.returning(*_CLAIMED)
 
 
 def claim_due(
@@ -167,13 +196,6 @@ def next_wake(
         )
     ).scalar_one_or_none()
     return found if isinstance(found, dt.datetime) else None
-
-
-def mark_started(conn: Executor, execution_id: str, now: dt.datetime) -> None:
-    """Set ``started_at`` the first time a runtime enters the workflow body."""
-    conn.execute(
-        update(ex).where(ex.c.id == execution_id, ex.c.started_at.is_(None)).values(started_at=now)
-    )
 
 
 def park(conn: Executor, execution_id: str, owner: str, wake_at: dt.datetime | None) -> None:
