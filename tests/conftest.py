@@ -59,9 +59,11 @@ def drop_pg_database(name: str) -> None:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "backend" in metafunc.fixturenames:
+        only = metafunc.definition.get_closest_marker("backends")
+        chosen = [b for b in BACKENDS if only is None or b in only.args]
         metafunc.parametrize(
             "backend",
-            [pytest.param(b, marks=getattr(pytest.mark, b)) for b in BACKENDS],
+            [pytest.param(b, marks=getattr(pytest.mark, b)) for b in chosen],
             scope="session",
         )
 

@@ -1,0 +1,266 @@
+"""Workers: leases, claims, timers, crash recovery with real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import tracemalloc
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, func, select
+
+import wf_persist as wp
+from wf_persist.models import executions_table as ex
+from wf_persist.models import history_table as hist
+
+from .fixtures import workflows as w
+
+
+@pytest.fixture(autouse=True)
+def _reset() -> Iterator[None]:
+    w.CALLS.clear()
+    yield
+
+
+def _worker_process(db_url: str, *extra: str, lease_ttl: float = 2.0) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "WF_PERSIST_DATABASE_URL": db_url, "WF_TEST_LEASE_TTL": str(lease_ttl)}
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "wf_persist.cli",
+            "worker",
+            "--app",
+            "tests.fixtures.app:runtime",
+            *extra,
+        ],
+        env=env,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def _wait_status(
+    client: wp.WorkflowClient, execution_id: str, status: str, timeout: float = 30
+) -> None:
+    deadline = time.monotonic() + timeout
+    while client.status(execution_id) != status:
+        assert time.monotonic() < deadline, f"{execution_id} never became {status}"
+        time.sleep(0.02)
+
+
+def _wait_for_mark(path: Path, label: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while label not in w.marks(path):
+        assert time.monotonic() < deadline, f"mark {label!r} never appeared"
+        time.sleep(0.02)
+
+
+def test_embedded_worker_runs_timers_and_signals(runtime: wp.Runtime) -> None:
+    runtime.register(*w.ALL)
+    worker = runtime.start_worker(concurrency=2, poll_interval=0.05)
+    client = runtime.client()
+    nap = client.start(w.napper_wf, 0.3)
+    began = time.monotonic()
+    wait = client.start(w.approval_wf, None)
+    _wait_status(client, nap.execution_id, "completed")
+    assert 0.3 <= time.monotonic() - began < 1.5, "a timer fires within a poll interval"
+    deadline = time.monotonic() + 10
+    while not client.pending_signals(wait.execution_id):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    client.signal(wait.execution_id, "approval", {"approved": True})
+    _wait_status(client, wait.execution_id, "completed")
+    assert client.result(wait.execution_id).unwrap() == "approved"
+    worker.stop()
+
+
+def test_invalid_worker_settings(runtime: wp.Runtime) -> None:
+    with pytest.raises(wp.InvalidArgumentError):
+        wp.Worker(runtime, concurrency=0)
+    with pytest.raises(wp.InvalidArgumentError):
+        wp.Worker(runtime, poll_interval=0)
+
+
+def test_two_runtimes_never_claim_the_same_run(make_runtime: Callable[..., wp.Runtime]) -> None:
+    a, b = make_runtime(), make_runtime()
+    for rt in (a, b):
+        rt.register(w.echo_wf)
+    client = a.client()
+    ids = {client.start(w.echo_wf, 2).execution_id for _ in range(40)}
+    claimed: dict[str, list[str]] = {"a": [], "b": []}
+    barrier = threading.Barrier(2)
+
+    def claim(name: str, rt: wp.Runtime) -> None:
+        barrier.wait()
+        for _ in range(10):
+            claimed[name] += rt.claim_due(3)
+
+    threads = [threading.Thread(target=claim, args=(n, r)) for n, r in (("a", a), ("b", b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not set(claimed["a"]) & set(claimed["b"])
+    assert set(claimed["a"]) | set(claimed["b"]) == ids
+
+
+def test_worker_process_serves_the_cli_app(runtime: wp.Runtime, db_url: str) -> None:
+    runtime.register(*w.ALL)
+    client = runtime.client()
+    handles = [client.start(w.echo_wf, 3) for _ in range(5)]
+    proc = _worker_process(db_url)
+    try:
+        for handle in handles:
+            _wait_status(client, handle.execution_id, "completed")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    assert {client.result(h.execution_id).unwrap() == [1, 2, 3] for h in handles} == {True}
+    assert w.CALLS["echo"] == 0, "the steps ran in the worker process"
+
+
+def test_killed_worker_is_recovered_by_another(
+    runtime: wp.Runtime, db_url: str, tmp_path: Path
+) -> None:
+    runtime.register(*w.ALL)
+    client = runtime.client()
+    marks, hang = tmp_path / "marks", tmp_path / "hang"
+    hang.touch()
+    handle = client.start(w.three_steps_wf, {"marks": str(marks), "hang_file": str(hang)})
+    first = _worker_process(db_url, lease_ttl=1.0)
+    try:
+        _wait_for_mark(marks, "b-start")
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+    hang.unlink()
+    assert client.status(handle.execution_id) == "running"
+    second = _worker_process(db_url, lease_ttl=1.0)
+    try:
+        _wait_status(client, handle.execution_id, "completed")
+    finally:
+        second.send_signal(signal.SIGTERM)
+        second.wait(timeout=30)
+    assert client.result(handle.execution_id).unwrap() == "abc"
+    assert Counter(w.marks(marks)) == Counter({"a": 1, "b-start": 2, "b": 1, "c": 1})
+    events = [r.event for r in client.history(handle.execution_id)]
+    completed = Counter(e["activityName"] for e in events if e["type"] == "step.completed")
+    assert completed == Counter({"step_a#1": 1, "step_b#1": 1, "step_c#1": 1})
+    engine = create_engine(db_url)
+    with engine.connect() as conn:
+        dupes = conn.execute(
+            select(hist.c.dedupe_key, func.count())
+            .where(hist.c.execution_id == handle.execution_id, hist.c.dedupe_key.is_not(None))
+            .group_by(hist.c.dedupe_key)
+            .having(func.count() > 1)
+        ).all()
+    engine.dispose()
+    assert dupes == []
+
+
+def test_signal_across_three_processes(runtime: wp.Runtime, db_url: str) -> None:
+    """Suspended by one process, signalled by a second, resumed by a worker process."""
+    runtime.register(*w.ALL)
+    proc = [sys.executable, "-m", "tests.fixtures.proc", db_url]
+    started = subprocess.run([*proc, "start-approval"], capture_output=True, text=True, check=True)
+    execution_id = started.stdout.strip()
+    client = runtime.client()
+    assert client.status(execution_id) == "suspended"
+    sent = subprocess.run(
+        [*proc, "signal", execution_id, "approval", '{"approved": true}'],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert sent.stdout.strip() == "ok"
+    worker = _worker_process(db_url)
+    try:
+        _wait_status(client, execution_id, "completed")
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(timeout=30)
+    assert client.result(execution_id).unwrap() == "approved"
+    delivered = next(
+        r.event for r in client.history(execution_id) if r.event["type"] == "signal.delivered"
+    )
+    assert delivered["actor"] == "other-process"
+    assert w.CALLS["reserve_budget"] == 0
+
+
+@pytest.mark.backends("postgresql")
+def test_four_workers_drain_200_runs_exactly_once(
+    runtime: wp.Runtime, db_url: str, tmp_path: Path
+) -> None:
+    runtime.register(*w.ALL)
+    client = runtime.client()
+    marks = tmp_path / "marks"
+    ids = [client.start(w.drain_wf, str(marks)).execution_id for _ in range(200)]
+    workers = [_worker_process(db_url, "--concurrency", "4") for _ in range(4)]
+    engine = create_engine(db_url)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            with engine.connect() as conn:
+                done = conn.execute(
+                    select(func.count()).select_from(ex).where(ex.c.status == "completed")
+                ).scalar_one()
+            if done == 200:
+                break
+            assert time.monotonic() < deadline, f"only {done} of 200 runs completed"
+            time.sleep(0.2)
+    finally:
+        for proc in workers:
+            proc.send_signal(signal.SIGTERM)
+        for proc in workers:
+            proc.wait(timeout=60)
+    with engine.connect() as conn:
+        per_step = conn.execute(
+            select(hist.c.execution_id, hist.c.activity_name, func.count())
+            .where(hist.c.type == "step.completed")
+            .group_by(hist.c.execution_id, hist.c.activity_name)
+        ).all()
+        finished = conn.execute(
+            select(hist.c.execution_id, func.count())
+            .where(hist.c.type == "workflow.completed")
+            .group_by(hist.c.execution_id)
+        ).all()
+    engine.dispose()
+    assert len(per_step) == 600 and {row[2] for row in per_step} == {1}
+    assert {row[0] for row in finished} == set(ids) and {row[1] for row in finished} == {1}
+    lines = (marks).read_text().splitlines()
+    labels = Counter(line.split()[0] for line in lines)
+    assert len(labels) == 600 and set(labels.values()) == {1}, "no step ran twice"
+    assert len({line.split()[1] for line in lines}) >= 2, "the work was shared"
+
+
+def test_suspended_runs_cost_the_worker_no_memory(runtime: wp.Runtime) -> None:
+    runtime.register(w.two_approvals_wf)
+    client = runtime.client()
+
+    def idle_allocations() -> int:
+        worker = wp.Worker(runtime, concurrency=4, poll_interval=0.02)
+        tracemalloc.start()
+        thread = threading.Thread(target=worker.run)
+        thread.start()
+        time.sleep(0.5)
+        snapshot = tracemalloc.take_snapshot()
+        worker.stop()
+        thread.join()
+        tracemalloc.stop()
+        return sum(stat.size for stat in snapshot.statistics("filename"))
+
+    baseline = idle_allocations()
+    for _ in range(300):
+        handle = client.start(w.two_approvals_wf)
+        runtime.drive(handle.execution_id)
+    assert client.list(w.two_approvals_wf, status="suspended").items.__len__() == 300
+    loaded = idle_allocations()
+    assert loaded - baseline < 256 * 1024, (baseline, loaded)
+    assert runtime._driving == set()
