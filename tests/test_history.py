@@ -98,7 +98,9 @@ def test_fenced_append_requires_the_lease(runtime: wp.Runtime) -> None:
     with runtime.transaction() as conn:
         assert executions.claim(conn, execution_id, runtime.owner, now, now + runtime.lease_ttl)
     with runtime.transaction() as conn:
-        assert history.append_fenced(conn, execution_id, runtime.owner, [ev, ev], now=now) == [2, 3]
+        assert history.append_fenced(
+            conn, execution_id, runtime.owner, [ev, ev], now=now
+        ).sequences == [2, 3]
     with pytest.raises(wp.UnknownExecutionError), runtime.transaction() as conn:
         history.append(conn, "missing", [ev], now=now)
 

@@ -16,7 +16,7 @@ import inspect
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, get_type_hints, overload
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, get_type_hints, overload
 
 from pydantic import TypeAdapter
 
@@ -163,18 +163,104 @@ class Step(Generic[R]):
     signature: inspect.Signature
     param_adapters: dict[str, TypeAdapter[Any]]
     output_adapter: TypeAdapter[Any]
-    options: dict[str, Any] = field(default_factory=dict)
+    retry: Retry = field(default_factory=lambda: Retry())
+    #: Exception types that fail the step terminally: never retried, raised as themselves.
+    errors: tuple[type[BaseException], ...] = ()
+    #: Undo, called as ``compensate(result, *args, **kwargs[, reason=...])`` during an unwind.
+    compensate: Callable[..., Any] | None = None
+    concurrency: Limit | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> R:
         return self.fn(*args, **kwargs)
+
+    def is_terminal(self, exc: BaseException) -> bool:
+        return isinstance(exc, self.errors)
+
+    def error_type(self, name: str | None) -> type[BaseException] | None:
+        """The declared error class called ``name`` (to rebuild a recorded failure)."""
+        return next((e for e in self.errors if e.__name__ == name), None)
 
     def __repr__(self) -> str:
         return f"<Step {self.name}>"
 
 
-def _make_step(fn: Callable[..., R], name: str | None) -> Step[R]:
+@dataclass(frozen=True)
+class Retry:
+    """How often a step is attempted and how long to wait between attempts.
+
+    Args:
+        attempts: total attempts (>= 1).
+        backoff: ``"none"`` (retry at once) or ``"exponential"``: the delay before attempt
+            k >= 2 is ``base * factor ** (k - 2)`` seconds, capped at ``max_delay``.
+        jitter: scale each delay by a random factor in [0.5, 1) so retries of many runs
+            spread out. The chosen retry time is recorded, so a replay waits the same.
+    """
+
+    attempts: int = 1
+    backoff: Literal["none", "exponential"] = "none"
+    base: float = 0.01
+    factor: float = 2.0
+    max_delay: float | None = None
+    jitter: bool = False
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.attempts, bool)
+            or not isinstance(self.attempts, int)
+            or self.attempts < 1
+        ):
+            raise WorkflowDefinitionError(
+                f"retry attempts must be an integer >= 1, got {self.attempts!r}"
+            )
+        if self.backoff not in ("none", "exponential"):
+            raise WorkflowDefinitionError(f"unknown backoff {self.backoff!r}")
+        if self.base < 0 or self.factor < 1 or (self.max_delay is not None and self.max_delay < 0):
+            raise WorkflowDefinitionError("backoff needs base >= 0, factor >= 1, max_delay >= 0")
+
+    def delay(self, attempt: int, rng: Callable[[], float]) -> float:
+        """Seconds to wait before ``attempt`` (2, 3, ...)."""
+        if self.backoff == "none" or attempt < 2:
+            return 0.0
+        delay = self.base * self.factor ** (attempt - 2)
+        if self.max_delay is not None:
+            delay = min(delay, self.max_delay)
+        if self.jitter:
+            delay *= 0.5 + rng() / 2
+        return delay
+
+
+@dataclass(frozen=True)
+class Limit:
+    """At most ``limit`` executions of a step at once, per ``key(*args, **kwargs)`` if given.
+
+    On PostgreSQL the limit holds across every worker sharing the database (session
+    advisory locks, released if a worker dies); elsewhere it holds within one process.
+    """
+
+    limit: int
+    key: Callable[..., Any] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 1:
+            raise WorkflowDefinitionError(
+                f"concurrency limit must be an integer >= 1, got {self.limit!r}"
+            )
+
+
+def _make_step(
+    fn: Callable[..., R],
+    name: str | None,
+    retry: Retry | None,
+    errors: tuple[type[BaseException], ...],
+    compensate: Callable[..., Any] | None,
+    concurrency: Limit | None,
+) -> Step[R]:
     if not callable(fn):
         raise WorkflowDefinitionError(f"@step needs a function, got {fn!r}")
+    if compensate is not None and not callable(compensate):
+        raise WorkflowDefinitionError(f"compensate must be callable, got {compensate!r}")
+    if not all(isinstance(e, type) and issubclass(e, BaseException) for e in errors):
+        raise WorkflowDefinitionError(f"errors must be exception classes, got {errors!r}")
     sig = inspect.signature(fn)
     hints = _hints(fn)
     return Step(
@@ -183,27 +269,66 @@ def _make_step(fn: Callable[..., R], name: str | None) -> Step[R]:
         signature=sig,
         param_adapters={p: adapter_for(hints.get(p, Any)) for p in sig.parameters},
         output_adapter=adapter_for(hints.get("return", Any)),
+        retry=retry or Retry(),
+        errors=tuple(errors),
+        compensate=compensate,
+        concurrency=concurrency,
     )
 
 
 @overload
 def step(fn: Callable[..., R], /) -> Step[R]: ...
 @overload
-def step(*, name: str | None = None) -> Callable[[Callable[..., R]], Step[R]]: ...
+def step(
+    *,
+    name: str | None = None,
+    retry: Retry | None = None,
+    errors: tuple[type[BaseException], ...] = (),
+    compensate: Callable[..., Any] | None = None,
+    concurrency: Limit | None = None,
+) -> Callable[[Callable[..., R]], Step[R]]: ...
 
 
 def step(
-    fn: Callable[..., R] | None = None, /, *, name: str | None = None
+    fn: Callable[..., R] | None = None,
+    /,
+    *,
+    name: str | None = None,
+    retry: Retry | None = None,
+    errors: tuple[type[BaseException], ...] = (),
+    compensate: Callable[..., Any] | None = None,
+    concurrency: Limit | None = None,
 ) -> Step[R] | Callable[[Callable[..., R]], Step[R]]:
     """Declare a durable step. Its result is recorded and returned on replay without
     re-running it. Arguments and the result are validated against the annotations.
 
-    Use bare (``@step``) or with options (``@step(name="charge")``).
+    Use bare (``@step``) or with options::
+
+        @step(retry=Retry(attempts=5, backoff="exponential"), errors=(OutOfStock,),
+              compensate=release_stock, concurrency=Limit(2))
+
+    A raised exception is transient and retried per ``retry``; one of ``errors`` is
+    terminal. ``compensate`` is registered once the step succeeded and runs if the workflow
+    later fails (saga).
     """
     if fn is not None:
-        return _make_step(fn, name)
+        return _make_step(fn, name, retry, errors, compensate, concurrency)
 
     def decorate(f: Callable[..., R]) -> Step[R]:
-        return _make_step(f, name)
+        return _make_step(f, name, retry, errors, compensate, concurrency)
 
     return decorate
+
+
+@dataclass(frozen=True)
+class Call(Generic[R]):
+    """A step with its arguments, not yet run: a branch of ``ctx.all``."""
+
+    step: Step[R]
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def call(step: Step[R], *args: Any, **kwargs: Any) -> Call[R]:
+    """Describe ``step(*args, **kwargs)`` for :meth:`Context.all`."""
+    return Call(step, args, kwargs)

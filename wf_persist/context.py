@@ -10,25 +10,34 @@ recorded returns that outcome without running again.
 from __future__ import annotations
 
 import datetime as dt
+import inspect
 import random as _random
 import sys
+import threading
+import time
 import uuid as _uuid
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar, overload
+from typing import Any, Generic, NoReturn, Protocol, TypeVar, overload
 
 from pydantic import TypeAdapter, ValidationError
 from pydantic_core import PydanticSerializationError
 
-from .authoring import Step, adapter_for
+from .authoring import Call, Step, adapter_for
 from .errors import (
+    Cancelled,
+    CodeExecutionError,
     InvalidArgumentError,
     InvalidPayloadError,
     NonDeterminismError,
     NotSerializableError,
     StepExecutionError,
     error_document,
+    rebuild_error,
 )
+from .secrets import SecretResolver, contains_reference, resolve_references
 from .store.history import NewEvent
 
 R = TypeVar("R")
@@ -47,6 +56,10 @@ _KIND_OF_EVENT: Mapping[str, str] = {
     "signal.waiting": "signal",
     "signal.received": "signal",
     "signal.timeout": "signal",
+    "code.started": "code",
+    "code.completed": "code",
+    "code.failed": "code",
+    "all.started": "all",
 }
 _VALUE_EVENTS = frozenset({"now.recorded", "random.recorded", "uuid.recorded"})
 
@@ -78,14 +91,20 @@ class Reload(BaseException):
 class Driver(Protocol):
     """What the runtime provides to a context for the run it drives."""
 
-    def record(self, events: Sequence[NewEvent]) -> None:
-        """Append dedupe-free events (one write; the hot path)."""
+    def record(self, events: Sequence[NewEvent]) -> str:
+        """Append events in one write (the hot path); return the run's status after it."""
 
     def record_checked(self, events: Sequence[NewEvent]) -> None:
         """Append under the row lock; raise :class:`Reload` if news arrived first."""
 
     def suspend(self, events: Sequence[NewEvent], wake_at: dt.datetime | None) -> None:
         """Append, release the lease and park the run until ``wake_at`` (or a signal)."""
+
+    def secret_resolver(self) -> SecretResolver | None:
+        """The resolver of the process running the step."""
+
+    def concurrency_slot(self, step: Step[Any], key: str) -> AbstractContextManager[None]:
+        """Hold one of the step's concurrency slots while it runs."""
 
 
 @dataclass(frozen=True)
@@ -129,38 +148,70 @@ def resolve_type_reference(ref: str | None) -> Any:
     return target if isinstance(target, type) else None
 
 
+#: Retry delays up to this long are waited in the driving thread; longer ones park the run.
+INLINE_BACKOFF_SECONDS = 1.0
+
+
 @dataclass(slots=True)
 class Journal:
-    """What a run recorded, rebuilt from its history in one pass."""
+    """What a run recorded, rebuilt from its history in one pass.
 
-    entries: list[tuple[str, str]] = field(default_factory=list)
+    ``entries`` are the positional calls, ``(kind, activity, branches)``; steps run as
+    branches of ``ctx.all`` are matched by activity name instead of position, because
+    branches finish in any order.
+    """
+
+    entries: list[tuple[str, str, int | None]] = field(default_factory=list)
     outcomes: dict[str, tuple[bool, Any]] = field(default_factory=dict)
+    #: Step activity -> its non-final ``step.failed`` events (attempts that will be retried).
+    attempts: dict[str, list[Mapping[str, Any]]] = field(default_factory=dict)
     #: Sleep activity -> wake time; present while started and not completed.
     sleeping: dict[str, dt.datetime] = field(default_factory=dict)
     #: Signal wait activity -> its ``signal.waiting`` event, while pending.
     waiting: dict[str, Mapping[str, Any]] = field(default_factory=dict)
     #: Signal wait activity -> payload delivered by a client, not yet received.
     delivered: dict[str, Any] = field(default_factory=dict)
+    #: Compensated step activity -> None (completed) or the error document (failed).
+    compensated: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+    #: ``(compensate, actor)`` once ``execution.cancelled`` was recorded.
+    cancelled: tuple[bool, str | None] | None = None
 
     @classmethod
     def from_events(cls, events: Sequence[Mapping[str, Any]]) -> Journal:
         journal = cls()
         seen: set[str] = set()
+        branches: set[str] = set()
         for ev in events:
             etype = ev["type"]
+            activity: str = ev.get("activityName") or ""
+            if etype == "execution.cancelled":
+                journal.cancelled = (bool(ev.get("compensate", True)), ev.get("actor"))
+            elif etype == "compensation.completed":
+                journal.compensated[activity] = None
+            elif etype == "compensation.failed":
+                journal.compensated[activity] = ev.get("error") or {}
             kind = _KIND_OF_EVENT.get(etype)
             if kind is None:
                 continue
-            activity = ev["activityName"]
-            if activity not in seen:
+            if etype == "all.started":
+                branches.update(ev.get("branchActivities") or [])
+            if activity not in seen and activity not in branches:
                 seen.add(activity)
-                journal.entries.append((kind, activity))
+                count = ev.get("branches") if kind == "all" else None
+                journal.entries.append((kind, activity, count))
             if etype == "step.completed":
                 journal.outcomes[activity] = (True, ev.get("result"))
-            elif etype == "step.failed" and ev.get("final", True):
-                journal.outcomes[activity] = (False, ev.get("error"))
+            elif etype == "step.failed":
+                if ev.get("final", True):
+                    journal.outcomes[activity] = (False, ev.get("error"))
+                else:
+                    journal.attempts.setdefault(activity, []).append(ev)
             elif etype in _VALUE_EVENTS:
                 journal.outcomes[activity] = (True, ev.get("value"))
+            elif etype == "code.completed":
+                journal.outcomes[activity] = (True, ev.get("result"))
+            elif etype == "code.failed":
+                journal.outcomes[activity] = (False, ev.get("error"))
             elif etype == "sleep.started":
                 journal.sleeping[activity] = dt.datetime.fromisoformat(ev["wakeAt"])
             elif etype == "sleep.completed":
@@ -190,6 +241,18 @@ def _to_json(adapter: TypeAdapter[Any], value: Any, what: str) -> Any:
         raise NotSerializableError(what, str(exc)) from exc
 
 
+@dataclass(slots=True)
+class _Compensation:
+    step: Step[Any]
+    activity: str
+    invocation: int
+    result: Any
+    stored_result: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    inputs: dict[str, Any]
+
+
 class Context:
     """Handed to a workflow function as ``ctx``; the only door to durable effects."""
 
@@ -203,10 +266,13 @@ class Context:
         self._execution_id = execution_id
         self._journal = journal
         self._driver = driver
-        self._record = driver.record
         self._clock = clock
         self._counters: dict[str, int] = {}
         self._position = 0
+        self._write_lock = threading.Lock()
+        self._compensations: list[_Compensation] = []
+        #: Set when a cancellation was recorded (in history, or seen by a step write).
+        self.cancelled: tuple[bool, str | None] | None = journal.cancelled
         #: Set when a replay diverged; the run fails with it even if user code catches it.
         self.divergence: NonDeterminismError | None = None
 
@@ -215,72 +281,218 @@ class Context:
         """The id of the run being executed."""
         return self._execution_id
 
-    def _enter(self, kind: str, name: str) -> tuple[str, int]:
+    # bookkeeping --------------------------------------------------------------------
+
+    def _record(self, events: Sequence[NewEvent]) -> None:
+        with self._write_lock:  # ctx.all branches share the driver's connection
+            status = self._driver.record(events)
+        if status == "compensating" and self.cancelled is None:
+            self.cancelled = (True, None)
+
+    def _next(self, name: str) -> tuple[str, int]:
         invocation = self._counters.get(name, 0) + 1
         self._counters[name] = invocation
-        activity = f"{name}#{invocation}"
+        return f"{name}#{invocation}", invocation
+
+    def _enter(self, kind: str, name: str, branches: int | None = None) -> tuple[str, int]:
+        activity, invocation = self._next(name)
         position = self._position
         self._position += 1
         entries = self._journal.entries
-        if position < len(entries) and entries[position] != (kind, activity):
-            expected_kind, expected_activity = entries[position]
+        if position < len(entries) and entries[position] != (kind, activity, branches):
+            expected_kind, expected_activity, expected_branches = entries[position]
             self.divergence = NonDeterminismError(
-                f"{expected_kind}:{expected_activity}", f"{kind}:{activity}"
+                _describe(expected_kind, expected_activity, expected_branches),
+                _describe(kind, activity, branches),
             )
             raise self.divergence
         return activity, invocation
+
+    def _check_cancelled(self) -> None:
+        """Raised at the first call that would do something new after a cancellation."""
+        if self.cancelled is None:
+            return
+        compensate, actor = self.cancelled
+        event = {
+            "type": "cancellation.received",
+            "executionId": self._execution_id,
+            "compensate": compensate,
+            "actor": actor,
+        }
+        self._driver.record_checked([NewEvent(event, self._clock(), "cancellation.received")])
+        raise Cancelled(compensate, actor)
+
+    def _base(self, name: str, invocation: int, activity: str) -> dict[str, Any]:
+        return {
+            "executionId": self._execution_id,
+            "name": name,
+            "invocation": invocation,
+            "activityName": activity,
+        }
+
+    # steps --------------------------------------------------------------------------
 
     def run(self, step: Step[R], *args: Any, **kwargs: Any) -> R:
         """Run ``step`` durably: once per run, its result recorded before the next call.
 
         Arguments are validated against the step's annotations before anything is recorded.
-        A failure is recorded and raised into the workflow as :class:`StepExecutionError`.
+        A raised exception is retried per the step's ``retry``; once attempts are exhausted it
+        is raised here as :class:`StepExecutionError`. A declared terminal error (``errors=``)
+        is never retried and is raised as itself.
         """
+        bound = self._bind(step, args, kwargs)
+        activity, invocation = self._enter("step", step.name)
+        return self._step(step, bound, args, kwargs, activity, invocation, inline=False)
+
+    def _bind(
+        self, step: Step[Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> dict[str, Any]:
         try:
-            bound = step.signature.bind(*args, **kwargs)
+            return dict(step.signature.bind(*args, **kwargs).arguments)
         except TypeError as exc:
             raise InvalidPayloadError(
                 f"arguments of step {step.name}", [{"loc": (), "msg": str(exc)}]
             ) from exc
-        activity, invocation = self._enter("step", step.name)
+
+    def _step(
+        self,
+        step: Step[R],
+        arguments: dict[str, Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        activity: str,
+        invocation: int,
+        *,
+        inline: bool,
+    ) -> R:
         recorded = self._journal.outcomes.get(activity)
-        if recorded is not None:
-            ok, value = recorded
-            if ok:
-                return step.output_adapter.validate_python(value)  # type: ignore[no-any-return]
-            raise StepExecutionError(step.name, value.get("cause", value))
-        return self._execute(step, bound.arguments, activity, invocation)
+        if recorded is None:
+            self._check_cancelled()
+            return self._execute(step, arguments, args, kwargs, activity, invocation, inline)
+        ok, value = recorded
+        if not ok:
+            raise _recorded_step_error(step, value)
+        result = step.output_adapter.validate_python(value)
+        self._register(step, activity, invocation, result, value, args, kwargs, None)
+        return result  # type: ignore[no-any-return]
+
+    def _register(
+        self,
+        step: Step[Any],
+        activity: str,
+        invocation: int,
+        result: Any,
+        stored: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        inputs: dict[str, Any] | None,
+    ) -> None:
+        if step.compensate is not None:
+            self._compensations.append(
+                _Compensation(
+                    step, activity, invocation, result, stored, args, kwargs, inputs or {}
+                )
+            )
 
     def _execute(
-        self, step: Step[R], arguments: dict[str, Any], activity: str, invocation: int
+        self,
+        step: Step[R],
+        arguments: dict[str, Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        activity: str,
+        invocation: int,
+        inline: bool,
     ) -> R:
         base = {
             "executionId": self._execution_id,
             "stepName": step.name,
             "invocation": invocation,
             "activityName": activity,
-            "attempt": 1,
         }
         inputs: dict[str, Any] = {}
-        values: dict[str, Any] = {}
         for param, value in arguments.items():
-            adapter = step.param_adapters[param]
-            doc = _to_json(adapter, value, f"argument {param!r} of step {step.name}")
-            inputs[param] = doc
-            values[param] = adapter.validate_python(doc)
-        started_at = self._clock()
-        started = NewEvent({"type": "step.started", **base, "input": inputs}, started_at)
-        try:
+            inputs[param] = _to_json(
+                step.param_adapters[param], value, f"argument {param!r} of step {step.name}"
+            )
+        previous = self._journal.attempts.get(activity, [])
+        attempt = len(previous) + 1
+        if previous:
+            retry_at = previous[-1].get("retryAt")
+            self._wait_until(
+                None if retry_at is None else dt.datetime.fromisoformat(retry_at), inline
+            )
+        while True:
+            started = NewEvent(
+                {"type": "step.started", **base, "attempt": attempt, "input": inputs}, self._clock()
+            )
+            try:
+                result, stored = self._attempt(step, inputs)
+            except Exception as exc:
+                cause = error_document(exc)
+                terminal = step.is_terminal(exc)
+                final = terminal or attempt >= step.retry.attempts
+                failed: dict[str, Any] = {
+                    "type": "step.failed",
+                    **base,
+                    "attempt": attempt,
+                    "error": cause,
+                    "final": final,
+                }
+                if terminal:
+                    failed["terminal"] = True
+                retry_at = None
+                if not final:
+                    delay = step.retry.delay(attempt + 1, _random.random)
+                    retry_at = self._clock() + dt.timedelta(seconds=delay)
+                    failed["retryAt"] = retry_at.isoformat()
+                self._record([started, NewEvent(failed, self._clock())])
+                if terminal:
+                    raise
+                if final:
+                    raise StepExecutionError(step.name, cause) from exc
+                self._journal.attempts.setdefault(activity, []).append(failed)
+                if self.cancelled is not None:
+                    self._check_cancelled()
+                self._wait_until(retry_at, inline)
+                attempt += 1
+                continue
+            completed = {"type": "step.completed", **base, "attempt": attempt, "result": stored}
+            self._record([started, NewEvent(completed, self._clock())])
+            self._register(step, activity, invocation, result, stored, args, kwargs, inputs)
+            return result
+
+    def _attempt(self, step: Step[R], inputs: dict[str, Any]) -> tuple[R, Any]:
+        """One attempt: resolve secrets, take a concurrency slot, run, validate the result."""
+        docs = inputs
+        if contains_reference(inputs):
+            docs = resolve_references(inputs, self._driver.secret_resolver())
+        values = {p: step.param_adapters[p].validate_python(v) for p, v in docs.items()}
+        limit = step.concurrency
+        if limit is None:
             result = step.fn(**values)
-            stored = _to_json(step.output_adapter, result, f"result of step {step.name}")
-        except Exception as exc:
-            cause = error_document(exc)
-            failed = {"type": "step.failed", **base, "error": cause, "final": True}
-            self._record([started, NewEvent(failed, self._clock())])
-            raise StepExecutionError(step.name, cause) from exc
-        completed = {"type": "step.completed", **base, "result": stored}
-        self._record([started, NewEvent(completed, self._clock())])
-        return step.output_adapter.validate_python(stored)  # type: ignore[no-any-return]
+        else:
+            key = step.name if limit.key is None else str(limit.key(**values))
+            with self._driver.concurrency_slot(step, key):
+                result = step.fn(**values)
+        stored = _to_json(step.output_adapter, result, f"result of step {step.name}")
+        return step.output_adapter.validate_python(stored), stored
+
+    def _wait_until(self, when: dt.datetime | None, inline: bool) -> None:
+        """Wait for a retry time: in this thread if it is soon (or inside ``ctx.all``),
+        else park the run and let a worker resume it when due."""
+        if when is None:
+            return
+        remaining = (when - self._clock()).total_seconds()
+        if remaining <= 0:
+            return
+        if remaining <= INLINE_BACKOFF_SECONDS or inline:
+            time.sleep(remaining)
+            return
+        self._driver.suspend([], when)
+        raise Suspended
+
+    # recorded values ------------------------------------------------------------------
 
     def _value(self, kind: str, make: Callable[[], Any]) -> Any:
         activity, invocation = self._enter(kind, kind)
@@ -290,10 +502,7 @@ class Context:
         value = make()
         event = {
             "type": f"{kind}.recorded",
-            "executionId": self._execution_id,
-            "name": kind,
-            "invocation": invocation,
-            "activityName": activity,
+            **self._base(kind, invocation, activity),
             "value": value,
         }
         self._record([NewEvent(event, self._clock())])
@@ -311,13 +520,152 @@ class Context:
         """A random UUID4, recorded: a replay sees the same id."""
         return _uuid.UUID(self._value("uuid", lambda: str(_uuid.uuid4())))
 
-    def _base(self, name: str, invocation: int, activity: str) -> dict[str, Any]:
-        return {
-            "executionId": self._execution_id,
-            "name": name,
-            "invocation": invocation,
-            "activityName": activity,
-        }
+    def code(
+        self, name: str, fn: Callable[[], T], *, output: Any = Any, reason: str | None = None
+    ) -> T:
+        """Run a plain computation once and record its value (validated by ``output``).
+
+        Not retried: an exception fails here as :class:`CodeExecutionError`, and a replay
+        raises it again without running ``fn``.
+        """
+        activity, invocation = self._enter("code", name)
+        adapter = adapter_for(output)
+        recorded = self._journal.outcomes.get(activity)
+        if recorded is not None:
+            ok, value = recorded
+            if not ok:
+                raise CodeExecutionError(name, value)
+            return adapter.validate_python(value)  # type: ignore[no-any-return]
+        self._check_cancelled()
+        base = {**self._base(name, invocation, activity), "reason": reason}
+        started = NewEvent({"type": "code.started", **base}, self._clock())
+        try:
+            stored = _to_json(adapter, fn(), f"result of code block {name}")
+        except Exception as exc:
+            cause = error_document(exc)
+            self._record(
+                [started, NewEvent({"type": "code.failed", **base, "error": cause}, self._clock())]
+            )
+            raise CodeExecutionError(name, cause) from exc
+        self._record(
+            [started, NewEvent({"type": "code.completed", **base, "result": stored}, self._clock())]
+        )
+        return adapter.validate_python(stored)  # type: ignore[no-any-return]
+
+    # failure --------------------------------------------------------------------------
+
+    def fail(self, error: BaseException) -> NoReturn:
+        """Fail the run with a typed error callers can match (``Failed.matches``).
+
+        Registered compensations run first, newest first.
+        """
+        raise error
+
+    def compensate(self, reason: dict[str, Any]) -> list[dict[str, Any]]:
+        """Unwind: run registered compensations newest first; return their errors.
+
+        A failing compensation is recorded and the unwind continues. Each finished
+        compensation is recorded, so a crash in the middle resumes without repeating it.
+        """
+        errors: list[dict[str, Any]] = []
+        for comp in reversed(self._compensations):
+            if comp.activity in self._journal.compensated:
+                recorded = self._journal.compensated[comp.activity]
+                if recorded is not None:
+                    errors.append(
+                        {
+                            "stepName": comp.step.name,
+                            "activityName": comp.activity,
+                            "error": recorded,
+                        }
+                    )
+                continue
+            base = {
+                "executionId": self._execution_id,
+                "stepName": comp.step.name,
+                "invocation": comp.invocation,
+                "activityName": comp.activity,
+            }
+            started = NewEvent(
+                {
+                    "type": "compensation.started",
+                    **base,
+                    "result": comp.stored_result,
+                    "input": comp.inputs,
+                    "reason": reason,
+                },
+                self._clock(),
+            )
+            try:
+                _call_compensation(comp, reason)
+            except Exception as exc:
+                doc = error_document(exc)
+                failed = {"type": "compensation.failed", **base, "error": doc}
+                self._record([started, NewEvent(failed, self._clock())])
+                errors.append(
+                    {"stepName": comp.step.name, "activityName": comp.activity, "error": doc}
+                )
+                continue
+            self._record(
+                [started, NewEvent({"type": "compensation.completed", **base}, self._clock())]
+            )
+        return errors
+
+    # parallel -------------------------------------------------------------------------
+
+    def all(
+        self, calls: Sequence[Call[Any]], *, concurrency: int | None = None, name: str = "all"
+    ) -> list[Any]:
+        """Run steps concurrently; return their results in input order.
+
+        Each branch is a step call (``wp.call(step, *args)``) with its own activity name;
+        finished branches are not re-run on replay. A failing branch fails the block once
+        every branch settled (its error is raised here); branches that succeeded are
+        registered for compensation. A replay with a different branch count is a
+        :class:`NonDeterminismError`.
+        """
+        if concurrency is not None and (isinstance(concurrency, bool) or concurrency < 1):
+            raise InvalidArgumentError(
+                f"concurrency must be a positive integer, got {concurrency!r}"
+            )
+        prepared = [(c, self._bind(c.step, c.args, c.kwargs)) for c in calls]
+        activity, invocation = self._enter("all", name, len(prepared))
+        branch_names = [self._next(c.step.name) for c, _ in prepared]
+        base = {**self._base(name, invocation, activity), "branches": len(prepared)}
+        if activity not in self._journal.outcomes and not any(
+            a in self._journal.outcomes for a, _ in branch_names
+        ):
+            self._check_cancelled()
+        started = {"type": "all.started", **base, "branchActivities": [a for a, _ in branch_names]}
+        self._driver.record_checked([NewEvent(started, self._clock(), f"all.started:{activity}")])
+
+        def branch(i: int) -> Any:
+            call, arguments = prepared[i]
+            act, inv = branch_names[i]
+            return self._step(call.step, arguments, call.args, call.kwargs, act, inv, inline=True)
+
+        workers = min(len(prepared), concurrency or len(prepared)) or 1
+        with ThreadPoolExecutor(workers, thread_name_prefix="wf-persist-all") as pool:
+            futures = [pool.submit(branch, i) for i in range(len(prepared))]
+        failures = [f.exception() for f in futures if f.exception() is not None]
+        for f in futures:  # control flow (lease lost, cancellation) wins over step errors
+            exc = f.exception()
+            if exc is not None and not isinstance(exc, Exception):
+                raise exc
+        if failures:
+            error = failures[0]
+            assert error is not None
+            ended = {"type": "all.failed", **base, "error": error_document(error)}
+            self._driver.record_checked([NewEvent(ended, self._clock(), f"all.failed:{activity}")])
+            raise error
+        self._driver.record_checked(
+            [
+                NewEvent(
+                    {"type": "all.completed", **base}, self._clock(), f"all.completed:{activity}"
+                )
+            ]
+        )
+        return [f.result() for f in futures]
 
     def sleep(self, duration: dt.timedelta | float, *, name: str | None = None) -> None:
         """Sleep durably (``timedelta`` or seconds). The run is parked as a row with a wake
@@ -331,6 +679,7 @@ class Context:
         if activity in self._journal.outcomes:
             return
         base = self._base(base_name, invocation, activity)
+        self._check_cancelled()
         wake_at = self._journal.sleeping.get(activity)
         if wake_at is None:
             now = self._clock()
@@ -389,6 +738,8 @@ class Context:
                 return Received(adapter.validate_python(outcome.value))
             return TimedOut()
         base = self._base(name, invocation, activity)
+        if activity not in self._journal.delivered:
+            self._check_cancelled()
         waiting = self._journal.waiting.get(activity)
         if waiting is None:
             now = self._clock()
@@ -422,3 +773,31 @@ class Context:
             return TimedOut()
         self._driver.suspend([], deadline)
         raise Suspended
+
+
+def _describe(kind: str, activity: str, branches: int | None) -> str:
+    return f"{kind}:{activity}" + ("" if branches is None else f" branches={branches}")
+
+
+def _recorded_step_error(step: Step[Any], error: dict[str, Any]) -> BaseException:
+    """The failure a replay raises again: the declared type itself, or StepExecutionError."""
+    if error.get("terminal"):
+        declared = step.error_type(error.get("name"))
+        if declared is not None:
+            return rebuild_error(declared, error)
+    if error.get("name") == "StepExecutionError" and "cause" in error:
+        return StepExecutionError(step.name, error["cause"])
+    return StepExecutionError(step.name, error)
+
+
+def _call_compensation(comp: _Compensation, reason: dict[str, Any]) -> None:
+    fn = comp.step.compensate
+    assert fn is not None
+    kwargs = dict(comp.kwargs)
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}  # type: ignore[assignment]
+    if "reason" in params:
+        kwargs["reason"] = reason
+    fn(comp.result, *comp.args, **kwargs)

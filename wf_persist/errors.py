@@ -129,6 +129,37 @@ class StepExecutionError(WfPersistError):
         super().__init__(f"Step {step_name} failed: {cause.get('message', '')}")
 
 
+class CodeExecutionError(WfPersistError):
+    """A ``ctx.code`` block raised (its exception is the ``cause``)."""
+
+    def __init__(self, name: str, cause: dict[str, Any]) -> None:
+        self.code_name = name
+        self.cause = cause
+        super().__init__(f"Code block {name} failed: {cause.get('message', '')}")
+
+
+class Cancelled(BaseException):
+    """The run was cancelled. Raised inside the workflow at its next durable call.
+
+    A ``BaseException``: a workflow's ``except Exception`` must not swallow it. The run ends
+    ``failed`` with this error (``compensate`` says whether the saga was unwound).
+    """
+
+    def __init__(self, compensate: bool = True, actor: str | None = None) -> None:
+        self.compensate = compensate
+        self.actor = actor
+        super().__init__("Workflow execution cancelled")
+
+
+class CannotCancelError(WfPersistError):
+    """Only running or suspended runs can be cancelled; nothing was recorded."""
+
+    def __init__(self, execution_id: str, status: str) -> None:
+        self.execution_id = execution_id
+        self.status = status
+        super().__init__(f"Cannot cancel {status} execution {execution_id}")
+
+
 class WorkflowFailedError(WfPersistError):
     """Raised by :meth:`Failed.unwrap`; carries the stored error document."""
 
@@ -218,6 +249,10 @@ def error_document(exc: BaseException) -> dict[str, Any]:
         "module": type(exc).__module__,
         "message": str(exc),
     }
+    try:
+        doc["args"] = json.loads(json.dumps(list(exc.args)))
+    except (TypeError, ValueError):
+        doc["args"] = [str(a) for a in exc.args]
     for key, value in vars(exc).items():
         if key.startswith("_") or key in doc:
             continue
@@ -227,3 +262,17 @@ def error_document(exc: BaseException) -> dict[str, Any]:
             continue
         doc[key] = value
     return doc
+
+
+def rebuild_error(cls: type[BaseException], doc: dict[str, Any]) -> BaseException:
+    """An instance of ``cls`` carrying a recorded error's args and fields (for replay)."""
+    exc = cls.__new__(cls)
+    exc.args = tuple(doc.get("args") or [doc.get("message", "")])
+    skip = {"name", "module", "message", "args"}
+    for key, value in doc.items():
+        if key not in skip:
+            try:
+                setattr(exc, key, value)
+            except AttributeError:
+                continue
+    return exc

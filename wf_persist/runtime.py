@@ -13,6 +13,7 @@ import datetime as dt
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -22,9 +23,10 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import URL
 
 from . import _dialect, migrate
-from .authoring import Workflow
+from .authoring import Step, Workflow
 from .context import Context, Halt, Journal, Reload, Suspended, _to_json
 from .errors import (
+    Cancelled,
     InvalidArgumentError,
     InvalidPayloadError,
     LeaseLostError,
@@ -35,6 +37,8 @@ from .errors import (
     WorkflowVersionConflictError,
     error_document,
 )
+from .limits import ConcurrencyLimits
+from .secrets import SecretResolver
 from .store import catalog, executions, history
 from .store.history import NewEvent
 
@@ -69,6 +73,8 @@ class Runtime:
         poll_interval: seconds between looks for due work (timers, signals, expired leases)
             when nothing in this process announced it; a timer fires at most this late.
         clock: the source of "now" (UTC, timezone-aware).
+        secret_resolver: resolves ``secret:<name>`` references in step arguments inside the
+            step (e.g. :func:`wf_persist.env_secret_resolver`).
     """
 
     def __init__(
@@ -79,6 +85,7 @@ class Runtime:
         lease_ttl: float = 30.0,
         poll_interval: float = 0.25,
         clock: Clock = utc_now,
+        secret_resolver: SecretResolver | None = None,
     ) -> None:
         if lease_ttl <= 0 or poll_interval <= 0:
             raise InvalidArgumentError("lease_ttl and poll_interval must be positive")
@@ -108,6 +115,8 @@ class Runtime:
         self._lock = threading.Lock()
         self._driving: set[str] = set()
         self.poll_interval = poll_interval
+        self.secret_resolver = secret_resolver
+        self.limits = ConcurrencyLimits(self.engine)
         self._keeper: _LeaseKeeper | None = None
         self._worker: Worker | None = None
         self._changed = threading.Condition()
@@ -294,10 +303,15 @@ class Runtime:
             if ctx.divergence is not None:
                 raise ctx.divergence
             stored = _to_json(wf.output_adapter, out, f"output of workflow {wf.name}")
-        except Exception as exc:
+        except (Exception, Cancelled) as exc:
             # A divergence wins even if the workflow caught it and failed otherwise.
             failure: BaseException = ctx.divergence or exc
-            driver.finish(wf, ok=False, value=error_document(failure))
+            reason = error_document(failure)
+            if not (isinstance(failure, Cancelled) and not failure.compensate):
+                errors = ctx.compensate(reason)
+                if errors:
+                    reason = {**reason, "compensationErrors": errors}
+            driver.finish(wf, ok=False, value=reason)
             return
         driver.finish(wf, ok=True, value=stored)
 
@@ -425,11 +439,11 @@ class _RunDriver:
         events: Sequence[NewEvent],
         values: dict[str, Any] | None = None,
         from_statuses: tuple[str, ...] | None = None,
-    ) -> None:
+    ) -> str:
         rt = self.runtime
         now = rt.clock()
         try:
-            history.append_fenced_autocommit(
+            return history.append_fenced_autocommit(
                 self.conn,
                 self.execution_id,
                 rt.owner,
@@ -437,12 +451,36 @@ class _RunDriver:
                 now=now,
                 values=values,
                 from_statuses=from_statuses,
-            )
+            ).status
         except Exception as exc:
             raise Halt(exc) from exc
 
-    def record(self, events: Sequence[NewEvent]) -> None:
-        self._fenced(events)
+    def record(self, events: Sequence[NewEvent]) -> str:
+        return self._fenced(events)
+
+    def secret_resolver(self) -> SecretResolver | None:
+        return self.runtime.secret_resolver
+
+    @contextmanager
+    def concurrency_slot(self, step: Step[Any], key: str) -> Iterator[None]:
+        """Hold one of ``step``'s slots for ``key``, checking meanwhile that the run is still
+        ours (a run cancelled while it queues never starts the step)."""
+        limit = step.concurrency
+        assert limit is not None
+        rt = self.runtime
+        last_check = time.monotonic()
+        delay = 0.002
+        with rt.limits.slot(step.name, key, limit.limit) as acquire:
+            while not acquire():
+                if time.monotonic() - last_check > 0.2:
+                    last_check = time.monotonic()
+                    with rt.engine.connect() as conn:
+                        row = executions.get(conn, self.execution_id)
+                    if row is None or row.lease_owner != rt.owner:
+                        raise Halt(LeaseLostError(self.execution_id))
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+            yield
 
     def _locked(self, events: Sequence[NewEvent], park: bool, wake_at: dt.datetime | None) -> None:
         rt = self.runtime

@@ -9,10 +9,11 @@ from typing import Any
 from sqlalchemy import BigInteger, Row, and_, bindparam, func, insert, or_, select, tuple_, update
 
 from .. import _dialect
+from ..errors import CannotCancelError, UnknownExecutionError
 from ..models import TERMINAL_STATUSES, UTCDateTime
 from ..models import executions_table as ex
 from ..models import history_table as hist
-from . import Executor, dialect_of, rowcount
+from . import Executor, dialect_of, history, rowcount
 from .history import NewEvent
 
 _insert_execution = insert(ex)
@@ -78,6 +79,62 @@ def create(
         },
     )
     return execution_id, workflow_version, True
+
+
+def cancel(
+    conn: Executor,
+    execution_id: str,
+    *,
+    compensate: bool,
+    actor: str | None,
+    error: dict[str, Any],
+    now: dt.datetime,
+) -> None:
+    """Claim a cancellation: one transaction changes the status and records
+    ``execution.cancelled``, so of two concurrent cancels exactly one is recorded.
+
+    With ``compensate`` the run moves to ``compensating`` and is woken (a parked run now; a
+    running one learns it at its next step write) to unwind. Without, it fails at once with
+    ``error``, and its lease is revoked so the driver's next write is refused: no further
+    step starts.
+
+    Raises:
+        UnknownExecutionError, CannotCancelError (status not running/suspended).
+    """
+    status = conn.execute(
+        select(ex.c.status).where(ex.c.id == execution_id).with_for_update()
+    ).scalar_one_or_none()
+    if status is None:
+        raise UnknownExecutionError(execution_id)
+    if status not in ("running", "suspended"):
+        raise CannotCancelError(execution_id, str(status))
+    event = NewEvent(
+        {
+            "type": "execution.cancelled",
+            "executionId": execution_id,
+            "compensate": compensate,
+            "actor": actor,
+        },
+        now,
+    )
+    if compensate:
+        history.append(conn, execution_id, [event], now=now, force_status="compensating")
+        wake(conn, execution_id, now)
+        return
+    history.append(
+        conn,
+        execution_id,
+        [event],
+        now=now,
+        force_status="failed",
+        on_transition={
+            "error": error,
+            "finished_at": now,
+            "lease_owner": None,
+            "lease_expires_at": None,
+            "wake_at": None,
+        },
+    )
 
 
 def get(conn: Executor, execution_id: str) -> Row[Any] | None:

@@ -74,6 +74,11 @@ class NewEvent:
         return None if name is None else str(name)
 
 
+class Fenced(NamedTuple):
+    sequences: list[int]
+    status: str
+
+
 @dataclass(slots=True)
 class AppendResult:
     sequences: list[int] = field(default_factory=list)
@@ -208,7 +213,9 @@ def _fenced_statement(
         return stmt
     if family == "cte":
         # WITH bump AS (UPDATE ... RETURNING next_seq) INSERT ... SELECT ... FROM bump
-        bump = _bump(n, columns, guard).returning(ex.c.next_seq.label("top")).cte("bump")
+        bump = (
+            _bump(n, columns, guard).returning(ex.c.next_seq.label("top"), ex.c.status).cte("bump")
+        )
         selects = [
             select(
                 bindparam("p_eid", type_=String(36)),
@@ -226,12 +233,12 @@ def _fenced_statement(
             insert(hist)
             .from_select(list(_HOT_COLUMNS), source)
             .add_cte(bump)
-            .returning(hist.c.sequence)
+            .returning(hist.c.sequence, select(bump.c.status).scalar_subquery())
         )
     elif family == "returning":
-        stmt = _bump(n, columns, guard).returning(ex.c.next_seq)
+        stmt = _bump(n, columns, guard).returning(ex.c.next_seq, ex.c.status)
     else:
-        locked = select(ex.c.next_seq).where(
+        locked = select(ex.c.next_seq, ex.c.status).where(
             ex.c.id == bindparam("p_eid"), ex.c.lease_owner == bindparam("p_owner")
         )
         if guard is not None:
@@ -252,7 +259,7 @@ def append_fenced(
     now: dt.datetime,
     values: Mapping[str, Any] | None = None,
     from_statuses: tuple[str, ...] | None = None,
-) -> list[int]:
+) -> Fenced:
     """Append events and update the execution row, if ``owner`` holds the lease.
 
     This is the hot path: a step's events, or a run's outcome (``values`` sets the status,
@@ -264,6 +271,10 @@ def append_fenced(
     round trip and one WAL flush per step. Elsewhere it is an UPDATE (... RETURNING) plus
     one INSERT in the caller's transaction. The lease itself is renewed by the runtime's
     keeper, not here, so a step leaves indexed columns alone (a HOT update on PostgreSQL).
+
+    Returns:
+        The new events' sequence numbers and the run's status after the write (a driver
+        learns of a cancellation this way, at no extra cost).
 
     Raises:
         LeaseLostError: the lease is held by someone else, the run is gone, or its status is
@@ -283,28 +294,28 @@ def append_fenced(
             params[f"at{i}"] = ev.created_at
             params[f"ev{i}"] = ev.event
         stmt = _fenced_statement("cte", n, columns, from_statuses)
-        seqs = [int(s) for s in conn.execute(stmt, params).scalars()]
-        if len(seqs) != n:
+        rows = conn.execute(stmt, params).all()
+        if len(rows) != n:
             raise LeaseLostError(execution_id)
-        return sorted(seqs)
+        return Fenced(sorted(int(r[0]) for r in rows), str(rows[0][1]))
     if dialect.update_returning:
         stmt = _fenced_statement("returning", n, columns, from_statuses)
-        top = conn.execute(stmt, params).scalar_one_or_none()
+        top = conn.execute(stmt, params).one_or_none()
         if top is None:
             raise LeaseLostError(execution_id)
-        base = int(top) - n
+        base, status = int(top[0]) - n, str(top[1])
     else:
         lock, bump = _fenced_statement("locking", n, columns, from_statuses)
-        locked = conn.execute(lock, params).scalar_one_or_none()
+        locked = conn.execute(lock, params).one_or_none()
         if locked is None:
             raise LeaseLostError(execution_id)
         conn.execute(bump, params)
-        base = int(locked)
+        base, status = int(locked[0]), str(locked[1])
     if events:
         conn.execute(
             _insert_history, [_row(execution_id, base + i, ev) for i, ev in enumerate(events)]
         )
-    return [base + i for i in range(n)]
+    return Fenced([base + i for i in range(n)], status)
 
 
 def _sqlite_value(value: Any, kind: str) -> Any:
@@ -369,7 +380,7 @@ def append_fenced_autocommit(
     now: dt.datetime,
     values: Mapping[str, Any] | None = None,
     from_statuses: tuple[str, ...] | None = None,
-) -> list[int]:
+) -> Fenced:
     """:func:`append_fenced` as a write of its own, committed when it returns.
 
     For the runtime's hot path on a connection with no transaction open. PostgreSQL: the one
@@ -414,7 +425,7 @@ def append_fenced_autocommit(
             top = cursor.fetchone()
             if top is None:
                 raise LeaseLostError(execution_id)
-            base = int(top[0]) - n
+            base, status = int(top[0]) - n, str(top[1])
             rows = []
             for i, ev in enumerate(events):
                 row = _row(execution_id, base + i, ev)
@@ -429,7 +440,7 @@ def append_fenced_autocommit(
             raise
     finally:
         cursor.close()
-    return [base + i for i in range(n)]
+    return Fenced([base + i for i in range(n)], status)
 
 
 def insert_once(conn: Executor, execution_id: str, sequence: int, event: NewEvent) -> bool:

@@ -1,0 +1,89 @@
+"""Secret references: only ``secret:<name>`` is ever stored; the value exists inside a step.
+
+Put ``secret("stripe-key")`` in a workflow's input or a step's arguments. History, inputs and
+results keep the reference. Right before a step runs, the runtime's resolver replaces every
+reference in its arguments (recursively, in dicts and lists) and the arguments are validated
+again. The resolver of the process that runs the step is used.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, Final
+
+from .errors import WfPersistError
+
+PREFIX: Final = "secret:"
+
+#: Resolves a secret name to its value.
+SecretResolver = Callable[[str], str]
+
+
+class SecretError(WfPersistError):
+    """A secret could not be resolved (the step fails as a transient error)."""
+
+    def __init__(self, name: str, message: str) -> None:
+        self.secret_name = name
+        super().__init__(message)
+
+
+def secret(name: str) -> str:
+    """The reference to store instead of the secret's value."""
+    if not name or not isinstance(name, str):
+        raise WfPersistError("a secret needs a non-empty name")
+    return f"{PREFIX}{name}"
+
+
+def contains_reference(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.startswith(PREFIX)
+    if isinstance(value, dict):
+        return any(contains_reference(v) for v in value.values())
+    if isinstance(value, list):
+        return any(contains_reference(v) for v in value)
+    return False
+
+
+def resolve_references(value: Any, resolver: SecretResolver | None) -> Any:
+    """``value`` (a JSON document) with every ``secret:<name>`` replaced by its value."""
+    if isinstance(value, str) and value.startswith(PREFIX):
+        name = value[len(PREFIX) :]
+        if resolver is None:
+            raise SecretError(name, f"No secret resolver configured for {name}")
+        return resolver(name)
+    if isinstance(value, dict):
+        return {k: resolve_references(v, resolver) for k, v in value.items()}
+    if isinstance(value, list):
+        return [resolve_references(v, resolver) for v in value]
+    return value
+
+
+def env_variable_name(name: str) -> str:
+    """``x-bearer-token`` -> ``X_BEARER_TOKEN``."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_").upper()
+
+
+def env_secret_resolver(
+    mapping: Mapping[str, str] | None = None, fallback: str | None = None
+) -> SecretResolver:
+    """A resolver reading environment variables.
+
+    Args:
+        mapping: secret name -> variable name, for names that do not follow the rule.
+        fallback: the value of an unset variable (may be ``""``); without it an unset
+            variable is an error naming the variable to set.
+    """
+    explicit = dict(mapping or {})
+
+    def resolve(name: str) -> str:
+        variable = explicit.get(name) or env_variable_name(name)
+        value = os.environ.get(variable)
+        if value is not None:
+            return value
+        if fallback is not None:
+            return fallback
+        raise SecretError(name, f'Secret "{name}" not found: set env var {variable}')
+
+    return resolve
