@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from . import migrate as migrate
 from ._dialect import create_engine as create_engine
+from .authoring import Call as Call
+from .authoring import Limit as Limit
+from .authoring import Retry as Retry
 from .authoring import Step as Step
 from .authoring import Workflow as Workflow
+from .authoring import call as call
 from .authoring import step as step
 from .authoring import workflow as workflow
 from .client import Completed as Completed
@@ -25,6 +29,9 @@ from .client import WorkflowClient as WorkflowClient
 from .context import Context as Context
 from .context import Received as Received
 from .context import TimedOut as TimedOut
+from .errors import Cancelled as Cancelled
+from .errors import CannotCancelError as CannotCancelError
+from .errors import CodeExecutionError as CodeExecutionError
 from .errors import InvalidArgumentError as InvalidArgumentError
 from .errors import InvalidCursorError as InvalidCursorError
 from .errors import InvalidPayloadError as InvalidPayloadError
@@ -48,10 +55,18 @@ from .errors import WorkflowVersionConflictError as WorkflowVersionConflictError
 from .models import Base as Base
 from .models import metadata as metadata
 from .runtime import Runtime as Runtime
+from .secrets import SecretError as SecretError
+from .secrets import SecretResolver as SecretResolver
+from .secrets import env_secret_resolver as env_secret_resolver
+from .secrets import secret as secret
 from .worker import Worker as Worker
 
 __all__ = [
     "Base",
+    "Call",
+    "Cancelled",
+    "CannotCancelError",
+    "CodeExecutionError",
     "Completed",
     "Context",
     "ExecutionHandle",
@@ -62,6 +77,7 @@ __all__ = [
     "InvalidCursorError",
     "InvalidPayloadError",
     "LeaseLostError",
+    "Limit",
     "MissingWorkflowVersionError",
     "NonDeterminismError",
     "NotSerializableError",
@@ -70,8 +86,11 @@ __all__ = [
     "PendingSignal",
     "Received",
     "ResultTimeoutError",
+    "Retry",
     "Runtime",
     "SchemaVersionError",
+    "SecretError",
+    "SecretResolver",
     "SignalAlreadyDeliveredError",
     "SignalDeliveryError",
     "SignalNotWaitingError",
@@ -88,9 +107,12 @@ __all__ = [
     "WorkflowDefinitionError",
     "WorkflowFailedError",
     "WorkflowVersionConflictError",
+    "call",
     "create_engine",
+    "env_secret_resolver",
     "metadata",
     "migrate",
+    "secret",
     "step",
     "workflow",
 ]

@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 from .authoring import Workflow, adapter_for
 from .context import resolve_type_reference
 from .errors import (
+    Cancelled,
     InvalidArgumentError,
     InvalidCursorError,
     ResultTimeoutError,
@@ -28,6 +29,7 @@ from .errors import (
     SignalPayloadError,
     UnknownExecutionError,
     WorkflowFailedError,
+    error_document,
 )
 from .models import STATUSES, TERMINAL_STATUSES
 from .runtime import _NOT_DRIVEN
@@ -127,6 +129,19 @@ class Failed:
     @property
     def message(self) -> str:
         return str(self.error.get("message"))
+
+    @property
+    def compensation_errors(self) -> list[dict[str, Any]]:
+        """Errors of compensations that failed during the unwind (the run's error stays the
+        original failure)."""
+        return list(self.error.get("compensationErrors") or [])
+
+    def matches(self, error_type: type[BaseException]) -> bool:
+        """Whether the run failed with ``error_type`` (by class name and module)."""
+        return (
+            self.error.get("name") == error_type.__name__
+            and self.error.get("module", error_type.__module__) == error_type.__module__
+        )
 
     def unwrap(self) -> Any:
         raise WorkflowFailedError(self.execution_id, self.error)
@@ -347,6 +362,38 @@ class WorkflowClient:
             wait = min(wait, rt.poll_interval)
             rt.wait_for_change(wait if remaining is None else min(wait, remaining))
             delay = min(delay * 2, rt.poll_interval)
+
+    def cancel(
+        self, execution_id: str, *, compensate: bool = True, actor: str | None = None
+    ) -> None:
+        """Cancel a running or suspended run, from any process.
+
+        With ``compensate`` (default) the run moves to ``compensating``, wakes at its
+        suspension point (or at its next step boundary if it is running), unwinds its
+        compensations and ends ``failed`` with a ``Cancelled`` error. Without, it ends
+        ``failed`` at once (``Cancelled``, ``compensate: false``) and no further step of it
+        starts. Records ``execution.cancelled`` in the same transaction as the status claim.
+
+        Raises:
+            CannotCancelError: the run is not running or suspended ("Cannot cancel completed
+                execution ..."); of two concurrent cancels, the second.
+            UnknownExecutionError, MissingWorkflowVersionError.
+        """
+        _check_text("actor", actor)
+        with self._reading() as conn:
+            row = self._row(conn, execution_id)
+        self.runtime.definition(row.workflow_name, row.workflow_version)
+        error = error_document(Cancelled(compensate, actor))
+        with self.runtime.engine.begin() as conn:
+            executions.cancel(
+                conn,
+                execution_id,
+                compensate=compensate,
+                actor=actor,
+                error=error,
+                now=self.runtime.clock(),
+            )
+        self.runtime._notify()
 
     def pending_signals(self, execution_id: str) -> list[PendingSignal]:
         """The waits the run is parked on (or about to be), oldest first."""

@@ -203,7 +203,7 @@ class Journal:
                 journal.outcomes[activity] = (True, ev.get("result"))
             elif etype == "step.failed":
                 if ev.get("final", True):
-                    journal.outcomes[activity] = (False, ev.get("error"))
+                    journal.outcomes[activity] = (False, ev)
                 else:
                     journal.attempts.setdefault(activity, []).append(ev)
             elif etype in _VALUE_EVENTS:
@@ -779,15 +779,14 @@ def _describe(kind: str, activity: str, branches: int | None) -> str:
     return f"{kind}:{activity}" + ("" if branches is None else f" branches={branches}")
 
 
-def _recorded_step_error(step: Step[Any], error: dict[str, Any]) -> BaseException:
+def _recorded_step_error(step: Step[Any], failed: Mapping[str, Any]) -> BaseException:
     """The failure a replay raises again: the declared type itself, or StepExecutionError."""
-    if error.get("terminal"):
-        declared = step.error_type(error.get("name"))
+    cause = dict(failed.get("error") or {})
+    if failed.get("terminal"):
+        declared = step.error_type(cause.get("name"))
         if declared is not None:
-            return rebuild_error(declared, error)
-    if error.get("name") == "StepExecutionError" and "cause" in error:
-        return StepExecutionError(step.name, error["cause"])
-    return StepExecutionError(step.name, error)
+            return rebuild_error(declared, cause)
+    return StepExecutionError(step.name, cause)
 
 
 def _call_compensation(comp: _Compensation, reason: dict[str, Any]) -> None:

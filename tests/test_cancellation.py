@@ -1,0 +1,185 @@
+"""Durable cancellation (seed scenarios 24, 25, 58-60, 62)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import wf_persist as wp
+
+from .fixtures import saga as s
+
+
+@pytest.fixture(autouse=True)
+def _reset() -> Iterator[None]:
+    s.reset()
+    yield
+    s.GATE.set()
+    s.reset()
+
+
+@pytest.fixture
+def rt(runtime: wp.Runtime) -> wp.Runtime:
+    runtime.register(*s.ALL)
+    return runtime
+
+
+def _types(client: wp.WorkflowClient, execution_id: str) -> list[str]:
+    return [r.event["type"] for r in client.history(execution_id)]
+
+
+def _parked(client: wp.WorkflowClient) -> str:
+    handle = client.start(s.reserve_then_wait_wf)
+    with pytest.raises(wp.ResultTimeoutError):
+        client.result(handle.execution_id, timeout=0.2)
+    assert client.status(handle.execution_id) == "suspended"
+    return handle.execution_id
+
+
+def _wait_for(predicate: object, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_cancel_a_suspended_run_compensates(rt: wp.Runtime) -> None:  # 24, 58
+    client = rt.client()
+    execution_id = _parked(client)
+    client.cancel(execution_id, actor="ops")
+    assert client.status(execution_id) == "compensating"
+    outcome = client.result(execution_id, timeout=10)
+    assert isinstance(outcome, wp.Failed) and outcome.matches(wp.Cancelled)
+    assert outcome.error["compensate"] is True and outcome.error["actor"] == "ops"
+    assert s.CALLS["undo_first"] == 1
+    assert s.LOG[0] == ("undo_first", ("reserved-1", 1, "Cancelled"))
+    events = [r.event for r in client.history(execution_id)]
+    cancelled = [e for e in events if e["type"] == "execution.cancelled"]
+    assert cancelled == [
+        {
+            "type": "execution.cancelled",
+            "executionId": execution_id,
+            "compensate": True,
+            "actor": "ops",
+        }
+    ]
+    types = [e["type"] for e in events]
+    assert types.count("cancellation.received") == 1
+    assert "compensation.started" in types and "compensation.completed" in types
+    info = client.describe(execution_id)
+    assert info.status == "failed" and info.finished_at is not None
+
+
+def test_cancel_without_compensation(rt: wp.Runtime) -> None:  # 24, 59
+    client = rt.client()
+    execution_id = _parked(client)
+    client.cancel(execution_id, compensate=False)
+    outcome = client.result(execution_id, timeout=5)
+    assert isinstance(outcome, wp.Failed) and outcome.error_type == "Cancelled"
+    assert outcome.error["compensate"] is False
+    info = client.describe(execution_id)
+    assert info.status == "failed" and info.finished_at is not None
+    types = _types(client, execution_id)
+    assert "compensation.started" not in types and "cancellation.received" not in types
+    assert s.CALLS["undo_first"] == 0
+
+
+def test_two_concurrent_cancels_record_one(rt: wp.Runtime) -> None:  # 60
+    client = rt.client()
+    execution_id = _parked(client)
+    barrier = threading.Barrier(2)
+    results: list[str] = []
+
+    def cancel(actor: str) -> None:
+        barrier.wait()
+        try:
+            client.cancel(execution_id, actor=actor)
+            results.append(f"ok:{actor}")
+        except wp.CannotCancelError as exc:
+            results.append(str(exc))
+
+    threads = [threading.Thread(target=cancel, args=(a,)) for a in ("first", "second")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(r.startswith("ok:") for r in results) == 1
+    (loser,) = [r for r in results if not r.startswith("ok:")]
+    assert loser == f"Cannot cancel compensating execution {execution_id}"
+    assert _types(client, execution_id).count("execution.cancelled") == 1
+
+
+def test_cancelling_a_finished_run_raises(rt: wp.Runtime) -> None:  # 62
+    client = rt.client()
+    handle = client.start(s.flaky_wf)
+    assert client.result(handle.execution_id).unwrap() == 3
+    with pytest.raises(wp.CannotCancelError, match="Cannot cancel completed execution"):
+        client.cancel(handle.execution_id)
+    assert client.result(handle.execution_id).unwrap() == 3
+    assert "execution.cancelled" not in _types(client, handle.execution_id)
+    with pytest.raises(wp.UnknownExecutionError):
+        client.cancel("no-such-run")
+
+
+def test_cancel_a_running_run_at_its_next_step_boundary(rt: wp.Runtime) -> None:
+    rt.start_worker(concurrency=2, poll_interval=0.05)
+    client = rt.client()
+    handle = client.start(s.gated_wf)
+    _wait_for(lambda: s.CALLS["gated:g"] == 1)
+    client.cancel(handle.execution_id, actor="ops")
+    s.GATE.set()
+    outcome = client.result(handle.execution_id, timeout=10)
+    assert isinstance(outcome, wp.Failed) and outcome.error_type == "Cancelled"
+    assert s.CALLS["after_gate"] == 0, "no step starts after the boundary"
+    completed = [
+        r.event["activityName"]
+        for r in client.history(handle.execution_id)
+        if r.event["type"] == "step.completed"
+    ]
+    assert completed == ["reserve#1", "gated#1"], "the step in flight finished and was recorded"
+    assert s.CALLS["undo_first"] == 1
+
+
+def test_hard_cancel_of_a_stuck_step(rt: wp.Runtime) -> None:  # 25
+    rt.start_worker(concurrency=2, poll_interval=0.05)
+    client = rt.client()
+    handle = client.start(s.gated_wf)
+    _wait_for(lambda: s.CALLS["gated:g"] == 1)
+    client.cancel(handle.execution_id, compensate=False)
+    outcome = client.result(handle.execution_id, timeout=5)
+    assert isinstance(outcome, wp.Failed)
+    assert outcome.error_type == "Cancelled" and outcome.error["compensate"] is False
+    s.GATE.set()
+    time.sleep(0.3)
+    assert s.CALLS["after_gate"] == 0
+    types = _types(client, handle.execution_id)
+    assert types.count("step.completed") == 1, "the stuck step's late result is refused"
+    assert "compensation.started" not in types
+    assert client.status(handle.execution_id) == "failed"
+
+
+def test_cancel_from_another_process(rt: wp.Runtime, db_url: str) -> None:
+    client = rt.client()
+    execution_id = _parked(client)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.fixtures.proc", db_url, "cancel", execution_id, "compensate"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert proc.stdout.strip() == "ok"
+    outcome = client.result(execution_id, timeout=10)
+    assert isinstance(outcome, wp.Failed) and outcome.error["actor"] == "remote-ops"
+    assert s.CALLS["undo_first"] == 1
+    again = subprocess.run(
+        [sys.executable, "-m", "tests.fixtures.proc", db_url, "cancel", execution_id, "compensate"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert again.stdout.strip() == "CannotCancelError"

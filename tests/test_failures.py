@@ -1,0 +1,249 @@
+"""Failure semantics: retries, typed errors, saga compensation, ctx.code, ctx.all
+(seed scenarios 1, 5-7, 8-12, 39, 63-65)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import wf_persist as wp
+
+from .fixtures import saga as s
+from .fixtures.workflows import SimulatedCrash
+
+
+@pytest.fixture(autouse=True)
+def _reset() -> Iterator[None]:
+    s.reset()
+    yield
+    s.reset()
+
+
+@pytest.fixture
+def rt(runtime: wp.Runtime) -> wp.Runtime:
+    runtime.register(*s.ALL)
+    return runtime
+
+
+def _events(
+    client: wp.WorkflowClient, execution_id: str, kind: str | None = None
+) -> list[dict[str, Any]]:
+    events = [r.event for r in client.history(execution_id)]
+    return [e for e in events if kind is None or e["type"] == kind]
+
+
+def test_retry_policy_is_validated_at_definition() -> None:  # scenario 1
+    with pytest.raises(wp.WorkflowDefinitionError):
+        wp.Retry(attempts=0)
+    with pytest.raises(wp.WorkflowDefinitionError):
+        wp.Retry(backoff="linear")  # type: ignore[arg-type]
+    with pytest.raises(wp.WorkflowDefinitionError):
+        wp.Limit(0)
+    policy = wp.Retry(attempts=5, backoff="exponential", base=0.1, factor=3, max_delay=0.5)
+    assert [policy.delay(k, lambda: 0.0) for k in (1, 2, 3, 4)] == [
+        0.0,
+        0.1,
+        0.30000000000000004,
+        0.5,
+    ]
+    jittered = wp.Retry(attempts=3, backoff="exponential", base=1.0, jitter=True)
+    assert 0.5 <= jittered.delay(2, lambda: 0.2) < 1.0
+
+
+def test_exhausted_retries_fail_with_a_typed_error(rt: wp.Runtime) -> None:  # scenario 5
+    client = rt.client()
+    outcome = client.result(client.start(s.always_transient_wf).execution_id)
+    assert isinstance(outcome, wp.Failed)
+    assert outcome.error_type == "StepExecutionError"
+    assert outcome.message == "Step transient failed: temporary"
+    assert outcome.error["step_name"] == "transient"
+    assert s.CALLS["transient"] == 3
+    failed = _events(client, outcome.execution_id, "step.failed")
+    assert [e["attempt"] for e in failed] == [1, 2, 3]
+    assert [e["final"] for e in failed] == [False, False, True]
+    assert len(_events(client, outcome.execution_id, "step.started")) == 3
+
+
+def test_exponential_retry_succeeds_on_the_third_attempt(rt: wp.Runtime) -> None:  # 39
+    client = rt.client()
+    began = time.monotonic()
+    handle = client.start(s.flaky_wf)
+    assert client.result(handle.execution_id).unwrap() == 3
+    assert time.monotonic() - began >= 0.03  # 10 ms then 20 ms of backoff
+    failed = _events(client, handle.execution_id, "step.failed")
+    assert len(failed) == 2 and [e["attempt"] for e in failed] == [1, 2]
+    assert all("retryAt" in e for e in failed)
+    completed = _events(client, handle.execution_id, "step.completed")
+    assert completed[0]["attempt"] == 3
+
+
+def test_long_backoff_parks_the_run_durably(rt: wp.Runtime) -> None:
+    client = rt.client()
+    handle = client.start(s.slow_flaky_wf)
+    with pytest.raises(wp.ResultTimeoutError):
+        client.result(handle.execution_id, timeout=0.3)
+    info = client.describe(handle.execution_id)
+    assert info.status == "running" and s.CALLS["slow_flaky"] == 1
+    assert client.result(handle.execution_id, timeout=10).unwrap() == "second"
+    assert s.CALLS["slow_flaky"] == 2
+
+
+def test_terminal_error_is_not_retried_and_keeps_its_type(rt: wp.Runtime) -> None:  # 6
+    client = rt.client()
+    outcome = client.result(client.start(s.boom_wf, False).execution_id)
+    assert isinstance(outcome, wp.Failed)
+    assert s.CALLS["boom"] == 1
+    assert outcome.error_type == "Boom" and outcome.error["code"] == "x1"
+    assert outcome.matches(s.Boom) and not outcome.matches(s.Rejected)
+    failed = _events(client, outcome.execution_id, "step.failed")
+    assert len(failed) == 1 and failed[0]["terminal"] is True
+
+
+def test_recorded_terminal_error_is_raised_again_on_replay(rt: wp.Runtime) -> None:
+    client = rt.client()
+    handle = client.start(s.boom_wf, True)
+    s.CONTROL["crash_after_boom"] = True
+    with pytest.raises(SimulatedCrash):
+        client.result(handle.execution_id)
+    s.CONTROL["crash_after_boom"] = False
+    assert client.result(handle.execution_id).unwrap() == "caught Boom x2"
+    assert s.CALLS["boom"] == 1
+
+
+def test_typed_failure_unwinds_compensations_newest_first(rt: wp.Runtime) -> None:  # 7
+    client = rt.client()
+    outcome = client.result(client.start(s.saga_wf, 10).execution_id)
+    assert isinstance(outcome, wp.Failed)
+    assert outcome.matches(s.Rejected) and outcome.error["reason"] == "not today"
+    assert s.LOG == [
+        ("undo_second", ("second-11", 11, "Rejected")),
+        ("undo_first", ("first-10", 10, "Rejected")),
+    ]
+    types = [e["type"] for e in _events(client, outcome.execution_id)]
+    assert types[-5:] == [
+        "compensation.started",
+        "compensation.completed",
+        "compensation.started",
+        "compensation.completed",
+        "workflow.failed",
+    ]
+    started = _events(client, outcome.execution_id, "compensation.started")
+    assert [e["stepName"] for e in started] == ["second_step", "first_step"]
+    assert started[0]["result"] == "second-11" and started[0]["input"] == {"value": 11}
+    assert started[0]["reason"]["name"] == "Rejected"
+    assert outcome.compensation_errors == []
+
+
+def test_failing_compensation_is_recorded_and_the_unwind_continues(rt: wp.Runtime) -> None:
+    s.CONTROL["fail_second_comp"] = True
+    client = rt.client()
+    outcome = client.result(client.start(s.saga_wf, 1).execution_id)
+    assert isinstance(outcome, wp.Failed)
+    assert outcome.error_type == "Rejected", "the run's error stays the original failure"
+    (comp_error,) = outcome.compensation_errors
+    assert comp_error["stepName"] == "second_step"
+    assert comp_error["error"]["message"] == "refund service down"
+    assert s.CALLS["undo_first"] == 1, "the unwind continued"
+    assert len(_events(client, outcome.execution_id, "compensation.failed")) == 1
+
+
+def test_unwind_resumes_after_a_crash_without_repeating(rt: wp.Runtime) -> None:
+    s.CONTROL["crash_in_compensation"] = True
+    client = rt.client()
+    handle = client.start(s.saga_wf, 5)
+    with pytest.raises(SimulatedCrash):
+        client.result(handle.execution_id)
+    assert s.CALLS["undo_second"] == 1 and s.CALLS["undo_first"] == 1
+    s.CONTROL["crash_in_compensation"] = False
+    outcome = client.result(handle.execution_id)
+    assert isinstance(outcome, wp.Failed) and outcome.error_type == "Rejected"
+    assert s.CALLS["undo_second"] == 1, "a finished compensation never runs twice"
+    assert s.CALLS["undo_first"] == 2, "the interrupted one runs again"
+    assert s.CALLS["first_step"] == 1 and s.CALLS["second_step"] == 1
+    completed = Counter(
+        e["stepName"] for e in _events(client, handle.execution_id, "compensation.completed")
+    )
+    assert completed == Counter({"second_step": 1, "first_step": 1})
+
+
+def test_code_blocks_run_once_and_fail_typed(rt: wp.Runtime) -> None:  # 10, 11, 12
+    client = rt.client()
+    handle = client.start(s.code_wf, False)
+    s.CONTROL["crash_after_code"] = True
+    with pytest.raises(SimulatedCrash):
+        client.result(handle.execution_id)
+    s.CONTROL["crash_after_code"] = False
+    assert client.result(handle.execution_id).unwrap() == 42
+    assert s.CALLS["compute"] == 1
+    types = [e["type"] for e in _events(client, handle.execution_id)]
+    assert types.count("code.started") == 1 and types.count("code.completed") == 1
+    failing = client.result(client.start(s.code_wf, True).execution_id)
+    assert isinstance(failing, wp.Failed)
+    assert failing.error_type == "CodeExecutionError"
+    assert failing.message == "Code block build-value failed: callback failed"
+
+
+def test_code_replaced_by_a_step_is_non_deterministic(rt: wp.Runtime) -> None:  # 10
+    client = rt.client()
+    handle = client.start(s.code_then_step_wf)
+    with pytest.raises(SimulatedCrash):
+        client.result(handle.execution_id)
+    s.CONTROL["mismatch"] = True
+    outcome = client.result(handle.execution_id)
+    assert isinstance(outcome, wp.Failed) and outcome.error_type == "NonDeterminismError"
+    assert "expected code:build-value#1 but saw step:plain_step#1" in outcome.message
+    assert s.CALLS["plain_step"] == 0
+
+
+def test_all_returns_results_in_order_and_records_the_block(rt: wp.Runtime) -> None:  # 63
+    client = rt.client()
+    handle = client.start(s.parallel_wf, 4)
+    assert client.result(handle.execution_id).unwrap() == [40, 5]
+    events = _events(client, handle.execution_id)
+    started = next(e for e in events if e["type"] == "all.started")
+    assert (started["activityName"], started["branches"]) == ("parallel#1", 2)
+    assert started["branchActivities"] == ["left#1", "right#1"]
+    assert sorted(e["activityName"] for e in events if e["type"] == "step.completed") == [
+        "left#1",
+        "right#1",
+    ]
+    assert next(e for e in events if e["type"] == "all.completed")["branches"] == 2
+
+
+def test_all_runs_branches_concurrently(rt: wp.Runtime) -> None:
+    client = rt.client()
+    assert client.result(client.start(s.meeting_wf).execution_id, timeout=30).unwrap() == ["a", "b"]
+
+
+def test_all_replays_recorded_branches_and_checks_the_count(rt: wp.Runtime) -> None:  # 64
+    client = rt.client()
+    handle = client.start(s.parallel_wf, 2)
+    s.CONTROL["crash_after_all"] = True
+    with pytest.raises(SimulatedCrash):
+        client.result(handle.execution_id)
+    s.CONTROL["crash_after_all"] = False
+    assert client.result(handle.execution_id).unwrap() == [20, 3]
+    assert (s.CALLS["left"], s.CALLS["right"]) == (1, 1)
+    diverging = client.start(s.parallel_wf, 2)
+    s.CONTROL["crash_after_all"] = True
+    with pytest.raises(SimulatedCrash):
+        client.result(diverging.execution_id)
+    s.CONTROL.update(crash_after_all=False, branches=1)
+    outcome = client.result(diverging.execution_id)
+    assert isinstance(outcome, wp.Failed) and outcome.error_type == "NonDeterminismError"
+    assert "expected all:parallel#1 branches=2 but saw all:parallel#1 branches=1" in outcome.message
+
+
+def test_failing_branch_fails_the_block_and_compensates(rt: wp.Runtime) -> None:  # 65
+    client = rt.client()
+    outcome = client.result(client.start(s.parallel_fails_wf).execution_id)
+    assert isinstance(outcome, wp.Failed)
+    assert outcome.error_type == "StepExecutionError"
+    assert outcome.error["step_name"] == "branch_fails"
+    assert s.CALLS["undo_first"] == 1 and s.LOG[0][1][0] == "reserved-3"
+    types = [e["type"] for e in _events(client, outcome.execution_id)]
+    assert "all.failed" in types and "compensation.completed" in types

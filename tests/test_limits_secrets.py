@@ -1,0 +1,208 @@
+"""Step concurrency limits and secrets (seed scenarios 49-56)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy.engine import make_url
+
+import wf_persist as wp
+
+from .fixtures import saga as s
+
+SECRET_VALUE = "sk_live_0123456789abcdef-very-secret"
+
+
+@pytest.fixture(autouse=True)
+def _reset() -> Iterator[None]:
+    s.reset()
+    yield
+    s.GATE.set()
+    s.reset()
+
+
+def _drain(client: wp.WorkflowClient, ids: list[str], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    for execution_id in ids:
+        while client.status(execution_id) != "completed":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+
+def test_limit_holds_for_concurrent_runs(runtime: wp.Runtime) -> None:  # 49
+    runtime.register(*s.ALL)
+    runtime.start_worker(concurrency=10, poll_interval=0.02)
+    client = runtime.client()
+    _drain(client, [client.start(s.limited_wf, i).execution_id for i in range(10)])
+    assert s.MAX_IN_FLIGHT["limited"] == 2
+
+
+def test_keyed_limit_is_per_key(runtime: wp.Runtime) -> None:  # 50
+    runtime.register(*s.ALL)
+    runtime.start_worker(concurrency=8, poll_interval=0.02)
+    client = runtime.client()
+    jobs = [{"tenant": t, "n": i} for i in range(4) for t in ("acme", "globex")]
+    _drain(client, [client.start(s.per_tenant_wf, job).execution_id for job in jobs])
+    assert s.MAX_IN_FLIGHT["tenant:acme"] == 1 and s.MAX_IN_FLIGHT["tenant:globex"] == 1
+    assert s.MAX_IN_FLIGHT["total"] == 2
+
+
+def test_cancelled_run_queued_behind_a_limit_never_starts(runtime: wp.Runtime) -> None:  # 51
+    runtime.register(*s.ALL)
+    runtime.start_worker(concurrency=4, poll_interval=0.02)
+    client = runtime.client()
+    holder = client.start(s.exclusive_wf, "holder")
+    deadline = time.monotonic() + 10
+    while s.CALLS["exclusive:holder"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    queued = client.start(s.exclusive_wf, "queued")
+    time.sleep(0.2)
+    client.cancel(queued.execution_id, compensate=False)
+    time.sleep(0.5)
+    s.GATE.set()
+    assert client.result(holder.execution_id, timeout=10).unwrap() == "holder"
+    time.sleep(0.3)
+    assert s.CALLS["exclusive:queued"] == 0
+    assert client.status(queued.execution_id) == "failed"
+
+
+@pytest.mark.backends("postgresql")
+def test_limit_holds_across_worker_processes(
+    runtime: wp.Runtime, db_url: str, tmp_path: Path
+) -> None:
+    runtime.register(*s.ALL)
+    client = runtime.client()
+    marks = tmp_path / "marks"
+    ids = [client.start(s.serialized_wf, str(marks)).execution_id for _ in range(12)]
+    env = {**os.environ, "WF_PERSIST_DATABASE_URL": db_url}
+    workers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "wf_persist.cli",
+                "worker",
+                "--app",
+                "tests.fixtures.app:runtime",
+                "--concurrency",
+                "4",
+            ],
+            env=env,
+            stderr=subprocess.DEVNULL,
+        )
+        for _ in range(2)
+    ]
+    try:
+        _drain(client, ids, timeout=120)
+    finally:
+        for proc in workers:
+            proc.send_signal(signal.SIGTERM)
+        for proc in workers:
+            proc.wait(timeout=60)
+    spans: dict[str, list[int]] = {}
+    for line in marks.read_text().splitlines():
+        _kind, stamp, label = line.split()
+        spans.setdefault(label, []).append(int(stamp))
+    intervals = sorted((v[0], v[1]) for v in spans.values())
+    assert len(intervals) == 12
+    assert all(prev[1] <= nxt[0] for prev, nxt in itertools.pairwise(intervals))
+
+
+def test_env_secret_resolver_rules(monkeypatch: pytest.MonkeyPatch) -> None:  # 52
+    monkeypatch.setenv("X_BEARER_TOKEN", "t1")
+    monkeypatch.setenv("CUSTOM_VAR", "t2")
+    monkeypatch.delenv("MISSING_SECRET", raising=False)
+    resolve = wp.env_secret_resolver(mapping={"custom": "CUSTOM_VAR"})
+    assert resolve("x-bearer-token") == "t1"
+    assert resolve("custom") == "t2"
+    assert wp.env_secret_resolver(fallback="")("missing-secret") == ""
+    with pytest.raises(
+        wp.SecretError, match='Secret "missing-secret" not found: set env var MISSING_SECRET'
+    ):
+        resolve("missing-secret")
+    assert wp.secret("stripe-key") == "secret:stripe-key"
+
+
+def _raw_bytes(db_url: str, backend: str, tmp_path: Path) -> bytes:
+    if backend == "sqlite":
+        path = Path(make_url(db_url).database or "")
+        return b"".join(p.read_bytes() for p in path.parent.glob(path.name + "*"))
+    url = make_url(db_url)
+    dump = subprocess.run(
+        [
+            "pg_dump",
+            "-h",
+            url.host or "127.0.0.1",
+            "-p",
+            str(url.port or 5432),
+            "-U",
+            url.username or "postgres",
+            url.database or "",
+        ],
+        capture_output=True,
+        check=True,
+    )
+    return dump.stdout
+
+
+def test_secrets_are_resolved_in_the_step_and_never_stored(
+    make_runtime: object, db_url: str, backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:  # 53, 54, 7
+    monkeypatch.setenv("STRIPE_KEY", SECRET_VALUE)
+    rt = make_runtime(secret_resolver=wp.env_secret_resolver())  # type: ignore[operator]
+    rt.register(*s.ALL)
+    client = rt.client()
+    handle = client.start(s.pay_wf, {"amount": 5, "api_key": wp.secret("stripe-key")})
+    assert (
+        client.result(handle.execution_id).unwrap()
+        == f"charged 5 with key of length {len(SECRET_VALUE)}"
+    )
+    assert s.LOG == [("api_key", SECRET_VALUE)]
+    started = next(
+        r.event for r in client.history(handle.execution_id) if r.event["type"] == "step.started"
+    )
+    assert started["input"] == {"charge": {"amount": 5, "api_key": "secret:stripe-key"}}
+    rt.close()
+    raw = _raw_bytes(db_url, backend, tmp_path)
+    assert b"secret:stripe-key" in raw
+    assert SECRET_VALUE.encode() not in raw
+
+
+def test_without_a_resolver_the_step_never_runs(runtime: wp.Runtime) -> None:  # 55
+    runtime.register(*s.ALL)
+    client = runtime.client()
+    outcome = client.result(
+        client.start(s.pay_wf, {"amount": 1, "api_key": wp.secret("stripe-key")}).execution_id
+    )
+    assert isinstance(outcome, wp.Failed)
+    assert outcome.error["cause"]["message"] == "No secret resolver configured for stripe-key"
+    assert s.CALLS["charge_card"] == 0
+
+
+def test_the_resolver_of_the_resuming_process_is_used(
+    make_runtime: object, monkeypatch: pytest.MonkeyPatch
+) -> None:  # 56
+    monkeypatch.setenv("STRIPE_KEY", SECRET_VALUE)
+    starter = make_runtime()  # type: ignore[operator]
+    starter.register(*s.ALL)
+    handle = starter.client().start(
+        s.pay_after_approval_wf, {"amount": 2, "api_key": wp.secret("stripe-key")}
+    )
+    with pytest.raises(wp.ResultTimeoutError):
+        starter.client().result(handle.execution_id, timeout=0.2)
+    starter.close()
+    resumer = make_runtime(secret_resolver=wp.env_secret_resolver())  # type: ignore[operator]
+    resumer.register(*s.ALL)
+    client = resumer.client()
+    client.signal(handle.execution_id, "approval", {"approved": True})
+    assert client.result(handle.execution_id, timeout=10).unwrap().startswith("charged 2")
+    assert s.LOG == [("api_key", SECRET_VALUE)]
