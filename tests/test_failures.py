@@ -9,8 +9,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from sqlalchemy import create_engine, select, update
 
 import wf_persist as wp
+from wf_persist.models import history_table as hist
 
 from .fixtures import saga as s
 from .fixtures.workflows import SimulatedCrash
@@ -247,3 +249,41 @@ def test_failing_branch_fails_the_block_and_compensates(rt: wp.Runtime) -> None:
     assert s.CALLS["undo_first"] == 1 and s.LOG[0][1][0] == "reserved-3"
     types = [e["type"] for e in _events(client, outcome.execution_id)]
     assert "all.failed" in types and "compensation.completed" in types
+
+
+def test_non_determinism_unwinds_the_saga(rt: wp.Runtime) -> None:
+    client = rt.client()
+    handle = client.start(s.diverging_saga_wf)
+    with pytest.raises(SimulatedCrash):
+        client.result(handle.execution_id)
+    s.CONTROL["diverge"] = True
+    outcome = client.result(handle.execution_id)
+    assert isinstance(outcome, wp.Failed) and outcome.error_type == "NonDeterminismError"
+    assert s.CALLS["plain_step"] == 0
+    assert [name for name, _ in s.LOG] == ["undo_first"], "only registered steps are undone"
+
+
+def test_corrupted_recorded_value_fails_decoding(rt: wp.Runtime, db_url: str) -> None:  # 11
+    client = rt.client()
+    handle = client.start(s.code_wf, False)
+    s.CONTROL["crash_after_code"] = True
+    with pytest.raises(SimulatedCrash):
+        client.result(handle.execution_id)
+    s.CONTROL["crash_after_code"] = False
+    engine = create_engine(db_url)
+    with engine.begin() as conn:
+        row = conn.execute(
+            select(hist.c.sequence, hist.c.event).where(
+                hist.c.execution_id == handle.execution_id, hist.c.type == "code.completed"
+            )
+        ).one()
+        conn.execute(
+            update(hist)
+            .where(hist.c.execution_id == handle.execution_id, hist.c.sequence == row.sequence)
+            .values(event={**row.event, "result": "not-a-number"})
+        )
+    engine.dispose()
+    outcome = client.result(handle.execution_id)
+    assert isinstance(outcome, wp.Failed) and outcome.error_type == "InvalidPayloadError"
+    assert "recorded result of code block build-value" in outcome.message
+    assert s.CALLS["compute"] == 1

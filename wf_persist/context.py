@@ -241,15 +241,41 @@ def _to_json(adapter: TypeAdapter[Any], value: Any, what: str) -> Any:
         raise NotSerializableError(what, str(exc)) from exc
 
 
+def _from_json(adapter: TypeAdapter[Any], value: Any, what: str) -> Any:
+    """Decode a recorded value; a value that no longer fits its type is a typed error."""
+    try:
+        return adapter.validate_python(value)
+    except ValidationError as exc:
+        raise InvalidPayloadError(what, [dict(e) for e in exc.errors(include_url=False)]) from exc
+
+
 @dataclass(slots=True)
-class _Compensation:
+class _StepCall:
+    """One ``ctx.run`` (or ``ctx.all`` branch): the step, its arguments and its activity."""
+
     step: Step[Any]
-    activity: str
-    invocation: int
-    result: Any
-    stored_result: Any
+    arguments: dict[str, Any]
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    activity: str
+    invocation: int
+
+    def event_base(self, execution_id: str) -> dict[str, Any]:
+        return {
+            "executionId": execution_id,
+            "stepName": self.step.name,
+            "invocation": self.invocation,
+            "activityName": self.activity,
+        }
+
+
+@dataclass(slots=True)
+class _Compensation:
+    """A succeeded step whose ``compensate`` runs if the workflow fails."""
+
+    call: _StepCall
+    result: Any
+    stored_result: Any
     inputs: dict[str, Any]
 
 
@@ -342,7 +368,7 @@ class Context:
         """
         bound = self._bind(step, args, kwargs)
         activity, invocation = self._enter("step", step.name)
-        return self._step(step, bound, args, kwargs, activity, invocation, inline=False)
+        return self._step(_StepCall(step, bound, args, kwargs, activity, invocation), inline=False)  # type: ignore[no-any-return]
 
     def _bind(
         self, step: Step[Any], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -354,67 +380,41 @@ class Context:
                 f"arguments of step {step.name}", [{"loc": (), "msg": str(exc)}]
             ) from exc
 
-    def _step(
-        self,
-        step: Step[R],
-        arguments: dict[str, Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        activity: str,
-        invocation: int,
-        *,
-        inline: bool,
-    ) -> R:
-        recorded = self._journal.outcomes.get(activity)
+    def _step(self, call: _StepCall, *, inline: bool) -> Any:
+        recorded = self._journal.outcomes.get(call.activity)
         if recorded is None:
             self._check_cancelled()
-            return self._execute(step, arguments, args, kwargs, activity, invocation, inline)
+            return self._execute(call, inline)
         ok, value = recorded
         if not ok:
-            raise _recorded_step_error(step, value)
-        result = step.output_adapter.validate_python(value)
-        self._register(step, activity, invocation, result, value, args, kwargs, None)
-        return result  # type: ignore[no-any-return]
+            raise _recorded_step_error(call.step, value)
+        step = call.step
+        result = _from_json(step.output_adapter, value, f"recorded result of step {step.name}")
+        self._register(call, result, value, None)
+        return result
 
     def _register(
-        self,
-        step: Step[Any],
-        activity: str,
-        invocation: int,
-        result: Any,
-        stored: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        inputs: dict[str, Any] | None,
+        self, call: _StepCall, result: Any, stored: Any, inputs: dict[str, Any] | None
     ) -> None:
-        if step.compensate is not None:
-            self._compensations.append(
-                _Compensation(
-                    step, activity, invocation, result, stored, args, kwargs, inputs or {}
-                )
-            )
+        if call.step.compensate is not None:
+            inputs = self._inputs(call) if inputs is None else inputs
+            self._compensations.append(_Compensation(call, result, stored, inputs))
 
-    def _execute(
-        self,
-        step: Step[R],
-        arguments: dict[str, Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        activity: str,
-        invocation: int,
-        inline: bool,
-    ) -> R:
-        base = {
-            "executionId": self._execution_id,
-            "stepName": step.name,
-            "invocation": invocation,
-            "activityName": activity,
-        }
-        inputs: dict[str, Any] = {}
-        for param, value in arguments.items():
-            inputs[param] = _to_json(
+    @staticmethod
+    def _inputs(call: _StepCall) -> dict[str, Any]:
+        """The step's arguments as stored (validated JSON, secret references kept)."""
+        step = call.step
+        return {
+            param: _to_json(
                 step.param_adapters[param], value, f"argument {param!r} of step {step.name}"
             )
+            for param, value in call.arguments.items()
+        }
+
+    def _execute(self, call: _StepCall, inline: bool) -> Any:
+        step, activity = call.step, call.activity
+        base = call.event_base(self._execution_id)
+        inputs = self._inputs(call)
         previous = self._journal.attempts.get(activity, [])
         attempt = len(previous) + 1
         if previous:
@@ -424,7 +424,8 @@ class Context:
             )
         while True:
             started = NewEvent(
-                {"type": "step.started", **base, "attempt": attempt, "input": inputs}, self._clock()
+                {"type": "step.started", **base, "attempt": attempt, "input": inputs},
+                self._clock(),
             )
             try:
                 result, stored = self._attempt(step, inputs)
@@ -459,7 +460,7 @@ class Context:
                 continue
             completed = {"type": "step.completed", **base, "attempt": attempt, "result": stored}
             self._record([started, NewEvent(completed, self._clock())])
-            self._register(step, activity, invocation, result, stored, args, kwargs, inputs)
+            self._register(call, result, stored, inputs)
             return result
 
     def _attempt(self, step: Step[R], inputs: dict[str, Any]) -> tuple[R, Any]:
@@ -535,7 +536,7 @@ class Context:
             ok, value = recorded
             if not ok:
                 raise CodeExecutionError(name, value)
-            return adapter.validate_python(value)  # type: ignore[no-any-return]
+            return _from_json(adapter, value, f"recorded result of code block {name}")  # type: ignore[no-any-return]
         self._check_cancelled()
         base = {**self._base(name, invocation, activity), "reason": reason}
         started = NewEvent({"type": "code.started", **base}, self._clock())
@@ -569,23 +570,14 @@ class Context:
         """
         errors: list[dict[str, Any]] = []
         for comp in reversed(self._compensations):
-            if comp.activity in self._journal.compensated:
-                recorded = self._journal.compensated[comp.activity]
+            call = comp.call
+            where = {"stepName": call.step.name, "activityName": call.activity}
+            if call.activity in self._journal.compensated:
+                recorded = self._journal.compensated[call.activity]
                 if recorded is not None:
-                    errors.append(
-                        {
-                            "stepName": comp.step.name,
-                            "activityName": comp.activity,
-                            "error": recorded,
-                        }
-                    )
+                    errors.append({**where, "error": recorded})
                 continue
-            base = {
-                "executionId": self._execution_id,
-                "stepName": comp.step.name,
-                "invocation": comp.invocation,
-                "activityName": comp.activity,
-            }
+            base = call.event_base(self._execution_id)
             started = NewEvent(
                 {
                     "type": "compensation.started",
@@ -602,13 +594,10 @@ class Context:
                 doc = error_document(exc)
                 failed = {"type": "compensation.failed", **base, "error": doc}
                 self._record([started, NewEvent(failed, self._clock())])
-                errors.append(
-                    {"stepName": comp.step.name, "activityName": comp.activity, "error": doc}
-                )
+                errors.append({**where, "error": doc})
                 continue
-            self._record(
-                [started, NewEvent({"type": "compensation.completed", **base}, self._clock())]
-            )
+            completed = {"type": "compensation.completed", **base}
+            self._record([started, NewEvent(completed, self._clock())])
         return errors
 
     # parallel -------------------------------------------------------------------------
@@ -642,7 +631,9 @@ class Context:
         def branch(i: int) -> Any:
             call, arguments = prepared[i]
             act, inv = branch_names[i]
-            return self._step(call.step, arguments, call.args, call.kwargs, act, inv, inline=True)
+            return self._step(
+                _StepCall(call.step, arguments, call.args, call.kwargs, act, inv), inline=True
+            )
 
         workers = min(len(prepared), concurrency or len(prepared)) or 1
         with ThreadPoolExecutor(workers, thread_name_prefix="wf-persist-all") as pool:
@@ -790,13 +781,13 @@ def _recorded_step_error(step: Step[Any], failed: Mapping[str, Any]) -> BaseExce
 
 
 def _call_compensation(comp: _Compensation, reason: dict[str, Any]) -> None:
-    fn = comp.step.compensate
+    fn = comp.call.step.compensate
     assert fn is not None
-    kwargs = dict(comp.kwargs)
+    kwargs = dict(comp.call.kwargs)
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         params = {}  # type: ignore[assignment]
     if "reason" in params:
         kwargs["reason"] = reason
-    fn(comp.result, *comp.args, **kwargs)
+    fn(comp.result, *comp.call.args, **kwargs)
