@@ -47,20 +47,25 @@ def insert_for(dialect: Dialect) -> Any:
     raise NotImplementedError(f"wf_persist does not support the {dialect.name} dialect")
 
 
-def insert_ignoring(dialect: Dialect, table: Any, conflict_columns: list[str]) -> Any:
+def insert_ignoring(
+    dialect: Dialect, table: Any, conflict_columns: list[str], where: Any = None
+) -> Any:
     """An INSERT into ``table`` that silently drops rows conflicting on ``conflict_columns``.
 
     Built once per (dialect, table, columns); pass the row as execution parameters.
 
     PostgreSQL and SQLite name the constraint (``ON CONFLICT (...) DO NOTHING``), so a
-    conflict on any *other* unique constraint still raises. MySQL has no conflict target; a
+    conflict on any *other* unique constraint still raises; ``where`` repeats the predicate of
+    a partial unique index. MySQL has no conflict target; a
     no-op ``ON DUPLICATE KEY UPDATE`` is the closest equivalent.
     """
-    return _insert_ignoring(dialect.name, table, tuple(conflict_columns))
+    return _insert_ignoring(dialect.name, table, tuple(conflict_columns), where)
 
 
 @functools.lru_cache(maxsize=64)
-def _insert_ignoring(dialect_name: str, table: Any, conflict_columns: tuple[str, ...]) -> Any:
+def _insert_ignoring(
+    dialect_name: str, table: Any, conflict_columns: tuple[str, ...], where: Any
+) -> Any:
     # rowcount tells the caller whether the row went in; SQLAlchemy only keeps it for
     # INSERTs when asked to.
     factories: dict[str, Any] = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
@@ -69,7 +74,7 @@ def _insert_ignoring(dialect_name: str, table: Any, conflict_columns: tuple[str,
     if dialect_name in ("mysql", "mariadb"):
         first = conflict_columns[0]
         return ins.on_duplicate_key_update({first: ins.inserted[first]})
-    return ins.on_conflict_do_nothing(index_elements=list(conflict_columns))
+    return ins.on_conflict_do_nothing(index_elements=list(conflict_columns), index_where=where)
 
 
 def supports_dml_cte(dialect: Dialect) -> bool:

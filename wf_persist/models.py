@@ -34,6 +34,7 @@ from sqlalchemy import (
     String,
     Table,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.dialects import mysql, postgresql
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -167,6 +168,10 @@ class Execution(Base):
     )
 
 
+#: The predicate of the partial dedupe index (ON CONFLICT must repeat it to match the index).
+DEDUPE_KEY_SET: Final = text("dedupe_key IS NOT NULL")
+
+
 class HistoryEvent(Base):
     """Append-only history. ``event`` holds the whole event as JSON (SPEC section 2).
 
@@ -186,7 +191,15 @@ class HistoryEvent(Base):
 
     __table_args__ = (
         ForeignKeyConstraint(["execution_id"], ["wf_executions.id"], ondelete="CASCADE"),
-        UniqueConstraint("execution_id", "dedupe_key"),
+        # Partial where the backend has them: step events (no key) cost no entry here.
+        Index(
+            "uq_wf_history__execution_id_dedupe_key",
+            "execution_id",
+            "dedupe_key",
+            unique=True,
+            postgresql_where=DEDUPE_KEY_SET,
+            sqlite_where=DEDUPE_KEY_SET,
+        ),
         Index(None, "type", "created_at"),
     )
 

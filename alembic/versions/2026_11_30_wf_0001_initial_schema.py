@@ -114,15 +114,21 @@ def upgrade() -> None:
             ondelete="CASCADE",
         ),
         sa.PrimaryKeyConstraint("execution_id", "sequence", name=op.f("pk_wf_history")),
-        sa.UniqueConstraint(
-            "execution_id", "dedupe_key", name=op.f("uq_wf_history__execution_id_dedupe_key")
-        ),
+    )
+    op.create_index(
+        op.f("uq_wf_history__execution_id_dedupe_key"),
+        "wf_history",
+        ["execution_id", "dedupe_key"],
+        unique=True,
+        postgresql_where=sa.text("dedupe_key IS NOT NULL"),
+        sqlite_where=sa.text("dedupe_key IS NOT NULL"),
     )
     op.create_index(op.f("ix_wf_history__type_created_at"), "wf_history", ["type", "created_at"])
 
 
 def downgrade() -> None:
     op.drop_index(op.f("ix_wf_history__type_created_at"), table_name="wf_history")
+    op.drop_index(op.f("uq_wf_history__execution_id_dedupe_key"), table_name="wf_history")
     op.drop_table("wf_history")
     op.drop_index(op.f("ix_wf_executions__status_wake_at"), table_name="wf_executions")
     op.drop_index(

@@ -34,7 +34,7 @@ from sqlalchemy import (
 
 from .. import _dialect
 from ..errors import LeaseLostError, StaleHistoryError, UnknownExecutionError
-from ..models import JSONDoc, UTCDateTime
+from ..models import DEDUPE_KEY_SET, JSONDoc, UTCDateTime
 from ..models import executions_table as ex
 from ..models import history_table as hist
 from . import Executor, dialect_of, rowcount
@@ -42,6 +42,8 @@ from . import Executor, dialect_of, rowcount
 #: Event types written from outside the driving runtime (clients). The driver never writes
 #: them, so any it has not seen are news.
 CLIENT_EVENT_TYPES: Final = ("signal.delivered", "execution.cancelled")
+
+_DEDUPE = ["execution_id", "dedupe_key"]
 
 #: Statuses that event-driven transitions never leave (SPEC section 3 guards).
 _STICKY = frozenset({"completed", "failed", "compensating"})
@@ -150,7 +152,7 @@ def append(
                 plain = []
             inserted = rowcount(
                 conn.execute(
-                    _dialect.insert_ignoring(dialect, hist, ["execution_id", "dedupe_key"]),
+                    _dialect.insert_ignoring(dialect, hist, _DEDUPE, DEDUPE_KEY_SET),
                     _row(execution_id, seq, ev),
                 )
             )
@@ -219,7 +221,7 @@ def _fenced_statement(
         selects = [
             select(
                 bindparam("p_eid", type_=String(36)),
-                (bump.c.top - (n - i)).label("sequence"),
+                (bump.c.top - literal_column(str(n - i))).label("sequence"),
                 bindparam(f"type{i}", type_=String(64)),
                 bindparam(f"act{i}", type_=String(255)),
                 bindparam(f"dk{i}", type_=String(255)),
@@ -385,15 +387,13 @@ def append_fenced_autocommit(
 
     For the runtime's hot path on a connection with no transaction open. PostgreSQL: the one
     CTE statement in autocommit. SQLite: ``BEGIN IMMEDIATE``, the UPDATE ... RETURNING, one
-    INSERT and ``COMMIT`` straight on the driver connection, with SQL rendered once by
-    SQLAlchemy; skipping SQLAlchemy's per-execution machinery halves the CPU per step, which
-    on SQLite is most of a step's cost. Others: a SQLAlchemy transaction.
+    INSERT and ``COMMIT``. Both go straight to the driver connection with SQL rendered once
+    by SQLAlchemy: skipping SQLAlchemy's per-execution machinery halves the CPU of a step,
+    which is most of its cost next to the commit. Others: a SQLAlchemy transaction.
     """
     dialect = conn.dialect
-    if _dialect.supports_dml_cte(dialect):
-        return append_fenced(
-            conn, execution_id, owner, events, now=now, values=values, from_statuses=from_statuses
-        )
+    if _dialect.supports_dml_cte(dialect) and not conn.in_transaction():
+        return _append_postgresql_raw(conn, execution_id, owner, events, now, values, from_statuses)
     if not _dialect.is_sqlite(dialect) or conn.in_transaction():
         with conn.begin_nested() if conn.in_transaction() else conn.begin():
             return append_fenced(
@@ -443,9 +443,59 @@ def append_fenced_autocommit(
     return Fenced([base + i for i in range(n)], status)
 
 
+_pg_sql: dict[tuple[Any, ...], str] = {}
+
+
+def _append_postgresql_raw(
+    conn: Connection,
+    execution_id: str,
+    owner: str,
+    events: Sequence[NewEvent],
+    now: dt.datetime,
+    values: Mapping[str, Any] | None,
+    from_statuses: tuple[str, ...] | None,
+) -> Fenced:
+    """The CTE sent straight to psycopg (autocommit), rendered once by SQLAlchemy.
+
+    Same statement and parameters as :func:`append_fenced`; JSON goes as text to the
+    statement's ``::JSONB`` casts. psycopg prepares it server-side after a few runs.
+    """
+    n = len(events)
+    columns = tuple(sorted(values)) if values else ()
+    key = (n, columns, from_statuses)
+    sql = _pg_sql.get(key)
+    if sql is None:
+        sql = str(_fenced_statement("cte", n, columns, from_statuses).compile(dialect=conn.dialect))
+        _pg_sql[key] = sql
+    params: dict[str, Any] = {"p_eid": execution_id, "p_owner": owner, "p_now": now}
+    for column in columns:
+        value = values[column]  # type: ignore[index]
+        params[f"v_{column}"] = (
+            None
+            if value is None
+            else json.dumps(value)
+            if _SQLITE_KINDS.get(column) == "json"
+            else value
+        )
+    for i, ev in enumerate(events):
+        params[f"type{i}"] = ev.type
+        params[f"act{i}"] = ev.activity_name
+        params[f"dk{i}"] = ev.dedupe_key
+        params[f"at{i}"] = ev.created_at
+        params[f"ev{i}"] = json.dumps(ev.event)
+    raw = conn.connection.driver_connection
+    assert raw is not None
+    with raw.cursor() as cursor:
+        cursor.execute(sql, params)
+        rows = cursor.fetchall()
+    if len(rows) != n:
+        raise LeaseLostError(execution_id)
+    return Fenced(sorted(int(r[0]) for r in rows), str(rows[0][1]))
+
+
 def insert_once(conn: Executor, execution_id: str, sequence: int, event: NewEvent) -> bool:
     """Insert one dedupe-keyed event at a sequence the caller reserved; False if a twin exists."""
-    stmt = _dialect.insert_ignoring(dialect_of(conn), hist, ["execution_id", "dedupe_key"])
+    stmt = _dialect.insert_ignoring(dialect_of(conn), hist, _DEDUPE, DEDUPE_KEY_SET)
     return rowcount(conn.execute(stmt, _row(execution_id, sequence, event))) == 1
 
 
