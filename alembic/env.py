@@ -23,8 +23,12 @@ from wf_persist.models import metadata
 config = context.config
 
 
+SCHEMA: str | None = config.attributes.get("schema")
+
+
 def _configure_args(dialect_name: str) -> dict[str, Any]:
     return {
+        "version_table_schema": SCHEMA,
         "target_metadata": metadata,
         "version_table": VERSION_TABLE,
         "include_name": include_name,
@@ -38,6 +42,8 @@ def _configure_args(dialect_name: str) -> dict[str, Any]:
 def _lock(connection: Connection) -> None:
     name = connection.dialect.name
     if name == "postgresql":
+        # Wait for a concurrent upgrade, but not forever: fail closed, never go on unlocked.
+        connection.execute(text("SET LOCAL lock_timeout = '300s'"))
         connection.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": MIGRATION_LOCK_KEY})
     elif name in ("mysql", "mariadb"):
         got = connection.execute(text("SELECT GET_LOCK('wf_persist_migrate', 600)")).scalar_one()
@@ -46,9 +52,16 @@ def _lock(connection: Connection) -> None:
 
 
 def _run(connection: Connection) -> None:
+    if SCHEMA is not None:
+        # Our revisions name no schema; the translate map puts every table in SCHEMA.
+        connection = connection.execution_options(schema_translate_map={None: SCHEMA})
     context.configure(connection=connection, **_configure_args(connection.dialect.name))
     with context.begin_transaction():
         _lock(connection)
+        if SCHEMA is not None:
+            connection.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{SCHEMA}"'))
+            # Raw SQL in revisions (views) resolves names through the search path.
+            connection.execute(text(f'SET LOCAL search_path TO "{SCHEMA}"'))
         context.run_migrations()
 
 
@@ -59,6 +72,9 @@ def run_migrations_offline() -> None:
     with context.begin_transaction():
         if url.get_backend_name() == "postgresql":
             context.execute(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK_KEY})")
+            if SCHEMA is not None:
+                context.execute(f'CREATE SCHEMA IF NOT EXISTS "{SCHEMA}"')
+                context.execute(f'SET LOCAL search_path TO "{SCHEMA}"')
         context.run_migrations()
 
 

@@ -16,6 +16,8 @@ from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.engine import URL, Dialect
 from sqlalchemy.pool import ConnectionPoolEntry
 
+from .errors import WfPersistError
+
 #: Environment variable that names the database when no URL is passed.
 DATABASE_URL_ENV: Final = "WF_PERSIST_DATABASE_URL"
 #: The embedded default: a SQLite file in the working directory.
@@ -139,6 +141,19 @@ def _configure_sqlite(engine: Engine) -> None:
             conn.exec_driver_sql("BEGIN")
         else:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def with_schema(engine: Engine, schema: str | None) -> Engine:
+    """``engine`` rendering wf_persist's tables in ``schema`` (PostgreSQL only).
+
+    Returns a copy with a ``schema_translate_map`` execution option; it shares the pool and
+    leaves the original engine untouched.
+    """
+    if schema is None:
+        return engine
+    if not is_postgresql(engine.dialect):
+        raise WfPersistError(f"a named schema needs PostgreSQL, not {engine.dialect.name}")
+    return engine.execution_options(schema_translate_map={None: schema})
 
 
 def describe_url(url: URL) -> str:

@@ -6,6 +6,7 @@ running it, for review. ``wf-persist worker --app module:runtime`` serves a runt
 
 from __future__ import annotations
 
+import datetime as dt
 import importlib
 import os
 import signal
@@ -35,6 +36,10 @@ UrlOption = Annotated[
     ),
 ]
 SqlOption = Annotated[bool, typer.Option("--sql", help="Print the SQL instead of running it.")]
+SchemaOption = Annotated[
+    str | None,
+    typer.Option("--schema", help="PostgreSQL schema for the wf_ tables (created if missing)."),
+]
 
 
 def _url(url: str | None) -> str:
@@ -46,13 +51,15 @@ def upgrade(
     revision: Annotated[str, typer.Argument(help="Target revision.")] = "heads",
     url: UrlOption = None,
     sql: SqlOption = False,
+    schema: SchemaOption = None,
 ) -> None:
     """Upgrade the wf_persist schema (default: to the newest revision)."""
-    script = migrate.upgrade(_dialect.resolve_url(url), revision, sql=sql)
+    script = migrate.upgrade(_dialect.resolve_url(url), revision, sql=sql, schema=schema)
     if script is not None:
         typer.echo(script, nl=False)
         return
-    err.print(f"wf_persist schema at {migrate.current(_dialect.resolve_url(url))} ({_url(url)})")
+    found = migrate.current(_dialect.resolve_url(url), schema=schema)
+    err.print(f"wf_persist schema at {found} ({_url(url)})")
 
 
 @db.command()
@@ -60,23 +67,65 @@ def downgrade(
     revision: Annotated[str, typer.Argument(help="Target revision ('base' drops every table).")],
     url: UrlOption = None,
     sql: SqlOption = False,
+    schema: SchemaOption = None,
 ) -> None:
     """Downgrade the wf_persist schema to REVISION."""
-    script = migrate.downgrade(_dialect.resolve_url(url), revision, sql=sql)
+    script = migrate.downgrade(_dialect.resolve_url(url), revision, sql=sql, schema=schema)
     if script is not None:
         typer.echo(script, nl=False)
         return
-    now = migrate.current(_dialect.resolve_url(url))
+    now = migrate.current(_dialect.resolve_url(url), schema=schema)
     err.print(f"wf_persist schema at {now or 'base'} ({_url(url)})")
 
 
 @db.command()
-def current(url: UrlOption = None) -> None:
+def current(url: UrlOption = None, schema: SchemaOption = None) -> None:
     """Print the revision the database is at ('none' if never migrated)."""
-    found = migrate.current(_dialect.resolve_url(url))
+    found = migrate.current(_dialect.resolve_url(url), schema=schema)
     typer.echo(found or "none")
     if found != migrate.SCHEMA_HEAD:
         err.print(f"not at head ({migrate.SCHEMA_HEAD}); run: wf-persist db upgrade")
+
+
+def parse_age(text: str) -> dt.timedelta | dt.datetime:
+    """``30d``, ``12h``, ``15m``, ``90s`` (an age) or an ISO-8601 time with offset (a cutoff)."""
+    units = {"d": "days", "h": "hours", "m": "minutes", "s": "seconds"}
+    if text[-1:] in units and text[:-1].replace(".", "", 1).isdigit():
+        return dt.timedelta(**{units[text[-1]]: float(text[:-1])})
+    try:
+        when = dt.datetime.fromisoformat(text)
+    except ValueError:
+        when = None
+    if when is None or when.tzinfo is None:
+        raise InvalidArgumentError(
+            f"--older-than takes an age like 30d, 12h, 15m, 90s or an ISO time with offset, "
+            f"got {text!r}"
+        )
+    return when
+
+
+@app.command()
+def purge(
+    older_than: Annotated[
+        str, typer.Option(help="Age (30d, 12h, 15m, 90s) or ISO cutoff time of finished runs.")
+    ],
+    status: Annotated[
+        list[str] | None, typer.Option(help="Statuses to delete (default: completed, failed).")
+    ] = None,
+    batch_size: Annotated[int, typer.Option(help="Runs deleted per transaction.")] = 1000,
+    url: UrlOption = None,
+    schema: SchemaOption = None,
+) -> None:
+    """Delete finished runs and their history; running or suspended runs are never touched."""
+    cutoff = parse_age(older_than)
+    with Runtime(url, auto_migrate=False, schema=schema) as runtime:
+        deleted = runtime.client().purge(
+            older_than=cutoff,
+            statuses=tuple(status or ("completed", "failed")),
+            batch_size=batch_size,
+        )
+    typer.echo(deleted)
+    err.print(f"deleted {deleted} finished run(s) ({_url(url)})")
 
 
 def load_runtime(reference: str) -> Runtime:

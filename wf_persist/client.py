@@ -440,8 +440,18 @@ class WorkflowClient:
         version: int | None = None,
         limit: int | None = None,
         cursor: str | None = None,
+        created_after: dt.datetime | None = None,
+        created_before: dt.datetime | None = None,
+        actor: str | None = None,
     ) -> Page:
-        """Runs of one workflow, oldest first, ``limit`` at a time (keyset pagination)."""
+        """Runs of one workflow, oldest first, ``limit`` at a time (keyset pagination).
+
+        Filters: ``status``, ``version``, creation time in ``[created_after,
+        created_before)`` (timezone-aware) and ``actor``.
+        """
+        for bound in (created_after, created_before):
+            if bound is not None and (not isinstance(bound, dt.datetime) or bound.tzinfo is None):
+                raise InvalidArgumentError("created_after/created_before must be aware datetimes")
         name = workflow if isinstance(workflow, str) else workflow.name
         if status is not None and status not in STATUSES:
             raise InvalidArgumentError(f"unknown status {status!r}; expected one of {STATUSES}")
@@ -458,11 +468,56 @@ class WorkflowClient:
                 version=version,
                 after=after,
                 limit=None if limit is None else limit + 1,
+                created_after=created_after,
+                created_before=created_before,
+                actor=actor,
             )
         items = [ExecutionInfo.from_row(r) for r in rows[: limit if limit is not None else None]]
         more = limit is not None and len(rows) > limit
         next_cursor = _encode_cursor(items[-1].created_at, items[-1].execution_id) if more else None
         return Page(items, next_cursor)
+
+    def purge(
+        self,
+        *,
+        older_than: dt.timedelta | dt.datetime,
+        statuses: Sequence[str] = ("completed", "failed"),
+        batch_size: int = 1000,
+    ) -> int:
+        """Delete finished runs (and their history) that finished before a cutoff.
+
+        Works in batches of ``batch_size`` runs, one short transaction each, so it never
+        holds locks for long. Running, suspended and compensating runs are never touched.
+
+        Args:
+            older_than: an age (``timedelta``) or an aware cutoff time.
+            statuses: which finished runs to delete (``completed``, ``failed``).
+
+        Returns:
+            How many runs were deleted.
+        """
+        if isinstance(older_than, dt.timedelta):
+            cutoff = self.runtime.clock() - older_than
+        elif isinstance(older_than, dt.datetime) and older_than.tzinfo is not None:
+            cutoff = older_than
+        else:
+            raise InvalidArgumentError("older_than must be a timedelta or an aware datetime")
+        bad = [s for s in statuses if s not in TERMINAL_STATUSES]
+        if bad or not statuses:
+            raise InvalidArgumentError(
+                f"purge deletes finished runs only (completed, failed); got {list(statuses)}"
+            )
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise InvalidArgumentError(f"batch_size must be a positive integer, got {batch_size!r}")
+        total = 0
+        while True:
+            with self.runtime.engine.begin() as conn:
+                deleted = executions.purge_batch(
+                    conn, finished_before=cutoff, statuses=statuses, limit=batch_size
+                )
+            total += deleted
+            if deleted < batch_size:
+                return total
 
     def history(self, execution_id: str) -> Sequence[HistoryRecord]:
         """Every event of the run in sequence order."""

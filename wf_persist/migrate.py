@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 #: Alembic version table wf_persist uses (never the host application's).
 VERSION_TABLE: Final = "wf_persist_alembic_version"
 #: The revision this version of wf_persist needs. A test checks it is the script head.
-SCHEMA_HEAD: Final = "wf_0001"
+SCHEMA_HEAD: Final = "wf_0002"
 #: Key of the PostgreSQL advisory lock that serializes concurrent upgrades.
 MIGRATION_LOCK_KEY: Final = 0x77665F70657273  # "wf_pers"
 
@@ -65,7 +65,21 @@ def host_include_name(name: str | None, type_: str, parent_names: Any) -> bool:
     return True
 
 
-def _config(connection: Connection | None, url: URL | None, output: io.StringIO | None) -> Config:
+def _schema_of(bind: Bind, schema: str | None) -> str | None:
+    """An explicit schema, else the one a Runtime's engine view renders our tables in."""
+    if schema is not None or isinstance(bind, str | URL):
+        return schema
+    translate = bind.get_execution_options().get("schema_translate_map") or {}
+    found = translate.get(None)
+    return None if found is None else str(found)
+
+
+def _config(
+    connection: Connection | None,
+    url: URL | None,
+    output: io.StringIO | None,
+    schema: str | None = None,
+) -> Config:
     from alembic.config import Config
 
     cfg = Config(output_buffer=output) if output is not None else Config()
@@ -77,6 +91,7 @@ def _config(connection: Connection | None, url: URL | None, output: io.StringIO 
             "sqlalchemy.url", url.render_as_string(hide_password=False).replace("%", "%%")
         )
     cfg.attributes["connection"] = connection
+    cfg.attributes["schema"] = schema
     return cfg
 
 
@@ -103,41 +118,49 @@ def _url_of(bind: Bind) -> URL:
     return _dialect.resolve_url(bind)
 
 
-def upgrade(bind: Bind, revision: str = "heads", *, sql: bool = False) -> str | None:
+def upgrade(
+    bind: Bind, revision: str = "heads", *, sql: bool = False, schema: str | None = None
+) -> str | None:
     """Upgrade the schema to ``revision`` (default: the newest).
 
     Args:
         bind: an engine, connection or URL.
         revision: target revision.
         sql: render the SQL instead of running it (offline mode, for review by a DBA).
+        schema: a PostgreSQL schema for the wf_ tables and the version table (created if
+            missing).
 
     Returns:
         The SQL script when ``sql`` is true, else ``None``.
     """
     from alembic import command
 
+    schema = _schema_of(bind, schema)
     with _alembic_lock:
         if sql:
             buf = io.StringIO()
-            command.upgrade(_config(None, _url_of(bind), buf), revision, sql=True)
+            command.upgrade(_config(None, _url_of(bind), buf, schema), revision, sql=True)
             return buf.getvalue()
         with _connection(bind) as conn:
-            command.upgrade(_config(conn, None, None), revision)
+            command.upgrade(_config(conn, None, None, schema), revision)
     return None
 
 
-def downgrade(bind: Bind, revision: str, *, sql: bool = False) -> str | None:
+def downgrade(
+    bind: Bind, revision: str, *, sql: bool = False, schema: str | None = None
+) -> str | None:
     """Downgrade the schema to ``revision`` (``base`` removes every wf_persist table)."""
     from alembic import command
 
+    schema = _schema_of(bind, schema)
     with _alembic_lock:
         if sql:
             buf = io.StringIO()
             rng = revision if ":" in revision else f"{SCHEMA_HEAD}:{revision}"
-            command.downgrade(_config(None, _url_of(bind), buf), rng, sql=True)
+            command.downgrade(_config(None, _url_of(bind), buf, schema), rng, sql=True)
             return buf.getvalue()
         with _connection(bind) as conn:
-            command.downgrade(_config(conn, None, None), revision)
+            command.downgrade(_config(conn, None, None, schema), revision)
     return None
 
 
@@ -148,29 +171,32 @@ def heads() -> Sequence[str]:
     return ScriptDirectory.from_config(_config(None, None, None)).get_heads()
 
 
-def current(bind: Bind) -> str | None:
+def current(bind: Bind, *, schema: str | None = None) -> str | None:
     """The revision the database is at, or ``None`` if wf_persist was never migrated there."""
+    schema = _schema_of(bind, schema)
     with _connection(bind) as conn:
-        return _current(conn)
+        return _current(conn, schema)
 
 
-def _current(conn: Connection) -> str | None:
-    if not inspect(conn).has_table(VERSION_TABLE):
+def _current(conn: Connection, schema: str | None) -> str | None:
+    if not inspect(conn).has_table(VERSION_TABLE, schema=schema):
         return None
-    version = table(VERSION_TABLE, column("version_num"))
+    version = table(VERSION_TABLE, column("version_num"), schema=schema)
     rows = conn.execute(select(version.c.version_num)).scalars().all()
     return ",".join(sorted(rows)) or None
 
 
-def upgrade_command(url: URL) -> str:
+def upgrade_command(url: URL, schema: str | None = None) -> str:
     """The command a person runs to bring the database at ``url`` to head."""
-    return f"wf-persist db upgrade --url '{_dialect.describe_url(url)}'"
+    extra = "" if schema is None else f" --schema {schema}"
+    return f"wf-persist db upgrade --url '{_dialect.describe_url(url)}'{extra}"
 
 
-def assert_at_head(bind: Bind) -> None:
+def assert_at_head(bind: Bind, *, schema: str | None = None) -> None:
     """Raise :class:`SchemaVersionError` (naming the command to run) unless at head."""
+    schema = _schema_of(bind, schema)
     with _connection(bind) as conn:
-        found = _current(conn)
+        found = _current(conn, schema)
         url = conn.engine.url
     if found != SCHEMA_HEAD:
-        raise SchemaVersionError(found, SCHEMA_HEAD, upgrade_command(url))
+        raise SchemaVersionError(found, SCHEMA_HEAD, upgrade_command(url, schema))

@@ -75,6 +75,7 @@ class Runtime:
         clock: the source of "now" (UTC, timezone-aware).
         secret_resolver: resolves ``secret:<name>`` references in step arguments inside the
             step (e.g. :func:`wf_persist.env_secret_resolver`).
+        schema: a PostgreSQL schema holding the wf_ tables (migrate it with the same schema).
     """
 
     def __init__(
@@ -86,15 +87,21 @@ class Runtime:
         poll_interval: float = 0.25,
         clock: Clock = utc_now,
         secret_resolver: SecretResolver | None = None,
+        schema: str | None = None,
     ) -> None:
         if lease_ttl <= 0 or poll_interval <= 0:
             raise InvalidArgumentError("lease_ttl and poll_interval must be positive")
         if isinstance(bind, Engine):
-            self.engine = bind
+            engine = bind
             self._owns_engine = False
         else:
-            self.engine = _dialect.create_engine(bind)
+            engine = _dialect.create_engine(bind)
             self._owns_engine = True
+        self._base_engine = engine
+        self.schema = schema
+        # A view of the engine that renders our tables in ``schema``: the host's own engine
+        # object and its options are left as they are.
+        self.engine = _dialect.with_schema(engine, schema)
         dialect = self.engine.dialect
         if auto_migrate is None:
             auto_migrate = self._owns_engine and _dialect.is_sqlite(dialect)
@@ -105,7 +112,7 @@ class Runtime:
                 migrate.assert_at_head(self.engine)
         except BaseException:
             if self._owns_engine:
-                self.engine.dispose()
+                engine.dispose()
             raise
         self.clock = clock
         self.lease_ttl = dt.timedelta(seconds=lease_ttl)
@@ -395,7 +402,7 @@ class Runtime:
         if keeper is not None:
             keeper.stop()
         if self._owns_engine:
-            self.engine.dispose()
+            self._base_engine.dispose()
 
     def __enter__(self) -> Runtime:
         return self

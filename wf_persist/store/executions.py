@@ -6,7 +6,19 @@ import datetime as dt
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import BigInteger, Row, and_, bindparam, func, insert, or_, select, tuple_, update
+from sqlalchemy import (
+    BigInteger,
+    Row,
+    and_,
+    bindparam,
+    delete,
+    func,
+    insert,
+    or_,
+    select,
+    tuple_,
+    update,
+)
 
 from .. import _dialect
 from ..errors import CannotCancelError, UnknownExecutionError
@@ -294,17 +306,27 @@ def list_page(
     version: int | None,
     after: tuple[dt.datetime, str] | None,
     limit: int | None,
+    created_after: dt.datetime | None = None,
+    created_before: dt.datetime | None = None,
+    actor: str | None = None,
 ) -> Sequence[Row[Any]]:
     """Runs of one workflow, oldest first, after a keyset position.
 
     The WHERE and ORDER BY match the ``(workflow_name, [status | version,] created_at, id)``
-    indexes, so every page is an index range scan however deep the cursor is.
+    indexes, so every page is an index range scan however deep the cursor is; a time range
+    narrows the same range, and ``actor`` filters rows inside it.
     """
     query = select(ex).where(ex.c.workflow_name == workflow_name)
     if status is not None:
         query = query.where(ex.c.status == status)
     if version is not None:
         query = query.where(ex.c.workflow_version == version)
+    if created_after is not None:
+        query = query.where(ex.c.created_at >= created_after)
+    if created_before is not None:
+        query = query.where(ex.c.created_at < created_before)
+    if actor is not None:
+        query = query.where(ex.c.actor == actor)
     if after is not None:
         created_at, last_id = after
         if dialect_of(conn).name == "postgresql":
@@ -320,3 +342,29 @@ def list_page(
     if limit is not None:
         query = query.limit(limit)
     return conn.execute(query).all()
+
+
+def purge_batch(
+    conn: Executor, *, finished_before: dt.datetime, statuses: Sequence[str], limit: int
+) -> int:
+    """Delete up to ``limit`` finished runs (and their history), oldest first.
+
+    Only terminal statuses are ever matched: a running or suspended run is never touched.
+    History is deleted explicitly (not by the foreign key's cascade), so it works whatever
+    the connection's foreign-key setting.
+    """
+    wanted = [s for s in statuses if s in TERMINAL_STATUSES]
+    if not wanted:
+        return 0
+    ids = list(
+        conn.execute(
+            select(ex.c.id)
+            .where(ex.c.status.in_(wanted), ex.c.finished_at < finished_before)
+            .order_by(ex.c.finished_at)
+            .limit(limit)
+        ).scalars()
+    )
+    if ids:
+        conn.execute(delete(hist).where(hist.c.execution_id.in_(ids)))
+        conn.execute(delete(ex).where(ex.c.id.in_(ids), ex.c.status.in_(wanted)))
+    return len(ids)

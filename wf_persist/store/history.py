@@ -462,10 +462,15 @@ def _append_postgresql_raw(
     """
     n = len(events)
     columns = tuple(sorted(values)) if values else ()
-    key = (n, columns, from_statuses)
+    schemas = conn.get_execution_options().get("schema_translate_map")
+    key = (n, columns, from_statuses, tuple(sorted((schemas or {}).items(), key=str)))
     sql = _pg_sql.get(key)
     if sql is None:
-        sql = str(_fenced_statement("cte", n, columns, from_statuses).compile(dialect=conn.dialect))
+        translate = {"schema_translate_map": schemas, "render_schema_translate": True}
+        compiled = _fenced_statement("cte", n, columns, from_statuses).compile(
+            dialect=conn.dialect, **(translate if schemas else {})
+        )
+        sql = str(compiled)
         _pg_sql[key] = sql
     params: dict[str, Any] = {"p_eid": execution_id, "p_owner": owner, "p_now": now}
     for column in columns:

@@ -1,0 +1,302 @@
+"""Living inside a host application: its engine, its transactions, SQL readers, retention."""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import (
+    Column,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    create_engine,
+    func,
+    inspect,
+    select,
+    text,
+)
+from sqlalchemy.orm import Session
+
+import wf_persist as wp
+from wf_persist import migrate
+from wf_persist.models import executions_table as ex
+from wf_persist.models import history_table as hist
+
+from .conftest import _pg_url, create_pg_database, drop_pg_database
+from .fixtures import saga as s
+from .fixtures import workflows as w
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "sql.md"
+
+
+@pytest.fixture(autouse=True)
+def _reset() -> Iterator[None]:
+    s.reset()
+    w.CALLS.clear()
+    yield
+    s.reset()
+
+
+def _host_table() -> Table:
+    return Table(
+        "orders", MetaData(), Column("id", Integer, primary_key=True), Column("ref", String(50))
+    )
+
+
+def test_host_engine_is_used_as_is_and_never_mutated(db_url: str) -> None:
+    engine = create_engine(db_url)
+    names = ("engine_connect", "begin", "before_cursor_execute")
+    listeners = {name: len(getattr(engine.dispatch, name)) for name in names}
+    pool_listeners = (len(engine.pool.dispatch.connect), len(engine.pool.dispatch.checkout))
+    options = dict(engine.get_execution_options())
+    with wp.Runtime(engine) as rt:
+        rt.register(w.echo_wf)
+        client = rt.client()
+        assert client.result(client.start(w.echo_wf, 3).execution_id).unwrap() == [1, 2, 3]
+    assert {name: len(getattr(engine.dispatch, name)) for name in listeners} == listeners
+    assert (len(engine.pool.dispatch.connect), len(engine.pool.dispatch.checkout)) == pool_listeners
+    assert dict(engine.get_execution_options()) == options
+    with engine.connect() as conn:  # the runtime did not dispose the host's engine
+        assert conn.execute(text("SELECT 1")).scalar() == 1
+    engine.dispose()
+
+
+@pytest.mark.parametrize("use", ["session", "connection"])
+def test_start_inside_the_host_transaction(db_url: str, use: str) -> None:
+    engine = create_engine(db_url)
+    orders = _host_table()
+    orders.create(engine)
+    rt = wp.Runtime(engine)
+    rt.register(w.echo_wf)
+    client = rt.client()
+
+    def in_host_transaction(commit: bool, ref: str) -> str:
+        if use == "session":
+            with Session(engine) as session:
+                session.execute(orders.insert().values(ref=ref))
+                handle = client.start(w.echo_wf, 2, session=session, idempotency_key=ref)
+                session.commit() if commit else session.rollback()
+        else:
+            with engine.connect() as conn:
+                conn.execute(orders.insert().values(ref=ref))
+                handle = client.start(w.echo_wf, 2, session=conn, idempotency_key=ref)
+                conn.commit() if commit else conn.rollback()
+        return handle.execution_id
+
+    rolled_back = in_host_transaction(False, "r-1")
+    with pytest.raises(wp.UnknownExecutionError):
+        client.status(rolled_back)
+    assert client.list(w.echo_wf).items == []
+    committed = in_host_transaction(True, "r-2")
+    assert client.result(committed).unwrap() == [1, 2]
+    with engine.connect() as conn:
+        assert conn.execute(select(orders.c.ref)).scalars().all() == ["r-2"]
+    rt.close()
+    orders.drop(engine)
+    engine.dispose()
+
+
+@pytest.mark.backends("postgresql")
+def test_tables_in_a_named_schema() -> None:
+    name = create_pg_database()
+    url = _pg_url(name)
+    try:
+        migrate.upgrade(url, schema="wf")
+        assert migrate.current(url, schema="wf") == migrate.SCHEMA_HEAD
+        assert migrate.current(url) is None, "nothing in the default schema"
+        engine = create_engine(url)
+        tables = set(inspect(engine).get_table_names(schema="wf"))
+        assert {"wf_executions", "wf_history", "wf_workflows", migrate.VERSION_TABLE} <= tables
+        assert not set(inspect(engine).get_table_names(schema="public"))
+        with pytest.raises(wp.SchemaVersionError, match="--schema other"):
+            wp.Runtime(engine, schema="other")
+        with wp.Runtime(engine, schema="wf") as rt:
+            rt.register(*w.ALL)
+            client = rt.client()
+            handle = client.start(w.approval_wf, None)
+            with pytest.raises(wp.ResultTimeoutError):
+                client.result(handle.execution_id, timeout=0.3)
+            client.signal(handle.execution_id, "approval", {"approved": True})
+            assert client.result(handle.execution_id, timeout=5).unwrap() == "approved"
+        with engine.connect() as conn:
+            n = conn.execute(text("SELECT count(*) FROM wf.wf_history")).scalar()
+            assert n and n > 5
+            assert conn.execute(text("SELECT count(*) FROM wf.wf_step_attempts")).scalar() == 1
+        engine.dispose()
+        script = migrate.upgrade(url, sql=True, schema="wf")
+        assert script is not None and 'SET LOCAL search_path TO "wf"' in script
+    finally:
+        drop_pg_database(name)
+
+
+def test_named_schema_needs_postgresql(tmp_path: Path) -> None:
+    with pytest.raises(wp.WfPersistError, match="needs PostgreSQL"):
+        wp.Runtime(f"sqlite:///{tmp_path / 'x.sqlite3'}", schema="wf")
+
+
+def test_list_filters_time_range_and_actor(runtime: wp.Runtime) -> None:
+    clock_value = [dt.datetime(2026, 1, 1, tzinfo=dt.UTC)]
+    runtime.clock = lambda: clock_value[0]
+    runtime.register(w.echo_wf)
+    client = runtime.client()
+    ids = []
+    for i, actor in enumerate(["ann", "bob", "ann", "cy"]):
+        clock_value[0] = dt.datetime(2026, 1, 1 + i, tzinfo=dt.UTC)
+        ids.append(client.start(w.echo_wf, 2, actor=actor).execution_id)
+    jan2, jan4 = dt.datetime(2026, 1, 2, tzinfo=dt.UTC), dt.datetime(2026, 1, 4, tzinfo=dt.UTC)
+    page = client.list(w.echo_wf, created_after=jan2, created_before=jan4)
+    assert [i.execution_id for i in page.items] == ids[1:3]
+    assert [i.execution_id for i in client.list(w.echo_wf, actor="ann").items] == [ids[0], ids[2]]
+    first = client.list(w.echo_wf, actor="ann", limit=1)
+    rest = client.list(w.echo_wf, actor="ann", limit=1, cursor=first.next_cursor)
+    assert [i.execution_id for i in first.items + rest.items] == [ids[0], ids[2]]
+    with pytest.raises(wp.InvalidArgumentError):
+        client.list(w.echo_wf, created_after=dt.datetime(2026, 1, 1))
+
+
+def test_purge_deletes_only_old_finished_runs(runtime: wp.Runtime, db_url: str) -> None:
+    runtime.register(*w.ALL)
+    client = runtime.client()
+    done = [client.start(w.echo_wf, 2).execution_id for _ in range(5)]
+    for execution_id in done:
+        client.result(execution_id)
+    failed = client.start(w.explode_wf, "x").execution_id
+    client.result(failed)
+    parked = client.start(w.approval_wf, None).execution_id
+    with pytest.raises(wp.ResultTimeoutError):
+        client.result(parked, timeout=0.2)
+    fresh = client.start(w.echo_wf, 2).execution_id
+    assert client.purge(older_than=dt.timedelta(hours=1)) == 0
+    with pytest.raises(wp.InvalidArgumentError):
+        client.purge(older_than=dt.timedelta(0), statuses=("suspended",))
+    with pytest.raises(wp.InvalidArgumentError):
+        client.purge(older_than=dt.timedelta(0), batch_size=0)
+    assert client.purge(older_than=dt.timedelta(0), statuses=("completed",), batch_size=2) == 5
+    for execution_id in done:
+        with pytest.raises(wp.UnknownExecutionError):
+            client.status(execution_id)
+    assert client.status(failed) == "failed"
+    assert client.purge(older_than=dt.timedelta(0)) == 1
+    assert client.status(parked) == "suspended" and client.status(fresh) == "running"
+    engine = create_engine(db_url)
+    with engine.connect() as conn:
+        orphans = conn.execute(
+            select(func.count())
+            .select_from(hist)
+            .where(hist.c.execution_id.not_in(select(ex.c.id)))
+        ).scalar_one()
+    engine.dispose()
+    assert orphans == 0
+
+
+def test_cli_purge(runtime: wp.Runtime, db_url: str) -> None:
+    import subprocess
+    import sys
+
+    runtime.register(w.echo_wf)
+    client = runtime.client()
+    client.result(client.start(w.echo_wf, 2).execution_id)
+    cli = [sys.executable, "-m", "wf_persist.cli", "purge", "--url", db_url]
+    kept = subprocess.run([*cli, "--older-than", "1d"], capture_output=True, text=True, check=True)
+    assert kept.stdout.strip() == "0"
+    gone = subprocess.run([*cli, "--older-than", "0s"], capture_output=True, text=True, check=True)
+    assert gone.stdout.strip() == "1"
+    bad = subprocess.run([*cli, "--older-than", "soon"], capture_output=True, text=True)
+    assert bad.returncode == 1 and "--older-than takes an age" in bad.stderr
+
+
+def _doc_queries() -> list[str]:
+    return re.findall(r"```sql\n(.*?)```", DOCS.read_text(), flags=re.S)
+
+
+def test_docs_ship_at_least_eight_queries() -> None:
+    assert len(_doc_queries()) >= 8
+
+
+def test_documented_queries_run_on_every_backend(
+    make_runtime: Callable[..., wp.Runtime], db_url: str
+) -> None:
+    rt = make_runtime()
+    rt.register(*w.ALL, *s.ALL)
+    client = rt.client()
+    client.result(client.start(w.echo_wf, 3, actor="checkout").execution_id)
+    client.result(client.start(s.flaky_wf).execution_id)  # a retried step
+    client.result(client.start(s.saga_wf, 1).execution_id)  # failed, compensated
+    signalled = client.start(w.approval_wf, None).execution_id
+    waiting = client.start(w.approval_wf, None).execution_id
+    sleeping = client.start(w.napper_wf, 3600).execution_id
+    for execution_id in (signalled, waiting, sleeping):
+        with pytest.raises(wp.ResultTimeoutError):
+            client.result(execution_id, timeout=0.3)
+    client.signal(signalled, "approval", {"approved": True}, actor="kim")
+    client.result(signalled, timeout=5)
+    params = {"execution_id": signalled, "actor": "checkout"}
+    engine = create_engine(db_url)
+    with engine.connect() as conn:
+        for sql in _doc_queries():
+            names = set(re.findall(r"(?<!:):(\w+)", sql))
+            rows = conn.execute(text(sql.strip().rstrip(";")), {k: params[k] for k in names}).all()
+            assert rows, f"no rows for:\n{sql}"
+        attempts = conn.execute(
+            text(
+                "SELECT step_name, attempt, outcome, duration_ms FROM wf_step_attempts"
+                " WHERE step_name = 'flaky' ORDER BY attempt"
+            )
+        ).all()
+        expected = [(1, "failed"), (2, "failed"), (3, "completed")]
+        assert [(r.attempt, r.outcome) for r in attempts] == expected
+        assert all(r.duration_ms is not None and r.duration_ms >= 0 for r in attempts)
+        waits = {
+            r.execution_id: (r.waiting_kind, r.signal_name)
+            for r in conn.execute(
+                text("SELECT execution_id, waiting_kind, signal_name FROM wf_execution_waits")
+            )
+        }
+        assert waits[waiting] == ("signal", "approval")
+        assert waits[sleeping] == ("timer", None)
+        assert signalled not in waits
+    engine.dispose()
+
+
+LEGACY = Path(__file__).resolve().parent / "fixtures" / "legacy" / "wf_0001_rows.sql"
+
+
+def test_upgrade_keeps_data_from_the_oldest_revision(blank_db_url: str) -> None:
+    migrate.upgrade(blank_db_url, "wf_0001")
+    engine = create_engine(blank_db_url)
+    with engine.begin() as conn:
+        if engine.dialect.name == "postgresql":
+            conn.execute(text("SET LOCAL TIME ZONE 'UTC'"))
+        for statement in LEGACY.read_text().split(";\n"):
+            if statement.strip():
+                conn.execute(text(statement))
+    migrate.upgrade(blank_db_url)
+    assert migrate.current(blank_db_url) == migrate.SCHEMA_HEAD
+    with wp.Runtime(engine) as rt:
+        rt.register(w.echo_wf)
+        client = rt.client()
+        info = client.describe("00000000-0000-4000-8000-000000000001")
+        assert (info.status, info.actor, info.version) == ("completed", "legacy-actor", 1)
+        assert client.result(info.execution_id).unwrap() == [1, 2]
+        history = client.history(info.execution_id)
+        assert [r.event["type"] for r in history] == [
+            "execution.started",
+            "workflow.started",
+            "step.started",
+            "step.completed",
+            "step.started",
+            "step.completed",
+            "workflow.completed",
+        ]
+        assert history[0].created_at == dt.datetime(2026, 11, 1, 12, 0, 0, 123456, tzinfo=dt.UTC)
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text("SELECT step_name, outcome FROM wf_step_attempts ORDER BY started_at")
+        ).all()
+    assert [tuple(r) for r in rows] == [("echo", "completed"), ("echo", "completed")]
+    engine.dispose()
