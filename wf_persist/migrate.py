@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 #: Alembic version table wf_persist uses (never the host application's).
 VERSION_TABLE: Final = "wf_persist_alembic_version"
+#: The version table of a host that merged our revisions into its own chain.
+HOST_VERSION_TABLE: Final = "alembic_version"
 #: The revision this version of wf_persist needs. A test checks it is the script head.
 SCHEMA_HEAD: Final = "wf_0002"
 #: Key of the PostgreSQL advisory lock that serializes concurrent upgrades.
@@ -45,6 +47,11 @@ def script_location() -> Path:
     if (packaged / "env.py").is_file():
         return packaged
     return Path(__file__).resolve().parent.parent / "alembic"
+
+
+def versions_directory() -> Path:
+    """Our revisions, for a host's ``version_locations`` (merged mode)."""
+    return script_location() / "versions"
 
 
 def include_name(name: str | None, type_: str, parent_names: Any) -> bool:
@@ -179,11 +186,17 @@ def current(bind: Bind, *, schema: str | None = None) -> str | None:
 
 
 def _current(conn: Connection, schema: str | None) -> str | None:
-    if not inspect(conn).has_table(VERSION_TABLE, schema=schema):
-        return None
-    version = table(VERSION_TABLE, column("version_num"), schema=schema)
-    rows = conn.execute(select(version.c.version_num)).scalars().all()
-    return ",".join(sorted(rows)) or None
+    inspector = inspect(conn)
+    if inspector.has_table(VERSION_TABLE, schema=schema):
+        version = table(VERSION_TABLE, column("version_num"), schema=schema)
+        rows = conn.execute(select(version.c.version_num)).scalars().all()
+        return ",".join(sorted(rows)) or None
+    # Merged mode: a host keeps our revisions in its own version table, beside its own.
+    if inspector.has_table(HOST_VERSION_TABLE, schema=schema):
+        host = table(HOST_VERSION_TABLE, column("version_num"), schema=schema)
+        rows = conn.execute(select(host.c.version_num)).scalars().all()
+        return ",".join(sorted(r for r in rows if r.startswith("wf_"))) or None
+    return None
 
 
 def upgrade_command(url: URL, schema: str | None = None) -> str:
