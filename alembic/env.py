@@ -56,13 +56,17 @@ def _run(connection: Connection) -> None:
         # Our revisions name no schema; the translate map puts every table in SCHEMA.
         connection = connection.execution_options(schema_translate_map={None: SCHEMA})
     context.configure(connection=connection, **_configure_args(connection.dialect.name))
-    with context.begin_transaction():
-        _lock(connection)
-        if SCHEMA is not None:
-            connection.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{SCHEMA}"'))
-            # Raw SQL in revisions (views) resolves names through the search path.
-            connection.execute(text(f'SET LOCAL search_path TO "{SCHEMA}"'))
-        context.run_migrations()
+    try:
+        with context.begin_transaction():
+            _lock(connection)
+            if SCHEMA is not None:
+                connection.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{SCHEMA}"'))
+                # Raw SQL in revisions (views) resolves names through the search path.
+                connection.execute(text(f'SET LOCAL search_path TO "{SCHEMA}"'))
+            context.run_migrations()
+    finally:
+        if connection.dialect.name in ("mysql", "mariadb"):  # a session lock, not a txn one
+            connection.execute(text("SELECT RELEASE_LOCK('wf_persist_migrate')"))
 
 
 def run_migrations_offline() -> None:

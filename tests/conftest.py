@@ -23,38 +23,62 @@ from wf_persist import migrate
 
 BACKENDS = [
     b.strip()
-    for b in os.environ.get("WF_PERSIST_TEST_BACKENDS", "sqlite,postgresql").split(",")
+    for b in os.environ.get("WF_PERSIST_TEST_BACKENDS", "sqlite,postgresql,mysql").split(",")
     if b.strip()
 ]
-PG_ADMIN_URL = os.environ.get(
-    "WF_PERSIST_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
-)
+#: Admin URLs: the tests create (and drop) scratch databases through them.
+ADMIN_URLS = {
+    "postgresql": os.environ.get(
+        "WF_PERSIST_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+    ),
+    "mysql": os.environ.get(
+        "WF_PERSIST_TEST_MYSQL_URL", "mysql+pymysql://root@127.0.0.1:3306/test"
+    ),
+}
+PG_ADMIN_URL = ADMIN_URLS["postgresql"]
 TABLES = ("wf_history", "wf_executions", "wf_workflows")
 
 
+def server_url(backend: str, dbname: str) -> str:
+    return make_url(ADMIN_URLS[backend]).set(database=dbname).render_as_string(hide_password=False)
+
+
 def _pg_url(dbname: str) -> str:
-    return make_url(PG_ADMIN_URL).set(database=dbname).render_as_string(hide_password=False)
+    return server_url("postgresql", dbname)
 
 
-def _pg_admin(sql: str) -> None:
-    engine = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+def _admin(backend: str, sql: str) -> None:
+    url = ADMIN_URLS[backend]
+    engine = create_engine(url, isolation_level="AUTOCOMMIT")
     try:
         with engine.connect() as conn:
             conn.execute(text(sql))
     except Exception as exc:  # the server must be there: fail, never skip
-        pytest.fail(f"PostgreSQL backend required but unusable at {PG_ADMIN_URL}: {exc}")
+        pytest.fail(f"{backend} backend required but unusable at {url}: {exc}")
     finally:
         engine.dispose()
 
 
-def create_pg_database() -> str:
+def create_database(backend: str) -> str:
     name = f"wf_persist_t_{uuid.uuid4().hex[:12]}"
-    _pg_admin(f'CREATE DATABASE "{name}"')
+    quote = '"' if backend == "postgresql" else "`"
+    _admin(backend, f"CREATE DATABASE {quote}{name}{quote}")
     return name
 
 
+def drop_database(backend: str, name: str) -> None:
+    if backend == "postgresql":
+        _admin(backend, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    else:
+        _admin(backend, f"DROP DATABASE IF EXISTS `{name}`")
+
+
+def create_pg_database() -> str:
+    return create_database("postgresql")
+
+
 def drop_pg_database(name: str) -> None:
-    _pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    drop_database("postgresql", name)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -69,12 +93,23 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture(scope="session")
-def _pg_session_db() -> Iterator[str]:
-    name = create_pg_database()
-    url = _pg_url(name)
-    migrate.upgrade(url)
-    yield url
-    drop_pg_database(name)
+def _server_dbs() -> Iterator[dict[str, str]]:
+    """One migrated scratch database per server backend for the whole session."""
+    made: dict[str, tuple[str, str]] = {}
+    urls: dict[str, str] = {}
+
+    class Lazy(dict[str, str]):
+        def __missing__(self, backend: str) -> str:
+            name = create_database(backend)
+            made[backend] = (name, server_url(backend, name))
+            migrate.upgrade(made[backend][1])
+            self[backend] = made[backend][1]
+            return self[backend]
+
+    lazy = Lazy(urls)
+    yield lazy
+    for backend, (name, _) in made.items():
+        drop_database(backend, name)
 
 
 @pytest.fixture(scope="session")
@@ -92,10 +127,14 @@ def db_url(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> str:
         target = tmp_path / "wf.sqlite3"
         shutil.copy(template, target)
         return f"sqlite:///{target}"
-    url: str = request.getfixturevalue("_pg_session_db")
+    url: str = request.getfixturevalue("_server_dbs")[backend]
     engine = create_engine(url)
     with engine.begin() as conn:
-        conn.execute(text(f"TRUNCATE {', '.join(TABLES)} CASCADE"))
+        if backend == "postgresql":
+            conn.execute(text(f"TRUNCATE {', '.join(TABLES)} CASCADE"))
+        else:
+            for table in TABLES:
+                conn.execute(text(f"DELETE FROM {table}"))
     engine.dispose()
     return url
 
@@ -106,9 +145,9 @@ def blank_db_url(backend: str, tmp_path: Path) -> Iterator[str]:
     if backend == "sqlite":
         yield f"sqlite:///{tmp_path / 'blank.sqlite3'}"
         return
-    name = create_pg_database()
-    yield _pg_url(name)
-    drop_pg_database(name)
+    name = create_database(backend)
+    yield server_url(backend, name)
+    drop_database(backend, name)
 
 
 @pytest.fixture

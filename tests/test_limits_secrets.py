@@ -137,6 +137,22 @@ def _raw_bytes(db_url: str, backend: str, tmp_path: Path) -> bytes:
         path = Path(make_url(db_url).database or "")
         return b"".join(p.read_bytes() for p in path.parent.glob(path.name + "*"))
     url = make_url(db_url)
+    if backend == "mysql":
+        dump = subprocess.run(
+            [
+                "mysqldump",
+                "-h",
+                url.host or "127.0.0.1",
+                "-P",
+                str(url.port or 3306),
+                "-u",
+                url.username or "root",
+                url.database or "",
+            ],
+            capture_output=True,
+            check=True,
+        )
+        return dump.stdout
     dump = subprocess.run(
         [
             "pg_dump",

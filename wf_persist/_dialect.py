@@ -74,8 +74,10 @@ def _insert_ignoring(
     factory = factories.get(dialect_name, mysql.insert)
     ins = factory(table).execution_options(preserve_rowcount=True)
     if dialect_name in ("mysql", "mariadb"):
-        first = conflict_columns[0]
-        return ins.on_duplicate_key_update({first: ins.inserted[first]})
+        # No conflict target in MySQL. ``INSERT IGNORE`` reports 0 rows for a duplicate (an
+        # ON DUPLICATE KEY no-op can report 1 with the driver's FOUND_ROWS flag); callers
+        # insert only rows whose other constraints they have checked under a lock.
+        return ins.prefix_with("IGNORE")
     return ins.on_conflict_do_nothing(index_elements=list(conflict_columns), index_where=where)
 
 
@@ -89,8 +91,8 @@ def normalize_url(url: str | URL) -> URL:
     parsed = make_url(url)
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")
-    elif parsed.drivername == "mysql":
-        parsed = parsed.set(drivername="mysql+pymysql")
+    elif parsed.drivername in ("mysql", "mariadb"):
+        parsed = parsed.set(drivername=f"{parsed.drivername}+pymysql")
     return parsed
 
 
@@ -118,6 +120,9 @@ def create_engine(url: str | URL | None = None, **kwargs: Any) -> Engine:
         _configure_sqlite(engine)
         return engine
     kwargs.setdefault("pool_pre_ping", False)
+    if resolved.get_backend_name() in ("mysql", "mariadb"):
+        # What PostgreSQL does by default: each statement sees what committed before it.
+        kwargs.setdefault("isolation_level", "READ COMMITTED")
     return sa_create_engine(resolved, **kwargs)
 
 

@@ -92,6 +92,19 @@ class UTCDateTime(TypeDecorator[dt.datetime]):
 JSONDoc = JSON(none_as_null=True).with_variant(postgresql.JSONB(none_as_null=True), "postgresql")
 
 
+#: MySQL/MariaDB table options. Ids keep the database's default collation, so a host's
+#: ``VARCHAR(36)`` column can reference ``wf_executions.id`` as it is.
+MYSQL_TABLE_OPTIONS: Final[dict[str, str]] = {"mysql_engine": "InnoDB", "mysql_charset": "utf8mb4"}
+
+
+def key_string(length: int) -> String:
+    """A name or key column: compared byte for byte everywhere ("Key" != "key"), which on
+    MySQL/MariaDB takes a binary collation."""
+    return String(length).with_variant(
+        mysql.VARCHAR(length, collation="utf8mb4_bin"), "mysql", "mariadb"
+    )
+
+
 class Base(DeclarativeBase):
     """Declarative base for wf_persist's own tables only (never a host's)."""
 
@@ -110,12 +123,15 @@ class WorkflowVersion(Base):
 
     __tablename__ = "wf_workflows"
 
-    name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    name: Mapped[str] = mapped_column(key_string(200), primary_key=True)
     version: Mapped[int] = mapped_column(Integer, primary_key=True)
     source_hash: Mapped[str] = mapped_column(String(64))
     registered_at: Mapped[dt.datetime]
 
-    __table_args__ = (CheckConstraint("version >= 1", name="version_positive"),)
+    __table_args__ = (
+        CheckConstraint("version >= 1", name="version_positive"),
+        MYSQL_TABLE_OPTIONS,
+    )
 
 
 class Execution(Base):
@@ -130,14 +146,14 @@ class Execution(Base):
     __tablename__ = "wf_executions"
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
-    workflow_name: Mapped[str] = mapped_column(String(200))
+    workflow_name: Mapped[str] = mapped_column(key_string(200))
     workflow_version: Mapped[int] = mapped_column(Integer)
     status: Mapped[str] = mapped_column(String(16))
     input: Mapped[dict[str, Any] | None]
     result: Mapped[dict[str, Any] | None]
     error: Mapped[dict[str, Any] | None]
-    idempotency_key: Mapped[str | None] = mapped_column(String(255))
-    actor: Mapped[str | None] = mapped_column(String(255))
+    idempotency_key: Mapped[str | None] = mapped_column(key_string(255))
+    actor: Mapped[str | None] = mapped_column(key_string(255))
     next_seq: Mapped[int] = mapped_column(BigInteger)
     wake_at: Mapped[dt.datetime | None]
     lease_owner: Mapped[str | None] = mapped_column(String(255))
@@ -165,6 +181,7 @@ class Execution(Base):
         Index(None, "workflow_name", "status", "created_at", "id"),
         # Finding runnable work: non-terminal runs by wake time.
         Index(None, "status", "wake_at"),
+        MYSQL_TABLE_OPTIONS,
     )
 
 
@@ -183,9 +200,9 @@ class HistoryEvent(Base):
 
     execution_id: Mapped[str] = mapped_column(String(36), primary_key=True)
     sequence: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    type: Mapped[str] = mapped_column(String(64))
-    activity_name: Mapped[str | None] = mapped_column(String(255))
-    dedupe_key: Mapped[str | None] = mapped_column(String(255))
+    type: Mapped[str] = mapped_column(key_string(64))
+    activity_name: Mapped[str | None] = mapped_column(key_string(255))
+    dedupe_key: Mapped[str | None] = mapped_column(key_string(255))
     created_at: Mapped[dt.datetime]
     event: Mapped[dict[str, Any]]
 
@@ -201,6 +218,7 @@ class HistoryEvent(Base):
             sqlite_where=DEDUPE_KEY_SET,
         ),
         Index(None, "type", "created_at"),
+        MYSQL_TABLE_OPTIONS,
     )
 
 

@@ -27,6 +27,17 @@ branch_labels: str | Sequence[str] | None = ("wf_persist",)
 depends_on: str | Sequence[str] | None = None
 
 
+# MySQL/MariaDB: InnoDB; names and keys get a binary collation (compared byte for byte as
+# elsewhere), ids keep the database default so host tables can reference them as they are.
+_MYSQL = {"mysql_engine": "InnoDB", "mysql_charset": "utf8mb4"}
+
+
+def _key(length: int) -> sa.types.TypeEngine[object]:
+    return sa.String(length).with_variant(
+        mysql.VARCHAR(length, collation="utf8mb4_bin"), "mysql", "mariadb"
+    )
+
+
 def _ts() -> sa.types.TypeEngine[object]:
     return sa.DateTime(timezone=True).with_variant(mysql.DATETIME(fsp=6), "mysql", "mariadb")
 
@@ -38,24 +49,25 @@ def _json() -> sa.types.TypeEngine[object]:
 def upgrade() -> None:
     op.create_table(
         "wf_workflows",
-        sa.Column("name", sa.String(200), nullable=False),
+        sa.Column("name", _key(200), nullable=False),
         sa.Column("version", sa.Integer(), nullable=False),
         sa.Column("source_hash", sa.String(64), nullable=False),
         sa.Column("registered_at", _ts(), nullable=False),
         sa.CheckConstraint("version >= 1", name=op.f("ck_wf_workflows__version_positive")),
         sa.PrimaryKeyConstraint("name", "version", name=op.f("pk_wf_workflows")),
+        **_MYSQL,
     )
     op.create_table(
         "wf_executions",
         sa.Column("id", sa.String(36), nullable=False),
-        sa.Column("workflow_name", sa.String(200), nullable=False),
+        sa.Column("workflow_name", _key(200), nullable=False),
         sa.Column("workflow_version", sa.Integer(), nullable=False),
         sa.Column("status", sa.String(16), nullable=False),
         sa.Column("input", _json(), nullable=True),
         sa.Column("result", _json(), nullable=True),
         sa.Column("error", _json(), nullable=True),
-        sa.Column("idempotency_key", sa.String(255), nullable=True),
-        sa.Column("actor", sa.String(255), nullable=True),
+        sa.Column("idempotency_key", _key(255), nullable=True),
+        sa.Column("actor", _key(255), nullable=True),
         sa.Column("next_seq", sa.BigInteger(), nullable=False),
         sa.Column("wake_at", _ts(), nullable=True),
         sa.Column("lease_owner", sa.String(255), nullable=True),
@@ -79,6 +91,7 @@ def upgrade() -> None:
             "idempotency_key",
             name=op.f("uq_wf_executions__workflow_name_idempotency_key"),
         ),
+        **_MYSQL,
     )
     op.create_index(
         op.f("ix_wf_executions__workflow_name_created_at_id"),
@@ -102,9 +115,9 @@ def upgrade() -> None:
         "wf_history",
         sa.Column("execution_id", sa.String(36), nullable=False),
         sa.Column("sequence", sa.BigInteger(), nullable=False),
-        sa.Column("type", sa.String(64), nullable=False),
-        sa.Column("activity_name", sa.String(255), nullable=True),
-        sa.Column("dedupe_key", sa.String(255), nullable=True),
+        sa.Column("type", _key(64), nullable=False),
+        sa.Column("activity_name", _key(255), nullable=True),
+        sa.Column("dedupe_key", _key(255), nullable=True),
         sa.Column("created_at", _ts(), nullable=False),
         sa.Column("event", _json(), nullable=False),
         sa.ForeignKeyConstraint(
@@ -114,6 +127,7 @@ def upgrade() -> None:
             ondelete="CASCADE",
         ),
         sa.PrimaryKeyConstraint("execution_id", "sequence", name=op.f("pk_wf_history")),
+        **_MYSQL,
     )
     op.create_index(
         op.f("uq_wf_history__execution_id_dedupe_key"),
@@ -127,17 +141,8 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    op.drop_index(op.f("ix_wf_history__type_created_at"), table_name="wf_history")
-    op.drop_index(op.f("uq_wf_history__execution_id_dedupe_key"), table_name="wf_history")
+    # Dropping a table drops its indexes; MySQL refuses to drop an index a foreign key needs
+    # while the key exists, so drop whole tables, children first.
     op.drop_table("wf_history")
-    op.drop_index(op.f("ix_wf_executions__status_wake_at"), table_name="wf_executions")
-    op.drop_index(
-        op.f("ix_wf_executions__workflow_name_status_created_at_id"), table_name="wf_executions"
-    )
-    op.drop_index(
-        op.f("ix_wf_executions__workflow_name_workflow_version_created_at_id"),
-        table_name="wf_executions",
-    )
-    op.drop_index(op.f("ix_wf_executions__workflow_name_created_at_id"), table_name="wf_executions")
     op.drop_table("wf_executions")
     op.drop_table("wf_workflows")
