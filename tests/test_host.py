@@ -300,3 +300,20 @@ def test_upgrade_keeps_data_from_the_oldest_revision(blank_db_url: str) -> None:
         ).all()
     assert [tuple(r) for r in rows] == [("echo", "completed"), ("echo", "completed")]
     engine.dispose()
+
+
+def test_requirements_are_checked_and_explained(db_url: str) -> None:
+    from wf_persist._dialect import check_engine, requirement_problem
+
+    engine = create_engine(db_url)
+    check_engine(engine)  # the servers of this machine qualify
+    engine.dispose()
+    assert requirement_problem("sqlite", (3, 31, 1), False) == (
+        "SQLite >= 3.35 is needed (UPDATE ... RETURNING); found 3.31.1"
+    )
+    assert "MariaDB >= 10.6" in (requirement_problem("mysql", (10, 5, 9), True) or "")
+    assert "MySQL >= 8.0.1" in (requirement_problem("mysql", (5, 7, 40), False) or "")
+    assert requirement_problem("mysql", (10, 11, 6), True) is None
+    assert "not supported" in (requirement_problem("oracle", (19,), False) or "")
+    with pytest.raises(wp.UnsupportedDatabaseError):
+        raise wp.UnsupportedDatabaseError("x")

@@ -8,6 +8,7 @@ migrations, on SQLite, PostgreSQL or MySQL/MariaDB.
 from __future__ import annotations
 
 from . import migrate as migrate
+from ._dialect import UnsupportedDatabaseError as UnsupportedDatabaseError
 from ._dialect import create_engine as create_engine
 from .authoring import Call as Call
 from .authoring import Limit as Limit
@@ -100,6 +101,7 @@ __all__ = [
     "TimedOut",
     "UnknownExecutionError",
     "UnknownWorkflowError",
+    "UnsupportedDatabaseError",
     "WfPersistError",
     "Worker",
     "Workflow",

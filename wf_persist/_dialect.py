@@ -161,6 +161,54 @@ def with_schema(engine: Engine, schema: str | None) -> Engine:
     return engine.execution_options(schema_translate_map={None: schema})
 
 
+class UnsupportedDatabaseError(WfPersistError):
+    """The database (or its version) lacks something wf_persist needs; the message says what."""
+
+
+def requirement_problem(name: str, version: tuple[int, ...] | None, mariadb: bool) -> str | None:
+    """Why a backend of this kind and version cannot run wf_persist, or ``None`` if it can."""
+    if name == "sqlite":
+        if version is not None and version < (3, 35):
+            return "SQLite >= 3.35 is needed (UPDATE ... RETURNING); found " + _v(version)
+        return None
+    if name == "postgresql":
+        if version is not None and version < (12,):
+            return "PostgreSQL >= 12 is needed; found " + _v(version)
+        return None
+    if name in ("mysql", "mariadb"):
+        if mariadb and version is not None and version < (10, 6):
+            return "MariaDB >= 10.6 is needed (FOR UPDATE SKIP LOCKED); found " + _v(version)
+        if not mariadb and version is not None and version < (8, 0, 1):
+            return "MySQL >= 8.0.1 is needed (FOR UPDATE SKIP LOCKED); found " + _v(version)
+        return None
+    return f"the {name} dialect is not supported (SQLite, PostgreSQL, MySQL/MariaDB are)"
+
+
+def _v(version: tuple[int, ...]) -> str:
+    return ".".join(str(p) for p in version)
+
+
+def check_engine(engine: Engine) -> None:
+    """Fail early, and say why, if ``engine``'s database cannot run wf_persist.
+
+    Reads the server version over one connection; changes nothing on the engine.
+    """
+    dialect = engine.dialect
+    if dialect.name == "sqlite":
+        import sqlite3
+
+        version: tuple[int, ...] | None = sqlite3.sqlite_version_info
+    else:
+        with engine.connect() as conn:
+            found = conn.dialect.server_version_info or ()
+        version = tuple(p for p in found if isinstance(p, int)) or None
+    problem = requirement_problem(
+        dialect.name, version, bool(getattr(dialect, "is_mariadb", False))
+    )
+    if problem is not None:
+        raise UnsupportedDatabaseError(problem)
+
+
 def describe_url(url: URL) -> str:
     """The URL as it may appear in messages: password hidden."""
     return url.render_as_string(hide_password=True)

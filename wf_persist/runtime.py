@@ -106,6 +106,7 @@ class Runtime:
         if auto_migrate is None:
             auto_migrate = self._owns_engine and _dialect.is_sqlite(dialect)
         try:
+            _dialect.check_engine(engine)
             if auto_migrate:
                 migrate.upgrade(self.engine)
             else:
