@@ -86,7 +86,7 @@ def source_hash(name: str, version: int, fn: Callable[..., Any]) -> str:
 
 def _hints(fn: Callable[..., Any]) -> dict[str, Any]:
     try:
-        return get_type_hints(fn)
+        return get_type_hints(fn, include_extras=True)
     except Exception as exc:  # unresolvable forward references and the like
         raise WorkflowDefinitionError(f"cannot resolve the annotations of {fn!r}: {exc}") from exc
 

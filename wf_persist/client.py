@@ -340,6 +340,8 @@ class WorkflowClient:
             if row.status in TERMINAL_STATUSES:
                 return self._outcome(row)
             rt.definition(row.workflow_name, row.workflow_version)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise ResultTimeoutError(execution_id, float(timeout or 0))
             now = rt.clock()
             due = row.wake_at is not None and row.wake_at <= now
             if due or row.lease_owner == rt.owner:

@@ -231,14 +231,31 @@ class Journal:
         return journal
 
 
+def _has_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_nul(v) for v in value)
+    return False
+
+
 def _to_json(adapter: TypeAdapter[Any], value: Any, what: str) -> Any:
-    """Validate ``value`` and return its JSON form (what gets stored)."""
+    """Validate ``value`` and return its JSON form (what gets stored).
+
+    A NUL character is refused here, as a typed error of the step or workflow: PostgreSQL
+    rejects it in JSONB, and a write the database rejects would otherwise be retried forever.
+    """
     try:
-        return adapter.dump_python(adapter.validate_python(value), mode="json")
+        doc = adapter.dump_python(adapter.validate_python(value), mode="json")
     except ValidationError as exc:
         raise InvalidPayloadError(what, [dict(e) for e in exc.errors(include_url=False)]) from exc
     except PydanticSerializationError as exc:
         raise NotSerializableError(what, str(exc)) from exc
+    if _has_nul(doc):
+        raise NotSerializableError(what, "it contains a NUL character, which databases reject")
+    return doc
 
 
 def _from_json(adapter: TypeAdapter[Any], value: Any, what: str) -> Any:
@@ -321,6 +338,8 @@ class Context:
         return f"{name}#{invocation}", invocation
 
     def _enter(self, kind: str, name: str, branches: int | None = None) -> tuple[str, int]:
+        if self.divergence is not None:  # caught by the workflow: still nothing new may run
+            raise self.divergence
         activity, invocation = self._next(name)
         position = self._position
         self._position += 1
@@ -442,6 +461,7 @@ class Context:
                 }
                 if terminal:
                     failed["terminal"] = True
+                    failed["declared"] = next(e.__name__ for e in step.errors if isinstance(exc, e))
                 retry_at = None
                 if not final:
                     delay = step.retry.delay(attempt + 1, _random.random)
@@ -465,10 +485,21 @@ class Context:
 
     def _attempt(self, step: Step[R], inputs: dict[str, Any]) -> tuple[R, Any]:
         """One attempt: resolve secrets, take a concurrency slot, run, validate the result."""
-        docs = inputs
         if contains_reference(inputs):
-            docs = resolve_references(inputs, self._driver.secret_resolver())
-        values = {p: step.param_adapters[p].validate_python(v) for p, v in docs.items()}
+            resolved = resolve_references(inputs, self._driver.secret_resolver())
+            try:
+                values = {p: step.param_adapters[p].validate_python(v) for p, v in resolved.items()}
+            except ValidationError as exc:
+                # Said without the input: it holds a resolved secret, and errors are stored.
+                errors = [
+                    {"loc": e["loc"], "type": e["type"], "msg": "rejected after resolving secrets"}
+                    for e in exc.errors(
+                        include_url=False, include_input=False, include_context=False
+                    )
+                ]
+                raise InvalidPayloadError(f"arguments of step {step.name}", errors) from None
+        else:
+            values = {p: step.param_adapters[p].validate_python(v) for p, v in inputs.items()}
         limit = step.concurrency
         if limit is None:
             result = step.fn(**values)
@@ -774,7 +805,10 @@ def _recorded_step_error(step: Step[Any], failed: Mapping[str, Any]) -> BaseExce
     """The failure a replay raises again: the declared type itself, or StepExecutionError."""
     cause = dict(failed.get("error") or {})
     if failed.get("terminal"):
-        declared = step.error_type(cause.get("name"))
+        raised = resolve_type_reference(f"{cause.get('module')}:{cause.get('name')}")
+        if raised is not None and issubclass(raised, step.errors):
+            return rebuild_error(raised, cause)  # the subclass itself, when importable
+        declared = step.error_type(failed.get("declared") or cause.get("name"))
         if declared is not None:
             return rebuild_error(declared, cause)
     return StepExecutionError(step.name, cause)

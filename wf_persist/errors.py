@@ -261,7 +261,9 @@ def error_document(exc: BaseException) -> dict[str, Any]:
         except (TypeError, ValueError):
             continue
         doc[key] = value
-    return doc
+    # Databases reject NUL in text and JSON; an error must always be recordable.
+    cleaned: dict[str, Any] = json.loads(json.dumps(doc).replace("\\u0000", "\\\\0"))
+    return cleaned
 
 
 def rebuild_error(cls: type[BaseException], doc: dict[str, Any]) -> BaseException:

@@ -238,30 +238,25 @@ class Runtime:
     def _claim(
         self, execution_id: str
     ) -> tuple[Workflow[Any, Any], Any, tuple[Journal, int]] | None:
-        """Read the history, lease the run and record ``workflow.started`` the first time:
-        one transaction of three or four statements."""
+        """Lease the run, then read its history and record ``workflow.started`` the first
+        time: one transaction. Reading after the lease is taken means every write fenced by
+        a previous owner is already visible, so a recorded step is never run again."""
         now = self.clock()
         with self.engine.begin() as conn:
-            rows = history.load(conn, execution_id)
-            first_entry = not any(r.event["type"] == "workflow.started" for r in rows)
-            claimed = executions.claim(
-                conn, execution_id, self.owner, now, now + self.lease_ttl, reserve=int(first_entry)
-            )
+            claimed = executions.claim(conn, execution_id, self.owner, now, now + self.lease_ttl)
             if claimed is None:
                 return None
             wf = self.definition(claimed.workflow_name, claimed.workflow_version)
-            if first_entry:
+            rows = history.load(conn, execution_id)
+            if not any(r.event["type"] == "workflow.started" for r in rows):
                 started = {
                     "type": "workflow.started",
                     "executionId": execution_id,
                     "workflowName": wf.name,
                     "version": wf.version,
                 }
-                history.insert_once(
-                    conn,
-                    execution_id,
-                    int(claimed.next_seq) - 1,
-                    NewEvent(started, now, "workflow.started"),
+                history.append(
+                    conn, execution_id, [NewEvent(started, now, "workflow.started")], now=now
                 )
         return wf, claimed.input, _journal(rows)
 
@@ -310,6 +305,8 @@ class Runtime:
             out = wf.fn(ctx, value) if wf.takes_input else wf.fn(ctx)
             if ctx.divergence is not None:
                 raise ctx.divergence
+            # Cancelled after its last durable call: the cancellation still wins.
+            ctx._check_cancelled()
             stored = _to_json(wf.output_adapter, out, f"output of workflow {wf.name}")
         except (Exception, Cancelled) as exc:
             # A divergence wins even if the workflow caught it and failed otherwise.
@@ -418,6 +415,14 @@ class Runtime:
             yield conn
 
 
+def _acquire_or_halt(acquire: Callable[[], bool]) -> bool:
+    """Taking a slot is the runtime's business: its database errors are not step failures."""
+    try:
+        return acquire()
+    except Exception as exc:
+        raise Halt(exc) from exc
+
+
 #: Returned by :meth:`Runtime.drive_for_outcome` when the run could not be claimed.
 _NOT_DRIVEN: Any = object()
 
@@ -479,13 +484,18 @@ class _RunDriver:
         last_check = time.monotonic()
         delay = 0.002
         with rt.limits.slot(step.name, key, limit.limit) as acquire:
-            while not acquire():
+            while not _acquire_or_halt(acquire):
                 if time.monotonic() - last_check > 0.2:
                     last_check = time.monotonic()
-                    with rt.engine.connect() as conn:
-                        row = executions.get(conn, self.execution_id)
+                    try:
+                        with rt.engine.connect() as conn:
+                            row = executions.get(conn, self.execution_id)
+                    except Exception as exc:
+                        raise Halt(exc) from exc
                     if row is None or row.lease_owner != rt.owner:
                         raise Halt(LeaseLostError(self.execution_id))
+                    if row.status == "compensating":  # cancelled while queued: never start
+                        raise Reload
                 time.sleep(delay)
                 delay = min(delay * 2, 0.05)
             yield
@@ -531,8 +541,21 @@ class _RunDriver:
         }
         # Terminal states are final; a run being compensated may only fail.
         guard = ("running", "suspended") if ok else ("running", "suspended", "compensating")
-        self._fenced([NewEvent(event, now, f"workflow.{kind}", kind)], values, guard)
+        try:
+            self._fenced([NewEvent(event, now, f"workflow.{kind}", kind)], values, guard)
+        except Halt as halt:
+            # A cancellation can land between the last call and the outcome: the guard then
+            # refuses a completion. Replay from the fresh history to unwind instead.
+            if isinstance(halt.cause, LeaseLostError) and self._still_ours_and_cancelled():
+                raise Reload from None
+            raise
         self.finished = (ok, value)
+
+    def _still_ours_and_cancelled(self) -> bool:
+        rt = self.runtime
+        with rt.engine.connect() as conn:
+            row = executions.get(conn, self.execution_id)
+        return row is not None and row.lease_owner == rt.owner and row.status == "compensating"
 
 
 class _LeaseKeeper(threading.Thread):

@@ -1,0 +1,122 @@
+"""Regressions: cancellation races, values a database rejects, replayed error types,
+secrets in errors, swallowed divergence, Annotated constraints."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import wf_persist as wp
+
+from .fixtures import saga as s
+from .fixtures.workflows import SimulatedCrash
+from .test_limits_secrets import SECRET_VALUE, _raw_bytes
+
+
+@pytest.fixture(autouse=True)
+def _reset() -> Iterator[None]:
+    s.reset()
+    yield
+    s.GATE.set()
+    s.reset()
+
+
+@pytest.fixture
+def rt(runtime: wp.Runtime) -> wp.Runtime:
+    runtime.register(*s.ALL)
+    return runtime
+
+
+def test_cancelled_run_that_makes_no_further_call_still_unwinds(rt: wp.Runtime) -> None:
+    client = rt.client()
+    handle = client.start(s.no_calls_wf)
+    client.cancel(handle.execution_id, actor="ops")
+    outcome = client.result(handle.execution_id, timeout=5)
+    assert isinstance(outcome, wp.Failed) and outcome.error_type == "Cancelled"
+
+
+def test_cancel_during_the_last_step(rt: wp.Runtime) -> None:
+    rt.start_worker(concurrency=2, poll_interval=0.05)
+    client = rt.client()
+    handle = client.start(s.gated_last_wf)
+    deadline = time.monotonic() + 10
+    while s.CALLS["gated:last"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    client.cancel(handle.execution_id)
+    s.GATE.set()
+    outcome = client.result(handle.execution_id, timeout=10)
+    assert isinstance(outcome, wp.Failed) and outcome.error_type == "Cancelled"
+    assert s.CALLS["undo_first"] == 1, "the reservation is compensated"
+    assert client.status(handle.execution_id) == "failed"
+
+
+def test_default_cancel_of_a_run_queued_behind_a_limit(rt: wp.Runtime) -> None:
+    rt.start_worker(concurrency=4, poll_interval=0.02)
+    client = rt.client()
+    holder = client.start(s.exclusive_wf, "holder")
+    deadline = time.monotonic() + 10
+    while s.CALLS["exclusive:holder"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    queued = client.start(s.exclusive_wf, "queued")
+    time.sleep(0.2)
+    client.cancel(queued.execution_id)
+    outcome = client.result(queued.execution_id, timeout=10)
+    assert isinstance(outcome, wp.Failed) and outcome.error_type == "Cancelled"
+    s.GATE.set()
+    assert client.result(holder.execution_id, timeout=10).unwrap() == "holder"
+    assert s.CALLS["exclusive:queued"] == 0
+
+
+def test_value_the_database_would_reject_is_a_step_failure(rt: wp.Runtime) -> None:
+    client = rt.client()
+    outcome = client.result(client.start(s.nul_wf).execution_id, timeout=10)
+    assert isinstance(outcome, wp.Failed)
+    assert outcome.error["cause"]["name"] == "NotSerializableError"
+    assert "NUL" in outcome.error["cause"]["message"]
+    assert s.CALLS["nul_result"] == 1
+
+
+def test_terminal_subclass_error_replays_as_itself(rt: wp.Runtime) -> None:
+    client = rt.client()
+    handle = client.start(s.subclass_error_wf)
+    assert client.result(handle.execution_id, timeout=10).unwrap() == "CardDeclined 4242"
+    assert s.CALLS["pay_card"] == 1
+
+
+def test_secret_never_reaches_a_stored_error(
+    make_runtime: object, db_url: str, backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STRIPE_KEY", SECRET_VALUE)
+    rt = make_runtime(secret_resolver=wp.env_secret_resolver())  # type: ignore[operator]
+    rt.register(*s.ALL)
+    client = rt.client()
+    handle = client.start(s.short_key_wf, {"api_key": wp.secret("stripe-key")})
+    outcome = client.result(handle.execution_id)
+    assert isinstance(outcome, wp.Failed)
+    assert s.CALLS["use_short_key"] == 0
+    assert SECRET_VALUE not in str(outcome.error)
+    rt.close()
+    assert SECRET_VALUE.encode() not in _raw_bytes(db_url, backend, tmp_path)
+
+
+def test_swallowed_divergence_runs_nothing_new(rt: wp.Runtime) -> None:
+    client = rt.client()
+    handle = client.start(s.swallow_divergence_wf)
+    with pytest.raises(SimulatedCrash):
+        client.result(handle.execution_id)
+    s.CONTROL["diverge"] = True
+    outcome = client.result(handle.execution_id)
+    assert isinstance(outcome, wp.Failed) and outcome.error_type == "NonDeterminismError"
+    assert s.CALLS["plain_step"] == 0 and s.CALLS["second_step"] == 0
+
+
+def test_annotated_constraints_are_enforced(rt: wp.Runtime) -> None:
+    client = rt.client()
+    with pytest.raises(wp.InvalidPayloadError):
+        client.start(s.annotated_wf, -5)
+    assert client.result(client.start(s.annotated_wf, 5).execution_id).unwrap() == 5
