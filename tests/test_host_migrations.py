@@ -4,6 +4,8 @@ and a foreign key to wf_executions)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -60,7 +62,11 @@ def _use_the_fk(url: str) -> None:
 
 
 def test_standalone_pipeline(blank_db_url: str) -> None:
-    migrate.upgrade(blank_db_url)  # wf-persist db upgrade, first
+    subprocess.run(  # wf-persist db upgrade, first, as a deploy pipeline runs it
+        [sys.executable, "-m", "wf_persist.cli", "db", "upgrade", "--url", blank_db_url],
+        check=True,
+        capture_output=True,
+    )
     cfg = _host_config(blank_db_url, merged=False)
     command.upgrade(cfg, "head")  # then the host's alembic upgrade head
     assert _versions(blank_db_url, "alembic_version") == ["host_0001"]

@@ -115,6 +115,11 @@ def create_engine(url: str | URL | None = None, **kwargs: Any) -> Engine:
     only for engines wf_persist owns.
     """
     resolved = resolve_url(url)
+    # A driven run holds one connection and briefly borrows a second; the lease keeper and
+    # concurrency slots need theirs too. Room for that keeps leases renewed under load.
+    if kwargs.get("poolclass") is None:
+        kwargs.setdefault("pool_size", 10)
+        kwargs.setdefault("max_overflow", 40)
     if resolved.get_backend_name() == "sqlite":
         engine = sa_create_engine(resolved, **kwargs)
         _configure_sqlite(engine)
