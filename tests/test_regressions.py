@@ -72,13 +72,17 @@ def test_default_cancel_of_a_run_queued_behind_a_limit(rt: wp.Runtime) -> None:
     assert s.CALLS["exclusive:queued"] == 0
 
 
-def test_value_the_database_would_reject_is_a_step_failure(rt: wp.Runtime) -> None:
+@pytest.mark.parametrize("text", ["\x00", "\ud800"])
+def test_text_a_database_would_reject_is_a_typed_failure(rt: wp.Runtime, text: str) -> None:
     client = rt.client()
-    outcome = client.result(client.start(s.nul_wf).execution_id, timeout=10)
+    with pytest.raises(wp.NotSerializableError):  # refused before anything is written
+        client.start(s.nul_wf, f"x{text}")
+    s.CONTROL["suffix"] = text
+    outcome = client.result(client.start(s.nul_wf, "abc").execution_id, timeout=10)
     assert isinstance(outcome, wp.Failed)
     assert outcome.error["cause"]["name"] == "NotSerializableError"
-    assert "NUL" in outcome.error["cause"]["message"]
-    assert s.CALLS["nul_result"] == 1
+    assert "databases reject" in outcome.error["cause"]["message"]
+    assert s.CALLS["nul_result"] == 1, "not retried forever"
 
 
 def test_terminal_subclass_error_replays_as_itself(rt: wp.Runtime) -> None:
@@ -120,3 +124,10 @@ def test_annotated_constraints_are_enforced(rt: wp.Runtime) -> None:
     with pytest.raises(wp.InvalidPayloadError):
         client.start(s.annotated_wf, -5)
     assert client.result(client.start(s.annotated_wf, 5).execution_id).unwrap() == 5
+
+
+def test_error_text_a_database_would_reject_is_still_recorded(rt: wp.Runtime) -> None:
+    client = rt.client()
+    outcome = client.result(client.start(s.garbled_failure_wf).execution_id, timeout=10)
+    assert isinstance(outcome, wp.Failed)
+    assert outcome.error["cause"]["message"] == "bad \\0 and \\ud800 text"

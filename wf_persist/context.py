@@ -231,21 +231,28 @@ class Journal:
         return journal
 
 
-def _has_nul(value: Any) -> bool:
+def _unstorable(value: Any) -> bool:
+    """Text no database stores: NUL characters, or lone surrogates (not valid UTF-8)."""
     if isinstance(value, str):
-        return "\x00" in value
+        if "\x00" in value:
+            return True
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
     if isinstance(value, dict):
-        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+        return any(_unstorable(k) or _unstorable(v) for k, v in value.items())
     if isinstance(value, list):
-        return any(_has_nul(v) for v in value)
+        return any(_unstorable(v) for v in value)
     return False
 
 
 def _to_json(adapter: TypeAdapter[Any], value: Any, what: str) -> Any:
     """Validate ``value`` and return its JSON form (what gets stored).
 
-    A NUL character is refused here, as a typed error of the step or workflow: PostgreSQL
-    rejects it in JSONB, and a write the database rejects would otherwise be retried forever.
+    Text a database rejects (NUL, lone surrogates) is refused here, as a typed error of the
+    step or workflow; a write the database rejected would otherwise be retried forever.
     """
     try:
         doc = adapter.dump_python(adapter.validate_python(value), mode="json")
@@ -253,8 +260,10 @@ def _to_json(adapter: TypeAdapter[Any], value: Any, what: str) -> Any:
         raise InvalidPayloadError(what, [dict(e) for e in exc.errors(include_url=False)]) from exc
     except PydanticSerializationError as exc:
         raise NotSerializableError(what, str(exc)) from exc
-    if _has_nul(doc):
-        raise NotSerializableError(what, "it contains a NUL character, which databases reject")
+    if _unstorable(doc):
+        raise NotSerializableError(
+            what, "it contains a NUL character or invalid UTF-8 text, which databases reject"
+        )
     return doc
 
 

@@ -261,9 +261,20 @@ def error_document(exc: BaseException) -> dict[str, Any]:
         except (TypeError, ValueError):
             continue
         doc[key] = value
-    # Databases reject NUL in text and JSON; an error must always be recordable.
-    cleaned: dict[str, Any] = json.loads(json.dumps(doc).replace("\\u0000", "\\\\0"))
+    # An error must always be recordable: databases reject NUL and lone surrogates in text.
+    cleaned: dict[str, Any] = _scrub(doc)
     return cleaned
+
+
+def _scrub(value: Any) -> Any:
+    if isinstance(value, str):
+        text = value.replace("\x00", "\\0")
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_scrub(k): _scrub(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_scrub(v) for v in value]
+    return value
 
 
 def rebuild_error(cls: type[BaseException], doc: dict[str, Any]) -> BaseException:

@@ -221,10 +221,18 @@ class Runtime:
         """Like :meth:`drive`; returns ``(ok, stored value)`` if the run finished here,
         ``None`` if it parked, ``_NOT_DRIVEN`` if it could not be claimed."""
         self._check_open()
-        with self._lock:
-            if execution_id in self._driving:
+        # Another thread here may be just leaving this run (after parking it, say) while a
+        # worker claimed it again: wait a moment rather than leave it leased and idle.
+        deadline = time.monotonic() + 0.5
+        while True:
+            with self._lock:
+                if execution_id not in self._driving:
+                    self._driving.add(execution_id)
+                    break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
                 return _NOT_DRIVEN
-            self._driving.add(execution_id)
+            self.wait_for_change(min(0.05, remaining))
         try:
             return self._drive(execution_id)
         finally:
