@@ -13,6 +13,7 @@ import pytest
 import wf_persist as wp
 
 from .fixtures import saga as s
+from .helpers import wait_until
 
 
 @pytest.fixture(autouse=True)
@@ -39,13 +40,6 @@ def _parked(client: wp.WorkflowClient) -> str:
         client.result(handle.execution_id, timeout=0.2)
     assert client.status(handle.execution_id) == "suspended"
     return handle.execution_id
-
-
-def _wait_for(predicate: object, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():  # type: ignore[operator]
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
 
 
 def test_cancel_a_suspended_run_compensates(rt: wp.Runtime) -> None:  # 24, 58
@@ -130,7 +124,7 @@ def test_cancel_a_running_run_at_its_next_step_boundary(rt: wp.Runtime) -> None:
     rt.start_worker(concurrency=2, poll_interval=0.05)
     client = rt.client()
     handle = client.start(s.gated_wf)
-    _wait_for(lambda: s.CALLS["gated:g"] == 1)
+    wait_until(lambda: s.CALLS["gated:g"] == 1)
     client.cancel(handle.execution_id, actor="ops")
     s.GATE.set()
     outcome = client.result(handle.execution_id, timeout=10)
@@ -149,7 +143,7 @@ def test_hard_cancel_of_a_stuck_step(rt: wp.Runtime) -> None:  # 25
     rt.start_worker(concurrency=2, poll_interval=0.05)
     client = rt.client()
     handle = client.start(s.gated_wf)
-    _wait_for(lambda: s.CALLS["gated:g"] == 1)
+    wait_until(lambda: s.CALLS["gated:g"] == 1)
     client.cancel(handle.execution_id, compensate=False)
     outcome = client.result(handle.execution_id, timeout=5)
     assert isinstance(outcome, wp.Failed)

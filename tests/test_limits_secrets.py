@@ -17,6 +17,7 @@ from sqlalchemy.engine import make_url
 import wf_persist as wp
 
 from .fixtures import saga as s
+from .helpers import wait_status, wait_until
 
 SECRET_VALUE = "sk_live_0123456789abcdef-very-secret"
 
@@ -30,11 +31,8 @@ def _reset() -> Iterator[None]:
 
 
 def _drain(client: wp.WorkflowClient, ids: list[str], timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
     for execution_id in ids:
-        while client.status(execution_id) != "completed":
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_status(client, execution_id, "completed", timeout)
 
 
 def test_limit_holds_for_concurrent_runs(runtime: wp.Runtime) -> None:  # 49
@@ -60,10 +58,7 @@ def test_cancelled_run_queued_behind_a_limit_never_starts(runtime: wp.Runtime) -
     runtime.start_worker(concurrency=4, poll_interval=0.02)
     client = runtime.client()
     holder = client.start(s.exclusive_wf, "holder")
-    deadline = time.monotonic() + 10
-    while s.CALLS["exclusive:holder"] == 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: s.CALLS["exclusive:holder"] > 0, what="the holder's step")
     queued = client.start(s.exclusive_wf, "queued")
     time.sleep(0.2)
     client.cancel(queued.execution_id, compensate=False)

@@ -13,6 +13,7 @@ import wf_persist as wp
 
 from .fixtures import saga as s
 from .fixtures.workflows import SimulatedCrash
+from .helpers import wait_until
 from .test_limits_secrets import SECRET_VALUE, _raw_bytes
 
 
@@ -42,10 +43,7 @@ def test_cancel_during_the_last_step(rt: wp.Runtime) -> None:
     rt.start_worker(concurrency=2, poll_interval=0.05)
     client = rt.client()
     handle = client.start(s.gated_last_wf)
-    deadline = time.monotonic() + 10
-    while s.CALLS["gated:last"] == 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: s.CALLS["gated:last"] > 0, what="the last step")
     client.cancel(handle.execution_id)
     s.GATE.set()
     outcome = client.result(handle.execution_id, timeout=10)
@@ -58,10 +56,7 @@ def test_default_cancel_of_a_run_queued_behind_a_limit(rt: wp.Runtime) -> None:
     rt.start_worker(concurrency=4, poll_interval=0.02)
     client = rt.client()
     holder = client.start(s.exclusive_wf, "holder")
-    deadline = time.monotonic() + 10
-    while s.CALLS["exclusive:holder"] == 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: s.CALLS["exclusive:holder"] > 0, what="the holder's step")
     queued = client.start(s.exclusive_wf, "queued")
     time.sleep(0.2)
     client.cancel(queued.execution_id)

@@ -14,13 +14,7 @@ from pathlib import Path
 import wf_persist as wp
 
 from .fixtures import workflows as w
-
-
-def _wait_for_mark(path: Path, label: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while label not in w.marks(path):
-        assert time.monotonic() < deadline, f"mark {label!r} never appeared"
-        time.sleep(0.02)
+from .helpers import wait_for_mark
 
 
 def test_killed_process_run_is_finished_by_another_process(
@@ -35,7 +29,7 @@ def test_killed_process_run_is_finished_by_another_process(
     )
     assert starter.stdout is not None
     execution_id = starter.stdout.readline().strip()
-    _wait_for_mark(marks, "b-start")
+    wait_for_mark(marks, "b-start")
     os.kill(starter.pid, signal.SIGKILL)
     starter.wait(timeout=30)
     starter.stdout.close()

@@ -21,6 +21,7 @@ from wf_persist.models import executions_table as ex
 from wf_persist.models import history_table as hist
 
 from .fixtures import workflows as w
+from .helpers import wait_for_mark, wait_status, wait_until
 
 
 @pytest.fixture(autouse=True)
@@ -46,22 +47,6 @@ def _worker_process(db_url: str, *extra: str, lease_ttl: float = 2.0) -> subproc
     )
 
 
-def _wait_status(
-    client: wp.WorkflowClient, execution_id: str, status: str, timeout: float = 30
-) -> None:
-    deadline = time.monotonic() + timeout
-    while client.status(execution_id) != status:
-        assert time.monotonic() < deadline, f"{execution_id} never became {status}"
-        time.sleep(0.02)
-
-
-def _wait_for_mark(path: Path, label: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while label not in w.marks(path):
-        assert time.monotonic() < deadline, f"mark {label!r} never appeared"
-        time.sleep(0.02)
-
-
 def test_embedded_worker_runs_timers_and_signals(runtime: wp.Runtime) -> None:
     runtime.register(*w.ALL)
     worker = runtime.start_worker(concurrency=2, poll_interval=0.05)
@@ -69,14 +54,11 @@ def test_embedded_worker_runs_timers_and_signals(runtime: wp.Runtime) -> None:
     nap = client.start(w.napper_wf, 0.3)
     began = time.monotonic()
     wait = client.start(w.approval_wf, None)
-    _wait_status(client, nap.execution_id, "completed")
+    wait_status(client, nap.execution_id, "completed")
     assert 0.3 <= time.monotonic() - began < 1.5, "a timer fires within a poll interval"
-    deadline = time.monotonic() + 10
-    while not client.pending_signals(wait.execution_id):
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_until(lambda: client.pending_signals(wait.execution_id), what="the signal wait")
     client.signal(wait.execution_id, "approval", {"approved": True})
-    _wait_status(client, wait.execution_id, "completed")
+    wait_status(client, wait.execution_id, "completed")
     assert client.result(wait.execution_id).unwrap() == "approved"
     worker.stop()
 
@@ -118,7 +100,7 @@ def test_worker_process_serves_the_cli_app(runtime: wp.Runtime, db_url: str) -> 
     proc = _worker_process(db_url)
     try:
         for handle in handles:
-            _wait_status(client, handle.execution_id, "completed")
+            wait_status(client, handle.execution_id, "completed")
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
@@ -136,7 +118,7 @@ def test_killed_worker_is_recovered_by_another(
     handle = client.start(w.three_steps_wf, {"marks": str(marks), "hang_file": str(hang)})
     first = _worker_process(db_url, lease_ttl=1.0)
     try:
-        _wait_for_mark(marks, "b-start")
+        wait_for_mark(marks, "b-start")
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=30)
@@ -144,7 +126,7 @@ def test_killed_worker_is_recovered_by_another(
     assert client.status(handle.execution_id) == "running"
     second = _worker_process(db_url, lease_ttl=1.0)
     try:
-        _wait_status(client, handle.execution_id, "completed")
+        wait_status(client, handle.execution_id, "completed")
     finally:
         second.send_signal(signal.SIGTERM)
         second.wait(timeout=30)
@@ -182,7 +164,7 @@ def test_signal_across_three_processes(runtime: wp.Runtime, db_url: str) -> None
     assert sent.stdout.strip() == "ok"
     worker = _worker_process(db_url)
     try:
-        _wait_status(client, execution_id, "completed")
+        wait_status(client, execution_id, "completed")
     finally:
         worker.send_signal(signal.SIGTERM)
         worker.wait(timeout=30)
