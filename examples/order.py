@@ -72,7 +72,7 @@ def place_order(ctx: wp.Context, order: Order) -> Confirmation:
 
 
 def main() -> None:
-    console = Console()
+    console = Console(width=120)
     with wp.Runtime() as runtime:
         runtime.register(place_order)
         client = runtime.client()
