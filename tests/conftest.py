@@ -173,3 +173,23 @@ def runtime(make_runtime: Callable[..., wp.Runtime]) -> wp.Runtime:
 @pytest.fixture
 def client(runtime: wp.Runtime) -> wp.WorkflowClient:
     return runtime.client()
+
+
+@pytest.fixture
+def saga_reset() -> Iterator[None]:
+    """Clear the saga fixtures' counters and knobs around a test (and open its gate)."""
+    from .fixtures import saga
+
+    saga.reset()
+    yield
+    saga.GATE.set()
+    saga.reset()
+
+
+@pytest.fixture
+def rt(runtime: wp.Runtime) -> wp.Runtime:
+    """A runtime with every saga fixture workflow registered."""
+    from .fixtures import saga
+
+    runtime.register(*saga.ALL)
+    return runtime

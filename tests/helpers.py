@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,3 +32,14 @@ def wait_status(
 def wait_for_mark(path: Path, label: str, timeout: float = 60) -> None:
     """Wait for a side effect (a line in a marks file) from another process."""
     wait_until(lambda: label in w.marks(path), timeout, f"mark {label!r}")
+
+
+def worker_process(db_url: str, *extra: str, lease_ttl: float = 2.0) -> subprocess.Popen[bytes]:
+    """``wf-persist worker`` serving the test application (tests/fixtures/app.py)."""
+    env = {**os.environ, "WF_PERSIST_DATABASE_URL": db_url, "WF_TEST_LEASE_TTL": str(lease_ttl)}
+    command = [sys.executable, "-m", "wf_persist.cli", "worker"]
+    return subprocess.Popen(
+        [*command, "--app", "tests.fixtures.app:runtime", *extra],
+        env=env,
+        stderr=subprocess.DEVNULL,
+    )

@@ -6,7 +6,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -15,19 +14,7 @@ import wf_persist as wp
 from .fixtures import saga as s
 from .helpers import wait_until
 
-
-@pytest.fixture(autouse=True)
-def _reset() -> Iterator[None]:
-    s.reset()
-    yield
-    s.GATE.set()
-    s.reset()
-
-
-@pytest.fixture
-def rt(runtime: wp.Runtime) -> wp.Runtime:
-    runtime.register(*s.ALL)
-    return runtime
+pytestmark = pytest.mark.usefixtures("saga_reset")
 
 
 def _types(client: wp.WorkflowClient, execution_id: str) -> list[str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,18 +16,7 @@ from wf_persist.models import history_table as hist
 from .fixtures import saga as s
 from .fixtures.workflows import SimulatedCrash
 
-
-@pytest.fixture(autouse=True)
-def _reset() -> Iterator[None]:
-    s.reset()
-    yield
-    s.reset()
-
-
-@pytest.fixture
-def rt(runtime: wp.Runtime) -> wp.Runtime:
-    runtime.register(*s.ALL)
-    return runtime
+pytestmark = pytest.mark.usefixtures("saga_reset")
 
 
 def _events(

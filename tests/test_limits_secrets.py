@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import itertools
-import os
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,17 +14,12 @@ from sqlalchemy.engine import make_url
 import wf_persist as wp
 
 from .fixtures import saga as s
-from .helpers import wait_status, wait_until
+from .helpers import wait_status, wait_until, worker_process
 
 SECRET_VALUE = "sk_live_0123456789abcdef-very-secret"
 
 
-@pytest.fixture(autouse=True)
-def _reset() -> Iterator[None]:
-    s.reset()
-    yield
-    s.GATE.set()
-    s.reset()
+pytestmark = pytest.mark.usefixtures("saga_reset")
 
 
 def _drain(client: wp.WorkflowClient, ids: list[str], timeout: float = 30) -> None:
@@ -78,24 +70,7 @@ def test_limit_holds_across_worker_processes(
     client = runtime.client()
     marks = tmp_path / "marks"
     ids = [client.start(s.serialized_wf, str(marks)).execution_id for _ in range(12)]
-    env = {**os.environ, "WF_PERSIST_DATABASE_URL": db_url}
-    workers = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "wf_persist.cli",
-                "worker",
-                "--app",
-                "tests.fixtures.app:runtime",
-                "--concurrency",
-                "4",
-            ],
-            env=env,
-            stderr=subprocess.DEVNULL,
-        )
-        for _ in range(2)
-    ]
+    workers = [worker_process(db_url, "--concurrency", "4") for _ in range(2)]
     try:
         _drain(client, ids, timeout=120)
     finally:

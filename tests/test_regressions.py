@@ -4,7 +4,6 @@ secrets in errors, swallowed divergence, Annotated constraints."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,19 +15,7 @@ from .fixtures.workflows import SimulatedCrash
 from .helpers import wait_until
 from .test_limits_secrets import SECRET_VALUE, _raw_bytes
 
-
-@pytest.fixture(autouse=True)
-def _reset() -> Iterator[None]:
-    s.reset()
-    yield
-    s.GATE.set()
-    s.reset()
-
-
-@pytest.fixture
-def rt(runtime: wp.Runtime) -> wp.Runtime:
-    runtime.register(*s.ALL)
-    return runtime
+pytestmark = pytest.mark.usefixtures("saga_reset")
 
 
 def test_cancelled_run_that_makes_no_further_call_still_unwinds(rt: wp.Runtime) -> None:

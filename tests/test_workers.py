@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -21,30 +20,13 @@ from wf_persist.models import executions_table as ex
 from wf_persist.models import history_table as hist
 
 from .fixtures import workflows as w
-from .helpers import wait_for_mark, wait_status, wait_until
+from .helpers import wait_for_mark, wait_status, wait_until, worker_process
 
 
 @pytest.fixture(autouse=True)
 def _reset() -> Iterator[None]:
     w.CALLS.clear()
     yield
-
-
-def _worker_process(db_url: str, *extra: str, lease_ttl: float = 2.0) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "WF_PERSIST_DATABASE_URL": db_url, "WF_TEST_LEASE_TTL": str(lease_ttl)}
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "wf_persist.cli",
-            "worker",
-            "--app",
-            "tests.fixtures.app:runtime",
-            *extra,
-        ],
-        env=env,
-        stderr=subprocess.DEVNULL,
-    )
 
 
 def test_embedded_worker_runs_timers_and_signals(runtime: wp.Runtime) -> None:
@@ -97,7 +79,7 @@ def test_worker_process_serves_the_cli_app(runtime: wp.Runtime, db_url: str) -> 
     runtime.register(*w.ALL)
     client = runtime.client()
     handles = [client.start(w.echo_wf, 3) for _ in range(5)]
-    proc = _worker_process(db_url)
+    proc = worker_process(db_url)
     try:
         for handle in handles:
             wait_status(client, handle.execution_id, "completed")
@@ -116,7 +98,7 @@ def test_killed_worker_is_recovered_by_another(
     marks, hang = tmp_path / "marks", tmp_path / "hang"
     hang.touch()
     handle = client.start(w.three_steps_wf, {"marks": str(marks), "hang_file": str(hang)})
-    first = _worker_process(db_url, lease_ttl=1.0)
+    first = worker_process(db_url, lease_ttl=1.0)
     try:
         wait_for_mark(marks, "b-start")
     finally:
@@ -124,7 +106,7 @@ def test_killed_worker_is_recovered_by_another(
         first.wait(timeout=30)
     hang.unlink()
     assert client.status(handle.execution_id) == "running"
-    second = _worker_process(db_url, lease_ttl=1.0)
+    second = worker_process(db_url, lease_ttl=1.0)
     try:
         wait_status(client, handle.execution_id, "completed")
     finally:
@@ -162,7 +144,7 @@ def test_signal_across_three_processes(runtime: wp.Runtime, db_url: str) -> None
         check=True,
     )
     assert sent.stdout.strip() == "ok"
-    worker = _worker_process(db_url)
+    worker = worker_process(db_url)
     try:
         wait_status(client, execution_id, "completed")
     finally:
@@ -184,7 +166,7 @@ def test_four_workers_drain_200_runs_exactly_once(
     client = runtime.client()
     marks = tmp_path / "marks"
     ids = [client.start(w.drain_wf, str(marks)).execution_id for _ in range(200)]
-    workers = [_worker_process(db_url, "--concurrency", "4") for _ in range(4)]
+    workers = [worker_process(db_url, "--concurrency", "4") for _ in range(4)]
     engine = create_engine(db_url)
     try:
         deadline = time.monotonic() + 240
