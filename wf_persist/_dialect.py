@@ -38,17 +38,6 @@ def is_mysql(dialect: Dialect) -> bool:
     return dialect.name in ("mysql", "mariadb")
 
 
-def insert_for(dialect: Dialect) -> Any:
-    """Return the dialect's ``insert`` (with ``on_conflict_do_nothing`` where it exists)."""
-    if is_postgresql(dialect):
-        return postgresql.insert
-    if is_sqlite(dialect):
-        return sqlite.insert
-    if is_mysql(dialect):
-        return mysql.insert
-    raise NotImplementedError(f"wf_persist does not support the {dialect.name} dialect")
-
-
 def insert_ignoring(
     dialect: Dialect, table: Any, conflict_columns: list[str], where: Any = None
 ) -> Any:

@@ -46,6 +46,15 @@ def _url(url: str | None) -> str:
     return _dialect.describe_url(_dialect.resolve_url(url))
 
 
+def _report(script: str | None, url: str | None, schema: str | None) -> None:
+    """Print the rendered SQL (``--sql``), or where the schema stands now."""
+    if script is not None:
+        typer.echo(script, nl=False)
+        return
+    found = migrate.current(_dialect.resolve_url(url), schema=schema)
+    err.print(f"wf_persist schema at {found or 'base'} ({_url(url)})")
+
+
 @db.command()
 def upgrade(
     revision: Annotated[str, typer.Argument(help="Target revision.")] = "heads",
@@ -54,12 +63,9 @@ def upgrade(
     schema: SchemaOption = None,
 ) -> None:
     """Upgrade the wf_persist schema (default: to the newest revision)."""
-    script = migrate.upgrade(_dialect.resolve_url(url), revision, sql=sql, schema=schema)
-    if script is not None:
-        typer.echo(script, nl=False)
-        return
-    found = migrate.current(_dialect.resolve_url(url), schema=schema)
-    err.print(f"wf_persist schema at {found} ({_url(url)})")
+    _report(
+        migrate.upgrade(_dialect.resolve_url(url), revision, sql=sql, schema=schema), url, schema
+    )
 
 
 @db.command()
@@ -71,11 +77,7 @@ def downgrade(
 ) -> None:
     """Downgrade the wf_persist schema to REVISION."""
     script = migrate.downgrade(_dialect.resolve_url(url), revision, sql=sql, schema=schema)
-    if script is not None:
-        typer.echo(script, nl=False)
-        return
-    now = migrate.current(_dialect.resolve_url(url), schema=schema)
-    err.print(f"wf_persist schema at {now or 'base'} ({_url(url)})")
+    _report(script, url, schema)
 
 
 @db.command()

@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import (
-    BigInteger,
     Row,
     and_,
     bindparam,
@@ -171,20 +170,16 @@ def claim(
     owner: str,
     now: dt.datetime,
     lease_until: dt.datetime,
-    *,
-    reserve: int = 0,
 ) -> Row[Any, Any, Any, Any, Any] | None:
     """Take (or renew) the lease on a run that is due, or that ``owner`` already holds.
 
     A conditional UPDATE, so two claimers never both win: the row lock serializes them and
-    the loser's WHERE no longer matches. ``reserve`` sequence numbers are set aside for the
-    caller's next events in the same statement (the first is ``next_seq - reserve``).
+    the loser's WHERE no longer matches.
 
     Returns:
         ``(workflow_name, workflow_version, input, next_seq, status)``, or ``None``.
     """
     params = {"p_id": execution_id, "p_owner": owner, "p_now": now, "p_until": lease_until}
-    params["p_reserve"] = reserve
     if dialect_of(conn).update_returning:
         return conn.execute(_claim_returning, params).one_or_none()
     if rowcount(conn.execute(_claim, params)) != 1:
@@ -207,7 +202,6 @@ _claim = (
         wake_at=bindparam("p_until", type_=UTCDateTime()),
         updated_at=bindparam("p_now", type_=UTCDateTime()),
         started_at=func.coalesce(ex.c.started_at, bindparam("p_now", type_=UTCDateTime())),
-        next_seq=ex.c.next_seq + bindparam("p_reserve", type_=BigInteger()),
     )
 )
 _claim_returning = _claim.returning(*_CLAIMED)

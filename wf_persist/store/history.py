@@ -498,12 +498,6 @@ def _append_postgresql_raw(
     return Fenced(sorted(int(r[0]) for r in rows), str(rows[0][1]))
 
 
-def insert_once(conn: Executor, execution_id: str, sequence: int, event: NewEvent) -> bool:
-    """Insert one dedupe-keyed event at a sequence the caller reserved; False if a twin exists."""
-    stmt = _dialect.insert_ignoring(dialect_of(conn), hist, _DEDUPE, DEDUPE_KEY_SET)
-    return rowcount(conn.execute(stmt, _row(execution_id, sequence, event))) == 1
-
-
 def has_news(conn: Executor, execution_id: str, seen_through: int) -> bool:
     """Whether a client event was appended after sequence ``seen_through``."""
     found = conn.execute(
