@@ -16,8 +16,8 @@ from sqlalchemy import Connection, text
 from sqlalchemy.pool import NullPool
 
 from alembic import context
-from wf_persist import _dialect
-from wf_persist.migrate import MIGRATION_LOCK_KEY, VERSION_TABLE, include_name
+from wf_persist import backends
+from wf_persist.migrate import VERSION_TABLE, include_name
 from wf_persist.models import metadata
 
 config = context.config
@@ -26,59 +26,49 @@ config = context.config
 SCHEMA: str | None = config.attributes.get("schema")
 
 
-def _configure_args(dialect_name: str) -> dict[str, Any]:
+def _configure_args(backend: type[backends.Backend]) -> dict[str, Any]:
     return {
         "version_table_schema": SCHEMA,
         "target_metadata": metadata,
         "version_table": VERSION_TABLE,
         "include_name": include_name,
-        "render_as_batch": dialect_name == "sqlite",
+        "render_as_batch": backend.batch_migrations,
         # SQLite DDL is transactional; saying so keeps the upgrade in one transaction.
-        "transactional_ddl": dialect_name != "mysql" and dialect_name != "mariadb",
+        "transactional_ddl": backend.transactional_ddl,
         "compare_type": True,
     }
-
-
-def _lock(connection: Connection) -> None:
-    name = connection.dialect.name
-    if name == "postgresql":
-        # Wait for a concurrent upgrade, but not forever: fail closed, never go on unlocked.
-        connection.execute(text("SET LOCAL lock_timeout = '300s'"))
-        connection.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": MIGRATION_LOCK_KEY})
-    elif name in ("mysql", "mariadb"):
-        got = connection.execute(text("SELECT GET_LOCK('wf_persist_migrate', 600)")).scalar_one()
-        if got != 1:
-            raise RuntimeError("could not take the wf_persist migration lock")
 
 
 def _run(connection: Connection) -> None:
     if SCHEMA is not None:
         # Our revisions name no schema; the translate map puts every table in SCHEMA.
         connection = connection.execution_options(schema_translate_map={None: SCHEMA})
-    context.configure(connection=connection, **_configure_args(connection.dialect.name))
+    backend = backends.backend_type(connection.dialect.name)
+    context.configure(connection=connection, **_configure_args(backend))
     try:
         with context.begin_transaction():
-            _lock(connection)
+            backend.migration_lock(connection)
             if SCHEMA is not None:
                 connection.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{SCHEMA}"'))
                 # Raw SQL in revisions (views) resolves names through the search path.
                 connection.execute(text(f'SET LOCAL search_path TO "{SCHEMA}"'))
             context.run_migrations()
     finally:
-        if connection.dialect.name in ("mysql", "mariadb"):  # a session lock, not a txn one
-            connection.execute(text("SELECT RELEASE_LOCK('wf_persist_migrate')"))
+        backend.migration_unlock(connection)  # where the lock is a session's, not a txn's
 
 
 def run_migrations_offline() -> None:
-    url = _dialect.resolve_url(config.get_main_option("sqlalchemy.url"))
-    args = _configure_args(url.get_backend_name())
+    url = backends.resolve_url(config.get_main_option("sqlalchemy.url"))
+    backend = backends.backend_type(url.get_backend_name())
+    args = _configure_args(backend)
     context.configure(url=url, literal_binds=True, dialect_opts={"paramstyle": "named"}, **args)
     with context.begin_transaction():
-        if url.get_backend_name() == "postgresql":
-            context.execute(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK_KEY})")
-            if SCHEMA is not None:
-                context.execute(f'CREATE SCHEMA IF NOT EXISTS "{SCHEMA}"')
-                context.execute(f'SET LOCAL search_path TO "{SCHEMA}"')
+        lock = backend.offline_lock_sql()
+        if lock is not None:
+            context.execute(lock)
+        if SCHEMA is not None:
+            context.execute(f'CREATE SCHEMA IF NOT EXISTS "{SCHEMA}"')
+            context.execute(f'SET LOCAL search_path TO "{SCHEMA}"')
         context.run_migrations()
 
 
@@ -87,7 +77,7 @@ def run_migrations_online() -> None:
     if connection is not None:
         _run(connection)
         return
-    engine = _dialect.create_engine(config.get_main_option("sqlalchemy.url"), poolclass=NullPool)
+    engine = backends.create_engine(config.get_main_option("sqlalchemy.url"), poolclass=NullPool)
     try:
         with engine.connect() as conn:
             _run(conn)

@@ -179,13 +179,8 @@ def test_result_times_out_while_another_runtime_holds_the_lease(make_runtime: ob
     holder = make_runtime(lease_ttl=60)  # type: ignore[operator]
     holder.register(w.echo_wf)
     handle = holder.client().start(w.echo_wf, 3)
-    from wf_persist.store import executions
-
-    with holder.engine.begin() as conn:
-        now = holder.clock()
-        assert executions.claim(
-            conn, handle.execution_id, holder.owner, now, now + holder.lease_ttl
-        )
+    with holder.transaction() as conn:
+        assert holder.backend.claim(conn, handle.execution_id, holder.owner, 60)
     waiter = make_runtime()  # type: ignore[operator]
     waiter.register(w.echo_wf)
     with pytest.raises(wp.ResultTimeoutError):

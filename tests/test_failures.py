@@ -225,7 +225,10 @@ def test_all_replays_recorded_branches_and_checks_the_count(rt: wp.Runtime) -> N
     s.CONTROL.update(crash_after_all=False, branches=1)
     outcome = client.result(diverging.execution_id)
     assert isinstance(outcome, wp.Failed) and outcome.error_type == "NonDeterminismError"
-    assert "expected all:parallel#1 branches=2 but saw all:parallel#1 branches=1" in outcome.message
+    assert (
+        "expected all:parallel#1 branches=['left#1', 'right#1'] "
+        "but saw all:parallel#1 branches=['left#1']"
+    ) in outcome.message
 
 
 def test_failing_branch_fails_the_block_and_compensates(rt: wp.Runtime) -> None:  # 65

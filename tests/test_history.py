@@ -11,10 +11,10 @@ import pytest
 from sqlalchemy import select, update
 
 import wf_persist as wp
+from wf_persist.events import NewEvent
 from wf_persist.models import executions_table as ex
 from wf_persist.models import history_table as hist
-from wf_persist.store import executions, history
-from wf_persist.store.history import NewEvent
+from wf_persist.store import history
 
 from .fixtures import workflows as w
 
@@ -31,8 +31,9 @@ def test_duplicate_dedupe_key_is_dropped_and_changes_no_status(runtime: wp.Runti
     with runtime.transaction() as conn:
         first = history.append(
             conn,
+            runtime.backend,
             execution_id,
-            [NewEvent(waiting, now, "signal.waiting:approval#1", "suspended")],
+            [NewEvent(waiting, now, "signal.waiting:approval#1")],
             now=now,
         )
     assert first.sequences == [2] and first.transitioned and first.status == "suspended"
@@ -41,9 +42,10 @@ def test_duplicate_dedupe_key_is_dropped_and_changes_no_status(runtime: wp.Runti
     with runtime.transaction() as conn:
         again = history.append(
             conn,
+            runtime.backend,
             execution_id,
             [
-                NewEvent(waiting, now, "signal.waiting:approval#1", "suspended"),
+                NewEvent(waiting, now, "signal.waiting:approval#1"),
                 NewEvent({"type": "note", "executionId": execution_id}, now),
             ],
             now=now,
@@ -63,7 +65,7 @@ def test_status_change_rolls_back_with_its_event(runtime: wp.Runtime) -> None:
     ev = {"type": "sleep.started", "executionId": execution_id, "activityName": "nap#1"}
     with pytest.raises(RuntimeError), runtime.transaction() as conn:
         history.append(
-            conn, execution_id, [NewEvent(ev, now, "sleep.started:nap#1", "suspended")], now=now
+            conn, runtime.backend, execution_id, [NewEvent(ev, now, "sleep.started:nap#1")], now=now
         )
         raise RuntimeError("host aborts")
     client = runtime.client()
@@ -79,30 +81,45 @@ def test_terminal_status_is_final(runtime: wp.Runtime) -> None:
     with runtime.transaction() as conn:
         res = history.append(
             conn,
+            runtime.backend,
             execution_id,
-            [NewEvent({"type": "step.started", "executionId": execution_id}, now, None, "running")],
+            [NewEvent({"type": "sleep.completed", "executionId": execution_id}, now)],
             now=now,
         )
     assert res.transitioned is False
     assert client.status(execution_id) == "completed"
 
 
-def test_fenced_append_requires_the_lease(runtime: wp.Runtime) -> None:
+def test_fenced_writes_require_the_current_claim_epoch(runtime: wp.Runtime) -> None:
     execution_id = _started(runtime)
     now = runtime.clock()
+    backend = runtime.backend
     ev = NewEvent(
         {"type": "step.completed", "executionId": execution_id, "activityName": "x#1"}, now
     )
     with pytest.raises(wp.LeaseLostError), runtime.transaction() as conn:
-        history.append_fenced(conn, execution_id, "someone-else", [ev], now=now)
+        backend.fenced(conn, execution_id, 7, [ev], now=now)
     with runtime.transaction() as conn:
-        assert executions.claim(conn, execution_id, runtime.owner, now, now + runtime.lease_ttl)
+        claim = backend.claim(conn, execution_id, runtime.owner, 30)
+    assert claim is not None and claim.epoch == 1
     with runtime.transaction() as conn:
-        assert history.append_fenced(
-            conn, execution_id, runtime.owner, [ev, ev], now=now
-        ).sequences == [2, 3]
+        assert backend.fenced(conn, execution_id, claim.epoch, [ev, ev], now=now).sequences == [
+            2,
+            3,
+        ]
+    with runtime.transaction() as conn:  # a claim never wins over a live lease
+        assert backend.claim(conn, execution_id, "another", 30) is None
+    with runtime.transaction() as conn:  # released: claimable again, with a new epoch
+        assert backend.release(conn, {execution_id: claim.epoch}) == 1
+    with runtime.transaction() as conn:
+        again = backend.claim(conn, execution_id, "another", 30)
+    assert again is not None and again.epoch == 2
+    with pytest.raises(wp.LeaseLostError), runtime.transaction() as conn:  # the old token
+        backend.fenced(conn, execution_id, claim.epoch, [ev], now=now)
+    with pytest.raises(wp.LeaseLostError), runtime.transaction() as conn:
+        history.append(conn, backend, execution_id, [ev], now=now, epoch=claim.epoch)
     with pytest.raises(wp.UnknownExecutionError), runtime.transaction() as conn:
-        history.append(conn, "missing", [ev], now=now)
+        history.append(conn, backend, "missing", [ev], now=now)
 
 
 def test_two_processes_appending_to_one_execution_never_collide(

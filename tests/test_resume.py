@@ -63,11 +63,8 @@ def test_expired_lease_of_a_dead_driver_is_taken_over(make_runtime: object, tmp_
     dead = make_runtime(lease_ttl=0.5)  # type: ignore[operator]
     dead.register(w.three_steps_wf)
     handle = dead.client().start(w.three_steps_wf, {"marks": str(marks), "hang_file": str(hang)})
-    from wf_persist.store import executions
-
     with dead.transaction() as conn:  # it claimed the run, then died without a word
-        now = dead.clock()
-        assert executions.claim(conn, handle.execution_id, dead.owner, now, now + dead.lease_ttl)
+        assert dead.backend.claim(conn, handle.execution_id, dead.owner, 0.5)
 
     second = make_runtime(lease_ttl=5)  # type: ignore[operator]
     second.register(w.three_steps_wf)

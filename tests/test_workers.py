@@ -64,7 +64,7 @@ def test_two_runtimes_never_claim_the_same_run(make_runtime: Callable[..., wp.Ru
     def claim(name: str, rt: wp.Runtime) -> None:
         barrier.wait()
         for _ in range(30):  # SKIP LOCKED may hand out fewer than asked while the other claims
-            claimed[name] += rt.claim_due(3)
+            claimed[name] += [c.execution_id for c in rt.claim_due(3)]
 
     threads = [threading.Thread(target=claim, args=(n, r)) for n, r in (("a", a), ("b", b))]
     for t in threads:

@@ -8,8 +8,6 @@ migrations, on SQLite, PostgreSQL or MySQL/MariaDB.
 from __future__ import annotations
 
 from . import migrate as migrate
-from ._dialect import UnsupportedDatabaseError as UnsupportedDatabaseError
-from ._dialect import create_engine as create_engine
 from .authoring import Call as Call
 from .authoring import Limit as Limit
 from .authoring import Retry as Retry
@@ -18,6 +16,7 @@ from .authoring import Workflow as Workflow
 from .authoring import call as call
 from .authoring import step as step
 from .authoring import workflow as workflow
+from .backends import create_engine as create_engine
 from .client import Completed as Completed
 from .client import ExecutionHandle as ExecutionHandle
 from .client import ExecutionInfo as ExecutionInfo
@@ -28,11 +27,11 @@ from .client import Page as Page
 from .client import PendingSignal as PendingSignal
 from .client import WorkflowClient as WorkflowClient
 from .context import Context as Context
-from .context import Received as Received
-from .context import TimedOut as TimedOut
 from .errors import Cancelled as Cancelled
 from .errors import CannotCancelError as CannotCancelError
 from .errors import CodeExecutionError as CodeExecutionError
+from .errors import DriveFailedError as DriveFailedError
+from .errors import IdempotencyConflictError as IdempotencyConflictError
 from .errors import InvalidArgumentError as InvalidArgumentError
 from .errors import InvalidCursorError as InvalidCursorError
 from .errors import InvalidPayloadError as InvalidPayloadError
@@ -40,6 +39,7 @@ from .errors import LeaseLostError as LeaseLostError
 from .errors import MissingWorkflowVersionError as MissingWorkflowVersionError
 from .errors import NonDeterminismError as NonDeterminismError
 from .errors import NotSerializableError as NotSerializableError
+from .errors import PoolTooSmallError as PoolTooSmallError
 from .errors import ResultTimeoutError as ResultTimeoutError
 from .errors import SchemaVersionError as SchemaVersionError
 from .errors import SignalAlreadyDeliveredError as SignalAlreadyDeliveredError
@@ -49,12 +49,16 @@ from .errors import SignalPayloadError as SignalPayloadError
 from .errors import StepExecutionError as StepExecutionError
 from .errors import UnknownExecutionError as UnknownExecutionError
 from .errors import UnknownWorkflowError as UnknownWorkflowError
+from .errors import UnsupportedDatabaseError as UnsupportedDatabaseError
+from .errors import ValueTooLargeError as ValueTooLargeError
 from .errors import WfPersistError as WfPersistError
 from .errors import WorkflowDefinitionError as WorkflowDefinitionError
 from .errors import WorkflowFailedError as WorkflowFailedError
 from .errors import WorkflowVersionConflictError as WorkflowVersionConflictError
 from .models import Base as Base
 from .models import metadata as metadata
+from .replay import Received as Received
+from .replay import TimedOut as TimedOut
 from .runtime import Runtime as Runtime
 from .secrets import SecretError as SecretError
 from .secrets import SecretResolver as SecretResolver
@@ -70,10 +74,12 @@ __all__ = [
     "CodeExecutionError",
     "Completed",
     "Context",
+    "DriveFailedError",
     "ExecutionHandle",
     "ExecutionInfo",
     "Failed",
     "HistoryRecord",
+    "IdempotencyConflictError",
     "InvalidArgumentError",
     "InvalidCursorError",
     "InvalidPayloadError",
@@ -85,6 +91,7 @@ __all__ = [
     "Outcome",
     "Page",
     "PendingSignal",
+    "PoolTooSmallError",
     "Received",
     "ResultTimeoutError",
     "Retry",
@@ -102,6 +109,7 @@ __all__ = [
     "UnknownExecutionError",
     "UnknownWorkflowError",
     "UnsupportedDatabaseError",
+    "ValueTooLargeError",
     "WfPersistError",
     "Worker",
     "Workflow",

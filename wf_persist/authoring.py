@@ -14,16 +14,16 @@ import functools
 import hashlib
 import inspect
 import textwrap
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, get_type_hints, overload
+from typing import Any, Generic, Literal, TypeVar, get_type_hints, overload
 
 from pydantic import TypeAdapter
 
-from .errors import WorkflowDefinitionError
-
-if TYPE_CHECKING:
-    pass
+from .errors import InvalidArgumentError, WorkflowDefinitionError
+from .models import CALL_NAME_WIDTH, WORKFLOW_NAME_WIDTH
 
 I = TypeVar("I")  # noqa: E741
 O = TypeVar("O")  # noqa: E741
@@ -84,6 +84,63 @@ def source_hash(name: str, version: int, fn: Callable[..., Any]) -> str:
     return digest.hexdigest()
 
 
+def _check_name(name: object, what: str, width: int, error: type[Exception]) -> str:
+    if not isinstance(name, str) or not name:
+        raise error(f"{what} must be a non-empty string, got {name!r}")
+    if len(name) > width:
+        raise error(f"{what} is {len(name)} characters; at most {width} fit the history columns")
+    return name
+
+
+def check_call_name(name: object, what: str) -> str:
+    """A step, sleep, signal or code block name that fits its activity and dedupe columns."""
+    return _check_name(name, what, CALL_NAME_WIDTH, InvalidArgumentError)
+
+
+def _check_plain(fn: Callable[..., Any], what: str) -> None:
+    """Coroutines and generators would be "called" without running: refuse them now."""
+    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+        raise WorkflowDefinitionError(
+            f"{what} {getattr(fn, '__name__', fn)!r} is async; wf_persist runs plain "
+            "(synchronous) functions"
+        )
+    if inspect.isgeneratorfunction(fn):
+        raise WorkflowDefinitionError(
+            f"{what} {getattr(fn, '__name__', fn)!r} is a generator; it must return its result"
+        )
+
+
+class _BodyState(threading.local):
+    """True while this thread runs a workflow body (not a step inside it)."""
+
+    in_body = False
+
+
+body_state = _BodyState()
+
+
+@contextmanager
+def outside_body() -> Iterator[None]:
+    """Run user code that is not the workflow body (a step, a code block, a compensation)."""
+    saved = body_state.in_body
+    body_state.in_body = False
+    try:
+        yield
+    finally:
+        body_state.in_body = saved
+
+
+@contextmanager
+def inside_body() -> Iterator[None]:
+    """Run the workflow body: a step called directly here is refused."""
+    saved = body_state.in_body
+    body_state.in_body = True
+    try:
+        yield
+    finally:
+        body_state.in_body = saved
+
+
 def _hints(fn: Callable[..., Any]) -> dict[str, Any]:
     try:
         return get_type_hints(fn, include_extras=True)
@@ -126,15 +183,24 @@ def workflow(
     """
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise WorkflowDefinitionError(f"workflow version must be an integer >= 1, got {version!r}")
+    if version > 2**31 - 1:
+        raise WorkflowDefinitionError(f"workflow version must fit 32 bits, got {version!r}")
+    if name is not None:
+        _check_name(name, "workflow name", WORKFLOW_NAME_WIDTH, WorkflowDefinitionError)
 
     def decorate(fn: Callable[..., O]) -> Workflow[Any, O]:
+        if not callable(fn):
+            raise WorkflowDefinitionError(f"@workflow needs a function, got {fn!r}")
+        _check_plain(fn, "workflow")
         params = list(inspect.signature(fn).parameters.values())
         if len(params) not in (1, 2):
             raise WorkflowDefinitionError(
                 f"workflow {fn.__name__} must take (ctx) or (ctx, input), got {len(params)} params"
             )
         hints = _hints(fn)
-        wf_name = name or fn.__name__
+        wf_name = _check_name(
+            name or fn.__name__, "workflow name", WORKFLOW_NAME_WIDTH, WorkflowDefinitionError
+        )
         takes_input = len(params) == 2
         in_type = hints.get(params[1].name, Any) if takes_input else type(None)
         return Workflow(
@@ -171,6 +237,11 @@ class Step(Generic[R]):
     concurrency: Limit | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> R:
+        if body_state.in_body:
+            raise WorkflowDefinitionError(
+                f"step {self.name} was called directly inside a workflow, where it would run "
+                f"unrecorded (and again on every replay): use ctx.run({self.name}, ...)"
+            )
         return self.fn(*args, **kwargs)
 
     def is_terminal(self, exc: BaseException) -> bool:
@@ -257,14 +328,23 @@ def _make_step(
 ) -> Step[R]:
     if not callable(fn):
         raise WorkflowDefinitionError(f"@step needs a function, got {fn!r}")
+    _check_plain(fn, "step")
+    step_name = _check_name(
+        name if name is not None else getattr(fn, "__name__", None),
+        "step name",
+        CALL_NAME_WIDTH,
+        WorkflowDefinitionError,
+    )
     if compensate is not None and not callable(compensate):
         raise WorkflowDefinitionError(f"compensate must be callable, got {compensate!r}")
+    if compensate is not None:
+        _check_plain(compensate, "compensation")
     if not all(isinstance(e, type) and issubclass(e, BaseException) for e in errors):
         raise WorkflowDefinitionError(f"errors must be exception classes, got {errors!r}")
     sig = inspect.signature(fn)
     hints = _hints(fn)
     return Step(
-        name=name or fn.__name__,
+        name=step_name,
         fn=fn,
         signature=sig,
         param_adapters={p: adapter_for(hints.get(p, Any)) for p in sig.parameters},

@@ -16,7 +16,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from . import _dialect, migrate
+from . import backends, migrate
 from .errors import InvalidArgumentError, WfPersistError
 from .runtime import Runtime
 from .worker import Worker
@@ -31,7 +31,7 @@ UrlOption = Annotated[
     str | None,
     typer.Option(
         "--url",
-        envvar=_dialect.DATABASE_URL_ENV,
+        envvar=backends.DATABASE_URL_ENV,
         help="Database URL (default: $WF_PERSIST_DATABASE_URL, else ./wf_persist.sqlite3).",
     ),
 ]
@@ -43,7 +43,7 @@ SchemaOption = Annotated[
 
 
 def _url(url: str | None) -> str:
-    return _dialect.describe_url(_dialect.resolve_url(url))
+    return backends.describe_url(backends.resolve_url(url))
 
 
 def _report(script: str | None, url: str | None, schema: str | None) -> None:
@@ -51,7 +51,7 @@ def _report(script: str | None, url: str | None, schema: str | None) -> None:
     if script is not None:
         typer.echo(script, nl=False)
         return
-    found = migrate.current(_dialect.resolve_url(url), schema=schema)
+    found = migrate.current(backends.resolve_url(url), schema=schema)
     err.print(f"wf_persist schema at {found or 'base'} ({_url(url)})")
 
 
@@ -64,7 +64,7 @@ def upgrade(
 ) -> None:
     """Upgrade the wf_persist schema (default: to the newest revision)."""
     _report(
-        migrate.upgrade(_dialect.resolve_url(url), revision, sql=sql, schema=schema), url, schema
+        migrate.upgrade(backends.resolve_url(url), revision, sql=sql, schema=schema), url, schema
     )
 
 
@@ -76,14 +76,14 @@ def downgrade(
     schema: SchemaOption = None,
 ) -> None:
     """Downgrade the wf_persist schema to REVISION."""
-    script = migrate.downgrade(_dialect.resolve_url(url), revision, sql=sql, schema=schema)
+    script = migrate.downgrade(backends.resolve_url(url), revision, sql=sql, schema=schema)
     _report(script, url, schema)
 
 
 @db.command()
 def current(url: UrlOption = None, schema: SchemaOption = None) -> None:
     """Print the revision the database is at ('none' if never migrated)."""
-    found = migrate.current(_dialect.resolve_url(url), schema=schema)
+    found = migrate.current(backends.resolve_url(url), schema=schema)
     typer.echo(found or "none")
     if found != migrate.SCHEMA_HEAD:
         err.print(f"not at head ({migrate.SCHEMA_HEAD}); run: wf-persist db upgrade")

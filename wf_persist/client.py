@@ -18,29 +18,27 @@ from pydantic import ValidationError
 from sqlalchemy import Connection, Row
 from sqlalchemy.orm import Session
 
+from . import events, lifecycle
 from .authoring import Workflow, adapter_for
-from .context import resolve_type_reference
 from .errors import (
     Cancelled,
     InvalidArgumentError,
     InvalidCursorError,
     ResultTimeoutError,
-    SignalNotWaitingError,
     SignalPayloadError,
     UnknownExecutionError,
     WorkflowFailedError,
     error_document,
 )
-from .models import STATUSES, TERMINAL_STATUSES
-from .runtime import _NOT_DRIVEN
+from .models import KEY_WIDTH
+from .runtime import NOT_DRIVEN
 from .store import Executor, executions, history, signals
-from .store.history import NewEvent
+from .values import non_finite, resolve_type_reference, unstorable
 
 if TYPE_CHECKING:
     from .runtime import Runtime
 
 T = TypeVar("T")
-_MAX_TEXT = 255
 
 
 @dataclass(frozen=True)
@@ -190,11 +188,21 @@ class PendingSignal:
 
 def _validate_signal(execution_id: str, name: str, wait: Mapping[str, Any], payload: Any) -> Any:
     """The payload's stored JSON form, validated by the wait's type or recorded schema."""
+    stored = _signal_document(execution_id, name, wait, payload)
+    problem = (
+        "it contains NaN or an infinity, which JSON cannot hold" if non_finite(payload) else None
+    ) or unstorable(stored)
+    if problem is not None:
+        raise SignalPayloadError(execution_id, name, [{"loc": (), "msg": problem}])
+    return stored
+
+
+def _signal_document(execution_id: str, name: str, wait: Mapping[str, Any], payload: Any) -> Any:
     tp = resolve_type_reference(wait.get("payloadType"))
     if tp is not None and isinstance(payload, tp):
         return adapter_for(tp).dump_python(payload, mode="json")
     try:
-        text = json.dumps(payload)
+        text = json.dumps(payload, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise SignalPayloadError(execution_id, name, [{"loc": (), "msg": str(exc)}]) from exc
     if tp is not None:
@@ -219,10 +227,21 @@ def _validate_signal(execution_id: str, name: str, wait: Mapping[str, Any], payl
 
 
 def _check_text(what: str, value: str | None) -> None:
-    if value is not None and (not isinstance(value, str) or not value or len(value) > _MAX_TEXT):
+    if value is not None and (
+        not isinstance(value, str) or not value or len(value) > KEY_WIDTH or unstorable(value)
+    ):
         raise InvalidArgumentError(
-            f"{what} must be a non-empty string of at most {_MAX_TEXT} chars"
+            f"{what} must be a non-empty string of at most {KEY_WIDTH} characters without "
+            f"NUL or invalid UTF-8, got {value!r:.80}"
         )
+
+
+def _check_id(execution_id: object) -> str:
+    if not isinstance(execution_id, str) or not execution_id or len(execution_id) > 36:
+        raise InvalidArgumentError(
+            f"an execution id is a string of 36 characters, got {execution_id!r:.80}"
+        )
+    return execution_id
 
 
 class WorkflowClient:
@@ -233,13 +252,11 @@ class WorkflowClient:
 
     @contextmanager
     def _reading(self) -> Iterator[Connection]:
-        with self.runtime.engine.connect() as conn:
-            conn = conn.execution_options(wf_persist_readonly=True)
-            with conn.begin():
-                yield conn
+        with self.runtime.backend.read() as conn:
+            yield conn
 
     def _row(self, conn: Executor, execution_id: str) -> Row[Any]:
-        row = executions.get(conn, execution_id)
+        row = executions.get(conn, _check_id(execution_id))
         if row is None:
             raise UnknownExecutionError(execution_id)
         return row
@@ -268,37 +285,35 @@ class WorkflowClient:
         """
         _check_text("idempotency_key", idempotency_key)
         _check_text("actor", actor)
-        wf = self.runtime.resolve(workflow, version)
-        stored = self.runtime.validate_input(wf, payload)
-        now = self.runtime.clock()
+        rt = self.runtime
+        # In a host transaction, even cataloging a new workflow goes into that transaction:
+        # a second write transaction of our own would wait on the host's lock.
+        wf = rt.resolve(workflow, version, session=session)
+        stored = rt.validate_input(wf, payload)
+        now = rt.clock()
         execution_id = str(uuid.uuid4())
-        started = {
-            "type": "execution.started",
-            "executionId": execution_id,
-            "workflowName": wf.name,
-            "version": wf.version,
-            "payload": stored,
-            "actor": actor,
-        }
+        started = events.execution_started(execution_id, wf.name, wf.version, stored, actor, now)
 
         def write(conn: Executor) -> tuple[str, int, bool]:
             return executions.create(
                 conn,
+                rt.backend,
                 execution_id=execution_id,
                 workflow_name=wf.name,
                 workflow_version=wf.version,
                 payload=stored,
                 idempotency_key=idempotency_key,
                 actor=actor,
-                started=NewEvent(started, now),
+                started=started,
                 now=now,
             )
 
         if session is not None:
             found = write(session)
         else:
-            with self.runtime.engine.begin() as conn:
+            with rt.backend.begin() as conn:
                 found = write(conn)
+            rt._notify()
         return ExecutionHandle(found[0], wf.name, found[1], created=found[2])
 
     def describe(self, execution_id: str) -> ExecutionInfo:
@@ -337,14 +352,12 @@ class WorkflowClient:
         while True:
             with self._reading() as conn:
                 row = self._row(conn, execution_id)
-            if row.status in TERMINAL_STATUSES:
+            if row.status in lifecycle.TERMINAL:
                 return self._outcome(row)
             rt.definition(row.workflow_name, row.workflow_version)
             if deadline is not None and time.monotonic() >= deadline:
                 raise ResultTimeoutError(execution_id, float(timeout or 0))
-            now = rt.clock()
-            due = row.wake_at is not None and row.wake_at <= now
-            if due or row.lease_owner == rt.owner:
+            if row.due:
                 drove = rt.drive_for_outcome(execution_id)
                 if isinstance(drove, tuple):  # finished here: no need to read it back
                     ok, value = drove
@@ -352,16 +365,13 @@ class WorkflowClient:
                         return Failed(execution_id, dict(value or {}))
                     definition = rt.definition(row.workflow_name, row.workflow_version)
                     return Completed(execution_id, definition.output_adapter.validate_python(value))
-                if drove is not _NOT_DRIVEN:
+                if drove is not NOT_DRIVEN:
                     delay = 0.002
                     continue
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise ResultTimeoutError(execution_id, float(timeout or 0))
-            wait = delay
-            if row.wake_at is not None and row.wake_at > now:
-                wait = max(wait, (row.wake_at - now).total_seconds())
-            wait = min(wait, rt.poll_interval)
+            wait = min(delay, rt.poll_interval)
             rt.wait_for_change(wait if remaining is None else min(wait, remaining))
             delay = min(delay * 2, rt.poll_interval)
 
@@ -382,25 +392,28 @@ class WorkflowClient:
             UnknownExecutionError, MissingWorkflowVersionError.
         """
         _check_text("actor", actor)
+        rt = self.runtime
         with self._reading() as conn:
             row = self._row(conn, execution_id)
-        self.runtime.definition(row.workflow_name, row.workflow_version)
+        rt.definition(row.workflow_name, row.workflow_version)
         error = error_document(Cancelled(compensate, actor))
-        with self.runtime.engine.begin() as conn:
+        now = rt.clock()
+        with rt.backend.begin() as conn:
             executions.cancel(
                 conn,
+                rt.backend,
                 execution_id,
+                cancelled=events.execution_cancelled(execution_id, compensate, actor, now),
                 compensate=compensate,
-                actor=actor,
                 error=error,
-                now=self.runtime.clock(),
+                now=now,
             )
-        self.runtime._notify()
+        rt._notify()
 
     def pending_signals(self, execution_id: str) -> list[PendingSignal]:
         """The waits the run is parked on (or about to be), oldest first."""
         with self._reading() as conn:
-            waits = signals.pending(conn, execution_id)
+            waits = signals.pending(conn, _check_id(execution_id))
             if not waits:
                 self._row(conn, execution_id)
         return [PendingSignal.from_event(w) for w in waits]
@@ -422,17 +435,20 @@ class WorkflowClient:
             MissingWorkflowVersionError: this runtime lacks the run's pinned version.
         """
         _check_text("actor", actor)
+        _check_text("signal name", name)
+        rt = self.runtime
         with self._reading() as conn:
             row = self._row(conn, execution_id)
-            waits = [w for w in signals.pending(conn, execution_id) if w.get("name") == name]
-        self.runtime.definition(row.workflow_name, row.workflow_version)
-        if not waits or row.status in TERMINAL_STATUSES:
-            raise SignalNotWaitingError(execution_id, name)
-        wait = waits[-1]
-        stored = _validate_signal(execution_id, name, wait, payload)
-        with self.runtime.engine.begin() as conn:
-            signals.deliver(conn, execution_id, wait, stored, actor, self.runtime.clock())
-        self.runtime._notify()
+        rt.definition(row.workflow_name, row.workflow_version)
+
+        def validate(wait: Mapping[str, Any]) -> Any:
+            stored = _validate_signal(execution_id, name, wait, payload)
+            rt.backend.check_size(f"payload of signal {name}", stored)
+            return stored
+
+        with rt.backend.begin() as conn:
+            signals.deliver(conn, rt.backend, execution_id, name, validate, actor, rt.clock())
+        rt._notify()
 
     def list(
         self,
@@ -455,8 +471,10 @@ class WorkflowClient:
             if bound is not None and (not isinstance(bound, dt.datetime) or bound.tzinfo is None):
                 raise InvalidArgumentError("created_after/created_before must be aware datetimes")
         name = workflow if isinstance(workflow, str) else workflow.name
-        if status is not None and status not in STATUSES:
-            raise InvalidArgumentError(f"unknown status {status!r}; expected one of {STATUSES}")
+        if status is not None and status not in lifecycle.STATUSES:
+            raise InvalidArgumentError(
+                f"unknown status {status!r}; expected one of {lifecycle.STATUSES}"
+            )
         if limit is not None and (
             isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0
         ):
@@ -465,6 +483,7 @@ class WorkflowClient:
         with self._reading() as conn:
             rows = executions.list_page(
                 conn,
+                self.runtime.backend,
                 name,
                 status=status,
                 version=version,
@@ -504,7 +523,7 @@ class WorkflowClient:
             cutoff = older_than
         else:
             raise InvalidArgumentError("older_than must be a timedelta or an aware datetime")
-        bad = [s for s in statuses if s not in TERMINAL_STATUSES]
+        bad = [s for s in statuses if s not in lifecycle.TERMINAL]
         if bad or not statuses:
             raise InvalidArgumentError(
                 f"purge deletes finished runs only (completed, failed); got {list(statuses)}"
@@ -513,7 +532,7 @@ class WorkflowClient:
             raise InvalidArgumentError(f"batch_size must be a positive integer, got {batch_size!r}")
         total = 0
         while True:
-            with self.runtime.engine.begin() as conn:
+            with self.runtime.backend.begin() as conn:
                 deleted = executions.purge_batch(
                     conn, finished_before=cutoff, statuses=statuses, limit=batch_size
                 )
@@ -524,7 +543,7 @@ class WorkflowClient:
     def history(self, execution_id: str) -> Sequence[HistoryRecord]:
         """Every event of the run in sequence order."""
         with self._reading() as conn:
-            rows = history.load(conn, execution_id)
+            rows = history.load(conn, _check_id(execution_id))
             if not rows:
                 self._row(conn, execution_id)
         return [HistoryRecord(int(r.sequence), r.created_at, dict(r.event)) for r in rows]

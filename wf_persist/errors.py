@@ -92,6 +92,80 @@ class WorkflowDefinitionError(WfPersistError, TypeError):
     """A workflow or step definition is unusable (bad signature, no source, bad option)."""
 
 
+class UnsupportedDatabaseError(WfPersistError):
+    """The database, its version, its driver or the engine's configuration lacks something
+    wf_persist needs; the message says what and how to fix it."""
+
+
+class PoolTooSmallError(InvalidArgumentError):
+    """A worker would need more connections at once than the engine's pool can give.
+
+    Attributes:
+        capacity: ``pool_size + max_overflow`` of the engine.
+        needed: what the worker's concurrency needs.
+    """
+
+    def __init__(self, capacity: int, needed: int, concurrency: int) -> None:
+        self.capacity = capacity
+        self.needed = needed
+        self.concurrency = concurrency
+        super().__init__(
+            f"a worker with concurrency {concurrency} needs {needed} connections at once, but "
+            f"the engine's pool gives at most {capacity} (pool_size + max_overflow): raise "
+            "max_overflow or pool_size, or lower the concurrency"
+        )
+
+
+class ValueTooLargeError(WfPersistError, ValueError):
+    """A value is larger than the database can store in one write; nothing was written.
+
+    Attributes:
+        what: which value (``result of step charge``, ``input of workflow order``, ...).
+        size: its size in bytes, as it would be sent.
+        limit: the largest size this database takes.
+    """
+
+    def __init__(self, what: str, size: int, limit: int) -> None:
+        self.what = what
+        self.size = size
+        self.limit = limit
+        super().__init__(
+            f"{what} is {size} bytes as JSON; this database takes at most {limit} bytes per "
+            "value (store large payloads elsewhere and record a reference)"
+        )
+
+
+class IdempotencyConflictError(WfPersistError):
+    """A run with this idempotency key was created concurrently but is not visible to the
+    calling transaction (a host transaction at REPEATABLE READ or stricter); retry it in a
+    new transaction to get the existing run."""
+
+    def __init__(self, workflow_name: str, idempotency_key: str) -> None:
+        self.workflow_name = workflow_name
+        self.idempotency_key = idempotency_key
+        super().__init__(
+            f"a run of {workflow_name} with idempotency key {idempotency_key!r} was started "
+            "concurrently and is not visible to this transaction; retry in a new transaction"
+        )
+
+
+class DriveFailedError(WfPersistError):
+    """The run failed because driving it failed the same way too many times in a row.
+
+    Attributes:
+        failures: how many consecutive drives stopped on an error.
+        cause: the error document of the last of them.
+    """
+
+    def __init__(self, failures: int, cause: dict[str, Any]) -> None:
+        self.failures = failures
+        self.cause = cause
+        super().__init__(
+            f"driving this run failed {failures} times in a row; last error: "
+            f"{cause.get('name')}: {cause.get('message')}"
+        )
+
+
 class SchemaVersionError(WfPersistError):
     """The database schema is not at the revision this wf_persist needs.
 

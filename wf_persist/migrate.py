@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Final
 from sqlalchemy import Connection, Engine, column, inspect, select, table
 from sqlalchemy.engine import URL
 
-from . import _dialect
+from . import backends
 from .errors import SchemaVersionError
 from .models import metadata
 
@@ -30,7 +30,7 @@ VERSION_TABLE: Final = "wf_persist_alembic_version"
 #: The version table of a host that merged our revisions into its own chain.
 HOST_VERSION_TABLE: Final = "alembic_version"
 #: The revision this version of wf_persist needs. A test checks it is the script head.
-SCHEMA_HEAD: Final = "wf_0002"
+SCHEMA_HEAD: Final = "wf_0003"
 #: Key of the PostgreSQL advisory lock that serializes concurrent upgrades.
 MIGRATION_LOCK_KEY: Final = 0x77665F70657273  # "wf_pers"
 
@@ -107,7 +107,7 @@ def _connection(bind: Bind) -> Iterator[Connection]:
     if isinstance(bind, Connection):
         yield bind
         return
-    engine = bind if isinstance(bind, Engine) else _dialect.create_engine(bind)
+    engine = bind if isinstance(bind, Engine) else backends.create_engine(bind)
     try:
         with engine.connect() as conn:
             yield conn
@@ -122,7 +122,7 @@ def _url_of(bind: Bind) -> URL:
         return bind.engine.url
     if isinstance(bind, Engine):
         return bind.url
-    return _dialect.resolve_url(bind)
+    return backends.resolve_url(bind)
 
 
 def upgrade(
@@ -202,7 +202,7 @@ def _current(conn: Connection, schema: str | None) -> str | None:
 def upgrade_command(url: URL, schema: str | None = None) -> str:
     """The command a person runs to bring the database at ``url`` to head."""
     extra = "" if schema is None else f" --schema {schema}"
-    return f"wf-persist db upgrade --url '{_dialect.describe_url(url)}'{extra}"
+    return f"wf-persist db upgrade --url '{backends.describe_url(url)}'{extra}"
 
 
 def assert_at_head(bind: Bind, *, schema: str | None = None) -> None:

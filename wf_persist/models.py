@@ -19,6 +19,7 @@ revisions shipped with the package (see :mod:`wf_persist.migrate`).
 from __future__ import annotations
 
 import datetime as dt
+from dataclasses import dataclass
 from typing import Any, Final, cast
 
 from sqlalchemy import (
@@ -40,6 +41,8 @@ from sqlalchemy.dialects import mysql, postgresql
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
+from .lifecycle import STATUSES
+
 NAMING_CONVENTION: Final = {
     "ix": "ix_%(table_name)s__%(column_0_N_name)s",
     "uq": "uq_%(table_name)s__%(column_0_N_name)s",
@@ -48,26 +51,30 @@ NAMING_CONVENTION: Final = {
     "pk": "pk_%(table_name)s",
 }
 
-#: Execution statuses (SPEC section 3). ``completed`` and ``failed`` are terminal.
-STATUSES: Final = ("running", "suspended", "compensating", "completed", "failed")
-TERMINAL_STATUSES: Final = frozenset({"completed", "failed"})
+#: Widths of the name and key columns. Names are checked against them where they are
+#: declared (a definition, an argument), never left for the database to reject or truncate.
+WORKFLOW_NAME_WIDTH: Final = 200
+KEY_WIDTH: Final = 255
+#: The longest name a step, sleep, signal or code block may have: its activity name
+#: (``<name>#<n>``) and dedupe keys (``signal.delivered:<activity>``) must fit KEY_WIDTH.
+CALL_NAME_WIDTH: Final = 200
 
 
 class UTCDateTime(TypeDecorator[dt.datetime]):
-    """Timezone-aware UTC timestamps on every backend.
+    """Timezone-aware UTC timestamps in Python, whatever the database keeps.
 
-    SQLite has no timestamp type and MySQL's DATETIME drops the offset, so values are
-    normalised to UTC on the way in and marked UTC on the way out. Microseconds are kept
-    (MySQL needs ``fsp=6`` for that) because keyset pagination orders by them.
+    Naive values are refused (a naive time is a bug waiting for a timezone). PostgreSQL keeps
+    the offset (``timestamptz``); where the column type has no offset (SQLite text, MySQL
+    ``DATETIME(6)``) values are stored as naive UTC and read back marked UTC. Microseconds
+    are kept: keyset pagination orders by them.
     """
 
-    impl = DateTime(timezone=True)
+    impl = (
+        DateTime(timezone=True)
+        .with_variant(DateTime(), "sqlite")
+        .with_variant(mysql.DATETIME(fsp=6), "mysql", "mariadb")
+    )
     cache_ok = True
-
-    def load_dialect_impl(self, dialect: Dialect) -> Any:
-        if dialect.name in ("mysql", "mariadb"):
-            return dialect.type_descriptor(mysql.DATETIME(fsp=6))
-        return dialect.type_descriptor(DateTime(timezone=True))
 
     def process_bind_param(self, value: dt.datetime | None, dialect: Dialect) -> Any:
         if value is None:
@@ -75,9 +82,10 @@ class UTCDateTime(TypeDecorator[dt.datetime]):
         if value.tzinfo is None:
             raise ValueError("wf_persist stores timezone-aware datetimes only")
         value = value.astimezone(dt.UTC)
-        if dialect.name != "postgresql":
-            return value.replace(tzinfo=None)
-        return value
+        # In the dialect's copy of this type, impl_instance is the dialect's own column type.
+        return (
+            value if getattr(self.impl_instance, "timezone", False) else value.replace(tzinfo=None)
+        )
 
     def process_result_value(self, value: Any, dialect: Dialect) -> dt.datetime | None:
         if value is None:
@@ -86,6 +94,10 @@ class UTCDateTime(TypeDecorator[dt.datetime]):
         if value.tzinfo is None:
             return value.replace(tzinfo=dt.UTC)
         return value.astimezone(dt.UTC)
+
+
+#: The timestamp type of every wf_ column and of every bound time.
+UTC_DATETIME: Final = UTCDateTime()
 
 
 #: JSON that is JSONB on PostgreSQL; SQL NULL stands for "absent".
@@ -110,7 +122,7 @@ class Base(DeclarativeBase):
 
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
     type_annotation_map = {
-        dt.datetime: UTCDateTime(),
+        dt.datetime: UTC_DATETIME,
         dict[str, Any]: JSONDoc,
     }
 
@@ -123,7 +135,7 @@ class WorkflowVersion(Base):
 
     __tablename__ = "wf_workflows"
 
-    name: Mapped[str] = mapped_column(key_string(200), primary_key=True)
+    name: Mapped[str] = mapped_column(key_string(WORKFLOW_NAME_WIDTH), primary_key=True)
     version: Mapped[int] = mapped_column(Integer, primary_key=True)
     source_hash: Mapped[str] = mapped_column(String(64))
     registered_at: Mapped[dt.datetime]
@@ -139,25 +151,34 @@ class Execution(Base):
 
     ``status`` is authoritative and changes in the same transaction as the history event that
     causes it. ``next_seq`` is the next history sequence number; it is bumped under the row
-    lock, so concurrent appenders never collide. ``lease_owner``/``lease_expires_at`` say which
-    runtime drives the run; ``wake_at`` says when a non-leased run becomes runnable.
+    lock, so concurrent appenders never collide.
+
+    ``claim_epoch`` is the fencing token: every claim bumps it in the same compare-and-set that
+    checks the run is due, and every write of a driver is conditional on the epoch it claimed,
+    so a paused or partitioned driver can record nothing once anyone claimed after it.
+    ``lease_owner``/``lease_expires_at`` say which runtime drives the run (for people; the
+    epoch is what fences); ``wake_at`` is when the run next needs a driver (its timer, or its
+    lease expiry while leased; NULL while it waits for a signal). Lease and wake times are the
+    database's clock. ``drive_failures`` counts consecutive drives that stopped on an error.
     """
 
     __tablename__ = "wf_executions"
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
-    workflow_name: Mapped[str] = mapped_column(key_string(200))
+    workflow_name: Mapped[str] = mapped_column(key_string(WORKFLOW_NAME_WIDTH))
     workflow_version: Mapped[int] = mapped_column(Integer)
     status: Mapped[str] = mapped_column(String(16))
     input: Mapped[dict[str, Any] | None]
     result: Mapped[dict[str, Any] | None]
     error: Mapped[dict[str, Any] | None]
-    idempotency_key: Mapped[str | None] = mapped_column(key_string(255))
-    actor: Mapped[str | None] = mapped_column(key_string(255))
+    idempotency_key: Mapped[str | None] = mapped_column(key_string(KEY_WIDTH))
+    actor: Mapped[str | None] = mapped_column(key_string(KEY_WIDTH))
     next_seq: Mapped[int] = mapped_column(BigInteger)
     wake_at: Mapped[dt.datetime | None]
     lease_owner: Mapped[str | None] = mapped_column(String(255))
     lease_expires_at: Mapped[dt.datetime | None]
+    claim_epoch: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    drive_failures: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     created_at: Mapped[dt.datetime]
     started_at: Mapped[dt.datetime | None]
     finished_at: Mapped[dt.datetime | None]
@@ -169,7 +190,7 @@ class Execution(Base):
             ["wf_workflows.name", "wf_workflows.version"],
         ),
         CheckConstraint(
-            "status IN ('running', 'suspended', 'compensating', 'completed', 'failed')",
+            "status IN (" + ", ".join(f"'{s}'" for s in STATUSES) + ")",
             name="status",
         ),
         # NULL keys never conflict on any backend, so a plain unique constraint is the
@@ -201,8 +222,8 @@ class HistoryEvent(Base):
     execution_id: Mapped[str] = mapped_column(String(36), primary_key=True)
     sequence: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     type: Mapped[str] = mapped_column(key_string(64))
-    activity_name: Mapped[str | None] = mapped_column(key_string(255))
-    dedupe_key: Mapped[str | None] = mapped_column(key_string(255))
+    activity_name: Mapped[str | None] = mapped_column(key_string(KEY_WIDTH))
+    dedupe_key: Mapped[str | None] = mapped_column(key_string(KEY_WIDTH))
     created_at: Mapped[dt.datetime]
     event: Mapped[dict[str, Any]]
 
@@ -225,3 +246,23 @@ class HistoryEvent(Base):
 workflows_table: Final = cast(Table, WorkflowVersion.__table__)
 executions_table: Final = cast(Table, Execution.__table__)
 history_table: Final = cast(Table, HistoryEvent.__table__)
+
+
+@dataclass(frozen=True)
+class UniqueKey:
+    """A unique key an insert may conflict on (and the only conflict it may ignore)."""
+
+    name: str
+    columns: tuple[str, ...]
+    #: The predicate of a partial unique index (ON CONFLICT must repeat it).
+    where: Any = None
+    primary: bool = False
+
+
+CATALOG_KEY: Final = UniqueKey("pk_wf_workflows", ("name", "version"), primary=True)
+IDEMPOTENCY_KEY: Final = UniqueKey(
+    "uq_wf_executions__workflow_name_idempotency_key", ("workflow_name", "idempotency_key")
+)
+DEDUPE_KEY: Final = UniqueKey(
+    "uq_wf_history__execution_id_dedupe_key", ("execution_id", "dedupe_key"), DEDUPE_KEY_SET
+)

@@ -1,59 +1,72 @@
-"""The runtime: workflow registry, leases and the replay loop.
+"""The runtime: the database binding, the workflow registry, and the entry points that
+drive runs (see :mod:`.driver` for what a drive is, :mod:`.leases` for lease renewal).
 
-Driving a run is: claim its lease (one transaction that also records ``workflow.started`` and
-reads the whole history), replay the workflow function against that history, write each new
-step as one fenced append, and finish with one transaction that records the outcome and
-releases the lease. A runtime that loses its lease stops writing at once; whoever claimed the
-run replays it from the database.
+Driving a run is: claim it (one compare-and-set that bumps its fencing token), read its
+history and record ``workflow.started`` the first time (one transaction), replay the body,
+write each new step as one fenced write, and finish with one fenced write that records the
+outcome and releases the lease. A process never claims a run it is still driving.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import os
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import URL
 
-from . import _dialect, migrate
-from .authoring import Step, Workflow
-from .context import Context, Halt, Journal, Reload, Suspended, _to_json
+from . import backends, driver, migrate
+from .authoring import Workflow
+from .backends import Claim
 from .errors import (
-    Cancelled,
     InvalidArgumentError,
     InvalidPayloadError,
-    LeaseLostError,
     MissingWorkflowVersionError,
-    StaleHistoryError,
+    PoolTooSmallError,
     UnknownWorkflowError,
     WfPersistError,
     WorkflowVersionConflictError,
-    error_document,
 )
-from .limits import ConcurrencyLimits
+from .leases import LeaseKeeper
 from .secrets import SecretResolver
-from .store import catalog, executions, history
-from .store.history import NewEvent
+from .store import Executor, catalog
+from .timers import Timers
+from .values import to_json
 
 if TYPE_CHECKING:
-    from sqlalchemy import Row
-
     from .client import WorkflowClient
     from .worker import Worker
 
+log = logging.getLogger("wf_persist.runtime")
+
 Clock = Callable[[], dt.datetime]
+
+#: Returned by :meth:`Runtime.drive_for_outcome` when the run could not be claimed.
+NOT_DRIVEN: Any = object()
 
 
 def utc_now() -> dt.datetime:
     """The default clock."""
     return dt.datetime.now(dt.UTC)
+
+
+def _positive(value: object, what: str, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not 0 < value < float("inf")
+    ):
+        raise InvalidArgumentError(f"{what} must be a positive number, got {value!r}")
 
 
 class Runtime:
@@ -62,20 +75,26 @@ class Runtime:
     Args:
         bind: a database URL, or an existing SQLAlchemy ``Engine`` (used as is, never
             reconfigured). Default: ``$WF_PERSIST_DATABASE_URL``, else ``wf_persist.sqlite3``
-            in the working directory.
+            in the working directory. ``sqlite://`` is a private in-memory-like database.
         auto_migrate: upgrade the schema on open. Default: only for an embedded SQLite
             database this runtime created; any other database must be migrated beforehand
             (``wf-persist db upgrade``) and opening it otherwise raises
             :class:`~wf_persist.errors.SchemaVersionError`.
         lease_ttl: seconds a claim lasts without renewal. A runtime renews its leases every
             third of this while it works; if it dies, any other runtime may take its runs over
-            after the lease ran out.
+            after the lease ran out (by the database's clock).
         poll_interval: seconds between looks for due work (timers, signals, expired leases)
             when nothing in this process announced it; a timer fires at most this late.
-        clock: the source of "now" (UTC, timezone-aware).
+        clock: the source of the times a client records (``created_at`` of a run). Leases,
+            timers and every time inside a drive come from the database's clock.
         secret_resolver: resolves ``secret:<name>`` references in step arguments inside the
             step (e.g. :func:`wf_persist.env_secret_resolver`).
         schema: a PostgreSQL schema holding the wf_ tables (migrate it with the same schema).
+        record_start_after: seconds after which a running step attempt's start is recorded
+            on its own (so an attempt cut short by a crash shows in history); ``0`` records
+            every start before the step runs (two writes per step), ``None`` never separately.
+        max_drive_failures: consecutive failed drives (errors other than a lost lease) after
+            which a run is failed with :class:`~wf_persist.errors.DriveFailedError`.
     """
 
     def __init__(
@@ -88,75 +107,108 @@ class Runtime:
         clock: Clock = utc_now,
         secret_resolver: SecretResolver | None = None,
         schema: str | None = None,
+        record_start_after: float | None = 1.0,
+        max_drive_failures: int = 10,
     ) -> None:
-        if lease_ttl <= 0 or poll_interval <= 0:
-            raise InvalidArgumentError("lease_ttl and poll_interval must be positive")
+        _positive(lease_ttl, "lease_ttl")
+        _positive(poll_interval, "poll_interval")
+        if record_start_after is not None and (
+            isinstance(record_start_after, bool)
+            or not isinstance(record_start_after, int | float)
+            or not 0 <= record_start_after < float("inf")
+        ):
+            raise InvalidArgumentError(
+                "record_start_after must be a non-negative number or None, "
+                f"got {record_start_after!r}"
+            )
+        if (
+            isinstance(max_drive_failures, bool)
+            or not isinstance(max_drive_failures, int)
+            or max_drive_failures < 1
+        ):
+            raise InvalidArgumentError(
+                f"max_drive_failures must be a positive integer, got {max_drive_failures!r}"
+            )
+        if bind is not None and not isinstance(bind, str | URL | Engine):
+            raise InvalidArgumentError(f"bind must be a URL or an Engine, got {bind!r}")
         if isinstance(bind, Engine):
             engine = bind
             self._owns_engine = False
         else:
-            engine = _dialect.create_engine(bind)
+            engine = backends.create_engine(bind)
             self._owns_engine = True
-        self._base_engine = engine
-        self.schema = schema
-        # A view of the engine that renders our tables in ``schema``: the host's own engine
-        # object and its options are left as they are.
-        self.engine = _dialect.with_schema(engine, schema)
-        dialect = self.engine.dialect
-        if auto_migrate is None:
-            auto_migrate = self._owns_engine and _dialect.is_sqlite(dialect)
         try:
-            _dialect.check_engine(engine)
+            self.backend = backends.open_backend(engine, owned=self._owns_engine, schema=schema)
+            self.backend.check()
+            if auto_migrate is None:
+                auto_migrate = self._owns_engine and self.backend.embedded
             if auto_migrate:
-                migrate.upgrade(self.engine)
+                migrate.upgrade(self.backend.engine)
             else:
-                migrate.assert_at_head(self.engine)
+                migrate.assert_at_head(self.backend.engine)
         except BaseException:
             if self._owns_engine:
                 engine.dispose()
             raise
+        self._base_engine = engine
+        self.schema = schema
+        #: The engine wf_persist works through (same pool as ``bind``, our options).
+        self.engine = self.backend.engine
         self.clock = clock
         self.lease_ttl = dt.timedelta(seconds=lease_ttl)
+        self.poll_interval = poll_interval
+        self.secret_resolver = secret_resolver
+        self.record_start_after = record_start_after
+        self.max_drive_failures = max_drive_failures
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.timers = Timers()
+        #: Set by :meth:`close`: drivers stop before their next step.
+        self.closing = False
         self._registry: dict[tuple[str, int], Workflow[Any, Any]] = {}
         self._latest: dict[str, int] = {}
         self._lock = threading.Lock()
         self._driving: set[str] = set()
-        self.poll_interval = poll_interval
-        self.secret_resolver = secret_resolver
-        self.limits = ConcurrencyLimits(self.engine)
-        self._keeper: _LeaseKeeper | None = None
+        self._keeper: LeaseKeeper | None = None
         self._worker: Worker | None = None
         self._changed = threading.Condition()
         self._closed = False
-        self._hot_autocommit = _dialect.supports_dml_cte(dialect)
 
     # registry -------------------------------------------------------------------------
 
-    def register(self, *workflows: Workflow[Any, Any]) -> None:
+    def register(self, *workflows: Workflow[Any, Any], session: Executor | None = None) -> None:
         """Register workflows here and in the database catalog (first registration wins).
 
         All or nothing: if any (name, version) is cataloged with a different source hash,
-        nothing is registered.
+        nothing is registered. With ``session`` the catalog rows are written in that (host)
+        transaction instead of one of wf_persist's own.
 
         Raises:
             WorkflowVersionConflictError: (name, version) exists with a different source.
         """
         self._check_open()
         for wf in workflows:
+            if not isinstance(wf, Workflow):
+                raise InvalidArgumentError(f"register takes @wp.workflow definitions, got {wf!r}")
             known = self._registry.get(wf.key)
             if known is not None and known.source_hash != wf.source_hash:
                 raise WorkflowVersionConflictError(
                     wf.name, wf.version, known.source_hash, wf.source_hash
                 )
         now = self.clock()
-        with self.engine.begin() as conn:
+
+        def write(conn: Executor) -> None:
             for wf in workflows:
-                cataloged = catalog.catalog_version(conn, wf.name, wf.version, wf.source_hash, now)
-                if cataloged != wf.source_hash:
-                    raise WorkflowVersionConflictError(
-                        wf.name, wf.version, cataloged, wf.source_hash
-                    )
+                found = catalog.catalog_version(
+                    conn, self.backend, wf.name, wf.version, wf.source_hash, now
+                )
+                if found != wf.source_hash:
+                    raise WorkflowVersionConflictError(wf.name, wf.version, found, wf.source_hash)
+
+        if session is not None:
+            write(session)
+        else:
+            with self.backend.begin() as conn:
+                write(conn)
         with self._lock:
             for wf in workflows:
                 self._registry[wf.key] = wf
@@ -164,12 +216,17 @@ class Runtime:
                     self._latest[wf.name] = wf.version
 
     def resolve(
-        self, workflow: Workflow[Any, Any] | str, version: int | None
+        self,
+        workflow: Workflow[Any, Any] | str,
+        version: int | None,
+        session: Executor | None = None,
     ) -> Workflow[Any, Any]:
         """The registered definition to start: ``version`` if given, else the highest."""
+        if not isinstance(workflow, Workflow | str):
+            raise InvalidArgumentError(f"expected a workflow or its name, got {workflow!r}")
         name = workflow if isinstance(workflow, str) else workflow.name
-        if isinstance(workflow, Workflow) and workflow.key not in self._registry:
-            self.register(workflow)
+        if isinstance(workflow, Workflow) and self._registry.get(workflow.key) is not workflow:
+            self.register(workflow, session=session)
         if version is None:
             latest = self._latest.get(name)
             if latest is None:
@@ -189,22 +246,24 @@ class Runtime:
             raise MissingWorkflowVersionError(name, version)
         return found
 
-    # validation -------------------------------------------------------------------------
-
-    @staticmethod
-    def validate_input(wf: Workflow[Any, Any], payload: Any) -> Any:
+    def validate_input(self, wf: Workflow[Any, Any], payload: Any) -> Any:
         """The payload's stored JSON form; raises before anything is written."""
+        what = f"input of workflow {wf.name}"
         if not wf.takes_input and payload is not None:
-            raise InvalidPayloadError(
-                f"input of workflow {wf.name}",
-                [{"loc": (), "msg": "this workflow takes no input"}],
-            )
-        return _to_json(wf.input_adapter, payload, f"input of workflow {wf.name}")
+            raise InvalidPayloadError(what, [{"loc": (), "msg": "this workflow takes no input"}])
+        stored = to_json(wf.input_adapter, payload, what)
+        self.backend.check_size(what, stored)
+        return stored
+
+    def runnable_workflows(self) -> list[tuple[str, int]]:
+        """The (name, version)s this runtime can drive."""
+        with self._lock:
+            return sorted(self._registry)
 
     # driving --------------------------------------------------------------------------
 
     def client(self) -> WorkflowClient:
-        """A client bound to this runtime."""
+        """A client bound to this runtime (it may drive runs in the calling thread)."""
         from .client import WorkflowClient
 
         return WorkflowClient(self)
@@ -215,15 +274,12 @@ class Runtime:
         Returns False when the run is finished, not due, or held by another runtime (or
         thread); True when this call drove it.
         """
-        return self.drive_for_outcome(execution_id) is not _NOT_DRIVEN
+        return self.drive_for_outcome(execution_id) is not NOT_DRIVEN
 
-    def drive_for_outcome(self, execution_id: str) -> Any:
-        """Like :meth:`drive`; returns ``(ok, stored value)`` if the run finished here,
-        ``None`` if it parked, ``_NOT_DRIVEN`` if it could not be claimed."""
-        self._check_open()
-        # Another thread here may be just leaving this run (after parking it, say) while a
-        # worker claimed it again: wait a moment rather than leave it leased and idle.
-        deadline = time.monotonic() + 0.5
+    @contextmanager
+    def _driving_run(self, execution_id: str, wait: float) -> Iterator[bool]:
+        """Mark the run as driven by this process (False: another thread here drives it)."""
+        deadline = time.monotonic() + wait
         while True:
             with self._lock:
                 if execution_id not in self._driving:
@@ -231,102 +287,90 @@ class Runtime:
                     break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return _NOT_DRIVEN
+                yield False
+                return
             self.wait_for_change(min(0.05, remaining))
         try:
-            return self._drive(execution_id)
+            yield True
         finally:
             with self._lock:
                 self._driving.discard(execution_id)
             self._notify()
 
-    def _lease_until(self) -> dt.datetime:
-        return self.clock() + self.lease_ttl
+    def drive_for_outcome(self, execution_id: str) -> Any:
+        """Like :meth:`drive`; returns ``(ok, stored value)`` if the run finished here,
+        ``None`` if it parked or stopped, ``NOT_DRIVEN`` if it could not be claimed."""
+        self._check_open()
+        # Another thread here may be just leaving this run (after parking it, say) while a
+        # worker claimed it again: wait a moment rather than leave it due and idle.
+        with self._driving_run(execution_id, 0.5) as ours:
+            if not ours:
+                return NOT_DRIVEN
+            backend = self.backend
+            with backend.connection() as conn:
+                with backend.begin(conn):
+                    claim = backend.claim(conn, execution_id, self.owner, self._ttl())
+                if claim is None:
+                    return NOT_DRIVEN
+                return self._drive(conn, claim)
 
-    def _claim(
-        self, execution_id: str
-    ) -> tuple[Workflow[Any, Any], Any, tuple[Journal, int]] | None:
-        """Lease the run, then read its history and record ``workflow.started`` the first
-        time: one transaction. Reading after the lease is taken means every write fenced by
-        a previous owner is already visible, so a recorded step is never run again."""
-        now = self.clock()
-        with self.engine.begin() as conn:
-            claimed = executions.claim(conn, execution_id, self.owner, now, now + self.lease_ttl)
-            if claimed is None:
-                return None
-            wf = self.definition(claimed.workflow_name, claimed.workflow_version)
-            rows = history.load(conn, execution_id)
-            if not any(r.event["type"] == "workflow.started" for r in rows):
-                started = {
-                    "type": "workflow.started",
-                    "executionId": execution_id,
-                    "workflowName": wf.name,
-                    "version": wf.version,
-                }
-                history.append(
-                    conn, execution_id, [NewEvent(started, now, "workflow.started")], now=now
-                )
-        return wf, claimed.input, _journal(rows)
+    def drive_claim(self, claim: Claim) -> Any:
+        """Drive a run a worker claimed (see :meth:`claim_due`)."""
+        with self._driving_run(claim.execution_id, 0.0) as ours:
+            if not ours:  # cannot happen: claims exclude runs this process drives
+                driver.release(self, claim)
+                return NOT_DRIVEN
+            with self.backend.connection() as conn:
+                return self._drive(conn, claim)
 
-    def _load(self, execution_id: str) -> tuple[Journal, int]:
-        with self.engine.connect() as conn:
-            conn = conn.execution_options(wf_persist_readonly=True)
-            with conn.begin():
-                return _journal(history.load(conn, execution_id))
-
-    def _drive(self, execution_id: str) -> Any:
-        claimed = self._claim(execution_id)
-        if claimed is None:
-            return _NOT_DRIVEN
-        wf, payload, loaded = claimed
-        self._keep_lease(execution_id)
+    def _drive(self, conn: Connection, claim: Claim) -> Any:
+        keeper = self.keeper()
+        lease = keeper.hold(claim.execution_id, claim.epoch)
         try:
-            with self.engine.connect() as hot:
-                if self._hot_autocommit:
-                    hot = hot.execution_options(isolation_level="AUTOCOMMIT")
-                while True:
-                    journal, seen = loaded
-                    driver = _RunDriver(self, hot, execution_id, seen)
-                    try:
-                        self._replay(driver, wf, payload, journal)
-                    except Reload:
-                        loaded = self._load(execution_id)
-                        continue
-                    except Suspended:
-                        pass
-                    return driver.finished
-        except Halt as halt:
-            if not isinstance(halt.cause, LeaseLostError):
-                raise halt.cause from None
-        except LeaseLostError:
-            pass
-        finally:
-            self._release_keeper(execution_id)
-        return None
+            self.definition(claim.workflow_name, claim.workflow_version)
+            loaded = driver.start_drive(self, conn, claim)
+        except Exception as exc:
+            keeper.forget(lease)
+            driver.failed(self, claim, exc)
+            return None
+        return driver.drive(self, conn, claim, lease, loaded)
 
-    def _replay(
-        self, driver: _RunDriver, wf: Workflow[Any, Any], payload: Any, journal: Journal
-    ) -> None:
-        ctx = Context(driver.execution_id, journal, driver, self.clock)
-        try:
-            value = wf.input_adapter.validate_python(payload)
-            out = wf.fn(ctx, value) if wf.takes_input else wf.fn(ctx)
-            if ctx.divergence is not None:
-                raise ctx.divergence
-            # Cancelled after its last durable call: the cancellation still wins.
-            ctx._check_cancelled()
-            stored = _to_json(wf.output_adapter, out, f"output of workflow {wf.name}")
-        except (Exception, Cancelled) as exc:
-            # A divergence wins even if the workflow caught it and failed otherwise.
-            failure: BaseException = ctx.divergence or exc
-            reason = error_document(failure)
-            if not (isinstance(failure, Cancelled) and not failure.compensate):
-                errors = ctx.compensate(reason)
-                if errors:
-                    reason = {**reason, "compensationErrors": errors}
-            driver.finish(wf, ok=False, value=reason)
-            return
-        driver.finish(wf, ok=True, value=stored)
+    def claim_due(self, limit: int) -> list[Claim]:
+        """Claim up to ``limit`` due runs this runtime can drive (for workers)."""
+        workflows = self.runnable_workflows()
+        if not workflows or limit <= 0 or self.closing:
+            return []
+        with self._lock:
+            exclude = sorted(self._driving)
+        with self.backend.begin() as conn:
+            claims = self.backend.claim_due(
+                conn, self.owner, self._ttl(), limit, workflows, exclude
+            )
+        keeper = self.keeper()
+        for claim in claims:  # renewed from now on, also while it waits for a thread
+            keeper.hold(claim.execution_id, claim.epoch)
+        return claims
+
+    def seconds_to_next_wake(self) -> float | None:
+        """Seconds until the earliest wake time of a run this runtime can drive (by the
+        database's clock); ``None`` when nothing is scheduled."""
+        workflows = self.runnable_workflows()
+        if not workflows:
+            return None
+        with self.backend.read() as conn:
+            due, now = self.backend.next_wake(conn, workflows)
+        return None if due is None else (due - now).total_seconds()
+
+    def _ttl(self) -> float:
+        return self.lease_ttl.total_seconds()
+
+    def keeper(self) -> LeaseKeeper:
+        """The lease keeper (started on first use)."""
+        with self._lock:
+            if self._keeper is None or not self._keeper.is_alive():
+                self._keeper = LeaseKeeper(self.backend, self._ttl())
+                self._keeper.start()
+            return self._keeper
 
     # waiting for changes ----------------------------------------------------------------
 
@@ -344,25 +388,28 @@ class Runtime:
 
     # workers ----------------------------------------------------------------------------
 
-    def runnable_workflows(self) -> list[tuple[str, int]]:
-        """The (name, version)s this runtime can drive."""
-        with self._lock:
-            return sorted(self._registry)
+    def check_pool(self, concurrency: int) -> None:
+        """Refuse a worker the engine's pool cannot serve; warn when it is tight.
 
-    def claim_due(self, limit: int) -> list[str]:
-        """Lease up to ``limit`` due runs this runtime can drive (for workers)."""
-        now = self.clock()
-        with self.engine.begin() as conn:
-            return executions.claim_due(
-                conn, self.owner, now, now + self.lease_ttl, limit, self.runnable_workflows()
+        A driven run holds one connection; the claim loop takes one; a step under a
+        database-wide concurrency limit holds one more while it runs.
+        """
+        capacity = self.backend.capacity()
+        if capacity is None:
+            return
+        needed = concurrency + 1
+        if capacity < needed:
+            raise PoolTooSmallError(capacity, needed, concurrency)
+        comfortable = 2 * concurrency + 2
+        if capacity < comfortable:
+            log.warning(
+                "the engine's pool gives %d connections; a worker with concurrency %d needs "
+                "%d, up to %d when steps wait for concurrency slots",
+                capacity,
+                concurrency,
+                needed,
+                comfortable,
             )
-
-    def next_wake(self) -> dt.datetime | None:
-        """The earliest wake time of a run this runtime can drive (None: nothing scheduled)."""
-        with self.engine.connect() as conn:
-            conn = conn.execution_options(wf_persist_readonly=True)
-            with conn.begin():
-                return executions.next_wake(conn, self.runnable_workflows(), self.clock())
 
     def start_worker(self, *, concurrency: int = 4, poll_interval: float | None = None) -> Worker:
         """Run a worker in background threads of this process (embedded mode)."""
@@ -371,24 +418,12 @@ class Runtime:
         with self._lock:
             if self._worker is not None:
                 return self._worker
-            self._worker = Worker(
-                self, concurrency=concurrency, poll_interval=poll_interval or self.poll_interval
-            )
-        return self._worker.start()
-
-    # leases ---------------------------------------------------------------------------
-
-    def _keep_lease(self, execution_id: str) -> None:
+        worker = Worker(self, concurrency=concurrency, poll_interval=poll_interval)
         with self._lock:
-            if self._keeper is None or not self._keeper.is_alive():
-                self._keeper = _LeaseKeeper(self)
-                self._keeper.start()
-            self._keeper.held.add(execution_id)
-
-    def _release_keeper(self, execution_id: str) -> None:
-        with self._lock:
-            if self._keeper is not None:
-                self._keeper.held.discard(execution_id)
+            if self._worker is not None:
+                return self._worker
+            self._worker = worker
+        return worker.start()
 
     # lifecycle ------------------------------------------------------------------------
 
@@ -396,17 +431,28 @@ class Runtime:
         if self._closed:
             raise WfPersistError("Workflow runtime has been closed")
 
-    def close(self) -> None:
-        """Stop renewing leases and dispose of an engine this runtime created. Idempotent."""
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop this runtime's worker, let runs in flight stop at their next step (waiting up
+        to ``timeout`` seconds), then release every lease still held so other workers take
+        those runs at once, and dispose of an engine this runtime created. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            keeper, worker = self._keeper, self._worker
+            self.closing = True
+            worker, keeper = self._worker, self._keeper
         if worker is not None:
-            worker.stop()
+            worker.stop(timeout)
+        deadline = time.monotonic() + (0 if worker is not None else timeout)
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._driving:
+                    break
+            self.wait_for_change(0.05)
         if keeper is not None:
+            keeper.release_all()
             keeper.stop()
+        self.timers.stop()
         if self._owns_engine:
             self._base_engine.dispose()
 
@@ -418,177 +464,6 @@ class Runtime:
 
     @contextmanager
     def transaction(self) -> Iterator[Connection]:
-        """A connection in a transaction on this runtime's engine."""
-        with self.engine.begin() as conn:
+        """A write transaction on this runtime's engine."""
+        with self.backend.begin() as conn:
             yield conn
-
-
-def _acquire_or_halt(acquire: Callable[[], bool]) -> bool:
-    """Taking a slot is the runtime's business: its database errors are not step failures."""
-    try:
-        return acquire()
-    except Exception as exc:
-        raise Halt(exc) from exc
-
-
-#: Returned by :meth:`Runtime.drive_for_outcome` when the run could not be claimed.
-_NOT_DRIVEN: Any = object()
-
-
-def _journal(rows: Sequence[Row[Any, Any, Any]]) -> tuple[Journal, int]:
-    return Journal.from_events([r.event for r in rows]), int(rows[-1].sequence) if rows else 0
-
-
-class _RunDriver:
-    """Writes for one run on behalf of its context, fenced by this runtime's lease.
-
-    ``seen`` is the last sequence read; a client event after it (a signal, a cancellation)
-    makes parking or deciding a race stale, so the context replays from fresh history.
-    Database failures unwind the workflow as :class:`Halt`, which user code cannot catch.
-    """
-
-    def __init__(self, runtime: Runtime, conn: Connection, execution_id: str, seen: int) -> None:
-        self.runtime = runtime
-        self.conn = conn
-        self.execution_id = execution_id
-        self.seen = seen
-        #: ``(ok, stored value)`` once this driver recorded the run's outcome.
-        self.finished: tuple[bool, Any] | None = None
-
-    def _fenced(
-        self,
-        events: Sequence[NewEvent],
-        values: dict[str, Any] | None = None,
-        from_statuses: tuple[str, ...] | None = None,
-    ) -> str:
-        rt = self.runtime
-        now = rt.clock()
-        try:
-            return history.append_fenced_autocommit(
-                self.conn,
-                self.execution_id,
-                rt.owner,
-                events,
-                now=now,
-                values=values,
-                from_statuses=from_statuses,
-            ).status
-        except Exception as exc:
-            raise Halt(exc) from exc
-
-    def record(self, events: Sequence[NewEvent]) -> str:
-        return self._fenced(events)
-
-    def secret_resolver(self) -> SecretResolver | None:
-        return self.runtime.secret_resolver
-
-    @contextmanager
-    def concurrency_slot(self, step: Step[Any], key: str) -> Iterator[None]:
-        """Hold one of ``step``'s slots for ``key``, checking meanwhile that the run is still
-        ours (a run cancelled while it queues never starts the step)."""
-        limit = step.concurrency
-        assert limit is not None
-        rt = self.runtime
-        last_check = time.monotonic()
-        delay = 0.002
-        with rt.limits.slot(step.name, key, limit.limit) as acquire:
-            while not _acquire_or_halt(acquire):
-                if time.monotonic() - last_check > 0.2:
-                    last_check = time.monotonic()
-                    try:
-                        with rt.engine.connect() as conn:
-                            row = executions.get(conn, self.execution_id)
-                    except Exception as exc:
-                        raise Halt(exc) from exc
-                    if row is None or row.lease_owner != rt.owner:
-                        raise Halt(LeaseLostError(self.execution_id))
-                    if row.status == "compensating":  # cancelled while queued: never start
-                        raise Reload
-                time.sleep(delay)
-                delay = min(delay * 2, 0.05)
-            yield
-
-    def _locked(self, events: Sequence[NewEvent], park: bool, wake_at: dt.datetime | None) -> None:
-        rt = self.runtime
-        now = rt.clock()
-        try:
-            with rt.engine.begin() as conn:
-                history.append(
-                    conn, self.execution_id, events, now=now, owner=rt.owner, seen_through=self.seen
-                )
-                if park:
-                    executions.park(conn, self.execution_id, rt.owner, wake_at)
-        except StaleHistoryError:
-            raise Reload from None
-        except Exception as exc:
-            raise Halt(exc) from exc
-
-    def record_checked(self, events: Sequence[NewEvent]) -> None:
-        self._locked(events, False, None)
-
-    def suspend(self, events: Sequence[NewEvent], wake_at: dt.datetime | None) -> None:
-        self._locked(events, True, wake_at)
-
-    def finish(self, wf: Workflow[Any, Any], *, ok: bool, value: Any) -> None:
-        """Record the outcome and release the lease: one fenced write."""
-        now = self.runtime.clock()
-        kind = "completed" if ok else "failed"
-        event: dict[str, Any] = {
-            "type": f"workflow.{kind}",
-            "executionId": self.execution_id,
-            "workflowName": wf.name,
-            "result" if ok else "error": value,
-        }
-        values: dict[str, Any] = {
-            "status": kind,
-            "result" if ok else "error": value,
-            "finished_at": now,
-            "lease_owner": None,
-            "lease_expires_at": None,
-            "wake_at": None,
-        }
-        # Terminal states are final; a run being compensated may only fail.
-        guard = ("running", "suspended") if ok else ("running", "suspended", "compensating")
-        try:
-            self._fenced([NewEvent(event, now, f"workflow.{kind}", kind)], values, guard)
-        except Halt as halt:
-            # A cancellation can land between the last call and the outcome: the guard then
-            # refuses a completion. Replay from the fresh history to unwind instead.
-            if isinstance(halt.cause, LeaseLostError) and self._still_ours_and_cancelled():
-                raise Reload from None
-            raise
-        self.finished = (ok, value)
-
-    def _still_ours_and_cancelled(self) -> bool:
-        rt = self.runtime
-        with rt.engine.connect() as conn:
-            row = executions.get(conn, self.execution_id)
-        return row is not None and row.lease_owner == rt.owner and row.status == "compensating"
-
-
-class _LeaseKeeper(threading.Thread):
-    """Renews this runtime's leases every third of the TTL while runs are being driven."""
-
-    def __init__(self, runtime: Runtime) -> None:
-        super().__init__(name="wf-persist-lease-keeper", daemon=True)
-        self.runtime = runtime
-        self.held: set[str] = set()
-        self._stop_event = threading.Event()
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        self.join(timeout=5)
-
-    def run(self) -> None:
-        rt = self.runtime
-        interval = rt.lease_ttl.total_seconds() / 3
-        while not self._stop_event.wait(interval):
-            with rt._lock:
-                ids = list(self.held)
-            if not ids:
-                continue
-            try:
-                with rt.engine.begin() as conn:
-                    executions.renew_leases(conn, rt.owner, ids, rt._lease_until())
-            except Exception:
-                continue

@@ -46,18 +46,65 @@ def contains_reference(value: Any) -> bool:
     return False
 
 
-def resolve_references(value: Any, resolver: SecretResolver | None) -> Any:
-    """``value`` (a JSON document) with every ``secret:<name>`` replaced by its value."""
+def resolve_references(
+    value: Any, resolver: SecretResolver | None, redactor: Redactor | None = None
+) -> Any:
+    """``value`` (a JSON document) with every ``secret:<name>`` replaced by its value.
+
+    Each resolved value is remembered by ``redactor``, so that no error recorded afterwards
+    can carry it to the database.
+    """
     if isinstance(value, str) and value.startswith(PREFIX):
         name = value[len(PREFIX) :]
         if resolver is None:
             raise SecretError(name, f"No secret resolver configured for {name}")
-        return resolver(name)
+        resolved = resolver(name)
+        if redactor is not None:
+            redactor.add(value, resolved)
+        return resolved
     if isinstance(value, dict):
-        return {k: resolve_references(v, resolver) for k, v in value.items()}
+        return {k: resolve_references(v, resolver, redactor) for k, v in value.items()}
     if isinstance(value, list):
-        return [resolve_references(v, resolver) for v in value]
+        return [resolve_references(v, resolver, redactor) for v in value]
     return value
+
+
+class Redactor:
+    """Replaces resolved secret values with their references in whatever gets stored.
+
+    A step that raises with its API key in the message must not put the key in history or
+    in ``wf_executions.error``: every error document a drive records passes through
+    :meth:`scrub` (messages, args, fields, nested documents). Values shorter than
+    :attr:`MIN_LENGTH` are not scrubbed (they would garble every message and hide nothing).
+    """
+
+    MIN_LENGTH: Final = 4
+
+    def __init__(self) -> None:
+        self._values: dict[str, str] = {}
+
+    def add(self, reference: str, value: Any) -> None:
+        if isinstance(value, str) and len(value) >= self.MIN_LENGTH:
+            self._values[value] = reference
+
+    def __bool__(self) -> bool:
+        return bool(self._values)
+
+    def scrub(self, value: Any) -> Any:
+        """``value`` with every known secret value replaced by its reference."""
+        if not self._values:
+            return value
+        if isinstance(value, str):
+            # Longest first: a secret containing another is replaced whole.
+            for secret_value in sorted(self._values, key=len, reverse=True):
+                if secret_value in value:
+                    value = value.replace(secret_value, self._values[secret_value])
+            return value
+        if isinstance(value, dict):
+            return {self.scrub(k): self.scrub(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self.scrub(v) for v in value]
+        return value
 
 
 def env_variable_name(name: str) -> str:

@@ -3,28 +3,31 @@
 from __future__ import annotations
 
 import datetime as dt
+from typing import TYPE_CHECKING
 
 from sqlalchemy import select
 
-from .. import _dialect
+from ..models import CATALOG_KEY
 from ..models import workflows_table as wf
-from . import Executor, dialect_of
+from . import Executor, connection_of
+
+if TYPE_CHECKING:
+    from ..backends import Backend
 
 
 def catalog_version(
-    conn: Executor, name: str, version: int, source_hash: str, now: dt.datetime
+    conn: Executor, backend: Backend, name: str, version: int, source_hash: str, now: dt.datetime
 ) -> str:
     """Record (name, version, hash) unless present; return the hash the catalog holds.
 
     The insert ignores a conflict on the primary key, so two processes registering at once
     never fail; the loser reads the winner's hash and the caller compares.
     """
-    conn.execute(
-        _dialect.insert_ignoring(dialect_of(conn), wf, ["name", "version"]).values(
-            name=name, version=version, source_hash=source_hash, registered_at=now
-        )
-    )
-    cataloged = conn.execute(
-        select(wf.c.source_hash).where(wf.c.name == name, wf.c.version == version)
+    core = connection_of(conn)
+    row = {"name": name, "version": version, "source_hash": source_hash, "registered_at": now}
+    backend.insert_once(core, wf, row, CATALOG_KEY)
+    cataloged = core.execute(
+        select(wf.c.source_hash).where(wf.c.name == name, wf.c.version == version),
+        execution_options=backend.statement_options,
     ).scalar_one()
     return str(cataloged)

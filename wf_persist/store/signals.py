@@ -3,93 +3,96 @@
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
 
+from .. import events, lifecycle
 from ..errors import SignalAlreadyDeliveredError, SignalNotWaitingError, UnknownExecutionError
-from ..models import TERMINAL_STATUSES
-from ..models import executions_table as ex
+from ..events import SIGNAL_EVENT_TYPES
 from ..models import history_table as hist
-from . import Executor, executions, history
-from .history import NewEvent
+from . import Executor, connection_of, executions, history
 
-_SIGNAL_TYPES = ("signal.waiting", "signal.received", "signal.timeout", "signal.delivered")
+if TYPE_CHECKING:
+    from ..backends import Backend
+
+#: Validates a payload against a wait (its ``signal.waiting`` event); returns what to store.
+Validator = Callable[[Mapping[str, Any]], Any]
+
+
+def _waits(
+    conn: Executor, execution_id: str
+) -> tuple[dict[str, Mapping[str, Any]], dict[str, str]]:
+    """Pending waits by activity (history order), and how settled ones were settled."""
+    rows = (
+        connection_of(conn)
+        .execute(
+            select(hist.c.type, hist.c.activity_name, hist.c.event)
+            .where(hist.c.execution_id == execution_id, hist.c.type.in_(SIGNAL_EVENT_TYPES))
+            .order_by(hist.c.sequence)
+        )
+        .all()
+    )
+    pending: dict[str, Mapping[str, Any]] = {}
+    settled: dict[str, str] = {}
+    for row in rows:
+        if row.type == "signal.waiting":
+            pending[row.activity_name] = row.event
+        elif row.activity_name in pending:
+            settled[row.activity_name] = row.type
+            del pending[row.activity_name]
+    return pending, settled
 
 
 def pending(conn: Executor, execution_id: str) -> list[Mapping[str, Any]]:
     """``signal.waiting`` events with no delivery, receipt or timeout yet, in history order."""
-    rows = conn.execute(
-        select(hist.c.type, hist.c.activity_name, hist.c.event)
-        .where(hist.c.execution_id == execution_id, hist.c.type.in_(_SIGNAL_TYPES))
-        .order_by(hist.c.sequence)
-    ).all()
-    waits: dict[str, Mapping[str, Any]] = {}
-    for row in rows:
-        if row.type == "signal.waiting":
-            waits[row.activity_name] = row.event
-        else:
-            waits.pop(row.activity_name, None)
-    return list(waits.values())
+    return list(_waits(conn, execution_id)[0].values())
 
 
 def deliver(
     conn: Executor,
+    backend: Backend,
     execution_id: str,
-    wait: Mapping[str, Any],
-    payload: Any,
+    name: str,
+    validate: Validator,
     actor: str | None,
     now: dt.datetime,
 ) -> int:
-    """Record ``signal.delivered`` for one pending wait and make the run due.
+    """Record ``signal.delivered`` for the run's latest pending wait on ``name``, and make
+    the run due.
 
-    The row lock serializes deliveries and the wait's outcome; the dedupe key
-    ``signal.delivered:<activity>`` makes exactly one of two concurrent deliveries win.
+    Everything is decided under the run's row lock: which wait is pending, whether the
+    payload fits it, and the write. So of N concurrent deliveries to one wait exactly one
+    wins and every other one finds it delivered.
 
     Returns:
         The event's sequence number.
 
     Raises:
-        SignalNotWaitingError: the wait was resolved (or the run finished) meanwhile.
-        SignalAlreadyDeliveredError: another delivery to this wait won.
+        SignalNotWaitingError: no pending wait on ``name`` (or the run is not signalable).
+        SignalAlreadyDeliveredError: the latest wait on ``name`` already got its signal.
+        SignalPayloadError: from ``validate``; nothing is recorded.
     """
-    name, activity = str(wait["name"]), str(wait["activityName"])
-    status = conn.execute(
-        select(ex.c.status).where(ex.c.id == execution_id).with_for_update()
-    ).scalar_one_or_none()
-    if status is None:
+    core = connection_of(conn)
+    locked = backend.lock_run(core, execution_id)
+    if locked is None:
         raise UnknownExecutionError(execution_id)
-    if status in TERMINAL_STATUSES:
+    waits, settled = _waits(core, execution_id)
+    named = [w for w in waits.values() if w.get("name") == name]
+    if str(locked.status) not in lifecycle.SIGNALABLE:
         raise SignalNotWaitingError(execution_id, name)
-    keys = [f"{kind}:{activity}" for kind in _SIGNAL_TYPES[1:]]
-    resolved = set(
-        conn.execute(
-            select(hist.c.type).where(
-                hist.c.execution_id == execution_id, hist.c.dedupe_key.in_(keys)
-            )
-        ).scalars()
-    )
-    if "signal.delivered" in resolved:
-        raise SignalAlreadyDeliveredError(execution_id, name)
-    if resolved:
+    if not named:
+        latest = next((a for a in reversed(list(settled)) if a.rsplit("#", 1)[0] == name), None)
+        if latest is not None and settled[latest] in ("signal.delivered", "signal.received"):
+            raise SignalAlreadyDeliveredError(execution_id, name)
         raise SignalNotWaitingError(execution_id, name)
-    event = {
-        "type": "signal.delivered",
-        "executionId": execution_id,
-        "name": name,
-        "invocation": wait.get("invocation"),
-        "activityName": activity,
-        "payload": payload,
-        "actor": actor,
-    }
+    wait = dict(named[-1])
+    stored = validate(wait)
     appended = history.append(
-        conn,
-        execution_id,
-        [NewEvent(event, now, f"signal.delivered:{activity}", "running")],
-        now=now,
+        core, backend, execution_id, [events.signal_delivered(wait, stored, actor, now)], now=now
     )
     if not appended.sequences:
         raise SignalAlreadyDeliveredError(execution_id, name)
-    executions.wake(conn, execution_id, now)
+    executions.wake(core, backend, execution_id)
     return appended.sequences[0]

@@ -1,9 +1,9 @@
-"""Step concurrency limits.
+"""Step concurrency slots: ``Limit(n, key=...)`` on a step.
 
-PostgreSQL: a slot is a session advisory lock ``(hash(step, key), slot)`` held on a
-connection of its own while the step runs, so the limit holds across every worker sharing the
-database, and a worker that dies releases its slots with its connection. Other backends: a
-semaphore per (step, key) in this process.
+Where the database has session locks (PostgreSQL advisory locks, MySQL/MariaDB named locks) a
+slot is such a lock, held on a connection of its own while the step runs: the limit holds
+across every worker sharing the database, and a worker that dies releases its slots with its
+connection. Elsewhere (SQLite) a slot is a semaphore of this process.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Connection, Engine
 
-from . import _dialect
+#: ``acquire()`` tries once, without blocking; True once a slot is held.
+Acquire = Callable[[], bool]
 
 
 def lock_key(step_name: str, key: str) -> int:
@@ -24,22 +25,20 @@ def lock_key(step_name: str, key: str) -> int:
     return int.from_bytes(digest[:4], "big", signed=True)
 
 
-class ConcurrencyLimits:
-    """Hands out concurrency slots for steps run by one runtime."""
+class Slots:
+    """Per-process slots (semaphores); the database-wide kinds override :meth:`slot`."""
+
+    #: Whether a limit holds across processes sharing the database.
+    shared = False
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._shared = _dialect.is_postgresql(engine.dialect)
         self._lock = threading.Lock()
         self._semaphores: dict[tuple[str, str, int], threading.Semaphore] = {}
 
     @contextmanager
-    def slot(self, step_name: str, key: str, limit: int) -> Iterator[Callable[[], bool]]:
-        """Yields ``acquire()`` (non-blocking; True once a slot is held); releases on exit."""
-        if self._shared:
-            with self._advisory(step_name, key, limit) as try_advisory:
-                yield try_advisory
-            return
+    def slot(self, step_name: str, key: str, limit: int) -> Iterator[Acquire]:
+        """Yields ``acquire()``; the slot (if taken) is released on exit."""
         with self._lock:
             semaphore = self._semaphores.setdefault(
                 (step_name, key, limit), threading.Semaphore(limit)
@@ -57,8 +56,20 @@ class ConcurrencyLimits:
             if held:
                 semaphore.release()
 
+
+class SessionLockSlots(Slots):
+    """Slots as session-level database locks ``(step, key, slot number)``."""
+
+    shared = True
+
+    def try_lock(self, conn: Connection, k1: int, slot: int) -> bool:
+        raise NotImplementedError
+
+    def unlock(self, conn: Connection, k1: int, slot: int) -> None:
+        raise NotImplementedError
+
     @contextmanager
-    def _advisory(self, step_name: str, key: str, limit: int) -> Iterator[Callable[[], bool]]:
+    def slot(self, step_name: str, key: str, limit: int) -> Iterator[Acquire]:
         k1 = lock_key(step_name, key)
         held: int | None = None
         with self.engine.connect() as conn:
@@ -67,14 +78,11 @@ class ConcurrencyLimits:
             def acquire() -> bool:
                 nonlocal held
                 if held is None:
-                    for slot in range(limit):
-                        if conn.execute(select(func.pg_try_advisory_lock(k1, slot))).scalar():
-                            held = slot
-                            break
+                    held = next((s for s in range(limit) if self.try_lock(conn, k1, s)), None)
                 return held is not None
 
             try:
                 yield acquire
             finally:
                 if held is not None:
-                    conn.execute(select(func.pg_advisory_unlock(k1, held)))
+                    self.unlock(conn, k1, held)

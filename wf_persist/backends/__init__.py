@@ -1,0 +1,109 @@
+"""One object per backend, chosen once when an engine is opened: the only place that tells
+SQLite, PostgreSQL and MySQL/MariaDB apart (see :mod:`.base` for what a backend owns)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import weakref
+from typing import Any, Final
+
+from sqlalchemy import Engine, make_url
+from sqlalchemy import create_engine as sa_create_engine
+from sqlalchemy.engine import URL
+
+from ..errors import UnsupportedDatabaseError
+from .base import Backend, Claim, Fenced
+from .mysql import MySQLBackend
+from .postgresql import PostgreSQLBackend
+from .sqlite import SQLiteBackend
+
+__all__ = ["Backend", "Claim", "Fenced", "create_engine", "open_backend", "resolve_url"]
+
+#: Environment variable that names the database when no URL is passed.
+DATABASE_URL_ENV: Final = "WF_PERSIST_DATABASE_URL"
+#: The embedded default: a SQLite file in the working directory.
+DEFAULT_URL: Final = "sqlite:///wf_persist.sqlite3"
+
+_BACKENDS: Final[tuple[type[Backend], ...]] = (SQLiteBackend, PostgreSQLBackend, MySQLBackend)
+#: URL schemes without a driver, and the driver wf_persist uses for them.
+_DEFAULT_DRIVERS: Final = {
+    "postgresql": "postgresql+psycopg",
+    "postgres": "postgresql+psycopg",
+    "mysql": "mysql+pymysql",
+    "mariadb": "mariadb+pymysql",
+}
+
+
+def backend_type(name: str) -> type[Backend]:
+    """The backend class for a SQLAlchemy dialect or backend name."""
+    for kind in _BACKENDS:
+        if name in kind.names:
+            return kind
+    raise UnsupportedDatabaseError(
+        f"the {name} database is not supported (SQLite, PostgreSQL, MySQL/MariaDB are)"
+    )
+
+
+def open_backend(engine: Engine, *, owned: bool, schema: str | None = None) -> Backend:
+    """The backend object for ``engine`` (checks nothing on the database yet)."""
+    return backend_type(engine.dialect.name)(engine, owned=owned, schema=schema)
+
+
+def normalize_url(url: str | URL) -> URL:
+    """Parse ``url`` and pick wf_persist's driver where none is named (psycopg 3 for
+    ``postgresql://``, PyMySQL for ``mysql://``); an unknown scheme is a typed error."""
+    try:
+        parsed = make_url(url)
+    except Exception as exc:  # ArgumentError, ValueError: not a URL at all
+        raise UnsupportedDatabaseError(f"not a database URL: {url!r} ({exc})") from None
+    driver = _DEFAULT_DRIVERS.get(parsed.drivername)
+    if driver is not None:
+        parsed = parsed.set(drivername=driver)
+    backend_type(parsed.get_backend_name())
+    return parsed
+
+
+def resolve_url(url: str | URL | None) -> URL:
+    """The URL to use: the argument, else ``$WF_PERSIST_DATABASE_URL``, else embedded SQLite."""
+    if url is None:
+        url = os.environ.get(DATABASE_URL_ENV) or DEFAULT_URL
+    return normalize_url(url)
+
+
+def create_engine(url: str | URL | None = None, **kwargs: Any) -> Engine:
+    """An engine configured the way wf_persist wants its own engines.
+
+    SQLite gets WAL, ``synchronous=FULL`` (a commit survives power loss), foreign keys, a busy
+    timeout and ``BEGIN IMMEDIATE`` for write transactions; ``sqlite://`` (in memory) works,
+    shared by every thread. MySQL/MariaDB get READ COMMITTED and strict mode. Engines a host
+    hands to wf_persist are never changed; this function is only for engines it owns (and
+    for applications that want the same settings).
+    """
+    resolved = resolve_url(url)
+    kind = backend_type(resolved.get_backend_name())
+    if kwargs.get("poolclass") is None:
+        # A drive holds one connection; claims, slots and reads borrow more.
+        kwargs.setdefault("pool_size", 10)
+        kwargs.setdefault("max_overflow", 40)
+    resolved, kwargs = kind.configure_engine(resolved, kwargs)
+    tempdir = kwargs.pop("wf_persist_tempdir", None)
+    try:
+        engine = sa_create_engine(resolved, **kwargs)
+    except ImportError as exc:
+        raise UnsupportedDatabaseError(
+            f"the driver for {describe_url(resolved)} is not installed: {exc}"
+        ) from exc
+    except TypeError as exc:  # an argument this pool or dialect does not take
+        raise UnsupportedDatabaseError(
+            f"cannot create an engine for {describe_url(resolved)}: {exc}"
+        ) from exc
+    if tempdir is not None:
+        weakref.finalize(engine, shutil.rmtree, tempdir, True)
+    kind.on_own_engine(engine)
+    return engine
+
+
+def describe_url(url: URL) -> str:
+    """The URL as it may appear in messages: password hidden."""
+    return url.render_as_string(hide_password=True)

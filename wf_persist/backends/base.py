@@ -1,0 +1,509 @@
+"""What every backend does the same way, and the hooks where backends differ.
+
+A :class:`Backend` is chosen once, when a runtime opens its engine (:func:`open_backend`);
+the rest of the code calls it and never asks which database it is on. It owns:
+
+* the engine view wf_persist works through (a named schema, the isolation level its
+  compare-and-sets need, SQLite transaction control) and how transactions begin;
+* claims: one atomic compare-and-set per run that re-checks, in the UPDATE itself, that the run
+  is due by the database's clock, bumps the run's fencing token (``claim_epoch``) and sets the
+  lease from the database's clock;
+* the fenced writes of a driver (every one conditional on ``(id, epoch)`` in the same
+  statement), with the one-round-trip fast path where the backend has one;
+* inserts that ignore a dedupe conflict and nothing else;
+* concurrency slots, value-size limits, host-engine checks, migration locking.
+
+Store functions take a connection and never commit; the backend's ``write`` is the one
+exception by design: the driver's hot path commits its own single statement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
+
+from sqlalchemy import (
+    Connection,
+    Engine,
+    Float,
+    String,
+    and_,
+    bindparam,
+    func,
+    insert,
+    literal_column,
+    or_,
+    select,
+    tuple_,
+    update,
+)
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError
+
+from ..errors import LeaseLostError, UnsupportedDatabaseError, ValueTooLargeError
+from ..events import NewEvent
+from ..lifecycle import ACTIVE
+from ..models import UTC_DATETIME, JSONDoc, UniqueKey
+from ..models import executions_table as ex
+from ..models import history_table as hist
+from .clock import db_later, db_now
+from .slots import Slots
+
+
+class Claim(NamedTuple):
+    """A run this runtime now drives, fenced by ``epoch``; ``db_now`` is the database's time
+    at the claim (drives measure time from it, not from the worker's clock)."""
+
+    execution_id: str
+    epoch: int
+    workflow_name: str
+    workflow_version: int
+    input: Any
+    status: str
+    drive_failures: int
+    db_now: dt.datetime
+
+
+class Fenced(NamedTuple):
+    """What a fenced write did: the new events' sequence numbers and the run's status."""
+
+    sequences: list[int]
+    status: str
+
+
+@dataclass(frozen=True)
+class WriteShape:
+    """One fenced write: ``n`` events, the execution columns it sets, the statuses it needs."""
+
+    n: int
+    columns: tuple[str, ...]
+    guard: tuple[str, ...] | None
+
+
+#: Row columns a claim hands back.
+CLAIM_COLUMNS = (
+    ex.c.id,
+    ex.c.claim_epoch,
+    ex.c.workflow_name,
+    ex.c.workflow_version,
+    ex.c.input,
+    ex.c.status,
+    ex.c.drive_failures,
+)
+HOT_COLUMNS = (
+    "execution_id",
+    "sequence",
+    "type",
+    "activity_name",
+    "dedupe_key",
+    "created_at",
+    "event",
+)
+INSERT_HISTORY = insert(hist)
+P_TTL = bindparam("p_ttl", type_=Float())
+
+
+def due() -> Any:
+    """Active and due by the database's clock. ``wake_at`` is a parked run's timer, a leased
+    run's lease expiry, and NULL while it waits for a signal."""
+    return and_(
+        ex.c.status.in_(sorted(ACTIVE)), ex.c.wake_at.is_not(None), ex.c.wake_at <= db_now()
+    )
+
+
+def pinned(workflows: Sequence[tuple[str, int]]) -> Any:
+    return or_(*(and_(ex.c.workflow_name == n, ex.c.workflow_version == v) for n, v in workflows))
+
+
+def claim_values(owner: str) -> dict[str, Any]:
+    """The SET of a claim: a new epoch and a lease measured by the database's clock."""
+    return {
+        "claim_epoch": ex.c.claim_epoch + 1,
+        "lease_owner": owner,
+        "lease_expires_at": db_later(P_TTL),
+        "wake_at": db_later(P_TTL),
+        "updated_at": db_now(),
+        "started_at": func.coalesce(ex.c.started_at, db_now()),
+    }
+
+
+def history_row(execution_id: str, seq: int, ev: NewEvent) -> dict[str, Any]:
+    return {
+        "execution_id": execution_id,
+        "sequence": seq,
+        "type": ev.type,
+        "activity_name": ev.activity_name,
+        "dedupe_key": ev.dedupe_key,
+        "created_at": ev.created_at,
+        "event": ev.event,
+    }
+
+
+def bump(shape: WriteShape) -> Any:
+    """UPDATE the run if the driver's epoch is current (and its status is in the guard)."""
+    stmt = update(ex).where(
+        ex.c.id == bindparam("p_eid", type_=String(36)), ex.c.claim_epoch == bindparam("p_epoch")
+    )
+    if shape.guard is not None:
+        stmt = stmt.where(ex.c.status.in_([literal_column(f"'{s}'") for s in shape.guard]))
+    values: dict[str, Any] = {
+        # Constants inline: one statement per shape, no anonymous parameters.
+        "next_seq": ex.c.next_seq + literal_column(str(int(shape.n))),
+        "updated_at": bindparam("p_now", type_=UTC_DATETIME),
+    }
+    for column in shape.columns:
+        values[column] = bindparam(f"v_{column}", type_=ex.c[column].type)
+    return stmt.values(values)
+
+
+class Backend:
+    """The generic implementation (UPDATE ... RETURNING); subclasses override what differs."""
+
+    #: SQLAlchemy dialect names this backend serves.
+    names: ClassVar[tuple[str, ...]] = ()
+    #: Whether tables can live in a named schema (``Runtime(schema=...)``).
+    supports_schemas: ClassVar[bool] = False
+    #: Whether claims skip rows other claimers have locked (``FOR UPDATE SKIP LOCKED``).
+    skip_locked: ClassVar[bool] = False
+    #: Whether migrations run in one transaction (DDL is transactional).
+    transactional_ddl: ClassVar[bool] = True
+    #: Whether Alembic must use batch mode (SQLite's limited ALTER TABLE).
+    batch_migrations: ClassVar[bool] = False
+    #: An embedded database (a file this process opens): a runtime that created its engine
+    #: migrates it itself.
+    embedded: ClassVar[bool] = False
+
+    def __init__(self, engine: Engine, *, owned: bool, schema: str | None = None) -> None:
+        if schema is not None and not self.supports_schemas:
+            raise UnsupportedDatabaseError(
+                f"a named schema needs PostgreSQL, not {engine.dialect.name}"
+            )
+        self.base_engine = engine
+        self.owned = owned
+        self.schema = schema
+        #: Options of every statement wf_persist runs on a connection it did not open itself
+        #: (a host's session): render our tables in the schema, nothing else.
+        self.statement_options: dict[str, Any] = (
+            {} if schema is None else {"schema_translate_map": {None: schema}}
+        )
+        self.engine = self.make_view(engine)
+        self.slots = Slots(self.engine)
+        #: The largest JSON value (bytes, as sent) one stored value may have.
+        self.max_value_bytes = 256 * 1024 * 1024 - 64 * 1024
+
+    # engines and transactions -------------------------------------------------------
+
+    @classmethod
+    def configure_engine(cls, url: URL, kwargs: dict[str, Any]) -> tuple[URL, dict[str, Any]]:
+        """The URL and engine arguments of an engine wf_persist creates itself."""
+        return url, kwargs
+
+    @classmethod
+    def on_own_engine(cls, engine: Engine) -> None:
+        """Listeners on an engine wf_persist created (never on a host's)."""
+
+    def make_view(self, engine: Engine) -> Engine:
+        """The engine wf_persist works through: same pool, our options; the host's engine
+        object stays as it was."""
+        if self.statement_options:
+            return engine.execution_options(**self.statement_options)
+        return engine
+
+    @contextlib.contextmanager
+    def begin(self, conn: Connection | None = None) -> Iterator[Connection]:
+        """A write transaction, on ``conn`` (a drive's connection) or a pooled one."""
+        if conn is None:
+            with self.engine.begin() as fresh:
+                yield fresh
+            return
+        with conn.begin():
+            yield conn
+
+    @contextlib.contextmanager
+    def read(self, conn: Connection | None = None) -> Iterator[Connection]:
+        """A read-only transaction, on ``conn`` or a pooled connection."""
+        if conn is not None:
+            with conn.begin():
+                yield conn
+            return
+        with self.engine.connect() as fresh, fresh.begin():
+            yield fresh
+
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[Connection]:
+        """A connection held for a whole drive."""
+        with self.engine.connect() as conn:
+            yield conn
+
+    def side_engine(self) -> Engine:
+        """An engine with a pool of its own (the lease keeper's): a busy runs' pool must not
+        starve lease renewal. It connects as the host's engine does (same creator)."""
+        from sqlalchemy import create_engine
+
+        pool = self.base_engine.pool.recreate()
+        engine = create_engine(self.base_engine.url, pool=pool)
+        if self.owned:
+            self.on_own_engine(engine)
+        return self.make_view(engine)
+
+    # checks ------------------------------------------------------------------------
+
+    def requirement_problem(self, version: tuple[int, ...] | None) -> str | None:
+        """Why this database version cannot run wf_persist, or ``None``."""
+        return None
+
+    def server_version(self) -> tuple[int, ...] | None:
+        with self.base_engine.connect() as conn:
+            found = conn.dialect.server_version_info or ()
+        return tuple(p for p in found if isinstance(p, int)) or None
+
+    def check(self) -> None:
+        """Fail early, and say why, if this database or host engine cannot run wf_persist."""
+        problem = self.requirement_problem(self.server_version())
+        if problem is not None:
+            raise UnsupportedDatabaseError(problem)
+
+    def value_size(self, text: str) -> int:
+        """Bytes a JSON text takes on the wire."""
+        return len(text.encode("utf-8", "surrogatepass"))
+
+    def check_size(self, what: str, value: Any) -> None:
+        """Refuse a value larger than the backend can store (a typed error, never a retry)."""
+        if value is None:
+            return
+        size = self.value_size(json.dumps(value, separators=(",", ":")))
+        if size > self.max_value_bytes:
+            raise ValueTooLargeError(what, size, self.max_value_bytes)
+
+    def capacity(self) -> int | None:
+        """Connections the runs' pool can hand out at once (None: unbounded)."""
+        pool = self.base_engine.pool
+        size = getattr(pool, "size", None)
+        overflow = getattr(pool, "_max_overflow", None)
+        if not callable(size) or overflow is None or overflow < 0:
+            return None
+        return int(size()) + int(overflow)
+
+    # dedupe ------------------------------------------------------------------------
+
+    def insert_once(
+        self,
+        conn: Connection,
+        table: Any,
+        row: Mapping[str, Any],
+        key: UniqueKey,
+        sql_values: Mapping[str, Any] | None = None,
+    ) -> bool:
+        """Insert ``row`` unless it conflicts on ``key``; any other error (another unique
+        key, a value too long, a NUL byte) raises. Returns whether it went in."""
+        raise NotImplementedError
+
+    # claims ------------------------------------------------------------------------
+
+    def claim(self, conn: Connection, execution_id: str, owner: str, ttl: float) -> Claim | None:
+        """Claim one run if it is due: one compare-and-set."""
+        stmt = (
+            update(ex)
+            .where(ex.c.id == execution_id, due())
+            .values(claim_values(owner))
+            .returning(*CLAIM_COLUMNS, db_now())
+        )
+        row = conn.execute(stmt, {"p_ttl": ttl}).one_or_none()
+        return None if row is None else Claim(*row)
+
+    def claim_due(
+        self,
+        conn: Connection,
+        owner: str,
+        ttl: float,
+        limit: int,
+        workflows: Sequence[tuple[str, int]],
+        exclude: Sequence[str],
+    ) -> list[Claim]:
+        """Claim up to ``limit`` due runs of these workflows, oldest wake time first, never
+        one in ``exclude`` (runs this process is still driving)."""
+        candidates = select(ex.c.id).where(due(), pinned(workflows))
+        if exclude:
+            candidates = candidates.where(ex.c.id.not_in(list(exclude)))
+        candidates = candidates.order_by(ex.c.wake_at).limit(limit)
+        if self.skip_locked:
+            candidates = candidates.with_for_update(skip_locked=True)
+        # A materialized CTE runs once: an IN (subquery) may be re-run per row, and then
+        # hands out more runs than ``limit`` (each is still claimed once, but by a worker
+        # that cannot start it before its lease ends).
+        chosen = candidates.cte("wf_claimable").prefix_with("MATERIALIZED")
+        stmt = (
+            update(ex)
+            .where(ex.c.id == chosen.c.id, due())
+            .values(claim_values(owner))
+            .returning(*CLAIM_COLUMNS, db_now())
+        )
+        return [Claim(*row) for row in conn.execute(stmt, {"p_ttl": ttl})]
+
+    def renew(self, conn: Connection, held: Mapping[str, int], ttl: float) -> set[str]:
+        """Extend the leases still held at these epochs; return the ids still held."""
+        if not held:
+            return set()
+        stmt = (
+            update(ex)
+            .where(held_at(held))
+            .values(lease_expires_at=db_later(P_TTL), wake_at=db_later(P_TTL))
+            .returning(ex.c.id)
+        )
+        return {str(i) for i in conn.execute(stmt, {"p_ttl": ttl}).scalars()}
+
+    def epochs(self, conn: Connection, execution_ids: Sequence[str]) -> dict[str, int]:
+        """The current claim epoch of each run (a run that is gone is left out)."""
+        rows = conn.execute(
+            select(ex.c.id, ex.c.claim_epoch).where(ex.c.id.in_(list(execution_ids)))
+        )
+        return {str(r[0]): int(r[1]) for r in rows}
+
+    def release(self, conn: Connection, held: Mapping[str, int], delay: float = 0.0) -> int:
+        """Give up leases (due again after ``delay`` seconds); returns how many."""
+        if not held:
+            return 0
+        stmt = (
+            update(ex)
+            .where(held_at(held))
+            .values(lease_owner=None, lease_expires_at=None, wake_at=db_later(P_TTL))
+        )
+        return int(conn.execute(stmt, {"p_ttl": delay}).rowcount)
+
+    def next_wake(
+        self, conn: Connection, workflows: Sequence[tuple[str, int]]
+    ) -> tuple[dt.datetime | None, dt.datetime]:
+        """The earliest wake time of these workflows' active runs, and the database's now."""
+        row = conn.execute(
+            select(func.min(ex.c.wake_at), db_now()).where(
+                ex.c.status.in_(sorted(ACTIVE)), ex.c.wake_at.is_not(None), pinned(workflows)
+            )
+        ).one()
+        return row[0], row[1]
+
+    # fenced writes -----------------------------------------------------------------
+
+    def lock_run(self, conn: Connection, execution_id: str) -> Any:
+        """Lock the run's row for the rest of the transaction; returns
+        ``(next_seq, status, claim_epoch)`` or ``None``."""
+        return conn.execute(
+            select(ex.c.next_seq, ex.c.status, ex.c.claim_epoch)
+            .where(ex.c.id == execution_id)
+            .with_for_update()
+        ).one_or_none()
+
+    def fenced(
+        self,
+        conn: Connection,
+        execution_id: str,
+        epoch: int,
+        events: Sequence[NewEvent],
+        *,
+        now: dt.datetime,
+        values: Mapping[str, Any] | None = None,
+        guard: tuple[str, ...] | None = None,
+    ) -> Fenced:
+        """Append events and update the run if ``epoch`` is current, in the caller's
+        transaction: an UPDATE ... RETURNING (the compare-and-set) and one INSERT."""
+        shape = WriteShape(len(events), tuple(sorted(values or ())), guard)
+        params = self._params(execution_id, epoch, now, values)
+        top = conn.execute(bump(shape).returning(ex.c.next_seq, ex.c.status), params).one_or_none()
+        if top is None:
+            raise LeaseLostError(execution_id)
+        base = int(top[0]) - shape.n
+        if events:
+            conn.execute(
+                INSERT_HISTORY,
+                [history_row(execution_id, base + i, e) for i, e in enumerate(events)],
+            )
+        return Fenced([base + i for i in range(shape.n)], str(top[1]))
+
+    def write(
+        self,
+        conn: Connection,
+        execution_id: str,
+        epoch: int,
+        events: Sequence[NewEvent],
+        *,
+        now: dt.datetime,
+        values: Mapping[str, Any] | None = None,
+        guard: tuple[str, ...] | None = None,
+    ) -> Fenced:
+        """:meth:`fenced` as a write of its own, committed when it returns (the hot path)."""
+        with self.begin(conn):
+            return self.fenced(
+                conn, execution_id, epoch, events, now=now, values=values, guard=guard
+            )
+
+    @staticmethod
+    def _params(
+        execution_id: str, epoch: int, now: dt.datetime, values: Mapping[str, Any] | None
+    ) -> dict[str, Any]:
+        params: dict[str, Any] = {"p_eid": execution_id, "p_epoch": epoch, "p_now": now}
+        for column, value in (values or {}).items():
+            params[f"v_{column}"] = value
+        return params
+
+    # listing -----------------------------------------------------------------------
+
+    def keyset_after(self, created_at: dt.datetime, execution_id: str) -> Any:
+        """Rows after ``(created_at, id)`` in ``(created_at, id)`` order."""
+        return or_(
+            ex.c.created_at > created_at,
+            and_(ex.c.created_at == created_at, ex.c.id > execution_id),
+        )
+
+    # migrations --------------------------------------------------------------------
+
+    @classmethod
+    def migration_lock(cls, conn: Connection) -> None:
+        """Serialize concurrent upgrades (taken inside the migration transaction)."""
+
+    @classmethod
+    def migration_unlock(cls, conn: Connection) -> None:
+        """Release what :meth:`migration_lock` took, if it outlives the transaction."""
+
+    @classmethod
+    def offline_lock_sql(cls) -> str | None:
+        """The lock statement a rendered (``--sql``) upgrade script starts with."""
+        return None
+
+    # raw driver paths --------------------------------------------------------------
+
+    @staticmethod
+    def raw_failure(conn: Connection, exc: Exception, statement: str, cursor: Any) -> Exception:
+        """A driver error from a raw fast path, handled as SQLAlchemy would: a dead
+        connection is invalidated (never reused) and the error is wrapped."""
+        dialect = conn.dialect
+        dbapi = dialect.loaded_dbapi
+        if not isinstance(exc, dbapi.Error):
+            return exc
+        raw = conn.connection.dbapi_connection
+        disconnect = dialect.is_disconnect(exc, raw, cursor)
+        if disconnect and not conn.invalidated:
+            conn.invalidate(exc)
+        return DBAPIError.instance(
+            statement,
+            None,
+            exc,
+            dbapi.Error,
+            hide_parameters=True,
+            dialect=dialect,
+            connection_invalidated=disconnect,
+        )
+
+
+def held_at(held: Mapping[str, int]) -> Any:
+    """Runs still leased at the given epochs (a parked run is never renewed)."""
+    return and_(
+        tuple_(ex.c.id, ex.c.claim_epoch).in_(list(held.items())),
+        ex.c.lease_expires_at.is_not(None),
+    )
+
+
+#: JSON column type for raw statements rendered by SQLAlchemy.
+JSON_TYPE = JSONDoc

@@ -1,0 +1,263 @@
+"""MySQL 8 / MariaDB 10.6+ (PyMySQL).
+
+No UPDATE ... RETURNING here, so a claim's compare-and-set returns its new epoch through
+``LAST_INSERT_ID(expr)``, which the server hands back with the statement's result (no extra
+round trip); its affected-row count says whether the CAS won. Batch claims lock candidates
+with ``FOR UPDATE SKIP LOCKED`` first. Dedupe inserts are plain INSERTs whose duplicate-key
+error on the dedupe index is the "already there" answer: ``INSERT IGNORE`` would also turn a
+too-long value into a silent truncation. Writes run in strict mode (own engines set it; a host
+engine without it is refused), so nothing is ever truncated silently.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Final
+
+from sqlalchemy import Connection, Engine, event, func, insert, select, text, update
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.pool import ConnectionPoolEntry
+
+from ..errors import LeaseLostError, UnsupportedDatabaseError, ValueTooLargeError
+from ..events import NewEvent
+from ..models import UniqueKey
+from ..models import executions_table as ex
+from .base import (
+    CLAIM_COLUMNS,
+    INSERT_HISTORY,
+    P_TTL,
+    Backend,
+    Claim,
+    Fenced,
+    WriteShape,
+    bump,
+    claim_values,
+    due,
+    held_at,
+    history_row,
+    pinned,
+)
+from .clock import db_later, db_now
+from .slots import SessionLockSlots
+
+#: Name of the lock that serializes concurrent migrations.
+MIGRATION_LOCK: Final = "wf_persist_migrate"
+#: Statements and values over ``max_allowed_packet`` break the connection: values stay well
+#: inside it (a step write carries its input and its result).
+_PACKET_MARGIN: Final = 64 * 1024
+_STRICT = ("STRICT_TRANS_TABLES", "STRICT_ALL_TABLES")
+_DUPLICATE_KEY: Final = 1062
+
+
+class NamedLockSlots(SessionLockSlots):
+    def _name(self, k1: int, slot: int) -> str:
+        return f"wf_persist:{k1}:{slot}"
+
+    def try_lock(self, conn: Connection, k1: int, slot: int) -> bool:
+        got = conn.execute(text("SELECT GET_LOCK(:n, 0)"), {"n": self._name(k1, slot)}).scalar()
+        return got == 1
+
+    def unlock(self, conn: Connection, k1: int, slot: int) -> None:
+        conn.execute(text("SELECT RELEASE_LOCK(:n)"), {"n": self._name(k1, slot)})
+
+
+class MySQLBackend(Backend):
+    names: ClassVar[tuple[str, ...]] = ("mysql", "mariadb")
+    skip_locked: ClassVar[bool] = True
+    transactional_ddl: ClassVar[bool] = False
+
+    def __init__(self, engine: Engine, *, owned: bool, schema: str | None = None) -> None:
+        super().__init__(engine, owned=owned, schema=schema)
+        self.slots = NamedLockSlots(self.engine)
+        with self.base_engine.connect() as conn:
+            mode, packet = conn.execute(
+                text("SELECT @@SESSION.sql_mode, @@max_allowed_packet")
+            ).one()
+        self.sql_mode = str(mode)
+        self.max_value_bytes = (int(packet) - _PACKET_MARGIN) // 2
+
+    @classmethod
+    def configure_engine(cls, url: URL, kwargs: dict[str, Any]) -> tuple[URL, dict[str, Any]]:
+        # What PostgreSQL does by default: each statement sees what committed before it.
+        kwargs.setdefault("isolation_level", "READ COMMITTED")
+        return url, kwargs
+
+    @classmethod
+    def on_own_engine(cls, engine: Engine) -> None:
+        @event.listens_for(engine, "connect")
+        def _strict(dbapi_connection: Any, _record: ConnectionPoolEntry) -> None:
+            cursor = dbapi_connection.cursor()
+            try:
+                cursor.execute(
+                    "SET SESSION sql_mode = CONCAT_WS(',', @@SESSION.sql_mode, 'STRICT_ALL_TABLES')"
+                )
+            finally:
+                cursor.close()
+
+    def requirement_problem(self, version: tuple[int, ...] | None) -> str | None:
+        mariadb = bool(getattr(self.base_engine.dialect, "is_mariadb", False))
+        found = "" if version is None else ".".join(str(p) for p in version)
+        if mariadb and version is not None and version < (10, 6):
+            return f"MariaDB >= 10.6 is needed (FOR UPDATE SKIP LOCKED); found {found}"
+        if not mariadb and version is not None and version < (8, 0, 1):
+            return f"MySQL >= 8.0.1 is needed (FOR UPDATE SKIP LOCKED); found {found}"
+        return None
+
+    def check(self) -> None:
+        super().check()
+        if not any(flag in self.sql_mode.split(",") for flag in _STRICT):
+            raise UnsupportedDatabaseError(
+                "this engine's connections are not in strict mode (sql_mode "
+                f"'{self.sql_mode}'), so MySQL would truncate values silently; add "
+                "STRICT_TRANS_TABLES, e.g. create_engine(url, connect_args={'init_command': "
+                "\"SET SESSION sql_mode = CONCAT(@@sql_mode, ',STRICT_TRANS_TABLES')\"})"
+            )
+
+    def value_size(self, text: str) -> int:
+        # PyMySQL sends values as escaped literals: quotes and backslashes double.
+        raw = text.encode("utf-8", "surrogatepass")
+        return len(raw) + raw.count(b"\\") + raw.count(b"'") + raw.count(b'"')
+
+    # dedupe ------------------------------------------------------------------------
+
+    def insert_once(
+        self,
+        conn: Connection,
+        table: Any,
+        row: Mapping[str, Any],
+        key: UniqueKey,
+        sql_values: Mapping[str, Any] | None = None,
+    ) -> bool:
+        # MySQL names a primary key PRIMARY (MySQL 8 prefixes the table: 'wf_workflows.PRIMARY').
+        name = "PRIMARY" if key.primary else key.name
+        try:  # a failed INSERT rolls back only itself: the transaction goes on
+            conn.execute(insert(table).values(**(sql_values or {})), dict(row))
+        except IntegrityError as exc:
+            args: tuple[Any, ...] = tuple(getattr(exc.orig, "args", ()))
+            message = str(args[1]) if len(args) > 1 else ""
+            if (
+                args
+                and args[0] == _DUPLICATE_KEY
+                and re.search(rf"for key '(?:[^']*\.)?{re.escape(name)}'", message)
+            ):
+                return False
+            raise
+        return True
+
+    # claims ------------------------------------------------------------------------
+
+    def _cas(self, conn: Connection, execution_id: str, owner: str, ttl: float) -> int | None:
+        values = claim_values(owner)
+        values["claim_epoch"] = func.last_insert_id(ex.c.claim_epoch + 1)
+        result = conn.execute(
+            update(ex).where(ex.c.id == execution_id, due()).values(values), {"p_ttl": ttl}
+        )
+        return int(result.lastrowid) if result.rowcount == 1 else None
+
+    def _claimed(self, conn: Connection, pairs: Sequence[tuple[str, int]]) -> list[Claim]:
+        if not pairs:
+            return []
+        rows = conn.execute(select(*CLAIM_COLUMNS, db_now()).where(held_at(dict(pairs)))).all()
+        return [Claim(*row) for row in rows]
+
+    def claim(self, conn: Connection, execution_id: str, owner: str, ttl: float) -> Claim | None:
+        epoch = self._cas(conn, execution_id, owner, ttl)
+        if epoch is None:
+            return None
+        found = self._claimed(conn, [(execution_id, epoch)])
+        return found[0] if found else None
+
+    def claim_due(
+        self,
+        conn: Connection,
+        owner: str,
+        ttl: float,
+        limit: int,
+        workflows: Sequence[tuple[str, int]],
+        exclude: Sequence[str],
+    ) -> list[Claim]:
+        candidates = select(ex.c.id).where(due(), pinned(workflows))
+        if exclude:
+            candidates = candidates.where(ex.c.id.not_in(list(exclude)))
+        ids = (
+            conn.execute(
+                candidates.order_by(ex.c.wake_at).limit(limit).with_for_update(skip_locked=True)
+            )
+            .scalars()
+            .all()
+        )
+        won = []
+        for execution_id in ids:
+            epoch = self._cas(conn, str(execution_id), owner, ttl)
+            if epoch is not None:
+                won.append((str(execution_id), epoch))
+        return self._claimed(conn, won)
+
+    def renew(self, conn: Connection, held: Mapping[str, int], ttl: float) -> set[str]:
+        if not held:
+            return set()
+        conn.execute(
+            update(ex)
+            .where(held_at(held))
+            .values(lease_expires_at=db_later(P_TTL), wake_at=db_later(P_TTL)),
+            {"p_ttl": ttl},
+        )
+        return {str(i) for i in conn.execute(select(ex.c.id).where(held_at(held))).scalars()}
+
+    # fenced writes -----------------------------------------------------------------
+
+    def fenced(
+        self,
+        conn: Connection,
+        execution_id: str,
+        epoch: int,
+        events: Sequence[NewEvent],
+        *,
+        now: dt.datetime,
+        values: Mapping[str, Any] | None = None,
+        guard: tuple[str, ...] | None = None,
+    ) -> Fenced:
+        """Lock the row at the driver's epoch, bump it and insert: three statements in the
+        caller's transaction (the lock makes the read of ``next_seq`` and the bump atomic)."""
+        shape = WriteShape(len(events), tuple(sorted(values or ())), guard)
+        locked = select(ex.c.next_seq, ex.c.status).where(
+            ex.c.id == execution_id, ex.c.claim_epoch == epoch
+        )
+        if guard is not None:
+            locked = locked.where(ex.c.status.in_(guard))
+        top = conn.execute(locked.with_for_update()).one_or_none()
+        if top is None:
+            raise LeaseLostError(execution_id)
+        self._check_packet(events, values)
+        conn.execute(bump(shape), self._params(execution_id, epoch, now, values))
+        base = int(top[0])
+        if events:
+            conn.execute(
+                INSERT_HISTORY,
+                [history_row(execution_id, base + i, e) for i, e in enumerate(events)],
+            )
+        return Fenced([base + i for i in range(shape.n)], str(top[1]))
+
+    def _check_packet(self, events: Sequence[NewEvent], values: Mapping[str, Any] | None) -> None:
+        """A statement over ``max_allowed_packet`` breaks the connection; refuse it first."""
+        docs = [e.event for e in events] + [
+            v for v in (values or {}).values() if isinstance(v, dict | list)
+        ]
+        total = sum(self.value_size(json.dumps(d, separators=(",", ":"))) for d in docs)
+        limit = 2 * self.max_value_bytes
+        if total > limit:
+            raise ValueTooLargeError("one write", total, limit)
+
+    @classmethod
+    def migration_lock(cls, conn: Connection) -> None:
+        got = conn.execute(text(f"SELECT GET_LOCK('{MIGRATION_LOCK}', 600)")).scalar_one()
+        if got != 1:
+            raise UnsupportedDatabaseError("could not take the wf_persist migration lock")
+
+    @classmethod
+    def migration_unlock(cls, conn: Connection) -> None:
+        conn.execute(text(f"SELECT RELEASE_LOCK('{MIGRATION_LOCK}')"))

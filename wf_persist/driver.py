@@ -1,0 +1,404 @@
+"""Driving one claimed run: replay its body against history, write what is new, finish.
+
+Every write is fenced by the claim's epoch (a fencing token): a driver whose run was claimed
+by someone else since (after a pause, a partition, a lost lease) writes nothing and stops.
+Time inside a drive is the database's: the claim reads it, and the drive measures from it
+with a monotonic clock, so a worker whose own clock is off neither wakes timers early nor
+takes over live runs.
+
+A drive that stops on an error other than a lost lease is counted on the run
+(``drive_failures``, a ``drive.failed`` event) and the run is retried after a backoff; after
+``max_drive_failures`` in a row it fails with :class:`DriveFailedError`, so a run that fails
+the same way every time ends instead of being re-driven forever.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Connection, Float, literal, select
+
+from . import events, lifecycle
+from .authoring import Step, Workflow, inside_body
+from .backends import Claim, Fenced
+from .backends.clock import db_later
+from .context import Context
+from .control import Halt, Reload, Suspended
+from .errors import (
+    Cancelled,
+    DriveFailedError,
+    LeaseLostError,
+    StaleHistoryError,
+    error_document,
+)
+from .events import NewEvent
+from .leases import Lease
+from .models import executions_table as ex
+from .replay import Journal
+from .secrets import SecretResolver
+from .store import executions, history
+from .values import to_json
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+log = logging.getLogger("wf_persist.runtime")
+
+#: The longest a failed run waits before its next drive.
+MAX_FAILURE_BACKOFF = 60.0
+
+
+class DriveClock:
+    """The database's time at the claim, advanced by this process's monotonic clock."""
+
+    def __init__(self, db_now: dt.datetime) -> None:
+        self._base = db_now
+        self._t0 = time.monotonic()
+
+    def __call__(self) -> dt.datetime:
+        return self._base + dt.timedelta(seconds=time.monotonic() - self._t0)
+
+
+def load_journal(conn: Connection, execution_id: str) -> tuple[Journal, int]:
+    rows = history.load(conn, execution_id)
+    return Journal.from_events([r.event for r in rows]), int(rows[-1].sequence) if rows else 0
+
+
+class RunDriver:
+    """Writes for one replay of one run, on the drive's connection, fenced by its epoch.
+
+    ``seen`` is the last sequence read; a client event after it (a signal, a cancellation)
+    makes parking or deciding a race stale, so the body replays from fresh history. Database
+    failures unwind the body as :class:`Halt`, which user code cannot catch.
+    """
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        conn: Connection,
+        claim: Claim,
+        lease: Lease,
+        clock: DriveClock,
+        seen: int,
+        cancel_known: bool,
+    ) -> None:
+        self.runtime = runtime
+        self.backend = runtime.backend
+        self.conn = conn
+        self.execution_id = claim.execution_id
+        self.epoch = claim.epoch
+        self.lease = lease
+        self.clock = clock
+        self.seen = seen
+        self._cancel_known = cancel_known
+        self.record_start_after = runtime.record_start_after
+        self.news = False
+        #: Columns the first write also resets (a run that made progress is not failing).
+        self._reset: dict[str, Any] = {"drive_failures": 0} if claim.drive_failures else {}
+        #: ``(ok, stored value)`` once this driver recorded the run's outcome.
+        self.finished: tuple[bool, Any] | None = None
+
+    # the Driver protocol -------------------------------------------------------------
+
+    def _write(
+        self,
+        evs: Sequence[NewEvent],
+        values: dict[str, Any] | None = None,
+        guard: tuple[str, ...] | None = None,
+    ) -> Fenced:
+        try:
+            fenced = self.backend.write(
+                self.conn,
+                self.execution_id,
+                self.epoch,
+                evs,
+                now=self.clock(),
+                values={**self._reset, **(values or {})} or None,
+                guard=guard,
+            )
+        except Exception as exc:
+            raise Halt(exc) from exc
+        self._reset = {}
+        if fenced.status == lifecycle.COMPENSATING and not self._cancel_known:
+            self.news = True  # cancelled meanwhile: the next call replays to unwind
+        return fenced
+
+    def record(self, evs: Sequence[NewEvent]) -> None:
+        self._write(evs)
+
+    def _locked(self, evs: Sequence[NewEvent], park: bool, wake_at: dt.datetime | None) -> None:
+        try:
+            with self.backend.begin(self.conn):
+                history.append(
+                    self.conn,
+                    self.backend,
+                    self.execution_id,
+                    evs,
+                    now=self.clock(),
+                    epoch=self.epoch,
+                    seen_through=self.seen,
+                    values=self._reset or None,
+                )
+                if park:
+                    executions.park(self.conn, self.execution_id, self.epoch, wake_at)
+        except StaleHistoryError:
+            raise Reload from None
+        except Exception as exc:
+            raise Halt(exc) from exc
+        self._reset = {}
+
+    def record_checked(self, evs: Sequence[NewEvent]) -> None:
+        self._locked(evs, False, None)
+
+    def suspend(self, evs: Sequence[NewEvent], wake_at: dt.datetime | None) -> None:
+        self._locked(evs, True, wake_at)
+
+    def check_lease(self) -> None:
+        if self.lease.lost or self.runtime.closing:
+            raise Halt(LeaseLostError(self.execution_id))
+
+    def check_size(self, what: str, value: Any) -> None:
+        self.backend.check_size(what, value)
+
+    def secret_resolver(self) -> SecretResolver | None:
+        return self.runtime.secret_resolver
+
+    def after(self, delay: float, fn: Callable[[], None]) -> Callable[[], None]:
+        return self.runtime.timers.after(delay, fn)
+
+    @contextmanager
+    def concurrency_slot(self, step: Step[Any], key: str) -> Iterator[None]:
+        """Hold one of ``step``'s slots for ``key``, checking meanwhile that the run is
+        still ours (a run cancelled while it queues never starts the step)."""
+        limit = step.concurrency
+        assert limit is not None
+        last_check = time.monotonic()
+        delay = 0.002
+        with self.backend.slots.slot(step.name, key, limit.limit) as acquire:
+            while not _or_halt(acquire):
+                if time.monotonic() - last_check > 0.2:
+                    last_check = time.monotonic()
+                    self.check_lease()
+                    self._check_run()
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+            yield
+
+    def _check_run(self) -> None:
+        """Is the run still ours, and not cancelled meanwhile? (A read, not a write.)"""
+        try:
+            with self.backend.read() as conn:
+                row = conn.execute(
+                    select(ex.c.status, ex.c.claim_epoch).where(ex.c.id == self.execution_id)
+                ).one_or_none()
+        except Exception as exc:
+            raise Halt(exc) from exc
+        if row is None or int(row.claim_epoch) != self.epoch:
+            raise Halt(LeaseLostError(self.execution_id))
+        if row.status == lifecycle.COMPENSATING and not self._cancel_known:
+            raise Reload
+
+    # the outcome ------------------------------------------------------------------
+
+    def finish(self, wf: Workflow[Any, Any], *, ok: bool, value: Any) -> None:
+        """Record the outcome and release the lease: one fenced write."""
+        now = self.clock()
+        kind = lifecycle.COMPLETED if ok else lifecycle.FAILED
+        values: dict[str, Any] = {
+            "status": kind.value,
+            "result" if ok else "error": value,
+            "finished_at": now,
+            "lease_owner": None,
+            "lease_expires_at": None,
+            "wake_at": None,
+        }
+        guard = lifecycle.COMPLETABLE if ok else lifecycle.FAILABLE
+        event = events.workflow_finished(self.execution_id, wf.name, ok, value, now)
+        try:
+            self._write([event], values, tuple(sorted(guard)))
+        except Halt as halt:
+            # A cancellation can land between the last call and the outcome: the guard then
+            # refuses a completion. Replay from the fresh history to unwind instead.
+            if isinstance(halt.cause, LeaseLostError):
+                self._check_run()
+            raise
+        self.finished = (ok, value)
+
+
+def _or_halt(acquire: Callable[[], bool]) -> bool:
+    """Taking a slot is the runtime's business: its database errors are not step failures."""
+    try:
+        return acquire()
+    except Exception as exc:
+        raise Halt(exc) from exc
+
+
+def run_body(driver: RunDriver, wf: Workflow[Any, Any], payload: Any, journal: Journal) -> None:
+    """Replay the body once against ``journal``: finish the run, or park, or raise
+    :class:`Reload` / :class:`Halt`."""
+    ctx = Context(driver.execution_id, journal, driver)
+    try:
+        value = wf.input_adapter.validate_python(payload)
+        with inside_body():
+            out = wf.fn(ctx, value) if wf.takes_input else wf.fn(ctx)
+        ctx._ended()
+        # Cancelled after its last durable call: the cancellation still wins.
+        ctx._before_new_call()
+        what = f"output of workflow {wf.name}"
+        stored = to_json(wf.output_adapter, out, what)
+        driver.check_size(what, stored)
+    except (Exception, Cancelled) as exc:
+        # A divergence wins even if the workflow caught it and failed otherwise.
+        failure: BaseException = ctx.divergence or exc
+        reason = ctx.error_document(failure)
+        if not (isinstance(failure, Cancelled) and not failure.compensate):
+            errors = ctx.compensate(reason)
+            if errors:
+                reason = {**reason, "compensationErrors": errors}
+        driver.finish(wf, ok=False, value=reason)
+        return
+    driver.finish(wf, ok=True, value=stored)
+
+
+def start_drive(runtime: Runtime, conn: Connection, claim: Claim) -> tuple[Journal, int]:
+    """After a claim: read the whole history and record ``workflow.started`` the first time,
+    in one transaction. Reading after the claim committed means every write of a previous
+    holder is visible, so a recorded step is never run again."""
+    backend = runtime.backend
+    with backend.begin(conn):
+        rows = history.load(conn, claim.execution_id)
+        if not any(r.event["type"] == "workflow.started" for r in rows):
+            started = events.workflow_started(
+                claim.execution_id, claim.workflow_name, claim.workflow_version, claim.db_now
+            )
+            history.append(
+                conn, backend, claim.execution_id, [started], now=claim.db_now, epoch=claim.epoch
+            )
+    journal = Journal.from_events([r.event for r in rows])
+    return journal, int(rows[-1].sequence) if rows else 0
+
+
+def drive(
+    runtime: Runtime, conn: Connection, claim: Claim, lease: Lease, loaded: tuple[Journal, int]
+) -> Any:
+    """Drive a claimed run until it finishes, parks or loses its lease.
+
+    Returns ``(ok, stored value)`` if it finished here, else ``None``.
+    """
+    wf = runtime.definition(claim.workflow_name, claim.workflow_version)
+    clock = DriveClock(claim.db_now)
+    try:
+        while True:
+            journal, seen = loaded
+            driver = RunDriver(
+                runtime, conn, claim, lease, clock, seen, journal.cancelled is not None
+            )
+            try:
+                run_body(driver, wf, claim.input, journal)
+            except Reload:
+                try:
+                    with runtime.backend.read(conn):
+                        loaded = load_journal(conn, claim.execution_id)
+                except Exception as exc:
+                    raise Halt(exc) from exc
+                continue
+            except Suspended:
+                pass
+            return driver.finished
+    except Halt as halt:
+        if isinstance(halt.cause, LeaseLostError):
+            log.info(
+                "run %s: lease lost, stopped (another runtime may drive it)", claim.execution_id
+            )
+        else:
+            failed(runtime, claim, halt.cause)
+    except Exception as exc:  # a defect in replay itself: count it like any failed drive
+        failed(runtime, claim, exc)
+    except BaseException:
+        release(runtime, claim)  # interrupted (shutdown): due again at once elsewhere
+        raise
+    finally:
+        runtime.keeper().forget(lease)
+    return None
+
+
+def failed(runtime: Runtime, claim: Claim, exc: BaseException) -> None:
+    """Count a failed drive on the run; past the limit, fail the run. Fenced by the epoch
+    (a run someone else claimed meanwhile is theirs), on a fresh connection."""
+    execution_id = claim.execution_id
+    doc = error_document(exc)
+    backend = runtime.backend
+    try:
+        with backend.begin() as conn:
+            row = conn.execute(
+                select(ex.c.drive_failures, ex.c.claim_epoch, ex.c.status)
+                .where(ex.c.id == execution_id)
+                .with_for_update()
+            ).one_or_none()
+            if (
+                row is None
+                or int(row.claim_epoch) != claim.epoch
+                or row.status in lifecycle.TERMINAL
+            ):
+                return
+            count = int(row.drive_failures) + 1
+            now = DriveClock(claim.db_now)()
+            evs = [events.drive_failed(execution_id, doc, count, now)]
+            limit = runtime.max_drive_failures
+            if count >= limit:
+                error = error_document(DriveFailedError(count, doc))
+                evs.append(
+                    events.workflow_finished(execution_id, claim.workflow_name, False, error, now)
+                )
+                values = {
+                    "drive_failures": count,
+                    "status": lifecycle.FAILED.value,
+                    "error": error,
+                    "finished_at": now,
+                    "lease_owner": None,
+                    "lease_expires_at": None,
+                    "wake_at": None,
+                }
+            else:
+                backoff = min(MAX_FAILURE_BACKOFF, 2.0 ** (count - 1))
+                values = {
+                    "drive_failures": count,
+                    "lease_owner": None,
+                    "lease_expires_at": None,
+                    "wake_at": db_later(literal(backoff, Float())),
+                }
+            history.append(
+                conn, backend, execution_id, evs, now=now, epoch=claim.epoch, values=values
+            )
+        log.error(
+            "run %s: drive %d of at most %d failed: %s: %s%s",
+            execution_id,
+            count,
+            limit,
+            type(exc).__name__,
+            doc.get("message"),
+            "; the run is failed" if count >= limit else "",
+        )
+    except Exception as second:
+        log.error(
+            "run %s: drive failed (%s: %s) and recording that failed too (%s); it is retried "
+            "when its lease expires",
+            execution_id,
+            type(exc).__name__,
+            doc.get("message"),
+            second,
+        )
+
+
+def release(runtime: Runtime, claim: Claim) -> None:
+    """Give the run's lease up at once (best effort)."""
+    try:
+        with runtime.backend.begin() as conn:
+            runtime.backend.release(conn, {claim.execution_id: claim.epoch})
+    except Exception as exc:
+        log.warning("run %s: could not release its lease: %s", claim.execution_id, exc)

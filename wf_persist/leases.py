@@ -1,0 +1,178 @@
+"""Lease renewal, and saying once (not every poll) that the database is unreachable.
+
+The keeper renews every lease this runtime holds every third of the lease TTL, on an engine
+with a pool of its own: runs that hold every pooled connection can never starve renewal. A
+renewal is fenced like every other write (``(id, claim_epoch)``), so it only ever extends a
+lease this runtime still holds; a run it finds taken (another worker claimed it after a
+pause, or a cancellation revoked it) is reported to its driver, which stops before its next
+step. If renewals keep failing for longer than the TTL, every driver is told its lease may be
+gone: it stops before starting anything new, since another worker may be running it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from sqlalchemy import Engine
+
+if TYPE_CHECKING:
+    from .backends import Backend
+
+log = logging.getLogger("wf_persist.leases")
+
+
+class Outage:
+    """Logs the first failure of an outage and its end, and backs off in between."""
+
+    def __init__(self, logger: logging.Logger, what: str, base: float, cap: float = 10.0) -> None:
+        self._log = logger
+        self._what = what
+        self._base = base
+        self._cap = cap
+        self.failures = 0
+        self._since = 0.0
+
+    def failed(self, exc: BaseException, detail: str = "") -> float:
+        """Record a failure; returns how long to wait before trying again."""
+        if self.failures == 0:
+            self._since = time.monotonic()
+            extra = f" ({detail})" if detail else ""
+            self._log.error(
+                "%s failed%s: %s; retrying with backoff, logged again when it recovers",
+                self._what,
+                extra,
+                exc,
+            )
+        self.failures += 1
+        return float(min(self._cap, self._base * 2 ** min(self.failures - 1, 16)))
+
+    def succeeded(self) -> None:
+        if self.failures:
+            self._log.warning(
+                "%s works again after %d failure(s) over %.1fs",
+                self._what,
+                self.failures,
+                time.monotonic() - self._since,
+            )
+        self.failures = 0
+
+
+@dataclass(eq=False)
+class Lease:
+    """One held lease as its driver sees it."""
+
+    execution_id: str
+    epoch: int
+    #: Set by the keeper: another runtime may drive the run now; stop before the next step.
+    lost: bool = False
+    #: When the lease was last confirmed (monotonic seconds).
+    confirmed: float = field(default_factory=time.monotonic)
+
+
+class LeaseKeeper(threading.Thread):
+    """Renews this runtime's leases while it drives runs."""
+
+    def __init__(self, backend: Backend, ttl: float) -> None:
+        super().__init__(name="wf-persist-lease-keeper", daemon=True)
+        self.backend = backend
+        self.ttl = ttl
+        self._engine: Engine | None = None
+        self._held: dict[str, Lease] = {}
+        self._lock = threading.Lock()
+        self._stop_event = threading.Event()
+        self._outage = Outage(log, "renewing leases", ttl / 6)
+
+    def hold(self, execution_id: str, epoch: int) -> Lease:
+        """Renew this claim from now on (the same Lease if it is already held)."""
+        with self._lock:
+            lease = self._held.get(execution_id)
+            if lease is None or lease.epoch != epoch:
+                lease = self._held[execution_id] = Lease(execution_id, epoch)
+            return lease
+
+    def forget(self, lease: Lease) -> None:
+        with self._lock:
+            if self._held.get(lease.execution_id) is lease:
+                del self._held[lease.execution_id]
+
+    def held(self) -> dict[str, int]:
+        with self._lock:
+            return {i: lease.epoch for i, lease in self._held.items()}
+
+    def engine(self) -> Engine:
+        if self._engine is None:
+            self._engine = self.backend.side_engine()
+        return self._engine
+
+    def run(self) -> None:
+        interval = self.ttl / 3
+        wait = interval
+        while not self._stop_event.wait(wait):
+            wait = interval
+            with self._lock:
+                leases = dict(self._held)
+            if not leases:
+                continue
+            started = time.monotonic()
+            try:
+                with self.engine().connect() as conn, self.backend.begin(conn):
+                    still = self.backend.renew(
+                        conn, {i: lease.epoch for i, lease in leases.items()}, self.ttl
+                    )
+            except Exception as exc:
+                wait = min(interval, self._outage.failed(exc, f"runs {sorted(leases)}"))
+                for lease in leases.values():
+                    if time.monotonic() - lease.confirmed > self.ttl:
+                        lease.lost = True
+                continue
+            self._outage.succeeded()
+            for execution_id in still:
+                leases[execution_id].confirmed = started
+            missing = {i: lease for i, lease in leases.items() if i not in still}
+            lost = sorted(self._taken(missing)) if missing else []
+            for execution_id in lost:
+                leases[execution_id].lost = True
+            if lost:
+                log.warning(
+                    "lost the lease on %d run(s), another runtime may drive them now: %s",
+                    len(lost),
+                    lost,
+                )
+
+    def _taken(self, missing: dict[str, Lease]) -> list[str]:
+        """Of leases a renewal did not find, those another claim took (not the ones their
+        driver released meanwhile by parking or finishing the run)."""
+        with self._lock:
+            current = {i: lease for i, lease in missing.items() if self._held.get(i) is lease}
+        if not current:
+            return []
+        try:
+            with self.engine().connect() as conn, self.backend.begin(conn):
+                epochs = self.backend.epochs(conn, list(current))
+        except Exception:
+            return []  # said at the next renewal
+        return [i for i, lease in current.items() if epochs.get(i) != lease.epoch]
+
+    def release_all(self) -> int:
+        """Give up every held lease now (the runs are due at once for other workers)."""
+        held = self.held()
+        if not held:
+            return 0
+        try:
+            with self.engine().connect() as conn, self.backend.begin(conn):
+                return self.backend.release(conn, held)
+        except Exception as exc:
+            log.warning("could not release the leases of %s on close: %s", sorted(held), exc)
+            return 0
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        if self.is_alive():
+            self.join(timeout=5)
+        if self._engine is not None:
+            self._engine.dispose()
+            self._engine = None

@@ -1,0 +1,358 @@
+"""Step execution: attempts, retries, secrets, concurrency slots and the saga unwind.
+
+Replay bookkeeping (which call this is, whether it was recorded) is :mod:`.replay`'s; this
+module runs what replay says is new. One attempt is one write: ``step.started`` and its
+outcome commit together, except that an attempt still running after the driver's
+``record_start_after`` seconds has its ``step.started`` recorded then, so an attempt cut
+short by a crash stays visible in history (and the next one is numbered after it).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import inspect
+import random as _random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pydantic import ValidationError
+
+from . import events
+from .authoring import Step, outside_body
+from .control import Suspended
+from .errors import InvalidPayloadError, StepExecutionError, error_document, rebuild_error
+from .events import Activity, NewEvent
+from .replay import Journal
+from .secrets import Redactor, SecretResolver, contains_reference, resolve_references
+from .values import from_json, resolve_type_reference, to_json
+
+#: Retry delays up to this long are waited in the driving thread; longer ones park the run.
+INLINE_BACKOFF_SECONDS = 1.0
+
+
+class Driver(Protocol):
+    """What the runtime provides to a context for the run it drives."""
+
+    #: Seconds after which a running attempt's start is recorded on its own (None: never).
+    record_start_after: float | None
+    #: Set when a fenced write saw a status this replay did not expect (a cancellation).
+    news: bool
+
+    def clock(self) -> dt.datetime:
+        """The database's time (measured from the claim), never the worker's own clock."""
+
+    def record(self, events: Sequence[NewEvent]) -> None:
+        """Append events in one fenced write (the hot path)."""
+
+    def record_checked(self, events: Sequence[NewEvent]) -> None:
+        """Append under the row lock; :class:`Reload` if news arrived first."""
+
+    def suspend(self, events: Sequence[NewEvent], wake_at: dt.datetime | None) -> None:
+        """Append, release the lease and park the run until ``wake_at`` (or a signal)."""
+
+    def check_lease(self) -> None:
+        """Halt before a new step if the lease was lost or the runtime is closing."""
+
+    def check_size(self, what: str, value: Any) -> None:
+        """Refuse a value this database cannot store."""
+
+    def secret_resolver(self) -> SecretResolver | None:
+        """The resolver of the process running the step."""
+
+    def concurrency_slot(self, step: Step[Any], key: str) -> AbstractContextManager[None]:
+        """Hold one of the step's concurrency slots while it runs."""
+
+    def after(self, delay: float, fn: Callable[[], None]) -> Callable[[], None]:
+        """Call ``fn`` on a timer thread after ``delay`` seconds; returns a cancel."""
+
+
+@dataclass(slots=True)
+class StepCall:
+    """One ``ctx.run`` (or ``ctx.all`` branch): the step, its arguments and its activity."""
+
+    step: Step[Any]
+    arguments: dict[str, Any]
+    activity: str
+    invocation: int
+
+    def who(self, execution_id: str) -> Activity:
+        return Activity(execution_id, self.step.name, self.invocation, self.activity, step=True)
+
+    def inputs(self) -> dict[str, Any]:
+        """The arguments as stored (validated JSON, secret references kept)."""
+        step = self.step
+        return {
+            param: to_json(
+                step.param_adapters[param], value, f"argument {param!r} of step {step.name}"
+            )
+            for param, value in self.arguments.items()
+        }
+
+
+@dataclass(slots=True)
+class Compensation:
+    """A succeeded step whose ``compensate`` runs if the workflow fails."""
+
+    call: StepCall
+    result: Any
+    stored_result: Any
+    inputs: dict[str, Any]
+
+
+class _StartWatch:
+    """Records an attempt's ``step.started`` on its own once it runs long enough."""
+
+    def __init__(self, driver: Driver, started: NewEvent, lock: threading.Lock) -> None:
+        self._driver = driver
+        self._started = started
+        self._write_lock = lock
+        self._state = threading.Lock()
+        self._done = False
+        self.recorded = False
+        self.error: BaseException | None = None
+        delay = driver.record_start_after
+        self._cancel = driver.after(delay, self._fire) if delay is not None else None
+
+    def _fire(self) -> None:
+        with self._state:
+            if self._done:
+                return
+            try:
+                with self._write_lock:
+                    self._driver.record([self._started])
+                self.recorded = True
+            except BaseException as exc:  # the completion write reports it
+                self.error = exc
+
+    def finish(self) -> list[NewEvent]:
+        """Stop watching; the events the outcome write must include."""
+        with self._state:
+            self._done = True
+        if self._cancel is not None:
+            self._cancel()
+        if self.error is not None:
+            raise self.error
+        return [] if self.recorded else [self._started]
+
+
+class StepRunner:
+    """Runs the new steps of one replay, and unwinds their compensations on failure."""
+
+    def __init__(
+        self,
+        execution_id: str,
+        journal: Journal,
+        driver: Driver,
+        redactor: Redactor,
+        before_new_call: Callable[[], None],
+    ) -> None:
+        self.execution_id = execution_id
+        self.journal = journal
+        self.driver = driver
+        self.redactor = redactor
+        self._before_new_call = before_new_call
+        #: ``ctx.all`` branches share the driver's connection.
+        self.write_lock = threading.Lock()
+        self.compensations: list[Compensation] = []
+
+    def error_document(self, exc: BaseException) -> dict[str, Any]:
+        """The stored form of an error, with every resolved secret value scrubbed."""
+        doc: dict[str, Any] = self.redactor.scrub(error_document(exc))
+        return doc
+
+    def record(self, evs: Sequence[NewEvent]) -> None:
+        with self.write_lock:
+            self.driver.record(evs)
+
+    @staticmethod
+    def bind(step: Step[Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return dict(step.signature.bind(*args, **kwargs).arguments)
+        except TypeError as exc:
+            raise InvalidPayloadError(
+                f"arguments of step {step.name}", [{"loc": (), "msg": str(exc)}]
+            ) from exc
+
+    # running -----------------------------------------------------------------------
+
+    def run(self, call: StepCall, *, inline: bool) -> Any:
+        """The recorded outcome of ``call``, or its execution if it has none."""
+        recorded = self.journal.outcomes.get(call.activity)
+        if recorded is None:
+            self._before_new_call()
+            return self._execute(call, inline)
+        ok, value = recorded
+        step = call.step
+        if not ok:
+            raise _recorded_step_error(step, value)
+        result = from_json(step.output_adapter, value, f"recorded result of step {step.name}")
+        self._register(call, result, value, None)
+        return result
+
+    def _register(
+        self, call: StepCall, result: Any, stored: Any, inputs: dict[str, Any] | None
+    ) -> None:
+        if call.step.compensate is not None:
+            inputs = call.inputs() if inputs is None else inputs
+            self.compensations.append(Compensation(call, result, stored, inputs))
+
+    def _execute(self, call: StepCall, inline: bool) -> Any:
+        step = call.step
+        who = call.who(self.execution_id)
+        inputs = call.inputs()
+        self.driver.check_size(f"arguments of step {step.name}", inputs)
+        record = self.journal.steps.get(call.activity)
+        attempt = 1 if record is None else record.last_attempt + 1
+        failures = 0 if record is None else record.failures
+        if record is not None:
+            self.wait_until(record.retry_at, inline)
+        while True:
+            self.driver.check_lease()
+            started = events.step_started(who, attempt, inputs, self.driver.clock())
+            watch = _StartWatch(self.driver, started, self.write_lock)
+            try:
+                result, stored = self._attempt(step, inputs)
+            except Exception as exc:
+                pending = watch.finish()
+                cause = self.error_document(exc)
+                terminal = step.is_terminal(exc)
+                final = terminal or failures + 1 >= step.retry.attempts
+                retry_at = None
+                if not final:
+                    delay = step.retry.delay(failures + 2, _random.random)
+                    retry_at = self.driver.clock() + dt.timedelta(seconds=delay)
+                declared = next((e.__name__ for e in step.errors if isinstance(exc, e)), None)
+                failed = events.step_failed(
+                    who,
+                    attempt,
+                    cause,
+                    self.driver.clock(),
+                    final=final,
+                    declared=declared if terminal else None,
+                    retry_at=retry_at,
+                )
+                self.record([*pending, failed])
+                if terminal:
+                    raise
+                if final:
+                    raise StepExecutionError(step.name, cause) from exc
+                failures += 1
+                self._before_new_call()
+                self.wait_until(retry_at, inline)
+                attempt += 1
+                continue
+            pending = watch.finish()
+            self.record(
+                [*pending, events.step_completed(who, attempt, stored, self.driver.clock())]
+            )
+            self._register(call, result, stored, inputs)
+            return result
+
+    def _resolved(self, step: Step[Any], inputs: dict[str, Any]) -> dict[str, Any]:
+        """The step's arguments with secrets resolved, validated again."""
+        if not contains_reference(inputs):
+            return {p: step.param_adapters[p].validate_python(v) for p, v in inputs.items()}
+        resolved = resolve_references(inputs, self.driver.secret_resolver(), self.redactor)
+        try:
+            return {p: step.param_adapters[p].validate_python(v) for p, v in resolved.items()}
+        except ValidationError as exc:
+            # Said without the input: it holds a resolved secret, and errors are stored.
+            errors = [
+                {"loc": e["loc"], "type": e["type"], "msg": "rejected after resolving secrets"}
+                for e in exc.errors(include_url=False, include_input=False, include_context=False)
+            ]
+            raise InvalidPayloadError(f"arguments of step {step.name}", errors) from None
+
+    def _attempt(self, step: Step[Any], inputs: dict[str, Any]) -> tuple[Any, Any]:
+        """One attempt: resolve secrets, take a concurrency slot, run, validate the result."""
+        values = self._resolved(step, inputs)
+        limit = step.concurrency
+        with outside_body():
+            if limit is None:
+                result = step.fn(**values)
+            else:
+                key = step.name if limit.key is None else str(limit.key(**values))
+                with self.driver.concurrency_slot(step, key):
+                    result = step.fn(**values)
+        what = f"result of step {step.name}"
+        stored = to_json(step.output_adapter, result, what)
+        self.driver.check_size(what, stored)
+        return step.output_adapter.validate_python(stored), stored
+
+    def wait_until(self, when: dt.datetime | None, inline: bool) -> None:
+        """Wait for a retry time: in this thread if it is soon (or inside ``ctx.all``),
+        else park the run and let a worker resume it when due."""
+        if when is None:
+            return
+        remaining = (when - self.driver.clock()).total_seconds()
+        if remaining <= 0:
+            return
+        if remaining <= INLINE_BACKOFF_SECONDS or inline:
+            time.sleep(remaining)
+            return
+        self.driver.suspend([], when)
+        raise Suspended
+
+    # the saga ----------------------------------------------------------------------
+
+    def compensate(self, reason: dict[str, Any]) -> list[dict[str, Any]]:
+        """Unwind: run registered compensations newest first; return their errors.
+
+        A failing compensation is recorded and the unwind continues. Each finished
+        compensation is recorded, so a crash in the middle resumes without repeating it.
+        A compensation's arguments are the step's, secrets resolved as for the step.
+        """
+        errors: list[dict[str, Any]] = []
+        for comp in reversed(self.compensations):
+            call = comp.call
+            where = {"stepName": call.step.name, "activityName": call.activity}
+            if call.activity in self.journal.compensated:
+                recorded = self.journal.compensated[call.activity]
+                if recorded is not None:
+                    errors.append({**where, "error": recorded})
+                continue
+            who = call.who(self.execution_id)
+            started = events.compensation_started(
+                who, comp.stored_result, comp.inputs, reason, self.driver.clock()
+            )
+            try:
+                self._call_compensation(comp, reason)
+            except Exception as exc:
+                doc = self.error_document(exc)
+                self.record([started, events.compensation_finished(who, doc, self.driver.clock())])
+                errors.append({**where, "error": doc})
+                continue
+            self.record([started, events.compensation_finished(who, None, self.driver.clock())])
+        return errors
+
+    def _call_compensation(self, comp: Compensation, reason: dict[str, Any]) -> None:
+        fn = comp.call.step.compensate
+        assert fn is not None
+        step = comp.call.step
+        bound = step.signature.bind_partial(**self._resolved(step, comp.inputs))
+        kwargs = dict(bound.kwargs)
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            params = {}  # type: ignore[assignment]
+        if "reason" in params:
+            kwargs["reason"] = reason
+        with outside_body():
+            fn(comp.result, *bound.args, **kwargs)
+
+
+def _recorded_step_error(step: Step[Any], failed: Any) -> BaseException:
+    """The failure a replay raises again: the declared type itself, or StepExecutionError."""
+    cause = dict(failed.get("error") or {})
+    if failed.get("terminal"):
+        raised = resolve_type_reference(f"{cause.get('module')}:{cause.get('name')}")
+        if raised is not None and issubclass(raised, step.errors):
+            return rebuild_error(raised, cause)  # the subclass itself, when importable
+        declared = step.error_type(failed.get("declared") or cause.get("name"))
+        if declared is not None:
+            return rebuild_error(declared, cause)
+    return StepExecutionError(step.name, cause)

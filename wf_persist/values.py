@@ -1,0 +1,119 @@
+"""Recorded values: validation into JSON documents, and the checks that keep a value storable.
+
+Every value that reaches the database (inputs, step arguments and results, signal payloads,
+outcomes) is validated by its declared type and dumped to its JSON form here, so a value a
+database would reject becomes a typed error where it was produced, never a write that fails
+on every retry.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import is_dataclass
+from typing import Any, Final
+
+from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic_core import PydanticSerializationError
+
+from .errors import InvalidPayloadError, NotSerializableError
+
+#: JSON numbers every backend keeps exactly (MySQL's JSON and SQLite's json functions turn
+#: larger integers into doubles, silently losing digits).
+INT_RANGE: Final = range(-(2**63), 2**63)
+
+
+def unstorable(value: Any) -> str | None:
+    """Why a JSON document cannot be stored exactly everywhere, or ``None``: text with NUL
+    characters or lone surrogates (invalid UTF-8), or an integer beyond 64 bits."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            return "it contains a NUL character, which databases reject"
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return "it contains invalid UTF-8 text (a lone surrogate), which databases reject"
+        return None
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        if value not in INT_RANGE:
+            return f"the integer {value} does not fit 64 bits; store it as a string"
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            found = unstorable(k) or unstorable(v)
+            if found:
+                return found
+        return None
+    if isinstance(value, list):
+        for v in value:
+            found = unstorable(v)
+            if found:
+                return found
+    return None
+
+
+def non_finite(value: Any, depth: int = 0) -> bool:
+    """Whether a value holds NaN or an infinity (JSON has neither; pydantic would store
+    ``null`` in their place, silently)."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if depth > 64 or isinstance(value, str | bytes | int):
+        return False
+    if isinstance(value, dict):
+        return any(non_finite(v, depth + 1) for v in value.values())
+    if isinstance(value, list | tuple | set | frozenset):
+        return any(non_finite(v, depth + 1) for v in value)
+    fields = getattr(value, "__dict__", None)
+    if isinstance(fields, dict) and (is_dataclass(value) or isinstance(value, BaseModel)):
+        return any(non_finite(v, depth + 1) for v in fields.values())
+    return False
+
+
+def to_json(adapter: TypeAdapter[Any], value: Any, what: str) -> Any:
+    """Validate ``value`` and return its JSON form (what gets stored).
+
+    Text a database rejects (NUL, lone surrogates) is refused here, as a typed error of the
+    step or workflow; a write the database rejected would otherwise be retried forever.
+    """
+    try:
+        validated = adapter.validate_python(value)
+        doc = adapter.dump_python(validated, mode="json")
+    except ValidationError as exc:
+        raise InvalidPayloadError(what, [dict(e) for e in exc.errors(include_url=False)]) from exc
+    except (PydanticSerializationError, UnicodeDecodeError) as exc:
+        raise NotSerializableError(what, str(exc)) from exc
+    if non_finite(validated):
+        raise NotSerializableError(what, "it contains NaN or an infinity, which JSON cannot hold")
+    problem = unstorable(doc)
+    if problem is not None:
+        raise NotSerializableError(what, problem)
+    return doc
+
+
+def from_json(adapter: TypeAdapter[Any], value: Any, what: str) -> Any:
+    """Decode a recorded value; a value that no longer fits its type is a typed error."""
+    try:
+        return adapter.validate_python(value)
+    except ValidationError as exc:
+        raise InvalidPayloadError(what, [dict(e) for e in exc.errors(include_url=False)]) from exc
+
+
+def type_reference(tp: Any) -> str | None:
+    """``module:qualname`` of a class defined at module level, else ``None``."""
+    module, qualname = getattr(tp, "__module__", None), getattr(tp, "__qualname__", None)
+    if not isinstance(tp, type) or not module or not qualname or "<locals>" in qualname:
+        return None
+    return f"{module}:{qualname}"
+
+
+def resolve_type_reference(ref: str | None) -> Any:
+    """The class a :func:`type_reference` names, if its module is already imported."""
+    if not ref:
+        return None
+    module_name, _, qualname = ref.partition(":")
+    target: Any = sys.modules.get(module_name)
+    for part in qualname.split("."):
+        target = getattr(target, part, None)
+    return target if isinstance(target, type) else None
