@@ -172,6 +172,7 @@ class Runtime:
         self._worker: Worker | None = None
         self._changed = threading.Condition()
         self._closed = False
+        self._disposed = False
 
     # registry -------------------------------------------------------------------------
 
@@ -295,7 +296,10 @@ class Runtime:
         finally:
             with self._lock:
                 self._driving.discard(execution_id)
+                last = self._closed and not self._driving
             self._notify()
+            if last:  # close() left the engine to the drives still in flight
+                self._dispose()
 
     def drive_for_outcome(self, execution_id: str) -> Any:
         """Like :meth:`drive`; returns ``(ok, stored value)`` if the run finished here,
@@ -453,6 +457,16 @@ class Runtime:
             keeper.release_all()
             keeper.stop()
         self.timers.stop()
+        with self._lock:
+            in_flight = bool(self._driving)
+        if not in_flight:  # else the last drive to stop disposes of it
+            self._dispose()
+
+    def _dispose(self) -> None:
+        with self._lock:
+            if self._disposed:
+                return
+            self._disposed = True
         if self._owns_engine:
             self._base_engine.dispose()
 

@@ -128,13 +128,13 @@ class _StartWatch:
             except BaseException as exc:  # the completion write reports it
                 self.error = exc
 
-    def finish(self) -> list[NewEvent]:
+    def finish(self, *, quiet: bool = False) -> list[NewEvent]:
         """Stop watching; the events the outcome write must include."""
         with self._state:
             self._done = True
         if self._cancel is not None:
             self._cancel()
-        if self.error is not None:
+        if self.error is not None and not quiet:
             raise self.error
         return [] if self.recorded else [self._started]
 
@@ -216,7 +216,10 @@ class StepRunner:
             watch = _StartWatch(self.driver, started, self.write_lock)
             try:
                 result, stored = self._attempt(step, inputs)
-            except Exception as exc:
+            except BaseException as exc:
+                if not isinstance(exc, Exception):  # control flow: this attempt just ends
+                    watch.finish(quiet=True)
+                    raise
                 pending = watch.finish()
                 cause = self.error_document(exc)
                 terminal = step.is_terminal(exc)

@@ -206,12 +206,15 @@ class Backend:
     def on_own_engine(cls, engine: Engine) -> None:
         """Listeners on an engine wf_persist created (never on a host's)."""
 
+    def view_options(self) -> dict[str, Any]:
+        """Execution options of every connection wf_persist takes (a named schema)."""
+        return dict(self.statement_options)
+
     def make_view(self, engine: Engine) -> Engine:
         """The engine wf_persist works through: same pool, our options; the host's engine
         object stays as it was."""
-        if self.statement_options:
-            return engine.execution_options(**self.statement_options)
-        return engine
+        options = self.view_options()
+        return engine.execution_options(**options) if options else engine
 
     @contextlib.contextmanager
     def begin(self, conn: Connection | None = None) -> Iterator[Connection]:
@@ -245,10 +248,12 @@ class Backend:
         from sqlalchemy import create_engine
 
         pool = self.base_engine.pool.recreate()
-        engine = create_engine(self.base_engine.url, pool=pool)
+        engine = create_engine(
+            self.base_engine.url, pool=pool, execution_options=self.view_options()
+        )
         if self.owned:
             self.on_own_engine(engine)
-        return self.make_view(engine)
+        return engine
 
     # checks ------------------------------------------------------------------------
 

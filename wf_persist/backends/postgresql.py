@@ -62,8 +62,8 @@ class PostgreSQLBackend(Backend):
         self.slots = AdvisorySlots(self.engine)
         self._sql: dict[WriteShape, str] = {}
 
-    def make_view(self, engine: Engine) -> Engine:
-        return super().make_view(engine).execution_options(isolation_level="READ COMMITTED")
+    def view_options(self) -> dict[str, Any]:
+        return {**super().view_options(), "isolation_level": "READ COMMITTED"}
 
     def requirement_problem(self, version: tuple[int, ...] | None) -> str | None:
         if version is not None and version < (12,):

@@ -1,0 +1,333 @@
+"""Regressions of the exactly-once issue: endless runs, invisible attempts, replays that
+ended early or changed a parallel block, secrets in stored errors, host sessions in a
+named schema, and the lifecycle rules every writer uses."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, select, text
+from sqlalchemy.orm import Session
+
+import wf_persist as wp
+from wf_persist import lifecycle, migrate
+from wf_persist.models import executions_table as ex
+
+from .fixtures import fencing as f
+from .fixtures.workflows import SimulatedCrash
+from .test_limits_secrets import SECRET_VALUE, _raw_bytes
+
+
+@pytest.fixture(autouse=True)
+def _reset() -> Iterator[None]:
+    f.reset()
+    yield
+    f.reset()
+
+
+def _types(rt: wp.Runtime, execution_id: str) -> list[str]:
+    return [r.event["type"] for r in rt.client().history(execution_id)]
+
+
+# endless runs -------------------------------------------------------------------------
+
+_REFUSE = {
+    "sqlite": [
+        """CREATE TRIGGER wf_test_refuse BEFORE INSERT ON wf_history
+           WHEN NEW.type = 'step.completed' AND NEW.activity_name = 'doomed#1'
+           BEGIN SELECT RAISE(ABORT, 'refused by a test trigger'); END"""
+    ],
+    "postgresql": [
+        """CREATE FUNCTION wf_test_refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+           BEGIN
+             IF NEW.type = 'step.completed' AND NEW.activity_name = 'doomed#1' THEN
+               RAISE EXCEPTION 'refused by a test trigger';
+             END IF;
+             RETURN NEW;
+           END $$""",
+        """CREATE TRIGGER wf_test_refuse BEFORE INSERT ON wf_history
+           FOR EACH ROW EXECUTE FUNCTION wf_test_refuse()""",
+    ],
+    "mysql": [
+        """CREATE TRIGGER wf_test_refuse BEFORE INSERT ON wf_history FOR EACH ROW
+           BEGIN
+             IF NEW.type = 'step.completed' AND NEW.activity_name = 'doomed#1' THEN
+               SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'refused by a test trigger';
+             END IF;
+           END""",
+    ],
+}
+_DROP = {
+    "sqlite": ["DROP TRIGGER IF EXISTS wf_test_refuse"],
+    "postgresql": [
+        "DROP TRIGGER IF EXISTS wf_test_refuse ON wf_history",
+        "DROP FUNCTION IF EXISTS wf_test_refuse()",
+    ],
+    "mysql": ["DROP TRIGGER IF EXISTS wf_test_refuse"],
+}
+
+
+@pytest.fixture
+def refusing_db(db_url: str, backend: str) -> Iterator[str]:
+    """The test database, with a trigger that refuses the completion of ``doomed#1``."""
+    engine = create_engine(db_url)
+    with engine.begin() as conn:
+        for sql in _REFUSE[backend]:
+            conn.execute(text(sql))
+    try:
+        yield db_url
+    finally:
+        with engine.begin() as conn:
+            for sql in _DROP[backend]:
+                conn.execute(text(sql))
+        engine.dispose()
+
+
+def test_a_run_failing_the_same_way_every_drive_ends(refusing_db: str) -> None:
+    """Its step's write is refused by the database every time: each drive is counted, the
+    run backs off between drives, and after max_drive_failures it fails for good, with a
+    typed error that says what kept failing; operators find it with SQL."""
+    rt = wp.Runtime(refusing_db, max_drive_failures=3, lease_ttl=5)
+    try:
+        rt.register(*f.ALL)
+        client = rt.client()
+        handle = client.start(f.doomed_wf, 7)
+        began = time.monotonic()
+        outcome = client.result(handle.execution_id, timeout=60)
+        assert isinstance(outcome, wp.Failed) and outcome.matches(wp.DriveFailedError)
+        assert outcome.error["failures"] == 3
+        assert "refused by a test trigger" in outcome.error["cause"]["message"]
+        assert f.CONTROL["doomed_runs"] == 3, "bounded: the step ran once per drive"
+        assert time.monotonic() - began >= 2.5, "drives backed off (1 s, then 2 s)"
+        types = _types(rt, handle.execution_id)
+        assert types.count("drive.failed") == 3 and types[-1] == "workflow.failed"
+        with rt.transaction() as conn:
+            stuck = conn.execute(
+                select(ex.c.id, ex.c.drive_failures).where(ex.c.drive_failures > 0)
+            ).all()
+        assert [tuple(r) for r in stuck] == [(handle.execution_id, 3)]
+    finally:
+        rt.close()
+
+
+def test_a_drive_that_makes_progress_resets_the_count(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    rt = make_runtime()
+    rt.register(*f.ALL)
+    client = rt.client()
+    handle = client.start(f.slow_wf, 0.0)
+    with rt.transaction() as conn:  # two failed drives before this one
+        conn.execute(ex.update().where(ex.c.id == handle.execution_id).values(drive_failures=2))
+    assert client.result(handle.execution_id, timeout=10).unwrap() == 0.0
+    with rt.transaction() as conn:
+        count = conn.execute(
+            select(ex.c.drive_failures).where(ex.c.id == handle.execution_id)
+        ).scalar_one()
+    assert count == 0
+
+
+# attempts ------------------------------------------------------------------------------
+
+
+def test_an_attempt_cut_short_by_a_crash_stays_visible(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    rt = make_runtime(record_start_after=0.1)
+    rt.register(*f.ALL)
+    client = rt.client()
+    handle = client.start(f.crashes_once_wf, 0.4)
+    with pytest.raises(SimulatedCrash):  # the process "dies" inside its first attempt
+        client.result(handle.execution_id, timeout=10)
+    assert client.result(handle.execution_id, timeout=10).unwrap() == "done"
+    steps = [
+        (r.event["type"], r.event["attempt"])
+        for r in client.history(handle.execution_id)
+        if r.event["type"].startswith("step.")
+    ]
+    assert steps == [("step.started", 1), ("step.started", 2), ("step.completed", 2)]
+    with rt.transaction() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT attempt, outcome FROM wf_step_attempts WHERE execution_id = :id "
+                "ORDER BY attempt"
+            ),
+            {"id": handle.execution_id},
+        ).all()
+    assert [tuple(r) for r in rows] == [(1, "abandoned"), (2, "completed")]
+
+
+def test_short_attempts_cost_one_write(make_runtime: Callable[..., wp.Runtime]) -> None:
+    rt = make_runtime()  # record_start_after=1.0: the start is written with the outcome
+    rt.register(*f.ALL)
+    client = rt.client()
+    handle = client.start(f.slow_wf, 0.0)
+    client.result(handle.execution_id, timeout=10)
+    seqs = {r.event["type"]: r.sequence for r in client.history(handle.execution_id)}
+    assert seqs["step.completed"] == seqs["step.started"] + 1
+
+
+# replays that diverge -------------------------------------------------------------------
+
+
+def _crash_after_d(rt: wp.Runtime) -> str:
+    client = rt.client()
+    handle = client.start(f.editable_wf)
+    f.CONTROL["crash_after_d"] = True
+    with pytest.raises(SimulatedCrash):
+        client.result(handle.execution_id, timeout=10)
+    f.CONTROL.pop("crash_after_d")
+    return handle.execution_id
+
+
+def test_a_replay_that_returns_early_is_a_divergence(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    rt = make_runtime()
+    rt.register(*f.ALL)
+    execution_id = _crash_after_d(rt)
+    ran = dict(f.CONTROL)
+    f.CONTROL["return_early"] = True
+    outcome = rt.client().result(execution_id, timeout=10)
+    assert isinstance(outcome, wp.Failed) and outcome.error_type == "NonDeterminismError"
+    assert outcome.error["expected"] == "all:all#1"
+    assert outcome.error["actual"] == "the end of the workflow"
+    assert {k: v for k, v in f.CONTROL.items() if k.startswith("ran:")} == {
+        k: v for k, v in ran.items() if k.startswith("ran:")
+    }, "nothing ran again"
+
+
+def test_a_parallel_block_with_other_branches_is_a_divergence(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    rt = make_runtime()
+    rt.register(*f.ALL)
+    execution_id = _crash_after_d(rt)
+    f.CONTROL["branch"] = "changed"  # same count, a different step in the second branch
+    outcome = rt.client().result(execution_id, timeout=10)
+    assert isinstance(outcome, wp.Failed) and outcome.error_type == "NonDeterminismError"
+    assert "plain#3" in outcome.message and "other#1" in outcome.message
+    assert "ran:x" not in f.CONTROL
+    assert Counter(_types(rt, execution_id))["all.started"] == 1
+
+
+# secrets --------------------------------------------------------------------------------
+
+
+def test_resolved_secrets_are_scrubbed_from_every_stored_error(
+    make_runtime: Callable[..., wp.Runtime],
+    db_url: str,
+    backend: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("STRIPE_KEY", SECRET_VALUE)
+    rt = make_runtime(secret_resolver=wp.env_secret_resolver())
+    rt.register(*f.ALL)
+    client = rt.client()
+    handle = client.start(f.leaky_wf, {"api_key": wp.secret("stripe-key")})
+    outcome = client.result(handle.execution_id, timeout=10)
+    assert isinstance(outcome, wp.Failed) and outcome.error_type == "LeakyError"
+    assert f.CONTROL["charge_key"] == SECRET_VALUE
+    assert f.CONTROL["refund_key"] == SECRET_VALUE, "the compensation got the resolved value"
+    assert "secret:stripe-key" in outcome.message and SECRET_VALUE not in str(outcome.error)
+    stored = [r.event for r in client.history(handle.execution_id)]
+    assert SECRET_VALUE not in str(stored)
+    rt.close()
+    raw = _raw_bytes(db_url, backend, tmp_path)
+    assert b"card declined for key secret:stripe-key" in raw
+    assert SECRET_VALUE.encode() not in raw
+
+
+# host integration -----------------------------------------------------------------------
+
+
+def test_host_session_start_in_a_named_schema(blank_db_url: str) -> None:
+    engine = create_engine(blank_db_url)
+    try:
+        if not wp.backends.backend_type(engine.dialect.name).supports_schemas:
+            with pytest.raises(wp.UnsupportedDatabaseError, match="named schema"):
+                wp.Runtime(engine, schema="wf")
+            return
+        migrate.upgrade(blank_db_url, schema="wf")
+        with wp.Runtime(engine, schema="wf") as rt:
+            with Session(engine) as session:  # the host's session, its default schema
+                handle = rt.client().start(f.slow_wf, 0.0, session=session)
+                session.commit()
+            assert rt.client().result(handle.execution_id, timeout=10).unwrap() == 0.0
+        with engine.connect() as conn:
+            found = conn.execute(
+                text("SELECT count(*) FROM wf.wf_executions WHERE id = :id"),
+                {"id": handle.execution_id},
+            ).scalar_one()
+            public = conn.execute(
+                text("SELECT to_regclass('public.wf_executions') IS NOT NULL")
+            ).scalar_one()
+        assert found == 1 and public is False
+    finally:
+        engine.dispose()
+
+
+def test_host_session_start_registers_in_the_same_transaction(db_url: str) -> None:
+    """Starting a workflow this runtime never registered, inside a host transaction that
+    already wrote (on SQLite: holds the write lock), registers it in that transaction
+    instead of waiting on a second one; a rollback leaves no run and no catalog row."""
+    engine = create_engine(db_url)
+    try:
+        with wp.Runtime(engine) as rt:
+            for commit in (False, True):
+                began = time.monotonic()
+                with Session(engine) as session:
+                    session.execute(ex.update().where(ex.c.id == "nothing").values(actor="x"))
+                    handle = rt.client().start(f.nap_wf, 0.0, session=session)
+                    if commit:
+                        session.commit()
+                    else:
+                        session.rollback()
+                assert time.monotonic() - began < 5
+                with engine.connect() as conn:
+                    runs = conn.execute(select(ex.c.id).where(ex.c.id == handle.execution_id)).all()
+                    cataloged = conn.execute(
+                        text("SELECT count(*) FROM wf_workflows WHERE name = 'nap'")
+                    ).scalar_one()
+                assert (len(runs), cataloged) == ((1, 1) if commit else (0, 0))
+                rt._registry.clear()
+                rt._latest.clear()
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.backends("mysql")  # sql_mode is MySQL's own
+def test_a_mysql_engine_outside_strict_mode_is_refused(db_url: str) -> None:
+    engine = create_engine(db_url, connect_args={"init_command": "SET SESSION sql_mode = ''"})
+    try:
+        with pytest.raises(wp.UnsupportedDatabaseError, match="strict"):
+            wp.Runtime(engine)
+    finally:
+        engine.dispose()
+
+
+# the lifecycle ---------------------------------------------------------------------------
+
+
+def test_lifecycle_rules() -> None:
+    L = lifecycle
+    assert set(L.STATUSES) == {"running", "suspended", "compensating", "completed", "failed"}
+    assert {"completed", "failed"} == L.TERMINAL
+    assert {"running", "suspended"} == L.CANCELLABLE
+    for terminal in L.TERMINAL:
+        assert not any(L.can_transition(terminal, s) for s in L.STATUSES if s != terminal)
+    assert L.can_transition("compensating", "failed")
+    assert not L.can_transition("compensating", "completed")
+    assert not L.can_transition("compensating", "running")
+    assert L.event_transition("running", "sleep.started") == "suspended"
+    assert L.event_transition("suspended", "signal.received") == "running"
+    assert L.event_transition("compensating", "signal.received") is None
+    assert L.event_transition("completed", "signal.delivered") is None
+    assert L.event_transition("running", "step.completed") is None
+    assert L.cancellation_status(True) == "compensating"
+    assert L.cancellation_status(False) == "failed"

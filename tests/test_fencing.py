@@ -1,0 +1,242 @@
+"""Fencing: a claim is a token, leases and timers run on the database's clock, a paused
+driver records nothing after someone else claimed its run, close() hands runs over at once."""
+
+from __future__ import annotations
+
+import datetime as dt
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, select
+
+import wf_persist as wp
+from wf_persist.models import executions_table as ex
+
+from .fixtures import fencing as f
+from .helpers import wait_for_mark, wait_until, worker_process
+
+
+@pytest.fixture(autouse=True)
+def _reset() -> Iterator[None]:
+    f.reset()
+    yield
+    f.reset()
+
+
+def _completions(rt: wp.Runtime, execution_id: str) -> Counter[str]:
+    return Counter(
+        str(r.event.get("activityName"))
+        for r in rt.client().history(execution_id)
+        if r.event["type"] == "step.completed"
+    )
+
+
+def _db_now(rt: wp.Runtime) -> dt.datetime:
+    from wf_persist.backends.clock import db_now
+
+    with rt.backend.read() as conn:
+        value: dt.datetime = conn.execute(select(db_now())).scalar_one()
+    return value
+
+
+def test_a_paused_driver_records_nothing_after_a_takeover(
+    make_runtime: Callable[..., wp.Runtime], db_url: str, tmp_path: Path
+) -> None:
+    """SIGSTOP a worker inside a step past its lease; another runtime takes the run over and
+    records the next steps, then dies; the paused worker resumes: its stale thread's write
+    is refused (its claim epoch is stale), its own worker loop never claims the run while
+    that thread still drives it, and no recorded step runs again."""
+    rt = make_runtime(lease_ttl=1.0)
+    rt.register(*f.ALL)
+    marks, release = tmp_path / "marks", tmp_path / "release"
+    handle = rt.client().start(f.fenced_wf, {"marks": str(marks), "release": str(release)})
+    paused = worker_process(db_url, "--concurrency", "2", lease_ttl=1.0)
+    try:
+        wait_for_mark(marks, "hold-start")
+        paused.send_signal(signal.SIGSTOP)
+        # The lease runs out by the database's clock; then anyone may claim the run.
+        wait_until(
+            lambda: rt.client().describe(handle.execution_id) and _due(rt, handle.execution_id),
+            10,
+            "lease expiry",
+        )
+        release.touch()
+        f.CONTROL["crash_at"] = "two"  # the taker records hold and one, then dies in two
+        with pytest.raises(f.SimulatedCrash):
+            rt.drive(handle.execution_id)
+        f.CONTROL.clear()
+        assert _completions(rt, handle.execution_id) == {"hold#1": 1, "after#1": 1}
+        paused.send_signal(signal.SIGCONT)
+        outcome = rt.client().result(handle.execution_id, timeout=30)
+    finally:
+        paused.send_signal(signal.SIGCONT)
+        paused.send_signal(signal.SIGTERM)
+        paused.wait(timeout=30)
+    assert outcome.unwrap() == ["held", "one", "two"]
+    assert _completions(rt, handle.execution_id) == {"hold#1": 1, "after#1": 1, "after#2": 1}
+    labels = Counter(label for label, _ in f.marks_of(marks))
+    # hold ran in the paused worker and in the taker (at-least-once under a pause); "one"
+    # was recorded by the taker and never ran again; "two" ran where the taker died and
+    # once more to finish.
+    assert labels["hold-start"] == 2 and labels["one"] == 1 and labels["two"] == 2
+    sequences = [r.sequence for r in rt.client().history(handle.execution_id)]
+    assert sequences == list(range(1, len(sequences) + 1))
+
+
+def _due(rt: wp.Runtime, execution_id: str) -> bool:
+    from wf_persist.store import executions
+
+    with rt.backend.read() as conn:
+        row = executions.get(conn, execution_id)
+    return bool(row is not None and row.due)
+
+
+def test_claims_are_compare_and_set_on_plain_host_engines(db_url: str) -> None:
+    """Two runtimes on plain ``create_engine`` engines (the driver's default transaction
+    handling, SQLite's legacy mode included) race for 60 runs: each run is claimed once,
+    with epoch 1, and a claim never hands out more runs than asked."""
+    engines = [create_engine(db_url), create_engine(db_url)]
+    runtimes = [wp.Runtime(e) for e in engines]
+    try:
+        for rt in runtimes:
+            rt.register(*f.ALL)
+        ids = {runtimes[0].client().start(f.slow_wf, 0.0).execution_id for _ in range(60)}
+        claimed: dict[int, list[wp.backends.Claim]] = {0: [], 1: []}
+        barrier = threading.Barrier(2)
+
+        def claim(i: int) -> None:
+            barrier.wait()
+            for _ in range(40):
+                got = runtimes[i].claim_due(4)
+                assert len(got) <= 4
+                claimed[i] += got
+
+        threads = [threading.Thread(target=claim, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        a = {c.execution_id for c in claimed[0]}
+        b = {c.execution_id for c in claimed[1]}
+        assert not a & b
+        assert a | b == ids
+        assert {c.epoch for c in claimed[0] + claimed[1]} == {1}
+    finally:
+        for rt in runtimes:
+            rt.close()
+        for e in engines:
+            e.dispose()
+
+
+def test_a_worker_clock_far_ahead_takes_over_no_live_lease(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    holder = make_runtime(lease_ttl=5)
+    holder.register(*f.ALL)
+    handle = holder.client().start(f.slow_wf, 0.0)
+    with holder.transaction() as conn:
+        assert holder.backend.claim(conn, handle.execution_id, holder.owner, 5)
+    ahead = make_runtime(clock=lambda: dt.datetime.now(dt.UTC) + dt.timedelta(minutes=10))
+    ahead.register(*f.ALL)
+    assert ahead.drive(handle.execution_id) is False
+    assert ahead.claim_due(10) == []
+
+
+@pytest.mark.parametrize("skew", [dt.timedelta(seconds=30), -dt.timedelta(seconds=30)])
+def test_timers_run_on_the_database_clock(
+    make_runtime: Callable[..., wp.Runtime], skew: dt.timedelta
+) -> None:
+    skewed = make_runtime(clock=lambda: dt.datetime.now(dt.UTC) + skew, poll_interval=0.05)
+    skewed.register(*f.ALL)
+    client = skewed.client()
+    handle = client.start(f.nap_wf, 1.0)
+    began = time.monotonic()
+    assert skewed.drive(handle.execution_id)
+    row = client.describe(handle.execution_id)
+    assert row.status == "suspended"
+    with skewed.backend.read() as conn:
+        wake_at = conn.execute(
+            select(ex.c.wake_at).where(ex.c.id == handle.execution_id)
+        ).scalar_one()
+    assert abs((wake_at - _db_now(skewed)).total_seconds() - 1.0) < 0.5
+    assert client.result(handle.execution_id, timeout=10).unwrap() == "rested"
+    assert 0.8 <= time.monotonic() - began < 5, "woken by the database's clock"
+
+
+def test_close_releases_leases_so_another_runtime_takes_over_at_once(
+    make_runtime: Callable[..., wp.Runtime], tmp_path: Path
+) -> None:
+    first = make_runtime(lease_ttl=30)
+    first.register(*f.ALL)
+    marks, release = tmp_path / "marks", tmp_path / "release"
+    handle = first.client().start(f.fenced_wf, {"marks": str(marks), "release": str(release)})
+    first.start_worker(concurrency=1, poll_interval=0.02)
+    wait_for_mark(marks, "hold-start")
+    first.close(timeout=0.2)  # the step is still running in its thread
+    second = make_runtime(lease_ttl=30)
+    second.register(*f.ALL)
+    assert _due(second, handle.execution_id), "released: due at once, not after 30 s"
+
+    def starts() -> Counter[str]:
+        return Counter(label for label, _ in f.marks_of(marks))
+
+    outcome: list[wp.Outcome] = []
+    taker = threading.Thread(
+        target=lambda: outcome.append(second.client().result(handle.execution_id, timeout=30))
+    )
+    taker.start()
+    wait_until(lambda: starts()["hold-start"] == 2, what="the takeover")
+    release.touch()
+    taker.join(timeout=30)
+    assert outcome[0].unwrap() == ["held", "one", "two"]
+    wait_until(lambda: starts()["hold-end"] == 2, what="the closed runtime's step to end")
+    assert _completions(second, handle.execution_id)["hold#1"] == 1, "its late write refused"
+
+
+def test_leases_are_renewed_on_a_connection_of_their_own(db_url: str) -> None:
+    """A worker whose runs hold every pooled connection still renews its leases."""
+    engine = create_engine(db_url, pool_size=2, max_overflow=0, pool_timeout=30)
+    rt = wp.Runtime(engine, lease_ttl=1.5)
+    other = wp.Runtime(db_url, lease_ttl=1.5)
+    try:
+        rt.register(*f.ALL)
+        other.register(*f.ALL)
+        handle = rt.client().start(f.slow_wf, 3.5)
+        rt.start_worker(concurrency=1, poll_interval=0.02)
+        with engine.connect():  # the test holds the pool's second connection
+            wait_until(
+                lambda: (
+                    other.client().describe(handle.execution_id).started_at is not None
+                    and not _due(other, handle.execution_id)
+                ),
+                what="the claim",
+            )
+            deadline = time.monotonic() + 3.0
+            while time.monotonic() < deadline:
+                assert other.drive(handle.execution_id) is False, "a live lease was taken over"
+                time.sleep(0.05)
+        assert other.client().result(handle.execution_id, timeout=20).unwrap() == 3.5
+        assert f.CONTROL["slow_runs"] == 1
+    finally:
+        rt.close()
+        other.close()
+        engine.dispose()
+
+
+def test_a_pool_too_small_for_the_worker_is_refused(db_url: str) -> None:
+    engine = create_engine(db_url, pool_size=2, max_overflow=1)
+    rt = wp.Runtime(engine)
+    try:
+        with pytest.raises(wp.PoolTooSmallError) as caught:
+            rt.start_worker(concurrency=3)
+        assert (caught.value.capacity, caught.value.needed) == (3, 4)
+        assert "concurrency 3" in str(caught.value)
+        rt.start_worker(concurrency=2).stop()
+    finally:
+        rt.close()
+        engine.dispose()
