@@ -18,6 +18,7 @@ import wf_persist as wp
 from wf_persist import migrate
 
 from .fixtures import workflows as w
+from .fixtures.revisions import below_head, cli_env, future_revision, wf_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 WF_TABLES = {"wf_workflows", "wf_executions", "wf_history"}
@@ -112,14 +113,53 @@ def test_unmigrated_database_error_names_the_command(blank_db_url: str, backend:
 
 def test_outdated_database_error_reports_the_revision(blank_db_url: str) -> None:
     migrate.upgrade(blank_db_url)
-    engine = create_engine(blank_db_url)
-    with engine.begin() as conn:
-        conn.execute(text(f"UPDATE {migrate.VERSION_TABLE} SET version_num = 'wf_0000'"))
-    engine.dispose()
+    migrate.downgrade(blank_db_url, below_head())
     with pytest.raises(wp.SchemaVersionError) as info:
         wp.Runtime(blank_db_url, auto_migrate=False)
-    assert info.value.current == "wf_0000"
-    assert "is at revision wf_0000" in str(info.value)
+    assert type(info.value) is wp.SchemaVersionError
+    assert info.value.current == below_head()
+    assert f"is at revision {below_head()}" in str(info.value)
+    assert "wf-persist db upgrade --url" in info.value.command
+
+
+def _record(url: str, table: str, revision: str) -> None:
+    """Overwrite the recorded revision, as another wf_persist would have left it."""
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text(f"UPDATE {table} SET version_num = :r"), {"r": revision})
+    engine.dispose()
+
+
+def test_database_newer_than_the_code(blank_db_url: str) -> None:
+    migrate.upgrade(blank_db_url)
+    future = future_revision()
+    _record(blank_db_url, migrate.VERSION_TABLE, future)
+    for attempt in (
+        lambda: wp.Runtime(blank_db_url, auto_migrate=False),
+        lambda: wp.Runtime(blank_db_url, auto_migrate=True),
+        lambda: migrate.upgrade(blank_db_url),  # not Alembic's "can't locate revision"
+        lambda: migrate.downgrade(blank_db_url, "base"),
+    ):
+        with pytest.raises(wp.SchemaTooNewError) as info:
+            attempt()
+        assert (info.value.current, info.value.head) == (future, migrate.SCHEMA_HEAD)
+        message = str(info.value)
+        assert f"at {future}, this wf_persist knows up to {migrate.SCHEMA_HEAD}" in message
+        assert "upgrade wf_persist" in message and "db upgrade" not in message
+    assert migrate.current(blank_db_url) == future
+    assert _tables(blank_db_url) >= WF_TABLES, "nothing was undone"
+    out = wf_cli("db", "current", "--url", blank_db_url)
+    assert (out.returncode, out.stdout.strip()) == (4, future)
+    assert "upgrade wf_persist" in out.stderr
+
+
+def test_a_revision_after_our_head_is_too_new(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Known to the scripts but after the head this code needs: still a newer database."""
+    older = below_head()
+    monkeypatch.setattr(migrate, "SCHEMA_HEAD", older)
+    with pytest.raises(wp.SchemaTooNewError) as info:
+        migrate.assert_at_head(db_url)
+    assert (info.value.current, info.value.head) == (migrate.heads()[0], older)
 
 
 def test_embedded_sqlite_default_migrates_itself(
@@ -174,10 +214,8 @@ def test_concurrent_upgrades_are_serialized(blank_db_url: str) -> None:
 def test_cli_upgrade_current_downgrade(blank_db_url: str) -> None:
     cli = [sys.executable, "-m", "wf_persist.cli"]
     env = {**os.environ, "WF_PERSIST_DATABASE_URL": blank_db_url}
-    out = subprocess.run(
-        [*cli, "db", "current"], env=env, capture_output=True, text=True, check=True
-    )
-    assert out.stdout.strip() == "none"
+    out = subprocess.run([*cli, "db", "current"], env=env, capture_output=True, text=True)
+    assert (out.returncode, out.stdout.strip()) == (3, "none")  # behind: not migrated
     subprocess.run([*cli, "db", "upgrade", "--url", blank_db_url], capture_output=True, check=True)
     out = subprocess.run(
         [*cli, "db", "current"], env=env, capture_output=True, text=True, check=True
@@ -187,12 +225,41 @@ def test_cli_upgrade_current_downgrade(blank_db_url: str) -> None:
         [*cli, "db", "upgrade", "--sql"], env=env, capture_output=True, text=True, check=True
     )
     assert "CREATE TABLE wf_workflows" in sql.stdout
+    subprocess.run([*cli, "db", "downgrade", below_head()], env=env, check=True)
+    out = subprocess.run([*cli, "db", "current"], env=env, capture_output=True, text=True)
+    assert (out.returncode, out.stdout.strip()) == (3, below_head())
     subprocess.run([*cli, "db", "downgrade", "base"], env=env, capture_output=True, check=True)
     assert not (WF_TABLES & _tables(blank_db_url))
     bad = subprocess.run(
         [*cli, "db", "upgrade", "--url", "nosuchdb://x"], capture_output=True, text=True
     )
     assert bad.returncode != 0
+
+
+def test_cli_current_documents_its_exit_status() -> None:
+    out = wf_cli("db", "current", "--help", env=cli_env(COLUMNS="200"))
+    text = " ".join(out.stdout.split())
+    assert out.returncode == 0
+    assert "Exit status: 0 at head; 3 behind head or never migrated; 4 migrated by a newer" in text
+
+
+def test_current_never_creates_a_sqlite_file(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.sqlite3"
+    url = f"sqlite:///{missing}"
+    assert migrate.current(url) is None
+    assert not missing.exists()
+    engine = create_engine(url)
+    found = migrate.state(engine)
+    engine.dispose()
+    assert found.missing and found.mode == "none"
+    with pytest.raises(wp.SchemaVersionError, match="not migrated"):
+        migrate.assert_at_head(url)
+    with pytest.raises(wp.SchemaVersionError):
+        wp.Runtime(url, auto_migrate=False)
+    out = wf_cli("db", "current", "--url", "sqlite:///missing.sqlite3", cwd=tmp_path)
+    assert (out.returncode, out.stdout.strip()) == (3, "none")
+    assert "no database file" in out.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_installed_wheel_migrates_from_any_directory(tmp_path: Path) -> None:

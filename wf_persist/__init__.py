@@ -36,11 +36,14 @@ from .errors import InvalidArgumentError as InvalidArgumentError
 from .errors import InvalidCursorError as InvalidCursorError
 from .errors import InvalidPayloadError as InvalidPayloadError
 from .errors import LeaseLostError as LeaseLostError
+from .errors import MergedSchemaVersionError as MergedSchemaVersionError
 from .errors import MissingWorkflowVersionError as MissingWorkflowVersionError
 from .errors import NonDeterminismError as NonDeterminismError
 from .errors import NotSerializableError as NotSerializableError
 from .errors import PoolTooSmallError as PoolTooSmallError
 from .errors import ResultTimeoutError as ResultTimeoutError
+from .errors import SchemaTooNewError as SchemaTooNewError
+from .errors import SchemaVersionConflictError as SchemaVersionConflictError
 from .errors import SchemaVersionError as SchemaVersionError
 from .errors import SignalAlreadyDeliveredError as SignalAlreadyDeliveredError
 from .errors import SignalDeliveryError as SignalDeliveryError
@@ -85,6 +88,7 @@ __all__ = [
     "InvalidPayloadError",
     "LeaseLostError",
     "Limit",
+    "MergedSchemaVersionError",
     "MissingWorkflowVersionError",
     "NonDeterminismError",
     "NotSerializableError",
@@ -96,6 +100,8 @@ __all__ = [
     "ResultTimeoutError",
     "Retry",
     "Runtime",
+    "SchemaTooNewError",
+    "SchemaVersionConflictError",
     "SchemaVersionError",
     "SecretError",
     "SecretResolver",

@@ -17,7 +17,12 @@ import typer
 from rich.console import Console
 
 from . import backends, migrate
-from .errors import InvalidArgumentError, WfPersistError
+from .errors import (
+    InvalidArgumentError,
+    SchemaTooNewError,
+    SchemaVersionConflictError,
+    WfPersistError,
+)
 from .runtime import Runtime
 from .worker import Worker
 
@@ -51,8 +56,11 @@ def _report(script: str | None, url: str | None, schema: str | None) -> None:
     if script is not None:
         typer.echo(script, nl=False)
         return
-    found = migrate.current(backends.resolve_url(url), schema=schema)
-    err.print(f"wf_persist schema at {found or 'base'} ({_url(url)})")
+    found = migrate.state(backends.resolve_url(url), schema=schema)
+    where = found.revision or "base"
+    if found.mode == "merged":
+        where += f" in {migrate.HOST_VERSION_TABLE} (merged: {migrate.HOST_UPGRADE_COMMAND})"
+    err.print(f"wf_persist schema at {where} ({_url(url)})", markup=False)
 
 
 @db.command()
@@ -62,7 +70,11 @@ def upgrade(
     sql: SqlOption = False,
     schema: SchemaOption = None,
 ) -> None:
-    """Upgrade the wf_persist schema (default: to the newest revision)."""
+    """Upgrade the wf_persist schema (default: to the newest revision).
+
+    Refuses a merged database (ours in your alembic_version) unless it is at head:
+    migrate that with your application's 'alembic upgrade heads'.
+    """
     _report(
         migrate.upgrade(backends.resolve_url(url), revision, sql=sql, schema=schema), url, schema
     )
@@ -80,13 +92,32 @@ def downgrade(
     _report(script, url, schema)
 
 
-@db.command()
+#: ``db current`` exit status when the database is behind head (or never migrated).
+EXIT_BEHIND = 3
+#: ``db current`` exit status when a newer wf_persist migrated the database.
+EXIT_TOO_NEW = 4
+
+
+@db.command(
+    epilog="Exit status: 0 at head; 3 behind head or never migrated; 4 migrated by a newer "
+    "wf_persist; 1 an error (e.g. revisions recorded in both version tables); 2 a usage error."
+)
 def current(url: UrlOption = None, schema: SchemaOption = None) -> None:
-    """Print the revision the database is at ('none' if never migrated)."""
-    found = migrate.current(backends.resolve_url(url), schema=schema)
-    typer.echo(found or "none")
-    if found != migrate.SCHEMA_HEAD:
-        err.print(f"not at head ({migrate.SCHEMA_HEAD}); run: wf-persist db upgrade")
+    """Print the revision the database is at ('none' if never migrated).
+
+    In merged mode that is the wf_ rows of your alembic_version.
+    Creates nothing: a missing SQLite file prints 'none' and stays missing.
+    """
+    found = migrate.state(backends.resolve_url(url), schema=schema)
+    problem = found.error()
+    if isinstance(problem, SchemaVersionConflictError):
+        raise problem
+    typer.echo(found.revision or "none")
+    if found.missing:
+        err.print(f"no database file at {_url(url)}", markup=False)
+    if problem is not None:
+        err.print(f"not at head: {problem}", markup=False)
+        raise typer.Exit(EXIT_TOO_NEW if isinstance(problem, SchemaTooNewError) else EXIT_BEHIND)
 
 
 def parse_age(text: str) -> dt.timedelta | dt.datetime:

@@ -363,3 +363,59 @@ def rebuild_error(cls: type[BaseException], doc: dict[str, Any]) -> BaseExceptio
             except AttributeError:
                 continue
     return exc
+
+
+class SchemaTooNewError(SchemaVersionError):
+    """A newer wf_persist migrated this database: upgrade wf_persist, not the schema.
+
+    ``current`` is a revision this wf_persist does not ship (or one after its head); running
+    its migrations there could only fail or undo the newer ones.
+    """
+
+    def __init__(self, current: str, head: str) -> None:
+        super().__init__(current, head, "pip install --upgrade wf-persist")
+        self.args = (
+            f"This database is at {current}, this wf_persist knows up to {head}: "
+            f"upgrade wf_persist ({self.command})",
+        )
+
+
+class MergedSchemaVersionError(SchemaVersionError):
+    """wf_persist's revisions live in the host's own Alembic chain (merged mode).
+
+    Only the host's Alembic may move them: ``wf-persist db`` would start a second record in
+    its own version table and fork the bookkeeping. ``command`` is the host's command.
+
+    Attributes:
+        version_table: the host's version table holding our revisions.
+    """
+
+    def __init__(self, current: str, head: str, command: str, version_table: str) -> None:
+        super().__init__(current, head, command)
+        self.version_table = version_table
+        self.args = (
+            f"The wf_persist schema is at revision {current}, recorded in your application's "
+            f"{version_table} (merged mode); this version needs {head}. wf-persist db does not "
+            f"migrate a merged database; run your application's Alembic: {command}",
+        )
+
+
+class SchemaVersionConflictError(SchemaVersionError):
+    """Both version tables record wf_persist revisions; which one is true is unknown.
+
+    A database uses one mode; both records usually mean ``wf-persist db upgrade`` ran on a
+    merged database. ``current`` is ``None``.
+
+    Attributes:
+        standalone: the revision in wf_persist's own version table.
+        merged: the wf_ revision in the host's version table.
+    """
+
+    def __init__(self, standalone: str, merged: str, head: str, command: str) -> None:
+        super().__init__(None, head, command)
+        self.standalone = standalone
+        self.merged = merged
+        self.args = (
+            f"wf_persist's revisions are recorded twice: {standalone} in its own version "
+            f"table and {merged} in your application's (merged mode); keep one: {command}",
+        )

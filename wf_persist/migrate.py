@@ -2,37 +2,46 @@
 
 The Alembic environment is passed our own connection through ``config.attributes`` (never a
 URL string), keeps its own version table (``wf_persist_alembic_version``) and only ever looks
-at ``wf_`` tables. Alembic is imported lazily: a runtime that only checks the schema revision
-never pays for it.
+at ``wf_`` tables. A host may instead merge our revisions into its own chain (merged mode:
+they are recorded in its ``alembic_version``); then only the host's Alembic moves them, and
+this module reads that record but refuses to run ours over it. Alembic is imported lazily: a
+runtime that only checks the schema revision never pays for it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from sqlalchemy import Connection, Engine, column, inspect, select, table
 from sqlalchemy.engine import URL
 
 from . import backends
-from .errors import SchemaVersionError
+from .errors import (
+    MergedSchemaVersionError,
+    SchemaTooNewError,
+    SchemaVersionConflictError,
+    SchemaVersionError,
+)
 from .models import metadata
 
 if TYPE_CHECKING:
     from alembic.config import Config
+    from alembic.script import ScriptDirectory
 
 #: Alembic version table wf_persist uses (never the host application's).
 VERSION_TABLE: Final = "wf_persist_alembic_version"
 #: The version table of a host that merged our revisions into its own chain.
 HOST_VERSION_TABLE: Final = "alembic_version"
+#: What migrates a merged database: the host's own Alembic, every branch at once.
+HOST_UPGRADE_COMMAND: Final = "alembic upgrade heads"
 #: The revision this version of wf_persist needs. A test checks it is the script head.
 SCHEMA_HEAD: Final = "wf_0003"
-#: Key of the PostgreSQL advisory lock that serializes concurrent upgrades.
-MIGRATION_LOCK_KEY: Final = 0x77665F70657273  # "wf_pers"
 
 Bind = Engine | Connection | str | URL
 
@@ -130,6 +139,11 @@ def upgrade(
 ) -> str | None:
     """Upgrade the schema to ``revision`` (default: the newest).
 
+    Our Alembic never runs where it would fork or undo the bookkeeping: a merged database
+    raises :class:`MergedSchemaVersionError` naming the host's command (at head, an upgrade to
+    head does nothing), one a newer wf_persist migrated :class:`SchemaTooNewError`, one with
+    records in both version tables :class:`SchemaVersionConflictError`.
+
     Args:
         bind: an engine, connection or URL.
         revision: target revision.
@@ -149,6 +163,11 @@ def upgrade(
             command.upgrade(_config(None, _url_of(bind), buf, schema), revision, sql=True)
             return buf.getvalue()
         with _connection(bind) as conn:
+            found = _read_state(conn, schema)
+            to_head = revision in ("head", "heads", "wf_persist@head", SCHEMA_HEAD)
+            if found.mode == "merged" and found.revision == SCHEMA_HEAD and to_head:
+                return None
+            _refuse_foreign(found, HOST_UPGRADE_COMMAND)
             command.upgrade(_config(conn, None, None, schema), revision)
     return None
 
@@ -156,7 +175,10 @@ def upgrade(
 def downgrade(
     bind: Bind, revision: str, *, sql: bool = False, schema: str | None = None
 ) -> str | None:
-    """Downgrade the schema to ``revision`` (``base`` removes every wf_persist table)."""
+    """Downgrade the schema to ``revision`` (``base`` removes every wf_persist table).
+
+    Refuses the databases :func:`upgrade` refuses (a merged one always).
+    """
     from alembic import command
 
     schema = _schema_of(bind, schema)
@@ -167,36 +189,179 @@ def downgrade(
             command.downgrade(_config(None, _url_of(bind), buf, schema), rng, sql=True)
             return buf.getvalue()
         with _connection(bind) as conn:
+            target = "wf_persist@base" if revision == "base" else revision
+            _refuse_foreign(_read_state(conn, schema), f"alembic downgrade {target}")
             command.downgrade(_config(conn, None, None, schema), revision)
     return None
 
 
-def heads() -> Sequence[str]:
-    """The head revisions of the shipped migration scripts."""
+def _script() -> ScriptDirectory:
     from alembic.script import ScriptDirectory
 
-    return ScriptDirectory.from_config(_config(None, None, None)).get_heads()
+    return ScriptDirectory.from_config(_config(None, None, None))
+
+
+def heads() -> Sequence[str]:
+    """The head revisions of the shipped migration scripts."""
+    return _script().get_heads()
+
+
+Mode = Literal["standalone", "merged", "both", "none"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SchemaState:
+    """Where a database records wf_persist's revisions, and which.
+
+    Attributes:
+        standalone: the rows of our own version table (standalone mode).
+        merged: the ``wf_`` rows of the host's ``alembic_version`` (merged mode).
+        url: the database, for the command an error names.
+        schema: the PostgreSQL schema looked in.
+        missing: the SQLite file does not exist (and was not created to look).
+    """
+
+    standalone: tuple[str, ...]
+    merged: tuple[str, ...]
+    url: URL
+    schema: str | None = None
+    missing: bool = False
+
+    @property
+    def mode(self) -> Mode:
+        """``standalone``, ``merged``, ``both`` (a forked record) or ``none``.
+
+        An empty version table counts as no record: MySQL keeps the table a failed upgrade
+        created (its DDL is not transactional), and it must not hide the merged rows.
+        """
+        if self.standalone and self.merged:
+            return "both"
+        if self.standalone:
+            return "standalone"
+        return "merged" if self.merged else "none"
+
+    @property
+    def revision(self) -> str | None:
+        """The recorded revision (heads joined by commas); ``None`` if none, or if ``both``."""
+        if self.mode == "both":
+            return None
+        return ",".join(self.standalone or self.merged) or None
+
+    def error(self, host_command: str = HOST_UPGRADE_COMMAND) -> SchemaVersionError | None:
+        """What a runtime needing :data:`SCHEMA_HEAD` raises here (``None`` at head).
+
+        Each names what fixes it: ``wf-persist db upgrade``, the host's ``host_command``
+        (merged mode), upgrading wf_persist (too new), or dropping one record (both).
+        """
+        if self.mode == "both":
+            return SchemaVersionConflictError(
+                ",".join(self.standalone), ",".join(self.merged), SCHEMA_HEAD, self._keep_one()
+            )
+        found = self.revision
+        if found == SCHEMA_HEAD:
+            return None
+        if found is not None and _is_newer(found):
+            return SchemaTooNewError(found, SCHEMA_HEAD)
+        if found is not None and self.mode == "merged":
+            return MergedSchemaVersionError(found, SCHEMA_HEAD, host_command, HOST_VERSION_TABLE)
+        return SchemaVersionError(found, SCHEMA_HEAD, upgrade_command(self.url, self.schema))
+
+    def _keep_one(self) -> str:
+        prefix = "" if self.schema is None else f"{self.schema}."
+        rows = ", ".join(f"'{r}'" for r in self.merged)
+        return (
+            f"DROP TABLE {prefix}{VERSION_TABLE} to stay merged, or DELETE FROM "
+            f"{prefix}{HOST_VERSION_TABLE} WHERE version_num IN ({rows}) to stay standalone"
+        )
+
+
+def _is_newer(revisions: str) -> bool:
+    """A recorded revision this wf_persist does not ship, or one after its head."""
+    script = _script()
+    known = {s.revision for s in script.walk_revisions()}
+    for rev in revisions.split(","):
+        if rev not in known:
+            return True
+        below = {s.revision for s in script.iterate_revisions(rev, "base")}
+        if rev != SCHEMA_HEAD and SCHEMA_HEAD in below:
+            return True
+    return False
+
+
+def state(bind: Bind, *, schema: str | None = None) -> SchemaState:
+    """Read where and at which revision wf_persist's revisions are recorded.
+
+    Never creates anything: a missing SQLite file reads as never migrated (``missing``).
+    """
+    schema = _schema_of(bind, schema)
+    url = _url_of(bind)
+    if not isinstance(bind, Connection) and _missing_sqlite_file(url):
+        return SchemaState((), (), url, schema, missing=True)
+    with _connection(bind) as conn:
+        return _read_state(conn, schema)
 
 
 def current(bind: Bind, *, schema: str | None = None) -> str | None:
-    """The revision the database is at, or ``None`` if wf_persist was never migrated there."""
-    schema = _schema_of(bind, schema)
-    with _connection(bind) as conn:
-        return _current(conn, schema)
+    """The revision the database is at, or ``None`` if wf_persist was never migrated there.
+
+    Reads our version table or, in merged mode, the ``wf_`` rows of the host's; a missing
+    SQLite file is ``None`` and is not created. Raises :class:`SchemaVersionConflictError`
+    when both tables record revisions.
+    """
+    found = state(bind, schema=schema)
+    problem = found.error()
+    if isinstance(problem, SchemaVersionConflictError):
+        raise problem
+    return found.revision
 
 
-def _current(conn: Connection, schema: str | None) -> str | None:
-    inspector = inspect(conn)
-    if inspector.has_table(VERSION_TABLE, schema=schema):
-        version = table(VERSION_TABLE, column("version_num"), schema=schema)
-        rows = conn.execute(select(version.c.version_num)).scalars().all()
-        return ",".join(sorted(rows)) or None
-    # Merged mode: a host keeps our revisions in its own version table, beside its own.
-    if inspector.has_table(HOST_VERSION_TABLE, schema=schema):
-        host = table(HOST_VERSION_TABLE, column("version_num"), schema=schema)
-        rows = conn.execute(select(host.c.version_num)).scalars().all()
-        return ",".join(sorted(r for r in rows if r.startswith("wf_"))) or None
-    return None
+def _missing_sqlite_file(url: URL) -> bool:
+    if url.get_backend_name() != "sqlite":
+        return False
+    database = url.database or ""
+    if database in ("", ":memory:") or database.startswith("file:"):
+        return False  # in memory, or a URI filename whose meaning SQLite decides
+    return not Path(database).exists()
+
+
+def _read_state(conn: Connection, schema: str | None) -> SchemaState:
+    """Read both version tables, ending any transaction the reading began."""
+    began = not conn.in_transaction()
+    try:
+        inspector = inspect(conn)
+        standalone = _versions(
+            conn, inspector.has_table(VERSION_TABLE, schema), VERSION_TABLE, schema
+        )
+        host = _versions(
+            conn, inspector.has_table(HOST_VERSION_TABLE, schema), HOST_VERSION_TABLE, schema
+        )
+    finally:
+        if began and conn.in_transaction():
+            conn.rollback()
+    merged = tuple(r for r in host if r.startswith("wf_"))
+    return SchemaState(standalone, merged, conn.engine.url, schema)
+
+
+def _versions(conn: Connection, exists: bool, name: str, schema: str | None) -> tuple[str, ...]:
+    if not exists:
+        return ()
+    version = table(name, column("version_num"), schema=schema)
+    return tuple(sorted(conn.execute(select(version.c.version_num)).scalars()))
+
+
+def _refuse_foreign(found: SchemaState, host_command: str) -> None:
+    """Stop before our Alembic runs where it would fork the record or meet a newer revision.
+
+    A merged database is refused even at head: only the host's ``host_command`` may move it.
+    """
+    problem = found.error(host_command)
+    if problem is None and found.mode == "merged":
+        merged = ",".join(found.merged)
+        problem = MergedSchemaVersionError(merged, SCHEMA_HEAD, host_command, HOST_VERSION_TABLE)
+    if isinstance(
+        problem, SchemaTooNewError | MergedSchemaVersionError | SchemaVersionConflictError
+    ):
+        raise problem
 
 
 def upgrade_command(url: URL, schema: str | None = None) -> str:
@@ -206,10 +371,11 @@ def upgrade_command(url: URL, schema: str | None = None) -> str:
 
 
 def assert_at_head(bind: Bind, *, schema: str | None = None) -> None:
-    """Raise :class:`SchemaVersionError` (naming the command to run) unless at head."""
-    schema = _schema_of(bind, schema)
-    with _connection(bind) as conn:
-        found = _current(conn, schema)
-        url = conn.engine.url
-    if found != SCHEMA_HEAD:
-        raise SchemaVersionError(found, SCHEMA_HEAD, upgrade_command(url, schema))
+    """Raise the :class:`SchemaVersionError` that says what to run, unless at head.
+
+    Merged databases name the host's ``alembic upgrade heads``; a database migrated by a newer
+    wf_persist raises :class:`SchemaTooNewError`. Nothing is created to look.
+    """
+    problem = state(bind, schema=schema).error()
+    if problem is not None:
+        raise problem
