@@ -385,18 +385,7 @@ def _edited_op(op: Op, kind: str) -> Any:
                 lambda i: [b for j, b in enumerate(branches) if j != i]
             )
             return st.one_of(more, fewer).map(lambda bs: {**op, "branches": bs})
-
-        @st.composite
-        def one_branch(draw: st.DrawFn) -> Op:
-            i = draw(st.integers(0, len(branches) - 1))
-            b = branches[i]
-            if kind == "rename":
-                b = {**b, "name": draw(_other_name(pg.STEP_NAMES, b["name"]))}
-            else:
-                b = {**b, "arg": draw(_args)}
-            return {**op, "branches": [*branches[:i], b, *branches[i + 1 :]]}
-
-        return one_branch()
+        return _one_branch_edited(op, kind)
     if kind == "rename" and op["op"] in ("step", "code", "signal"):
         pool = {"step": pg.STEP_NAMES, "code": pg.CODE_NAMES, "signal": pg.SIGNAL_NAMES}
         return _other_name(pool[op["op"]], op["name"]).map(lambda name: {**op, "name": name})
@@ -405,6 +394,19 @@ def _edited_op(op: Op, kind: str) -> Any:
     if kind == "args" and op["op"] in ("step", "code"):
         return _args.map(lambda arg: {**op, "arg": arg})
     return st.just(op)
+
+
+@st.composite
+def _one_branch_edited(draw: st.DrawFn, op: Op, kind: str) -> Op:
+    """The ``all`` op with one branch renamed (``kind == "rename"``) or given another arg."""
+    branches = op["branches"]
+    i = draw(st.integers(0, len(branches) - 1))
+    b = branches[i]
+    if kind == "rename":
+        b = {**b, "name": draw(_other_name(pg.STEP_NAMES, b["name"]))}
+    else:
+        b = {**b, "arg": draw(_args)}
+    return {**op, "branches": [*branches[:i], b, *branches[i + 1 :]]}
 
 
 def check_edited_replay(rt: wp.Runtime, program: Program, edited: Program) -> None:
