@@ -311,10 +311,9 @@ def test_a_crash_anywhere_resumes_to_the_same_outcome_and_history(
 
 # 3. edited programs ---------------------------------------------------------------------------
 
-#: Inconsistent edits the library does not detect today: the general property skips them and
-#: the two strict xfail tests below pin them down. Once one is fixed, its xfail test passes
-#: (and fails as XPASS): drop the marker and the entry here.
-KNOWN_BUGS = frozenset({"ends_early", "branch_set"})
+#: Inconsistent edits the library did not detect once (a body ending before the recorded
+#: calls, a parallel block with other branch steps): the tests below pin each down.
+KNOWN_BUGS: frozenset[str] = frozenset()
 _PARK_OP: Op = {
     "op": "signal",
     "name": pg.PARK,
@@ -484,12 +483,6 @@ def test_an_edited_program_replays_iff_it_is_consistent_with_the_history(
 _NO_SHRINK = (Phase.explicit, Phase.generate)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="known bug: a replay that returns or raises before making every recorded call "
-    "completes (or fails with its own error) instead of failing with NonDeterminismError",
-)
 @pytest.mark.timeout(TIMEOUT)
 def test_a_replay_that_ends_before_the_recorded_calls_fails(
     backend: str, make_runtime: Callable[..., wp.Runtime]
@@ -514,12 +507,6 @@ def test_a_replay_that_ends_before_the_recorded_calls_fails(
     check()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="known bug: a ctx.all whose branches differ from the recorded branchActivities "
-    "(same count) runs the new step instead of failing with NonDeterminismError",
-)
 @pytest.mark.timeout(TIMEOUT)
 def test_an_all_with_other_branch_steps_fails(
     backend: str, make_runtime: Callable[..., wp.Runtime]

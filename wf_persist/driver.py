@@ -14,6 +14,7 @@ the same way every time ends instead of being re-driven forever.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import time
@@ -33,6 +34,7 @@ from .errors import (
     Cancelled,
     DriveFailedError,
     LeaseLostError,
+    NonDeterminismError,
     StaleHistoryError,
     error_document,
 )
@@ -253,6 +255,10 @@ def run_body(driver: RunDriver, wf: Workflow[Any, Any], payload: Any, journal: J
         stored = to_json(wf.output_adapter, out, what)
         driver.check_size(what, stored)
     except (Exception, Cancelled) as exc:
+        if not isinstance(exc, Cancelled):
+            # A body that raises before replaying every recorded call diverged too.
+            with contextlib.suppress(NonDeterminismError):
+                ctx._ended()
         # A divergence wins even if the workflow caught it and failed otherwise.
         failure: BaseException = ctx.divergence or exc
         reason = ctx.error_document(failure)
