@@ -316,12 +316,7 @@ def current(bind: Bind, *, schema: str | None = None) -> str | None:
 
 
 def _missing_sqlite_file(url: URL) -> bool:
-    if url.get_backend_name() != "sqlite":
-        return False
-    database = url.database or ""
-    if database in ("", ":memory:") or database.startswith("file:"):
-        return False  # in memory, or a URI filename whose meaning SQLite decides
-    return not Path(database).exists()
+    return backends.backend_type(url.get_backend_name()).database_missing(url)
 
 
 def _read_state(conn: Connection, schema: str | None) -> SchemaState:

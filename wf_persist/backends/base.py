@@ -465,6 +465,12 @@ class Backend:
     # migrations --------------------------------------------------------------------
 
     @classmethod
+    def database_missing(cls, url: URL) -> bool:
+        """Whether connecting to ``url`` would create a database (an embedded file that is
+        not there): read-only commands must not."""
+        return False
+
+    @classmethod
     def migration_lock(cls, conn: Connection) -> None:
         """Serialize concurrent upgrades (taken inside the migration transaction)."""
 

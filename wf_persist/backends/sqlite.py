@@ -85,11 +85,16 @@ class SQLiteBackend(Backend):
         self._sql: dict[WriteShape, tuple[str, tuple[str, ...], str, tuple[str, ...]]] = {}
         self.max_value_bytes = self._length_limit() - 64 * 1024
 
-    def _length_limit(self) -> int:
-        with self.base_engine.connect() as conn:
-            raw = conn.connection.driver_connection
-            limit = getattr(raw, "getlimit", None)
-            return int(limit(sqlite3.SQLITE_LIMIT_LENGTH)) if limit else 1_000_000_000
+    @staticmethod
+    def _length_limit() -> int:
+        """SQLite's compile-time limit on one value (read from a throwaway in-memory
+        connection: opening the database itself could create its file)."""
+        probe = sqlite3.connect(":memory:")
+        try:
+            getlimit = getattr(probe, "getlimit", None)
+            return int(getlimit(sqlite3.SQLITE_LIMIT_LENGTH)) if getlimit else 1_000_000_000
+        finally:
+            probe.close()
 
     # engines -----------------------------------------------------------------------
 
@@ -164,6 +169,13 @@ class SQLiteBackend(Backend):
             return
         with self.engine.connect() as fresh, self._transaction(fresh, "BEGIN"):
             yield fresh
+
+    @classmethod
+    def database_missing(cls, url: URL) -> bool:
+        database = url.database or ""
+        if database in ("", ":memory:") or database.startswith("file:"):
+            return False  # in memory, or a URI filename whose meaning SQLite decides
+        return not os.path.exists(database)
 
     # checks ------------------------------------------------------------------------
 
