@@ -20,10 +20,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar, get_type_hints, overload
 
-from pydantic import TypeAdapter
+from pydantic import PydanticUserError, TypeAdapter
 
 from .errors import InvalidArgumentError, WorkflowDefinitionError
 from .models import CALL_NAME_WIDTH, WORKFLOW_NAME_WIDTH
+from .values import unstorable
 
 I = TypeVar("I")  # noqa: E741
 O = TypeVar("O")  # noqa: E741
@@ -43,9 +44,13 @@ def adapter_for(tp: Any) -> TypeAdapter[Any]:
     if tp is inspect.Parameter.empty or tp is Any:
         return _ANY_ADAPTER
     try:
-        return _adapter(tp)
-    except TypeError:  # unhashable annotation objects
-        return TypeAdapter(tp)
+        try:
+            return _adapter(tp)
+        except TypeError:  # unhashable annotation objects
+            return TypeAdapter(tp)
+    except PydanticUserError as exc:  # not a type pydantic can validate
+        reason = str(exc).splitlines()[0]
+        raise WorkflowDefinitionError(f"cannot validate values of type {tp!r}: {reason}") from exc
 
 
 def normalized_source(fn: Callable[..., Any]) -> str:
@@ -89,6 +94,10 @@ def _check_name(name: object, what: str, width: int, error: type[Exception]) -> 
         raise error(f"{what} must be a non-empty string, got {name!r}")
     if len(name) > width:
         raise error(f"{what} is {len(name)} characters; at most {width} fit the history columns")
+    if unstorable(name) is not None:
+        raise error(
+            f"{what} must not contain NUL or invalid UTF-8 (databases reject it), got {name!r}"
+        )
     return name
 
 

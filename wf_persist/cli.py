@@ -218,7 +218,9 @@ def main() -> None:
     try:
         app()
     except WfPersistError as exc:
-        err.print(f"error: {exc}")
+        # Plain text on one line: no wrapping to the terminal, no markup read into the message.
+        message = " ".join(str(exc).split())
+        typer.echo(f"error: {message}", err=True)
         raise SystemExit(1) from exc
 
 

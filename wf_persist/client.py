@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from jsonschema import Draft202012Validator
 from pydantic import ValidationError
+from pydantic_core import PydanticSerializationError
 from sqlalchemy import Connection, Row
 from sqlalchemy.orm import Session
 
@@ -30,7 +31,7 @@ from .errors import (
     WorkflowFailedError,
     error_document,
 )
-from .models import KEY_WIDTH
+from .models import KEY_WIDTH, WORKFLOW_NAME_WIDTH
 from .runtime import NOT_DRIVEN
 from .store import Executor, executions, history, signals
 from .values import non_finite, resolve_type_reference, unstorable
@@ -188,10 +189,11 @@ class PendingSignal:
 
 def _validate_signal(execution_id: str, name: str, wait: Mapping[str, Any], payload: Any) -> Any:
     """The payload's stored JSON form, validated by the wait's type or recorded schema."""
-    stored = _signal_document(execution_id, name, wait, payload)
-    problem = (
-        "it contains NaN or an infinity, which JSON cannot hold" if non_finite(payload) else None
-    ) or unstorable(stored)
+    if non_finite(payload):
+        problem: str | None = "it contains NaN or an infinity, which JSON cannot hold"
+    else:
+        stored = _signal_document(execution_id, name, wait, payload)
+        problem = unstorable(stored)
     if problem is not None:
         raise SignalPayloadError(execution_id, name, [{"loc": (), "msg": problem}])
     return stored
@@ -200,7 +202,10 @@ def _validate_signal(execution_id: str, name: str, wait: Mapping[str, Any], payl
 def _signal_document(execution_id: str, name: str, wait: Mapping[str, Any], payload: Any) -> Any:
     tp = resolve_type_reference(wait.get("payloadType"))
     if tp is not None and isinstance(payload, tp):
-        return adapter_for(tp).dump_python(payload, mode="json")
+        try:
+            return adapter_for(tp).dump_python(payload, mode="json")
+        except (PydanticSerializationError, UnicodeDecodeError) as exc:  # bytes not UTF-8
+            raise SignalPayloadError(execution_id, name, [{"loc": (), "msg": str(exc)}]) from exc
     try:
         text = json.dumps(payload, allow_nan=False)
     except (TypeError, ValueError) as exc:
@@ -237,11 +242,33 @@ def _check_text(what: str, value: str | None) -> None:
 
 
 def _check_id(execution_id: object) -> str:
-    if not isinstance(execution_id, str) or not execution_id or len(execution_id) > 36:
+    if (
+        not isinstance(execution_id, str)
+        or not execution_id
+        or len(execution_id) > 36
+        or unstorable(execution_id)
+    ):
         raise InvalidArgumentError(
-            f"an execution id is a string of 36 characters, got {execution_id!r:.80}"
+            "an execution id is a string of 36 characters without NUL or invalid UTF-8, "
+            f"got {execution_id!r:.80}"
         )
     return execution_id
+
+
+def _workflow_name(workflow: object) -> str:
+    if isinstance(workflow, Workflow):
+        return workflow.name
+    if (
+        not isinstance(workflow, str)
+        or not workflow
+        or len(workflow) > WORKFLOW_NAME_WIDTH
+        or unstorable(workflow)
+    ):
+        raise InvalidArgumentError(
+            f"expected a workflow or its name (a non-empty string of at most "
+            f"{WORKFLOW_NAME_WIDTH} characters without NUL or invalid UTF-8), got {workflow!r:.80}"
+        )
+    return workflow
 
 
 class WorkflowClient:
@@ -286,10 +313,12 @@ class WorkflowClient:
         _check_text("idempotency_key", idempotency_key)
         _check_text("actor", actor)
         rt = self.runtime
-        # In a host transaction, even cataloging a new workflow goes into that transaction:
-        # a second write transaction of our own would wait on the host's lock.
-        wf = rt.resolve(workflow, version, session=session)
-        stored = rt.validate_input(wf, payload)
+        wf = rt.choose(workflow, version)
+        stored = rt.validate_input(wf, payload)  # before anything is written, the catalog too
+        if isinstance(workflow, Workflow):
+            # In a host transaction, even cataloging a new workflow goes into that
+            # transaction: a second write transaction of our own would wait on the host's lock.
+            rt.ensure_registered(workflow, session=session)
         now = rt.clock()
         execution_id = str(uuid.uuid4())
         started = events.execution_started(execution_id, wf.name, wf.version, stored, actor, now)
@@ -470,7 +499,12 @@ class WorkflowClient:
         for bound in (created_after, created_before):
             if bound is not None and (not isinstance(bound, dt.datetime) or bound.tzinfo is None):
                 raise InvalidArgumentError("created_after/created_before must be aware datetimes")
-        name = workflow if isinstance(workflow, str) else workflow.name
+        name = _workflow_name(workflow)
+        _check_text("actor", actor)
+        if version is not None and (
+            isinstance(version, bool) or not isinstance(version, int) or version < 1
+        ):
+            raise InvalidArgumentError(f"version must be a positive integer, got {version!r}")
         if status is not None and status not in lifecycle.STATUSES:
             raise InvalidArgumentError(
                 f"unknown status {status!r}; expected one of {lifecycle.STATUSES}"

@@ -32,12 +32,20 @@ R = TypeVar("R")
 T = TypeVar("T")
 
 
+#: The longest sleep or signal timeout (1000 years): any later wake time would not fit the
+#: timestamp columns of every backend.
+MAX_DURATION_SECONDS = 1000 * 365.25 * 86400
+
+
 def _seconds(duration: dt.timedelta | float, what: str) -> float:
     seconds = duration.total_seconds() if isinstance(duration, dt.timedelta) else duration
     if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds >= 0:
         raise InvalidArgumentError(f"{what} must be a non-negative duration, got {duration!r}")
-    if seconds == float("inf"):
-        raise InvalidArgumentError(f"{what} must be finite, got {duration!r}")
+    if not seconds <= MAX_DURATION_SECONDS:
+        raise InvalidArgumentError(
+            f"{what} must be finite and at most {MAX_DURATION_SECONDS:.0f} seconds (1000 years), "
+            f"got {duration!r}"
+        )
     return float(seconds)
 
 
@@ -139,6 +147,10 @@ class Context:
                 f"concurrency must be a positive integer, got {concurrency!r}"
             )
         check_call_name(name, "ctx.all name")
+        if not isinstance(calls, Sequence) or isinstance(calls, str):
+            raise WorkflowDefinitionError(
+                f"ctx.all takes a list of wp.call(step, ...) items, got {calls!r:.80}"
+            )
         for c in calls:
             if not isinstance(c, Call):
                 raise WorkflowDefinitionError(f"ctx.all takes wp.call(step, ...) items, got {c!r}")

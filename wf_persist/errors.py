@@ -323,18 +323,19 @@ def error_document(exc: BaseException) -> dict[str, Any]:
         "module": type(exc).__module__,
         "message": str(exc),
     }
+    # Strict JSON (no NaN or infinities, which JSON columns reject), kept in its JSON form:
+    # the document a caller gets is the one a later read of the database returns.
     try:
-        doc["args"] = json.loads(json.dumps(list(exc.args)))
+        doc["args"] = json.loads(json.dumps(list(exc.args), allow_nan=False))
     except (TypeError, ValueError):
         doc["args"] = [str(a) for a in exc.args]
     for key, value in vars(exc).items():
         if key.startswith("_") or key in doc:
             continue
         try:
-            json.dumps(value)
+            doc[key] = json.loads(json.dumps(value, allow_nan=False))
         except (TypeError, ValueError):
             continue
-        doc[key] = value
     # An error must always be recordable: databases reject NUL and lone surrogates in text.
     cleaned: dict[str, Any] = _scrub(doc)
     return cleaned

@@ -123,7 +123,7 @@ def _connection(bind: Bind) -> Iterator[Connection]:
             conn.commit()
     finally:
         if not isinstance(bind, Engine):
-            engine.dispose()
+            backends.dispose_engine(engine)
 
 
 def _url_of(bind: Bind) -> URL:

@@ -75,7 +75,8 @@ class Runtime:
     Args:
         bind: a database URL, or an existing SQLAlchemy ``Engine`` (used as is, never
             reconfigured). Default: ``$WF_PERSIST_DATABASE_URL``, else ``wf_persist.sqlite3``
-            in the working directory. ``sqlite://`` is a private in-memory-like database.
+            in the working directory. ``sqlite://`` (or ``sqlite:///:memory:``) is a private
+            database: a temporary file, removed by :meth:`close`.
         auto_migrate: upgrade the schema on open. Default: only for an embedded SQLite
             database this runtime created; any other database must be migrated beforehand
             (``wf-persist db upgrade``) and opening it otherwise raises
@@ -148,7 +149,7 @@ class Runtime:
                 migrate.assert_at_head(self.backend.engine)
         except BaseException:
             if self._owns_engine:
-                engine.dispose()
+                backends.dispose_engine(engine)
             raise
         self._base_engine = engine
         self.schema = schema
@@ -222,23 +223,39 @@ class Runtime:
         version: int | None,
         session: Executor | None = None,
     ) -> Workflow[Any, Any]:
-        """The registered definition to start: ``version`` if given, else the highest."""
+        """The registered definition to start (see :meth:`choose`); a definition passed in
+        that is not registered yet is registered first."""
+        found = self.choose(workflow, version)
+        if isinstance(workflow, Workflow):
+            self.ensure_registered(workflow, session=session)
+        return found
+
+    def choose(self, workflow: Workflow[Any, Any] | str, version: int | None) -> Workflow[Any, Any]:
+        """The definition a start of ``workflow`` runs: ``version`` if given, else the highest
+        registered, a definition passed in counting as registered. Writes nothing."""
         if not isinstance(workflow, Workflow | str):
             raise InvalidArgumentError(f"expected a workflow or its name, got {workflow!r}")
+        if version is not None and (
+            isinstance(version, bool) or not isinstance(version, int) or version < 1
+        ):
+            raise InvalidArgumentError(f"version must be a positive integer, got {version!r}")
         name = workflow if isinstance(workflow, str) else workflow.name
-        if isinstance(workflow, Workflow) and self._registry.get(workflow.key) is not workflow:
-            self.register(workflow, session=session)
-        if version is None:
-            latest = self._latest.get(name)
-            if latest is None:
-                raise UnknownWorkflowError(name)
-            version = latest
-        found = self._registry.get((name, version))
+        with self._lock:
+            known = {v: wf for (n, v), wf in self._registry.items() if n == name}
+        if isinstance(workflow, Workflow):
+            known[workflow.version] = workflow
+        if not known:
+            raise UnknownWorkflowError(name)
+        wanted = max(known) if version is None else version
+        found = known.get(wanted)
         if found is None:
-            if name not in self._latest:
-                raise UnknownWorkflowError(name)
-            raise MissingWorkflowVersionError(name, version)
+            raise MissingWorkflowVersionError(name, wanted)
         return found
+
+    def ensure_registered(self, wf: Workflow[Any, Any], session: Executor | None = None) -> None:
+        """Register ``wf`` unless this very definition is registered here already."""
+        if self._registry.get(wf.key) is not wf:
+            self.register(wf, session=session)
 
     def definition(self, name: str, version: int) -> Workflow[Any, Any]:
         """The exact pinned version, or :class:`MissingWorkflowVersionError`."""
@@ -468,7 +485,7 @@ class Runtime:
                 return
             self._disposed = True
         if self._owns_engine:
-            self._base_engine.dispose()
+            backends.dispose_engine(self._base_engine)
 
     def __enter__(self) -> Runtime:
         return self

@@ -101,9 +101,16 @@ def from_json(adapter: TypeAdapter[Any], value: Any, what: str) -> Any:
 
 
 def type_reference(tp: Any) -> str | None:
-    """``module:qualname`` of a class defined at module level, else ``None``."""
+    """``module:qualname`` of a class defined at module level, else ``None`` (also for
+    ``typing.Any``, a class since Python 3.11 that ``isinstance`` refuses)."""
     module, qualname = getattr(tp, "__module__", None), getattr(tp, "__qualname__", None)
-    if not isinstance(tp, type) or not module or not qualname or "<locals>" in qualname:
+    if (
+        not isinstance(tp, type)
+        or tp is Any
+        or not module
+        or not qualname
+        or "<locals>" in qualname
+    ):
         return None
     return f"{module}:{qualname}"
 
@@ -116,4 +123,4 @@ def resolve_type_reference(ref: str | None) -> Any:
     target: Any = sys.modules.get(module_name)
     for part in qualname.split("."):
         target = getattr(target, part, None)
-    return target if isinstance(target, type) else None
+    return target if isinstance(target, type) and target is not Any else None

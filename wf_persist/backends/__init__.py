@@ -18,7 +18,15 @@ from .mysql import MySQLBackend
 from .postgresql import PostgreSQLBackend
 from .sqlite import SQLiteBackend
 
-__all__ = ["Backend", "Claim", "Fenced", "create_engine", "open_backend", "resolve_url"]
+__all__ = [
+    "Backend",
+    "Claim",
+    "Fenced",
+    "create_engine",
+    "dispose_engine",
+    "open_backend",
+    "resolve_url",
+]
 
 #: Environment variable that names the database when no URL is passed.
 DATABASE_URL_ENV: Final = "WF_PERSIST_DATABASE_URL"
@@ -33,6 +41,10 @@ _DEFAULT_DRIVERS: Final = {
     "mysql": "mysql+pymysql",
     "mariadb": "mariadb+pymysql",
 }
+#: Engines with a private file (an in-memory SQLite URL) and the finalizer that removes it.
+_PRIVATE_FILES: weakref.WeakKeyDictionary[Engine, weakref.finalize[Any, Any]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def backend_type(name: str) -> type[Backend]:
@@ -99,9 +111,18 @@ def create_engine(url: str | URL | None = None, **kwargs: Any) -> Engine:
             f"cannot create an engine for {describe_url(resolved)}: {exc}"
         ) from exc
     if tempdir is not None:
-        weakref.finalize(engine, shutil.rmtree, tempdir, True)
+        _PRIVATE_FILES[engine] = weakref.finalize(engine, shutil.rmtree, tempdir, True)
     kind.on_own_engine(engine)
     return engine
+
+
+def dispose_engine(engine: Engine) -> None:
+    """Close an engine :func:`create_engine` made, and remove the private file an in-memory
+    URL was given (at once, not when the engine is garbage-collected)."""
+    engine.dispose()
+    remove = _PRIVATE_FILES.pop(engine, None)
+    if remove is not None:
+        remove()
 
 
 def describe_url(url: URL) -> str:

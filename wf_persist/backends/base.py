@@ -277,10 +277,14 @@ class Backend:
         return len(text.encode("utf-8", "surrogatepass"))
 
     def check_size(self, what: str, value: Any) -> None:
-        """Refuse a value larger than the backend can store (a typed error, never a retry)."""
+        """Refuse a value larger than the backend can store (a typed error, never a retry).
+
+        Measured as it is sent: every write serializes with ``json.dumps``' default
+        separators, which make a list of small items half as large again as compact JSON.
+        """
         if value is None:
             return
-        size = self.value_size(json.dumps(value, separators=(",", ":")))
+        size = self.value_size(json.dumps(value))
         if size > self.max_value_bytes:
             raise ValueTooLargeError(what, size, self.max_value_bytes)
 

@@ -49,6 +49,8 @@ MIGRATION_LOCK: Final = "wf_persist_migrate"
 #: Statements and values over ``max_allowed_packet`` break the connection: values stay well
 #: inside it (a step write carries its input and its result).
 _PACKET_MARGIN: Final = 64 * 1024
+#: Room a statement needs besides its JSON documents (SQL text, ids, names, times).
+_STATEMENT_MARGIN: Final = 16 * 1024
 _STRICT = ("STRICT_TRANS_TABLES", "STRICT_ALL_TABLES")
 _DUPLICATE_KEY: Final = 1062
 
@@ -78,7 +80,8 @@ class MySQLBackend(Backend):
                 text("SELECT @@SESSION.sql_mode, @@max_allowed_packet")
             ).one()
         self.sql_mode = str(mode)
-        self.max_value_bytes = (int(packet) - _PACKET_MARGIN) // 2
+        self.packet_bytes = int(packet)
+        self.max_value_bytes = (self.packet_bytes - _PACKET_MARGIN) // 2
 
     @classmethod
     def configure_engine(cls, url: URL, kwargs: dict[str, Any]) -> tuple[URL, dict[str, Any]]:
@@ -243,14 +246,17 @@ class MySQLBackend(Backend):
         return Fenced([base + i for i in range(shape.n)], str(top[1]))
 
     def _check_packet(self, events: Sequence[NewEvent], values: Mapping[str, Any] | None) -> None:
-        """A statement over ``max_allowed_packet`` breaks the connection; refuse it first."""
-        docs = [e.event for e in events] + [
-            v for v in (values or {}).values() if isinstance(v, dict | list)
-        ]
-        total = sum(self.value_size(json.dumps(d, separators=(",", ":"))) for d in docs)
-        limit = 2 * self.max_value_bytes
-        if total > limit:
-            raise ValueTooLargeError("one write", total, limit)
+        """A statement over ``max_allowed_packet`` breaks the connection; refuse it first.
+
+        The events go in one INSERT and the run's columns in one UPDATE, so each must fit
+        on its own; two values within ``max_value_bytes`` and their events always do.
+        """
+        limit = self.packet_bytes - _STATEMENT_MARGIN
+        columns = [v for v in (values or {}).values() if isinstance(v, dict | list | str)]
+        for docs in ([e.event for e in events], columns):
+            total = sum(self.value_size(json.dumps(d)) for d in docs)
+            if total > limit:
+                raise ValueTooLargeError("one write", total, limit)
 
     @classmethod
     def migration_lock(cls, conn: Connection) -> None:
