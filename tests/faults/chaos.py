@@ -370,14 +370,20 @@ def unfinished(engine: Engine, ids: set[str]) -> set[str]:
 
 
 def wait_drained(
-    engine: Engine, feeder: Feeder, timeout: float, tick: Callable[[], None]
+    engine: Engine,
+    feeder: Feeder,
+    timeout: float,
+    tick: Callable[[], None],
+    stall: float = 20.0,
 ) -> tuple[set[str], float]:
     """Have every run started, then wait for all to finish; return the runs still
-    unfinished at the deadline and the seconds it took."""
+    unfinished when waiting ended and the seconds it took. Waiting ends at ``timeout``, or
+    once no run finished for ``stall`` seconds (the rest are stuck)."""
     began = time.monotonic()
     deadline = began + timeout
     feeder.feed_until(len(feeder.plans))
     left: set[str] = set(feeder.snapshot())
+    progress, best = began, len(feeder.plans) + 1
     while time.monotonic() < deadline:
         tick()
         started = feeder.snapshot()
@@ -386,6 +392,11 @@ def wait_drained(
         except Exception:
             left = set(started)
         if not left and feeder.done:
+            break
+        waiting = len(left) + len(feeder.plans) - len(started)
+        if waiting < best:
+            progress, best = time.monotonic(), waiting
+        elif time.monotonic() - progress > stall:
             break
         time.sleep(0.1)
     feeder.close()

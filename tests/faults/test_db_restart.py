@@ -2,13 +2,13 @@
 connections; a private cluster (never the shared server).
 
 Two workers drive multi-step runs on a private PostgreSQL cluster; meanwhile the server is
-restarted with ``pg_ctl restart -m fast``, shut down with ``-m immediate`` (a crash) and kept
-down for a few seconds before it starts again, and every backend of the database is
-terminated with ``pg_terminate_backend``. The workers are never restarted. Checked: they
-recover by themselves; nothing is lost and every invariant of the chaos harness holds; runs
-that were mid-step at each fault resume within about one lease after the server is back; and
-a worker does not log the outage on every poll (lines printed per second of outage are
-reported, and a steady stream during a long outage is a violation).
+restarted with ``pg_ctl restart -m fast`` and ``-m immediate`` (a crash), shut down with
+``-m immediate`` and kept down for a few seconds before it starts again, and every backend
+of the database is terminated with ``pg_terminate_backend``. The workers are never
+restarted. Checked: they recover by themselves; nothing is lost and every invariant of the
+chaos harness holds; runs that were mid-step at each fault resume within about one lease
+after the server is back; and a worker does not log the outage on every poll (lines printed
+per second of outage are reported, and a steady stream during a long outage is a violation).
 """
 
 from __future__ import annotations
@@ -172,6 +172,10 @@ def test_workers_ride_out_database_restarts(
             pg.restart("fast")
             return []
 
+        def restart_immediate() -> list[tuple[float, dict[str, int]]]:
+            pg.restart("immediate")
+            return []
+
         def crash_and_hold() -> list[tuple[float, dict[str, int]]]:
             pg.stop("immediate")
             time.sleep(1.0)  # the outage itself: the server stays down for HOLD seconds
@@ -189,6 +193,7 @@ def test_workers_ride_out_database_restarts(
             return []
 
         fault("pg_ctl restart -m fast", restart_fast)
+        fault("pg_ctl restart -m immediate", restart_immediate)
         fault(f"pg_ctl stop -m immediate, down {HOLD:.0f}s, start", crash_and_hold)
         fault("pg_terminate_backend", terminate)
         stuck, drain = wait_drained(engine, feeder, 120, lambda: None)
