@@ -153,23 +153,26 @@ class Fleet:
         self.stopped_until: dict[int, float] = {}
         self.spawned = 0
         self.ready: set[int] = set()
-        #: Seconds each replacement worker took to start serving.
+        #: Seconds until each replacement worker was seen serving (checked at fault times).
         self.startup: list[float] = []
         self.unexpected: list[str] = []
 
     def _spawn(self, slot: int) -> Child:
-        if slot == len(self.slots):
-            self.slots.append(None)  # type: ignore[arg-type]
-            self.generation.append(0)
-        self.generation[slot] += 1
-        child = self.procs.spawn(f"worker{slot}-{self.generation[slot]}", self.argv, self.env)
-        self.slots[slot] = child
+        """Start a worker in ``slot`` (a new slot if it is the next one)."""
+        generation = self.generation[slot] + 1 if slot < len(self.slots) else 1
+        child = self.procs.spawn(f"worker{slot}-{generation}", self.argv, self.env)
+        if slot < len(self.slots):
+            self.slots[slot], self.generation[slot] = child, generation
+        else:
+            self.slots.append(child)
+            self.generation.append(generation)
         self.spawned += 1
         return child
 
     def start(self, count: int, timeout: float = 90.0) -> None:
         children = [self._spawn(i) for i in range(count)]
         wait_ready(children, timeout)
+        self.ready.update(c.pid for c in children)
 
     def running(self) -> list[int]:
         """Slots whose worker is serving (alive, ready) and not stopped."""
@@ -241,7 +244,8 @@ class Fleet:
                 child.proc.wait(10)
                 problems.append(f"{child.name} ignored SIGTERM for {timeout}s; killed")
                 continue
-            if code != 0:
+            # A worker still starting up dies of SIGTERM before its handler is installed.
+            if code != 0 and worker_ready(child):
                 problems.append(f"{child.name} exited {code} on SIGTERM\n{child.tail(15)}")
         return problems
 

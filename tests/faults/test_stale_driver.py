@@ -25,7 +25,7 @@ import wf_persist as wp
 from . import invariants as inv
 from .chaos import plain_engine
 from .procs import Processes, wait_for, wait_ready, worker_argv
-from .workflows import ALL, LEDGER_ENV, URL_ENV, HoldPlan, stale_driver_wf
+from .workflows import ALL, LEDGER_ENV, URL_ENV, HoldPlan, stale_driver_wf, step_value
 
 LEASE = 1.5
 
@@ -124,15 +124,16 @@ def test_continued_stale_driver_writes_nothing(
         outcome = client.result(execution_id)
     findings = inv.Findings()
     executions, history = inv.load_database(engine, ["stale-driver"])
-    inv.check_outcomes(findings, {execution_id: [1, *_values()]}, executions, history, set(), t0)
+    inv.check_outcomes(
+        findings,
+        {execution_id: [1, step_value(0, 11), step_value(1, 12)]},
+        executions,
+        history,
+        set(),
+        t0,
+    )
     inv.check_history(findings, history, t0)
     inv.check_leases(findings, executions, t0)
     inv.check_steps(findings, inv.load_ledger(ledger), history, faults, t0)
     report = inv.Report(f"stale driver, run {execution_id} ended {outcome.status}", findings)
     assert report.ok, report.format() + "\n" + procs.describe()
-
-
-def _values() -> list[int]:
-    from .workflows import step_value
-
-    return [step_value(0, 11), step_value(1, 12)]
