@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -27,7 +28,7 @@ from sqlalchemy import Connection, Float, literal, select
 from . import events, lifecycle
 from .authoring import Step, Workflow, inside_body
 from .backends import Claim, Fenced
-from .backends.clock import db_later
+from .backends.clock import db_later, db_now
 from .context import Context
 from .control import Halt, Reload, Suspended
 from .errors import (
@@ -100,6 +101,8 @@ class RunDriver:
         self._cancel_known = cancel_known
         self.record_start_after = runtime.record_start_after
         self.news = False
+        #: One connection, used by the body, ctx.all branches and the start-record timer.
+        self.conn_lock = threading.RLock()
         #: Columns the first write also resets (a run that made progress is not failing).
         self._reset: dict[str, Any] = {"drive_failures": 0} if claim.drive_failures else {}
         #: ``(ok, stored value)`` once this driver recorded the run's outcome.
@@ -114,15 +117,16 @@ class RunDriver:
         guard: tuple[str, ...] | None = None,
     ) -> Fenced:
         try:
-            fenced = self.backend.write(
-                self.conn,
-                self.execution_id,
-                self.epoch,
-                evs,
-                now=self.clock(),
-                values={**self._reset, **(values or {})} or None,
-                guard=guard,
-            )
+            with self.conn_lock:
+                fenced = self.backend.write(
+                    self.conn,
+                    self.execution_id,
+                    self.epoch,
+                    evs,
+                    now=self.clock(),
+                    values={**self._reset, **(values or {})} or None,
+                    guard=guard,
+                )
         except Exception as exc:
             raise Halt(exc) from exc
         self._reset = {}
@@ -135,7 +139,7 @@ class RunDriver:
 
     def _locked(self, evs: Sequence[NewEvent], park: bool, wake_at: dt.datetime | None) -> None:
         try:
-            with self.backend.begin(self.conn):
+            with self.conn_lock, self.backend.begin(self.conn):
                 history.append(
                     self.conn,
                     self.backend,
@@ -161,8 +165,25 @@ class RunDriver:
         self._locked(evs, True, wake_at)
 
     def check_lease(self) -> None:
-        if self.lease.lost or self.runtime.closing:
+        """Before anything new starts: is the run still ours? The keeper says so every
+        quarter of the TTL; if its word is older than half the TTL (the keeper lags, or this
+        process was paused), ask the database now, fenced by the epoch."""
+        lease = self.lease
+        if lease.lost or self.runtime.closing:
             raise Halt(LeaseLostError(self.execution_id))
+        ttl = self.runtime.lease_ttl.total_seconds()
+        if time.monotonic() - lease.confirmed <= ttl / 2:
+            return
+        asked = time.monotonic()
+        try:
+            with self.conn_lock, self.backend.begin(self.conn):
+                still = self.backend.renew(self.conn, {self.execution_id: self.epoch}, ttl)
+        except Exception as exc:
+            raise Halt(exc) from exc
+        if self.execution_id not in still:
+            lease.lost = True
+            raise Halt(LeaseLostError(self.execution_id))
+        lease.confirmed = asked
 
     def check_size(self, what: str, value: Any) -> None:
         self.backend.check_size(what, value)
@@ -342,7 +363,7 @@ def failed(runtime: Runtime, claim: Claim, exc: BaseException) -> None:
     try:
         with backend.begin() as conn:
             row = conn.execute(
-                select(ex.c.drive_failures, ex.c.claim_epoch, ex.c.status)
+                select(ex.c.drive_failures, ex.c.claim_epoch, ex.c.status, db_now())
                 .where(ex.c.id == execution_id)
                 .with_for_update()
             ).one_or_none()
@@ -353,7 +374,7 @@ def failed(runtime: Runtime, claim: Claim, exc: BaseException) -> None:
             ):
                 return
             count = int(row.drive_failures) + 1
-            now = DriveClock(claim.db_now)()
+            now = row[3]
             evs = [events.drive_failed(execution_id, doc, count, now)]
             limit = runtime.max_drive_failures
             if count >= limit:

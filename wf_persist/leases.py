@@ -1,6 +1,6 @@
 """Lease renewal, and saying once (not every poll) that the database is unreachable.
 
-The keeper renews every lease this runtime holds every third of the lease TTL, on an engine
+The keeper renews every lease this runtime holds every quarter of the lease TTL, on an engine
 with a pool of its own: runs that hold every pooled connection can never starve renewal. A
 renewal is fenced like every other write (``(id, claim_epoch)``), so it only ever extends a
 lease this runtime still holds; a run it finds taken (another worker claimed it after a
@@ -108,13 +108,22 @@ class LeaseKeeper(threading.Thread):
             self._engine = self.backend.side_engine()
         return self._engine
 
+    def warm(self) -> None:
+        """Open the keeper's connection now (a worker starting up), not at the first
+        renewal, when a slow connect would eat into the first lease."""
+        try:
+            with self.engine().connect():
+                pass
+        except Exception as exc:
+            log.warning("the lease keeper cannot connect yet: %s", exc)
+
     def run(self) -> None:
-        interval = self.ttl / 3
+        interval = self.ttl / 4
         wait = interval
         while not self._stop_event.wait(wait):
             wait = interval
-            with self._lock:
-                leases = dict(self._held)
+            with self._lock:  # a lease known lost is not asked about again
+                leases = {i: lease for i, lease in self._held.items() if not lease.lost}
             if not leases:
                 continue
             started = time.monotonic()

@@ -93,6 +93,7 @@ class Worker:
     def run(self) -> None:
         """Claim and drive due runs until :meth:`stop` is called."""
         rt = self.runtime
+        rt.keeper().warm()
         with ThreadPoolExecutor(self.concurrency, thread_name_prefix="wf-persist-run") as pool:
             while not self._stopping.is_set():
                 self._wake.clear()

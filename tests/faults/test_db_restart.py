@@ -82,9 +82,28 @@ def open_steps(ledger: Path, alive: set[int]) -> set[str]:
 
 
 def resumed_after(engine: Engine, runs: set[str], back: float) -> dict[str, float]:
-    """For each run, seconds from ``back`` to its first event recorded after it."""
+    """For each run, seconds from ``back`` to its first event recorded after it; a run that
+    finished before the server was back (its write landed before the fault took effect)
+    needed no resuming and counts as 0."""
     if not runs:
         return {}
+    marks = ", ".join(f":r{i}" for i in range(len(runs)))
+    params = {f"r{i}": r for i, r in enumerate(sorted(runs))}
+    with engine.connect() as conn:
+        done = {
+            r.id: 0.0
+            for r in conn.execute(
+                text(
+                    f"SELECT id FROM wf_executions WHERE id IN ({marks}) "
+                    "AND status IN ('completed', 'failed')"
+                ),
+                params,
+            )
+        }
+    return {**done, **_first_event_after(engine, runs, back)}
+
+
+def _first_event_after(engine: Engine, runs: set[str], back: float) -> dict[str, float]:
     marks = ", ".join(f":r{i}" for i in range(len(runs)))
     params = {f"r{i}": r for i, r in enumerate(sorted(runs))}
     found: dict[str, float] = {}
@@ -101,6 +120,30 @@ def resumed_after(engine: Engine, runs: set[str], back: float) -> dict[str, floa
                 delay = at.timestamp() - back
                 found[r.execution_id] = min(delay, found.get(r.execution_id, delay))
     return found
+
+
+def _unresumed(engine: Engine, runs: set[str], back: float) -> str:
+    """The rows and last events of runs that have not resumed (for the failure message)."""
+    waiting = sorted(runs - set(resumed_after(engine, runs, back)))
+    lines = [f"not resumed: {len(waiting)} of {len(runs)}"]
+    with engine.connect() as conn:
+        for run in waiting:
+            row = conn.execute(
+                text(
+                    "SELECT status, lease_owner, lease_expires_at, wake_at, claim_epoch, "
+                    "drive_failures, clock_timestamp() AS now FROM wf_executions WHERE id = :r"
+                ),
+                {"r": run},
+            ).one()
+            last = conn.execute(
+                text(
+                    "SELECT sequence, type, activity_name, created_at FROM wf_history "
+                    "WHERE execution_id = :r ORDER BY sequence DESC LIMIT 3"
+                ),
+                {"r": run},
+            ).all()
+            lines.append(f"{run}: {dict(row._mapping)} last={[tuple(e) for e in last]}")
+    return "\n".join(lines)
 
 
 @pytest.mark.backends("postgresql")
@@ -158,7 +201,7 @@ def test_workers_ride_out_database_restarts(
                 lambda: set(resumed_after(engine, mid, back)) >= mid,
                 LEASE * 4 + 30,
                 f"runs mid-step at {label} resuming",
-                lambda: f"{fleet.tails(30)}\n{fleet.stacks()}",
+                lambda: f"{_unresumed(engine, mid, back)}\n{fleet.tails(30)}\n{fleet.stacks()}",
             )
             lines = {name: after[name] - before[name] for name in before}
             outages.append(

@@ -3,10 +3,11 @@
 Worker A starts a step and is SIGSTOPped inside it. Its lease expires; worker B takes the run
 over, runs the step again (allowed: it was in flight at a fault), runs the next step, and
 parks the run on a short durable sleep; B is then killed. When the sleep is over A is
-continued: its worker loop claims the (due) run again while A's old driver thread is still
-inside the step from before the stop. That old driver must not write anything any more, nor
+continued while A's old driver thread is still inside the step from before the stop. A's
+worker loop must not claim the (due) run while that thread still drives it (a process never
+claims a run it is still driving), and the old driver must not write anything any more, nor
 start a step whose completion is committed: the run's history has each step completed once,
-and the next step never starts again.
+and the next step never starts again. Once the old thread is gone the run is finished.
 """
 
 from __future__ import annotations
@@ -103,15 +104,14 @@ def test_continued_stale_driver_writes_nothing(
         wait_for(lambda: _sleep_over(engine, execution_id), 30, "the sleep being over")
         a.send(signal.SIGCONT)
         faults.continued(time.time(), a.pid)
-        wait_for(
-            lambda: (
-                _row(engine, execution_id)[1] is not None
-                or _row(engine, execution_id)[0] in inv.TERMINAL
-            ),
-            30,
-            "worker A claiming the due run again",
-            a.describe,
-        )
+        # The run is due, but the only live process is A, whose old thread still drives it.
+        unclaimed_until = time.monotonic() + 2 * LEASE
+        while time.monotonic() < unclaimed_until:
+            status, owner, _ = _row(engine, execution_id)
+            assert owner is None and status not in inv.TERMINAL, (
+                "worker A claimed a run its own stale thread still drives\n" + a.describe()
+            )
+            time.sleep(0.05)
         release.touch()
         # Wait without driving it here: the workers do (and their steps write the ledger).
         wait_for(
