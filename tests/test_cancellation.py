@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
-import time
 
 import pytest
 
 import wf_persist as wp
 
 from .fixtures import saga as s
-from .helpers import wait_until
+from .helpers import Processes, wait_until
 
 pytestmark = pytest.mark.usefixtures("saga_reset")
 
@@ -136,7 +133,9 @@ def test_hard_cancel_of_a_stuck_step(rt: wp.Runtime) -> None:  # 25
     assert isinstance(outcome, wp.Failed)
     assert outcome.error_type == "Cancelled" and outcome.error["compensate"] is False
     s.GATE.set()
-    time.sleep(0.3)
+    # The stuck step returns, its write is refused and its drive ends.
+    wait_until(lambda: ("gated-end", "g") in s.LOG, what="the stuck step returns")
+    wait_until(lambda: handle.execution_id not in rt._driving, what="the stuck drive ends")
     assert s.CALLS["after_gate"] == 0
     types = _types(client, handle.execution_id)
     assert types.count("step.completed") == 1, "the stuck step's late result is refused"
@@ -144,23 +143,11 @@ def test_hard_cancel_of_a_stuck_step(rt: wp.Runtime) -> None:  # 25
     assert client.status(handle.execution_id) == "failed"
 
 
-def test_cancel_from_another_process(rt: wp.Runtime, db_url: str) -> None:
+def test_cancel_from_another_process(rt: wp.Runtime, db_url: str, procs: Processes) -> None:
     client = rt.client()
     execution_id = _parked(client)
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.fixtures.proc", db_url, "cancel", execution_id, "compensate"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert proc.stdout.strip() == "ok"
+    assert procs.run_proc(db_url, "cancel", execution_id, "compensate") == "ok"
     outcome = client.result(execution_id, timeout=10)
     assert isinstance(outcome, wp.Failed) and outcome.error["actor"] == "remote-ops"
     assert s.CALLS["undo_first"] == 1
-    again = subprocess.run(
-        [sys.executable, "-m", "tests.fixtures.proc", db_url, "cancel", execution_id, "compensate"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert again.stdout.strip() == "CannotCancelError"
+    assert procs.run_proc(db_url, "cancel", execution_id, "compensate") == "CannotCancelError"

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
-from sqlalchemy import create_engine, select
+from sqlalchemy import Engine, select
 
 import wf_persist as wp
 from wf_persist.authoring import normalized_source, source_hash
 from wf_persist.models import workflows_table
 
 from .fixtures import workflows as w
+from .helpers import Processes
 
 
 def _v1_plain(ctx: wp.Context, x: int) -> int:
@@ -52,13 +50,13 @@ def test_invalid_definitions_are_rejected() -> None:
         def too_many(ctx: wp.Context, a: int, b: int) -> None: ...
 
 
-def test_register_is_idempotent_and_catalogs_the_hash(runtime: wp.Runtime, db_url: str) -> None:
+def test_register_is_idempotent_and_catalogs_the_hash(
+    runtime: wp.Runtime, db_engine: Engine
+) -> None:
     runtime.register(w.versioned_v1, w.versioned_v2)
     runtime.register(w.versioned_v1)
-    engine = create_engine(db_url)
-    with engine.connect() as conn:
+    with db_engine.connect() as conn:
         rows = conn.execute(select(workflows_table).order_by(workflows_table.c.version)).all()
-    engine.dispose()
     assert [(r.name, r.version, r.source_hash) for r in rows] == [
         ("versioned", 1, w.versioned_v1.source_hash),
         ("versioned", 2, w.versioned_v2.source_hash),
@@ -66,7 +64,7 @@ def test_register_is_idempotent_and_catalogs_the_hash(runtime: wp.Runtime, db_ur
 
 
 def test_conflicting_registration_raises_in_this_and_other_runtimes(
-    make_runtime: object, db_url: str
+    make_runtime: object, db_url: str, db_engine: Engine, procs: Processes
 ) -> None:
     first = make_runtime()  # type: ignore[operator]
     first.register(w.versioned_v1)
@@ -88,20 +86,11 @@ def test_conflicting_registration_raises_in_this_and_other_runtimes(
     # All or nothing: a batch with one conflict registers none of it.
     with pytest.raises(wp.WorkflowVersionConflictError):
         second.register(w.versioned_v2, changed)
-    engine = create_engine(db_url)
-    with engine.connect() as conn:
+    with db_engine.connect() as conn:
         versions = conn.execute(select(workflows_table.c.version)).scalars().all()
-    engine.dispose()
     assert versions == [1]
 
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.fixtures.proc", db_url, "register-conflict"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    )
-    assert proc.stdout.strip() == "WorkflowVersionConflictError"
+    assert procs.run_proc(db_url, "register-conflict") == "WorkflowVersionConflictError"
 
 
 def test_start_uses_highest_version_unless_pinned(runtime: wp.Runtime) -> None:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -15,17 +13,20 @@ import wf_persist as wp
 from wf_persist.models import executions_table, history_table
 
 from .fixtures import workflows as w
+from .fixtures.proc import ready_files
+from .helpers import Processes, wait_until
 
 
 def _count(url: str, table: Table, **where: object) -> int:
-    engine = create_engine(url)
     query = select(func.count()).select_from(table)
     for col, value in where.items():
         query = query.where(table.c[col] == value)
-    with engine.connect() as conn:
-        n = int(conn.execute(query).scalar_one())
-    engine.dispose()
-    return n
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return int(conn.execute(query).scalar_one())
+    finally:
+        engine.dispose()
 
 
 def test_unknown_execution_id_everywhere(client: wp.WorkflowClient) -> None:
@@ -82,33 +83,14 @@ def test_idempotent_start_from_20_threads_creates_one_run(runtime: wp.Runtime, d
 
 
 def test_idempotent_start_from_two_processes_creates_one_run(
-    runtime: wp.Runtime, db_url: str, tmp_path: Path
+    runtime: wp.Runtime, db_url: str, tmp_path: Path, procs: Processes
 ) -> None:
     runtime.register(w.echo_wf)
     go = tmp_path / "go"
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.fixtures.proc",
-                db_url,
-                "start-idem",
-                "proc-key",
-                "5",
-                str(go),
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(2)
-    ]
-    import time
-
-    time.sleep(1.5)  # let both processes import and open their runtimes
+    starters = [procs.proc(db_url, "start-idem", "proc-key", "5", str(go)) for _ in range(2)]
+    wait_until(lambda: len(ready_files(go)) == 2, 60, "both processes ready")
     go.touch()
-    outputs = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
-    assert all(p.returncode == 0 for p in procs)
+    outputs = [json.loads(procs.finish(p).stdout) for p in starters]
     assert outputs[0] == outputs[1] and len(outputs[0]) == 1
     assert _count(db_url, executions_table) == 1
 

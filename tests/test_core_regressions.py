@@ -301,7 +301,7 @@ def test_host_session_start_registers_in_the_same_transaction(db_url: str) -> No
         engine.dispose()
 
 
-@pytest.mark.backends("mysql")  # sql_mode is MySQL's own
+@pytest.mark.needs("sql_mode")
 def test_a_mysql_engine_outside_strict_mode_is_refused(db_url: str) -> None:
     engine = create_engine(db_url, connect_args={"init_command": "SET SESSION sql_mode = ''"})
     try:

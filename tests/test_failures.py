@@ -8,7 +8,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from sqlalchemy import create_engine, select, update
+from sqlalchemy import Engine, select, update
 
 import wf_persist as wp
 from wf_persist.models import history_table as hist
@@ -254,15 +254,14 @@ def test_non_determinism_unwinds_the_saga(rt: wp.Runtime) -> None:
     assert [name for name, _ in s.LOG] == ["undo_first"], "only registered steps are undone"
 
 
-def test_corrupted_recorded_value_fails_decoding(rt: wp.Runtime, db_url: str) -> None:  # 11
+def test_corrupted_recorded_value_fails_decoding(rt: wp.Runtime, db_engine: Engine) -> None:  # 11
     client = rt.client()
     handle = client.start(s.code_wf, False)
     s.CONTROL["crash_after_code"] = True
     with pytest.raises(SimulatedCrash):
         client.result(handle.execution_id)
     s.CONTROL["crash_after_code"] = False
-    engine = create_engine(db_url)
-    with engine.begin() as conn:
+    with db_engine.begin() as conn:
         row = conn.execute(
             select(hist.c.sequence, hist.c.event).where(
                 hist.c.execution_id == handle.execution_id, hist.c.type == "code.completed"
@@ -273,7 +272,6 @@ def test_corrupted_recorded_value_fails_decoding(rt: wp.Runtime, db_url: str) ->
             .where(hist.c.execution_id == handle.execution_id, hist.c.sequence == row.sequence)
             .values(event={**row.event, "result": "not-a-number"})
         )
-    engine.dispose()
     outcome = client.result(handle.execution_id)
     assert isinstance(outcome, wp.Failed) and outcome.error_type == "InvalidPayloadError"
     assert "recorded result of code block build-value" in outcome.message

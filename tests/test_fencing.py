@@ -18,7 +18,7 @@ import wf_persist as wp
 from wf_persist.models import executions_table as ex
 
 from .fixtures import fencing as f
-from .helpers import wait_for_mark, wait_until, worker_process
+from .helpers import Processes, wait_for_mark, wait_until
 
 
 @pytest.fixture(autouse=True)
@@ -45,7 +45,7 @@ def _db_now(rt: wp.Runtime) -> dt.datetime:
 
 
 def test_a_paused_driver_records_nothing_after_a_takeover(
-    make_runtime: Callable[..., wp.Runtime], db_url: str, tmp_path: Path
+    make_runtime: Callable[..., wp.Runtime], db_url: str, tmp_path: Path, procs: Processes
 ) -> None:
     """SIGSTOP a worker inside a step past its lease; another runtime takes the run over and
     records the next steps, then dies; the paused worker resumes: its stale thread's write
@@ -55,10 +55,10 @@ def test_a_paused_driver_records_nothing_after_a_takeover(
     rt.register(*f.ALL)
     marks, release = tmp_path / "marks", tmp_path / "release"
     handle = rt.client().start(f.fenced_wf, {"marks": str(marks), "release": str(release)})
-    paused = worker_process(db_url, "--concurrency", "2", lease_ttl=1.0)
+    paused = procs.worker(db_url, "--concurrency", "2", lease_ttl=1.0)
     try:
         wait_for_mark(marks, "hold-start")
-        paused.send_signal(signal.SIGSTOP)
+        paused.send(signal.SIGSTOP)
         # The lease runs out by the database's clock; then anyone may claim the run.
         wait_until(
             lambda: rt.client().describe(handle.execution_id) and _due(rt, handle.execution_id),
@@ -71,12 +71,11 @@ def test_a_paused_driver_records_nothing_after_a_takeover(
             rt.drive(handle.execution_id)
         f.CONTROL.clear()
         assert _completions(rt, handle.execution_id) == {"hold#1": 1, "after#1": 1}
-        paused.send_signal(signal.SIGCONT)
+        paused.send(signal.SIGCONT)
         outcome = rt.client().result(handle.execution_id, timeout=30)
     finally:
-        paused.send_signal(signal.SIGCONT)
-        paused.send_signal(signal.SIGTERM)
-        paused.wait(timeout=30)
+        paused.send(signal.SIGCONT)
+        paused.stop()
     assert outcome.unwrap() == ["held", "one", "two"]
     assert _completions(rt, handle.execution_id) == {"hold#1": 1, "after#1": 1, "after#2": 1}
     labels = Counter(label for label, _ in f.marks_of(marks))

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +14,8 @@ from wf_persist.models import history_table as hist
 from wf_persist.store import history
 
 from .fixtures import workflows as w
+from .fixtures.proc import ready_files
+from .helpers import Processes, wait_until
 
 
 def _started(runtime: wp.Runtime) -> str:
@@ -123,29 +122,15 @@ def test_fenced_writes_require_the_current_claim_epoch(runtime: wp.Runtime) -> N
 
 
 def test_two_processes_appending_to_one_execution_never_collide(
-    runtime: wp.Runtime, db_url: str, tmp_path: Path
+    runtime: wp.Runtime, db_url: str, tmp_path: Path, procs: Processes
 ) -> None:
     execution_id = _started(runtime)
     go = tmp_path / "go"
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.fixtures.proc",
-                db_url,
-                "append",
-                execution_id,
-                "100",
-                str(go),
-            ]
-        )
-        for _ in range(2)
-    ]
-    time.sleep(1.5)
+    appenders = [procs.proc(db_url, "append", execution_id, "100", str(go)) for _ in range(2)]
+    wait_until(lambda: len(ready_files(go)) == 2, 60, "both processes ready")
     go.touch()
-    for p in procs:
-        assert p.wait(timeout=120) == 0
+    for p in appenders:
+        procs.finish(p)
     with runtime.transaction() as conn:
         seqs = (
             conn.execute(

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy import (
     Column,
+    Engine,
     Integer,
     MetaData,
     String,
     Table,
-    create_engine,
     func,
     inspect,
     select,
@@ -27,9 +27,10 @@ from wf_persist import migrate
 from wf_persist.models import executions_table as ex
 from wf_persist.models import history_table as hist
 
-from .conftest import _pg_url, create_pg_database, drop_pg_database
+from .conftest import HostTables
 from .fixtures import saga as s
 from .fixtures import workflows as w
+from .helpers import Processes
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "sql.md"
 
@@ -48,8 +49,8 @@ def _host_table() -> Table:
     )
 
 
-def test_host_engine_is_used_as_is_and_never_mutated(db_url: str) -> None:
-    engine = create_engine(db_url)
+def test_host_engine_is_used_as_is_and_never_mutated(db_engine: Engine) -> None:
+    engine = db_engine
     names = ("engine_connect", "begin", "before_cursor_execute")
     listeners = {name: len(getattr(engine.dispatch, name)) for name in names}
     pool_listeners = (len(engine.pool.dispatch.connect), len(engine.pool.dispatch.checkout))
@@ -63,15 +64,16 @@ def test_host_engine_is_used_as_is_and_never_mutated(db_url: str) -> None:
     assert dict(engine.get_execution_options()) == options
     with engine.connect() as conn:  # the runtime did not dispose the host's engine
         assert conn.execute(text("SELECT 1")).scalar() == 1
-    engine.dispose()
 
 
 @pytest.mark.parametrize("use", ["session", "connection"])
-def test_start_inside_the_host_transaction(db_url: str, use: str) -> None:
-    engine = create_engine(db_url)
-    orders = _host_table()
-    orders.create(engine)
+def test_start_inside_the_host_transaction(
+    db_engine: Engine, host_tables: HostTables, request: pytest.FixtureRequest, use: str
+) -> None:
+    engine = db_engine
+    orders = host_tables.create(engine, _host_table())
     rt = wp.Runtime(engine)
+    request.addfinalizer(rt.close)
     rt.register(w.echo_wf)
     client = rt.client()
 
@@ -96,47 +98,40 @@ def test_start_inside_the_host_transaction(db_url: str, use: str) -> None:
     assert client.result(committed).unwrap() == [1, 2]
     with engine.connect() as conn:
         assert conn.execute(select(orders.c.ref)).scalars().all() == ["r-2"]
-    rt.close()
-    orders.drop(engine)
-    engine.dispose()
 
 
-@pytest.mark.backends("postgresql")
-def test_tables_in_a_named_schema() -> None:
-    name = create_pg_database()
-    url = _pg_url(name)
-    try:
-        migrate.upgrade(url, schema="wf")
-        assert migrate.current(url, schema="wf") == migrate.SCHEMA_HEAD
-        assert migrate.current(url) is None, "nothing in the default schema"
-        engine = create_engine(url)
-        tables = set(inspect(engine).get_table_names(schema="wf"))
-        assert {"wf_executions", "wf_history", "wf_workflows", migrate.VERSION_TABLE} <= tables
-        assert not set(inspect(engine).get_table_names(schema="public"))
-        with pytest.raises(wp.SchemaVersionError, match="--schema other"):
-            wp.Runtime(engine, schema="other")
-        with wp.Runtime(engine, schema="wf") as rt:
-            rt.register(*w.ALL)
-            client = rt.client()
-            handle = client.start(w.approval_wf, None)
-            with pytest.raises(wp.ResultTimeoutError):
-                client.result(handle.execution_id, timeout=0.3)
-            client.signal(handle.execution_id, "approval", {"approved": True})
-            assert client.result(handle.execution_id, timeout=5).unwrap() == "approved"
-        with engine.connect() as conn:
-            n = conn.execute(text("SELECT count(*) FROM wf.wf_history")).scalar()
-            assert n and n > 5
-            assert conn.execute(text("SELECT count(*) FROM wf.wf_step_attempts")).scalar() == 1
-        engine.dispose()
-        script = migrate.upgrade(url, sql=True, schema="wf")
-        assert script is not None and 'SET LOCAL search_path TO "wf"' in script
-    finally:
-        drop_pg_database(name)
+@pytest.mark.needs("schemas")
+def test_tables_in_a_named_schema(blank_db_url: str, make_engine: Callable[..., Engine]) -> None:
+    url = blank_db_url
+    migrate.upgrade(url, schema="wf")
+    assert migrate.current(url, schema="wf") == migrate.SCHEMA_HEAD
+    assert migrate.current(url) is None, "nothing in the default schema"
+    engine = make_engine(url)
+    tables = set(inspect(engine).get_table_names(schema="wf"))
+    assert {"wf_executions", "wf_history", "wf_workflows", migrate.VERSION_TABLE} <= tables
+    assert not set(inspect(engine).get_table_names())
+    with pytest.raises(wp.SchemaVersionError, match="--schema other"):
+        wp.Runtime(engine, schema="other")
+    with wp.Runtime(engine, schema="wf") as rt:
+        rt.register(*w.ALL)
+        client = rt.client()
+        handle = client.start(w.approval_wf, None)
+        with pytest.raises(wp.ResultTimeoutError):
+            client.result(handle.execution_id, timeout=0.3)
+        client.signal(handle.execution_id, "approval", {"approved": True})
+        assert client.result(handle.execution_id, timeout=5).unwrap() == "approved"
+    with engine.connect() as conn:
+        n = conn.execute(text("SELECT count(*) FROM wf.wf_history")).scalar()
+        assert n and n > 5
+        assert conn.execute(text("SELECT count(*) FROM wf.wf_step_attempts")).scalar() == 1
+    script = migrate.upgrade(url, sql=True, schema="wf")
+    assert script is not None and 'SET LOCAL search_path TO "wf"' in script
 
 
-def test_named_schema_needs_postgresql(tmp_path: Path) -> None:
-    with pytest.raises(wp.WfPersistError, match="needs PostgreSQL"):
-        wp.Runtime(f"sqlite:///{tmp_path / 'x.sqlite3'}", schema="wf")
+@pytest.mark.lacks("schemas")
+def test_named_schema_is_refused_where_there_are_none(db_url: str) -> None:
+    with pytest.raises(wp.UnsupportedDatabaseError, match="a named schema needs PostgreSQL"):
+        wp.Runtime(db_url, schema="wf")
 
 
 def test_list_filters_time_range_and_actor(runtime: wp.Runtime) -> None:
@@ -159,7 +154,7 @@ def test_list_filters_time_range_and_actor(runtime: wp.Runtime) -> None:
         client.list(w.echo_wf, created_after=dt.datetime(2026, 1, 1))
 
 
-def test_purge_deletes_only_old_finished_runs(runtime: wp.Runtime, db_url: str) -> None:
+def test_purge_deletes_only_old_finished_runs(runtime: wp.Runtime, db_engine: Engine) -> None:
     runtime.register(*w.ALL)
     client = runtime.client()
     done = [client.start(w.echo_wf, 2).execution_id for _ in range(5)]
@@ -183,30 +178,27 @@ def test_purge_deletes_only_old_finished_runs(runtime: wp.Runtime, db_url: str) 
     assert client.status(failed) == "failed"
     assert client.purge(older_than=dt.timedelta(0)) == 1
     assert client.status(parked) == "suspended" and client.status(fresh) == "running"
-    engine = create_engine(db_url)
-    with engine.connect() as conn:
+    with db_engine.connect() as conn:
         orphans = conn.execute(
             select(func.count())
             .select_from(hist)
             .where(hist.c.execution_id.not_in(select(ex.c.id)))
         ).scalar_one()
-    engine.dispose()
     assert orphans == 0
 
 
-def test_cli_purge(runtime: wp.Runtime, db_url: str) -> None:
-    import subprocess
-    import sys
-
+def test_cli_purge(runtime: wp.Runtime, db_url: str, procs: Processes) -> None:
     runtime.register(w.echo_wf)
     client = runtime.client()
-    client.result(client.start(w.echo_wf, 2).execution_id)
-    cli = [sys.executable, "-m", "wf_persist.cli", "purge", "--url", db_url]
-    kept = subprocess.run([*cli, "--older-than", "1d"], capture_output=True, text=True, check=True)
-    assert kept.stdout.strip() == "0"
-    gone = subprocess.run([*cli, "--older-than", "0s"], capture_output=True, text=True, check=True)
-    assert gone.stdout.strip() == "1"
-    bad = subprocess.run([*cli, "--older-than", "soon"], capture_output=True, text=True)
+    ids = [client.start(w.echo_wf, 2).execution_id for _ in range(3)]
+    for execution_id in ids:
+        client.result(execution_id)
+    purge = ("purge", "--url", db_url)
+    assert procs.cli(*purge, "--older-than", "1d").stdout.strip() == "0"
+    gone = procs.cli(*purge, "--older-than", "0s", "--batch-size", "2")
+    assert gone.stdout.strip() == "3"
+    assert "deleted 3 finished run(s)" in gone.stderr
+    bad = procs.cli(*purge, "--older-than", "soon", check=False)
     assert bad.returncode == 1 and "--older-than takes an age" in bad.stderr
 
 
@@ -219,7 +211,7 @@ def test_docs_ship_at_least_eight_queries() -> None:
 
 
 def test_documented_queries_run_on_every_backend(
-    make_runtime: Callable[..., wp.Runtime], db_url: str
+    make_runtime: Callable[..., wp.Runtime], db_engine: Engine
 ) -> None:
     rt = make_runtime()
     rt.register(*w.ALL, *s.ALL)
@@ -236,8 +228,7 @@ def test_documented_queries_run_on_every_backend(
     client.signal(signalled, "approval", {"approved": True}, actor="kim")
     client.result(signalled, timeout=5)
     params = {"execution_id": signalled, "actor": "checkout"}
-    engine = create_engine(db_url)
-    with engine.connect() as conn:
+    with db_engine.connect() as conn:
         for sql in _doc_queries():
             names = set(re.findall(r"(?<!:):(\w+)", sql))
             rows = conn.execute(text(sql.strip().rstrip(";")), {k: params[k] for k in names}).all()
@@ -260,17 +251,18 @@ def test_documented_queries_run_on_every_backend(
         assert waits[waiting] == ("signal", "approval")
         assert waits[sleeping] == ("timer", None)
         assert signalled not in waits
-    engine.dispose()
 
 
 LEGACY = Path(__file__).resolve().parent / "fixtures" / "legacy" / "wf_0001_rows.sql"
 
 
-def test_upgrade_keeps_data_from_the_oldest_revision(blank_db_url: str) -> None:
+def test_upgrade_keeps_data_from_the_oldest_revision(
+    blank_db_url: str, make_engine: Callable[..., Engine]
+) -> None:
     migrate.upgrade(blank_db_url, "wf_0001")
-    engine = create_engine(blank_db_url)
+    engine = make_engine(blank_db_url)
     with engine.begin() as conn:
-        if engine.dialect.name == "postgresql":
+        if engine.dialect.name == "postgresql":  # the fixture's times are UTC wall clock
             conn.execute(text("SET LOCAL TIME ZONE 'UTC'"))
         for statement in LEGACY.read_text().split(";\n"):
             if statement.strip():
@@ -299,13 +291,12 @@ def test_upgrade_keeps_data_from_the_oldest_revision(blank_db_url: str) -> None:
             text("SELECT step_name, outcome FROM wf_step_attempts ORDER BY started_at")
         ).all()
     assert [tuple(r) for r in rows] == [("echo", "completed"), ("echo", "completed")]
-    engine.dispose()
 
 
-def test_requirements_are_checked_and_explained(db_url: str) -> None:
+def test_requirements_are_checked_and_explained(db_engine: Engine) -> None:
     from wf_persist import backends
 
-    engine = create_engine(db_url)
+    engine = db_engine
     backend = backends.open_backend(engine, owned=False)
     backend.check()  # the servers of this machine qualify
     problem = backend.requirement_problem
@@ -321,6 +312,5 @@ def test_requirements_are_checked_and_explained(db_url: str) -> None:
         old = problem((10, 5, 9) if mariadb else (5, 7, 40)) or ""
         assert ("MariaDB >= 10.6" if mariadb else "MySQL >= 8.0.1") in old
     assert problem(None) is None
-    engine.dispose()
     with pytest.raises(wp.UnsupportedDatabaseError, match="not supported"):
         backends.backend_type("oracle")

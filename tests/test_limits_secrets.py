@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import signal
 import subprocess
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,7 +14,7 @@ from sqlalchemy.engine import make_url
 import wf_persist as wp
 
 from .fixtures import saga as s
-from .helpers import wait_status, wait_until, worker_process
+from .helpers import Processes, history_types, wait_status, wait_until
 
 SECRET_VALUE = "sk_live_0123456789abcdef-very-secret"
 
@@ -45,46 +45,65 @@ def test_keyed_limit_is_per_key(runtime: wp.Runtime) -> None:  # 50
     assert s.MAX_IN_FLIGHT["total"] == 2
 
 
-def test_cancelled_run_queued_behind_a_limit_never_starts(runtime: wp.Runtime) -> None:  # 51
+def queued_behind_the_limit(runtime: wp.Runtime, execution_id: str) -> None:
+    """Wait until the run's attempt of ``exclusive`` started (its ``step.started`` is
+    recorded at once: ``record_start_after=0``) but its function did not: it waits for the
+    slot the holder has."""
+    client = runtime.client()
+    wait_until(
+        lambda: "step.started" in history_types(client, execution_id),
+        what="the queued run's attempt",
+    )
+    assert execution_id in runtime._driving and s.CALLS["exclusive:queued"] == 0
+
+
+def test_cancelled_run_queued_behind_a_limit_never_starts(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:  # 51
+    runtime = make_runtime(record_start_after=0)
     runtime.register(*s.ALL)
     runtime.start_worker(concurrency=4, poll_interval=0.02)
     client = runtime.client()
     holder = client.start(s.exclusive_wf, "holder")
     wait_until(lambda: s.CALLS["exclusive:holder"] > 0, what="the holder's step")
     queued = client.start(s.exclusive_wf, "queued")
-    time.sleep(0.2)
+    queued_behind_the_limit(runtime, queued.execution_id)
     client.cancel(queued.execution_id, compensate=False)
-    time.sleep(0.5)
+    # Its driver notices while it waits for the slot, and gives up without the step.
+    wait_until(lambda: queued.execution_id not in runtime._driving, what="the queued drive ends")
+    assert client.status(queued.execution_id) == "failed"
     s.GATE.set()
     assert client.result(holder.execution_id, timeout=10).unwrap() == "holder"
-    time.sleep(0.3)
     assert s.CALLS["exclusive:queued"] == 0
     assert client.status(queued.execution_id) == "failed"
+    assert "step.completed" not in history_types(client, queued.execution_id)
 
 
-@pytest.mark.backends("postgresql")
+@pytest.mark.needs("shared_slots")
 def test_limit_holds_across_worker_processes(
-    runtime: wp.Runtime, db_url: str, tmp_path: Path
+    runtime: wp.Runtime, db_url: str, tmp_path: Path, procs: Processes
 ) -> None:
     runtime.register(*s.ALL)
     client = runtime.client()
     marks = tmp_path / "marks"
+    workers = [procs.worker(db_url, "--concurrency", "4") for _ in range(2)]
+    for proc in workers:  # both serve before there is work: the limit is tested across them
+        proc.wait_for_stderr("serving")
     ids = [client.start(s.serialized_wf, str(marks)).execution_id for _ in range(12)]
-    workers = [worker_process(db_url, "--concurrency", "4") for _ in range(2)]
-    try:
-        _drain(client, ids, timeout=120)
-    finally:
-        for proc in workers:
-            proc.send_signal(signal.SIGTERM)
-        for proc in workers:
-            proc.wait(timeout=60)
+    _drain(client, ids, timeout=120)
+    for proc in workers:
+        proc.send(signal.SIGTERM)
+    assert [proc.wait() for proc in workers] == [0, 0]
     spans: dict[str, list[int]] = {}
+    pids = set()
     for line in marks.read_text().splitlines():
-        _kind, stamp, label = line.split()
+        _kind, stamp, label, pid = line.split()
         spans.setdefault(label, []).append(int(stamp))
+        pids.add(pid)
     intervals = sorted((v[0], v[1]) for v in spans.values())
     assert len(intervals) == 12
     assert all(prev[1] <= nxt[0] for prev, nxt in itertools.pairwise(intervals))
+    assert len(pids) == 2, "both worker processes ran the limited step"
 
 
 def test_env_secret_resolver_rules(monkeypatch: pytest.MonkeyPatch) -> None:  # 52

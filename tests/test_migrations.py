@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 import ast
-import os
-import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import create_engine, inspect, text
+from sqlalchemy import Engine, create_engine, inspect, text
+from sqlalchemy.engine import make_url
 
 import wf_persist as wp
 from wf_persist import migrate
 
+from .conftest import has, server_url
 from .fixtures import workflows as w
 from .fixtures.revisions import below_head, cli_env, future_revision, wf_cli
+from .helpers import Processes
 
 ROOT = Path(__file__).resolve().parent.parent
 WF_TABLES = {"wf_workflows", "wf_executions", "wf_history"}
@@ -63,20 +65,20 @@ def test_revision_files_are_well_formed() -> None:
     assert roots == 1
 
 
-def test_upgrade_matches_models_and_uses_own_version_table(blank_db_url: str) -> None:
+def test_upgrade_matches_models_and_uses_own_version_table(
+    blank_db_url: str, make_engine: Callable[..., Engine]
+) -> None:
     assert migrate.current(blank_db_url) is None
     migrate.upgrade(blank_db_url)
     assert migrate.current(blank_db_url) == migrate.SCHEMA_HEAD
     tables = _tables(blank_db_url)
     assert WF_TABLES | {migrate.VERSION_TABLE} <= tables
     assert "alembic_version" not in tables
-    engine = create_engine(blank_db_url)
-    with engine.connect() as conn:
+    with make_engine(blank_db_url).connect() as conn:
         ctx = MigrationContext.configure(
             conn, opts={"include_name": migrate.include_name, "compare_type": True}
         )
         diff = compare_metadata(ctx, wp.metadata)
-    engine.dispose()
     assert diff == []
 
 
@@ -105,13 +107,19 @@ def test_unmigrated_database_error_names_the_command(blank_db_url: str, backend:
     assert info.value.current is None and info.value.head == migrate.SCHEMA_HEAD
     assert "wf-persist db upgrade --url" in str(info.value)
     assert "not migrated" in str(info.value)
-    if backend == "postgresql":  # servers are never migrated implicitly
+    if has(backend, "server"):  # only an embedded database migrates itself implicitly
         with pytest.raises(wp.SchemaVersionError):
             wp.Runtime(blank_db_url)
-    assert not (WF_TABLES & _tables(blank_db_url))
+        assert not (WF_TABLES & _tables(blank_db_url))
+    else:
+        assert not (WF_TABLES & _tables(blank_db_url))
+        wp.Runtime(blank_db_url).close()
+        assert migrate.current(blank_db_url) == migrate.SCHEMA_HEAD
 
 
-def test_outdated_database_error_reports_the_revision(blank_db_url: str) -> None:
+def test_outdated_database_error_reports_the_revision(
+    blank_db_url: str, make_engine: Callable[..., Engine]
+) -> None:
     migrate.upgrade(blank_db_url)
     migrate.downgrade(blank_db_url, below_head())
     with pytest.raises(wp.SchemaVersionError) as info:
@@ -174,19 +182,35 @@ def test_embedded_sqlite_default_migrates_itself(
     assert migrate.current(f"sqlite:///{tmp_path / 'wf_persist.sqlite3'}") == migrate.SCHEMA_HEAD
 
 
-def test_offline_sql_for_review(backend: str) -> None:
-    url = "sqlite:///unused.sqlite3" if backend == "sqlite" else "postgresql+psycopg://u@h/db"
+#: What each backend's rendered upgrade script must contain besides the tables.
+OFFLINE_MARKERS = {
+    "sqlite": ["CREATE TABLE wf_executions", "CREATE UNIQUE INDEX"],
+    "postgresql": ["pg_advisory_xact_lock", "JSONB", "CREATE TABLE wf_executions"],
+    "mysql": ["CREATE TABLE wf_executions", "utf8mb4_bin", "ENGINE=InnoDB"],
+}
+
+
+def test_offline_sql_for_review(backend: str, tmp_path: Path) -> None:
+    """``--sql`` renders without a connection: the URL names a host that does not exist."""
+    if has(backend, "embedded"):
+        url = f"sqlite:///{tmp_path / 'unused.sqlite3'}"
+    else:
+        url = (
+            make_url(server_url(backend, "db"))
+            .set(host="nowhere.invalid", port=1)
+            .render_as_string(False)
+        )
     script = migrate.upgrade(url, sql=True)
     assert script is not None
-    assert "CREATE TABLE wf_executions" in script and migrate.VERSION_TABLE in script
-    if backend == "postgresql":
-        assert "pg_advisory_xact_lock" in script and "JSONB" in script
+    assert migrate.VERSION_TABLE in script
+    for marker in OFFLINE_MARKERS[backend]:
+        assert marker in script, marker
     down = migrate.downgrade(url, "base", sql=True)
     assert down is not None and "DROP TABLE wf_history" in down
-    assert not Path("unused.sqlite3").exists()
+    assert not (tmp_path / "unused.sqlite3").exists()
 
 
-def test_concurrent_upgrades_are_serialized(blank_db_url: str) -> None:
+def test_concurrent_upgrades_are_serialized(blank_db_url: str, procs: Processes) -> None:
     errors: list[BaseException] = []
 
     def run() -> None:
@@ -196,44 +220,35 @@ def test_concurrent_upgrades_are_serialized(blank_db_url: str) -> None:
             errors.append(exc)
 
     threads = [threading.Thread(target=run) for _ in range(3)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "wf_persist.cli", "db", "upgrade", "--url", blank_db_url]
-        )
+    upgrades = [
+        procs.python("-m", "wf_persist.cli", "db", "upgrade", "--url", blank_db_url)
         for _ in range(3)
     ]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
+    for child in upgrades:
+        procs.finish(child)
     assert errors == []
     assert migrate.current(blank_db_url) == migrate.SCHEMA_HEAD
 
 
-def test_cli_upgrade_current_downgrade(blank_db_url: str) -> None:
-    cli = [sys.executable, "-m", "wf_persist.cli"]
-    env = {**os.environ, "WF_PERSIST_DATABASE_URL": blank_db_url}
-    out = subprocess.run([*cli, "db", "current"], env=env, capture_output=True, text=True)
+def test_cli_upgrade_current_downgrade(blank_db_url: str, procs: Processes) -> None:
+    env = {"WF_PERSIST_DATABASE_URL": blank_db_url}
+    out = procs.cli("db", "current", env=env, check=False)
     assert (out.returncode, out.stdout.strip()) == (3, "none")  # behind: not migrated
-    subprocess.run([*cli, "db", "upgrade", "--url", blank_db_url], capture_output=True, check=True)
-    out = subprocess.run(
-        [*cli, "db", "current"], env=env, capture_output=True, text=True, check=True
-    )
-    assert out.stdout.strip() == migrate.SCHEMA_HEAD
-    sql = subprocess.run(
-        [*cli, "db", "upgrade", "--sql"], env=env, capture_output=True, text=True, check=True
-    )
+    procs.cli("db", "upgrade", "--url", blank_db_url)
+    assert procs.cli("db", "current", env=env).stdout.strip() == migrate.SCHEMA_HEAD
+    sql = procs.cli("db", "upgrade", "--sql", env=env)
     assert "CREATE TABLE wf_workflows" in sql.stdout
-    subprocess.run([*cli, "db", "downgrade", below_head()], env=env, check=True)
-    out = subprocess.run([*cli, "db", "current"], env=env, capture_output=True, text=True)
+    procs.cli("db", "downgrade", below_head(), env=env)
+    out = procs.cli("db", "current", env=env, check=False)
     assert (out.returncode, out.stdout.strip()) == (3, below_head())
-    subprocess.run([*cli, "db", "downgrade", "base"], env=env, capture_output=True, check=True)
+    procs.cli("db", "downgrade", "base", env=env)
     assert not (WF_TABLES & _tables(blank_db_url))
-    bad = subprocess.run(
-        [*cli, "db", "upgrade", "--url", "nosuchdb://x"], capture_output=True, text=True
-    )
-    assert bad.returncode != 0
+    bad = procs.cli("db", "upgrade", "--url", "nosuchdb://x", check=False)
+    assert bad.returncode == 1 and "not supported" in bad.stderr
 
 
 def test_cli_current_documents_its_exit_status() -> None:
@@ -262,42 +277,16 @@ def test_current_never_creates_a_sqlite_file(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_installed_wheel_migrates_from_any_directory(tmp_path: Path) -> None:
+def test_installed_wheel_migrates_from_any_directory(tmp_path: Path, procs: Processes) -> None:
     """The migrations ship inside the wheel: install it elsewhere and migrate from there."""
     wheels = tmp_path / "wheels"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            str(ROOT),
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            str(wheels),
-        ],
-        check=True,
-        capture_output=True,
+    pip = (sys.executable, "-m", "pip")
+    procs.run(
+        [*pip, "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels)]
     )
     (wheel,) = wheels.glob("wf_persist-*.whl")
     site = tmp_path / "site"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--no-deps",
-            "-q",
-            "--target",
-            str(site),
-            str(wheel),
-        ],
-        check=True,
-        capture_output=True,
-    )
+    procs.run([*pip, "install", "--no-deps", "-q", "--target", str(site), str(wheel)])
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     probe = (
@@ -306,12 +295,7 @@ def test_installed_wheel_migrates_from_any_directory(tmp_path: Path) -> None:
         "assert str(migrate.script_location()).startswith(sys.argv[1]);"
         "migrate.upgrade('sqlite:///db.sqlite3'); print(migrate.current('sqlite:///db.sqlite3'))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", probe, str(site)],
-        cwd=elsewhere,
-        env={**os.environ, "PYTHONPATH": str(site)},
-        capture_output=True,
-        text=True,
-        check=True,
+    out = procs.run(
+        [sys.executable, "-c", probe, str(site)], cwd=elsewhere, env={"PYTHONPATH": str(site)}
     )
     assert out.stdout.strip() == migrate.SCHEMA_HEAD

@@ -3,7 +3,7 @@ secrets in errors, swallowed divergence, Annotated constraints."""
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,7 +13,7 @@ import wf_persist as wp
 from .fixtures import saga as s
 from .fixtures.workflows import SimulatedCrash
 from .helpers import wait_until
-from .test_limits_secrets import SECRET_VALUE, _raw_bytes
+from .test_limits_secrets import SECRET_VALUE, _raw_bytes, queued_behind_the_limit
 
 pytestmark = pytest.mark.usefixtures("saga_reset")
 
@@ -39,13 +39,17 @@ def test_cancel_during_the_last_step(rt: wp.Runtime) -> None:
     assert client.status(handle.execution_id) == "failed"
 
 
-def test_default_cancel_of_a_run_queued_behind_a_limit(rt: wp.Runtime) -> None:
+def test_default_cancel_of_a_run_queued_behind_a_limit(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    rt = make_runtime(record_start_after=0)
+    rt.register(*s.ALL)
     rt.start_worker(concurrency=4, poll_interval=0.02)
     client = rt.client()
     holder = client.start(s.exclusive_wf, "holder")
     wait_until(lambda: s.CALLS["exclusive:holder"] > 0, what="the holder's step")
     queued = client.start(s.exclusive_wf, "queued")
-    time.sleep(0.2)
+    queued_behind_the_limit(rt, queued.execution_id)
     client.cancel(queued.execution_id)
     outcome = client.result(queued.execution_id, timeout=10)
     assert isinstance(outcome, wp.Failed) and outcome.error_type == "Cancelled"

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -14,37 +11,25 @@ from pathlib import Path
 import wf_persist as wp
 
 from .fixtures import workflows as w
-from .helpers import wait_for_mark
+from .helpers import Processes, wait_for_mark
 
 
 def test_killed_process_run_is_finished_by_another_process(
-    runtime: wp.Runtime, db_url: str, tmp_path: Path
+    runtime: wp.Runtime, db_url: str, tmp_path: Path, procs: Processes
 ) -> None:
     marks, hang = tmp_path / "marks", tmp_path / "hang"
     hang.touch()
-    starter = subprocess.Popen(
-        [sys.executable, "-m", "tests.fixtures.proc", db_url, "start-three", str(marks), str(hang)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert starter.stdout is not None
-    execution_id = starter.stdout.readline().strip()
+    starter = procs.proc(db_url, "start-three", str(marks), str(hang), stdout=True)
+    assert starter.popen.stdout is not None
+    execution_id = starter.popen.stdout.readline().strip()
     wait_for_mark(marks, "b-start")
-    os.kill(starter.pid, signal.SIGKILL)
-    starter.wait(timeout=30)
-    starter.stdout.close()
+    starter.stop(signal.SIGKILL)
     hang.unlink()
 
     client = runtime.client()
     assert client.status(execution_id) == "running"
-    resumer = subprocess.run(
-        [sys.executable, "-m", "tests.fixtures.proc", db_url, "result", execution_id],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    assert json.loads(resumer.stdout) == {"status": "completed", "value": "abc"}
+    resumed = procs.run_proc(db_url, "result", execution_id)
+    assert json.loads(resumed) == {"status": "completed", "value": "abc"}
 
     assert Counter(w.marks(marks)) == Counter({"a": 1, "b-start": 2, "b": 1, "c": 1})
     events = [r.event for r in client.history(execution_id)]

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -15,6 +13,7 @@ import pytest
 import wf_persist as wp
 
 from .fixtures import workflows as w
+from .helpers import Processes
 
 
 @pytest.fixture(autouse=True)
@@ -143,24 +142,16 @@ def test_signal_validates_from_the_recorded_json_schema(rt: wp.Runtime) -> None:
     assert client.result(handle.execution_id, timeout=5).unwrap() == {"a": 1}
 
 
-def test_signal_validated_and_delivered_by_another_process(rt: wp.Runtime, db_url: str) -> None:
+def test_signal_validated_and_delivered_by_another_process(
+    rt: wp.Runtime, db_url: str, procs: Processes
+) -> None:
     client = rt.client()
     handle = client.start(w.approval_wf, None)
     _park(client, handle.execution_id)
-    cmd = [
-        sys.executable,
-        "-m",
-        "tests.fixtures.proc",
-        db_url,
-        "signal",
-        handle.execution_id,
-        "approval",
-    ]
-    bad = subprocess.run([*cmd, '{"approved": "yes"}'], capture_output=True, text=True, check=True)
-    assert bad.stdout.strip() == "SignalPayloadError"
+    signal = ("signal", handle.execution_id, "approval")
+    assert procs.run_proc(db_url, *signal, '{"approved": "yes"}') == "SignalPayloadError"
     assert client.status(handle.execution_id) == "suspended"
-    good = subprocess.run([*cmd, '{"approved": true}'], capture_output=True, text=True, check=True)
-    assert good.stdout.strip() == "ok"
+    assert procs.run_proc(db_url, *signal, '{"approved": true}') == "ok"
     assert client.result(handle.execution_id, timeout=5).unwrap() == "approved"
 
 
@@ -193,6 +184,8 @@ def test_repeated_waits_count_invocations(rt: wp.Runtime) -> None:  # scenario 2
 
 
 def test_concurrent_deliveries_exactly_one_wins(rt: wp.Runtime) -> None:  # scenario 21
+    """Of N concurrent deliveries to one wait, one wins and every other one is told, with
+    the documented error, that the wait already got its signal (on every backend)."""
     client = rt.client()
     handle = client.start(w.approval_wf, None)
     _park(client, handle.execution_id)
@@ -204,7 +197,7 @@ def test_concurrent_deliveries_exactly_one_wins(rt: wp.Runtime) -> None:  # scen
         try:
             client.signal(handle.execution_id, "approval", {"approved": True})
             outcomes.append("ok")
-        except wp.SignalDeliveryError as exc:
+        except Exception as exc:
             outcomes.append(type(exc).__name__)
 
     threads = [threading.Thread(target=deliver) for _ in range(8)]
@@ -212,8 +205,7 @@ def test_concurrent_deliveries_exactly_one_wins(rt: wp.Runtime) -> None:  # scen
         t.start()
     for t in threads:
         t.join()
-    assert outcomes.count("ok") == 1
-    assert set(outcomes) - {"ok"} <= {"SignalAlreadyDeliveredError", "SignalNotWaitingError"}
+    assert sorted(outcomes) == ["SignalAlreadyDeliveredError"] * 7 + ["ok"]
     assert client.result(handle.execution_id, timeout=5).unwrap() == "approved"
     assert _types(client, handle.execution_id)["signal.delivered"] == 1
 

@@ -146,7 +146,7 @@ def _unresumed(engine: Engine, runs: set[str], back: float) -> str:
     return "\n".join(lines)
 
 
-@pytest.mark.backends("postgresql")
+@pytest.mark.needs("initdb")
 @pytest.mark.timeout(300)
 def test_workers_ride_out_database_restarts(
     backend: str, private_pg: PrivatePostgres, procs: Processes, tmp_path: Path

@@ -1,0 +1,147 @@
+"""The README's performance promises, counted at the database (see :mod:`tests.dbcount` for
+how and why): one write per completed step, one history read per resume, no busy polling."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import event
+
+import wf_persist as wp
+
+from .dbcount import Counts, counting
+from .fixtures import workflows as w
+from .helpers import wait_until
+
+
+@wp.step
+def bump(i: int) -> int:
+    return i + 1
+
+
+@wp.workflow(name="n-steps", version=1)
+def n_steps_wf(ctx: wp.Context, n: int) -> int:
+    total = 0
+    for i in range(n):
+        total = ctx.run(bump, i)
+    return total
+
+
+#: What the database runs for one more completed step on the hot path: always one
+#: transaction; the statements are each backend's (README, "Performance").
+STEP_STATEMENTS = {
+    # one INSERT ... SELECT FROM (WITH bump AS (UPDATE ... RETURNING)), autocommitted
+    "postgresql": {"INSERT": 1},
+    # BEGIN IMMEDIATE, UPDATE ... RETURNING, the INSERT run for each of its 2 rows, COMMIT
+    "sqlite": {"BEGIN": 1, "UPDATE": 1, "INSERT": 2, "COMMIT": 1},
+    # SELECT ... FOR UPDATE (the fence), UPDATE, one INSERT of 2 rows, COMMIT
+    "mysql": {"SELECT": 1, "UPDATE": 1, "INSERT": 1, "COMMIT": 1},
+}
+
+
+def test_each_completed_step_is_one_write(
+    backend: str, make_runtime: Callable[..., wp.Runtime], tmp_path: Path
+) -> None:
+    """Two runs that differ only in their number of steps (2 and 12): the difference in what
+    the database ran is ten times one step's cost, which cancels the claim, the history read
+    and the outcome every run has."""
+    rt = make_runtime(lease_ttl=300)  # no lease renewal inside the measurement
+    rt.register(n_steps_wf)
+    client = rt.client()
+    client.result(client.start(n_steps_wf, 1).execution_id)  # warm: catalog, prepared SQL
+
+    def cost(n: int) -> Counts:
+        handle = client.start(n_steps_wf, n)
+        with counting(rt.backend.base_engine, tmp_path / f"steps-{n}") as counter:
+            assert client.result(handle.execution_id).unwrap() == n
+            return counter.counts()
+
+    few, many = cost(2), cost(12)
+    per_ten = many - few
+    assert per_ten.transactions == 10, f"one transaction per step: {per_ten}"
+    assert per_ten.rollbacks == 0
+    expected = {verb: 10 * n for verb, n in STEP_STATEMENTS[backend].items()}
+    assert {verb: n for verb, n in per_ten.verbs.items() if n} == expected, per_ten
+    assert per_ten.statements == sum(expected.values())
+
+
+def test_a_resume_reads_the_history_with_one_query(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """A run resumed after its sleep loads its history once. (The other statement on
+    wf_history that reads anything is the check, under the run's lock, that no signal or
+    cancellation arrived since that read: one row at most, no events.)"""
+    rt = make_runtime(lease_ttl=300)
+    rt.register(w.napper_wf)
+    client = rt.client()
+    handle = client.start(w.napper_wf, 0.05)
+    assert rt.drive(handle.execution_id)
+    assert client.status(handle.execution_id) == "suspended"
+    wait_until(lambda: _due(rt, handle.execution_id), what="the timer")
+    statements: list[str] = []
+
+    def seen(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        statements.append(" ".join(statement.split()))
+
+    engine = rt.backend.base_engine
+    event.listen(engine, "before_cursor_execute", seen)
+    try:
+        assert rt.drive(handle.execution_id)
+    finally:
+        event.remove(engine, "before_cursor_execute", seen)
+    assert client.status(handle.execution_id) == "completed"
+    reads = [s for s in statements if s.startswith("SELECT") and "FROM wf_history" in s]
+    loads = [s for s in reads if "wf_history.event" in s]
+    assert len(loads) == 1, loads
+    assert all("LIMIT" in s for s in reads if s not in loads), reads
+    assert len(reads) <= 2, reads
+
+
+def _due(rt: wp.Runtime, execution_id: str) -> bool:
+    from wf_persist.store import executions
+
+    with rt.backend.read() as conn:
+        row = executions.get(conn, execution_id)
+    return bool(row is not None and row.due)
+
+
+def test_an_idle_worker_never_busy_polls(
+    make_runtime: Callable[..., wp.Runtime], tmp_path: Path
+) -> None:
+    """With runs parked on a signal and on a timer an hour away, a worker looks for work
+    once per poll interval: two short transactions (claim, next wake time) per look."""
+    poll_interval = 0.25
+    rt = make_runtime(lease_ttl=300)
+    rt.register(w.approval_wf, w.napper_wf)
+    client = rt.client()
+    waiting = client.start(w.approval_wf, None).execution_id
+    sleeping = client.start(w.napper_wf, 3600).execution_id
+
+    def parked() -> bool:
+        for execution_id in (waiting, sleeping):
+            rt.drive(execution_id)
+        return bool(client.pending_signals(waiting)) and client.status(sleeping) == "suspended"
+
+    wait_until(parked, what="both runs parked")
+    worker = wp.Worker(rt, concurrency=2, poll_interval=poll_interval)
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        with counting(rt.backend.base_engine, tmp_path / "idle") as counter:
+            began = time.monotonic()
+            time.sleep(2.0)  # the time itself is what is measured
+            worker.stop()
+            thread.join(10)
+            elapsed = time.monotonic() - began
+            counts = counter.counts()
+    finally:
+        worker.stop()
+        thread.join(10)
+    looks = elapsed / poll_interval + 1
+    assert counts.transactions <= 2 * looks, f"{counts} in {elapsed:.2f}s"
+    assert counts.statements <= 7 * looks, f"{counts} in {elapsed:.2f}s"
+    assert counts.transactions >= 2, "the worker looked for work at all"
