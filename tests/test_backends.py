@@ -21,8 +21,8 @@ from .helpers import Processes
 #: pinned here instead.
 EXPECTED_CAPABILITIES = {
     "sqlite": {"embedded"},
-    "postgresql": {"server", "skip_locked", "schemas", "shared_slots"},
-    "mysql": {"server", "skip_locked", "shared_slots"},
+    "postgresql": {"server", "skip_locked", "schemas", "shared_slots", "initdb"},
+    "mysql": {"server", "skip_locked", "shared_slots", "sql_mode"},
 }
 
 

@@ -28,6 +28,7 @@ from wf_persist.models import executions_table as ex
 from wf_persist.models import history_table as hist
 
 from .conftest import HostTables
+from .fixtures import fencing
 from .fixtures import saga as s
 from .fixtures import workflows as w
 from .helpers import Processes
@@ -213,10 +214,17 @@ def test_docs_ship_at_least_eight_queries() -> None:
 def test_documented_queries_run_on_every_backend(
     make_runtime: Callable[..., wp.Runtime], db_engine: Engine
 ) -> None:
-    rt = make_runtime()
-    rt.register(*w.ALL, *s.ALL)
+    fencing.reset()
+    rt = make_runtime(record_start_after=0.05)
+    rt.register(*w.ALL, *s.ALL, *fencing.ALL)
     client = rt.client()
     client.result(client.start(w.echo_wf, 3, actor="checkout").execution_id)
+    crashed = client.start(fencing.crashes_once_wf, 0.2).execution_id  # an abandoned attempt
+    with pytest.raises(fencing.SimulatedCrash):
+        client.result(crashed)
+    client.result(crashed)
+    with db_engine.begin() as conn:  # a run whose drives failed twice (as the SQL sees it)
+        conn.execute(ex.update().where(ex.c.id == crashed).values(drive_failures=2))
     client.result(client.start(s.flaky_wf).execution_id)  # a retried step
     client.result(client.start(s.saga_wf, 1).execution_id)  # failed, compensated
     signalled = client.start(w.approval_wf, None).execution_id

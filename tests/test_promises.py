@@ -194,6 +194,13 @@ SAMPLES: dict[str, BaseException] = {
     "InvalidArgumentError": wp.InvalidArgumentError("bad"),
     "NotSerializableError": wp.NotSerializableError("result", "no"),
     "WorkflowFailedError": wp.WorkflowFailedError("id-1", {"name": "Boom"}),
+    "ValueTooLargeError": wp.ValueTooLargeError("result of step x", 20, 10),
+    "WorkflowDefinitionError": wp.WorkflowDefinitionError("bad"),
+    "UnsupportedDatabaseError": wp.UnsupportedDatabaseError("oracle"),
+    "DriveFailedError": wp.DriveFailedError(10, {"name": "DataError"}),
+    "PoolTooSmallError": wp.PoolTooSmallError(3, 5, 4),
+    "IdempotencyConflictError": wp.IdempotencyConflictError("wf", "key"),
+    "LeaseLostError": wp.LeaseLostError("id-1"),
     "Cancelled": wp.Cancelled(False, "ops"),
 }
 

@@ -37,6 +37,8 @@ from .errors import (
     LeaseLostError,
     NonDeterminismError,
     StaleHistoryError,
+    brief,
+    driver_error,
     error_document,
 )
 from .events import NewEvent
@@ -358,7 +360,7 @@ def failed(runtime: Runtime, claim: Claim, exc: BaseException) -> None:
     """Count a failed drive on the run; past the limit, fail the run. Fenced by the epoch
     (a run someone else claimed meanwhile is theirs), on a fresh connection."""
     execution_id = claim.execution_id
-    doc = error_document(exc)
+    doc = error_document(driver_error(exc))  # the driver's words, not the whole statement
     backend = runtime.backend
     try:
         with backend.begin() as conn:
@@ -403,22 +405,20 @@ def failed(runtime: Runtime, claim: Claim, exc: BaseException) -> None:
                 conn, backend, execution_id, evs, now=now, epoch=claim.epoch, values=values
             )
         log.error(
-            "run %s: drive %d of at most %d failed: %s: %s%s",
+            "run %s: drive %d of at most %d failed: %s%s",
             execution_id,
             count,
             limit,
-            type(exc).__name__,
-            doc.get("message"),
+            brief(exc),
             "; the run is failed" if count >= limit else "",
         )
     except Exception as second:
         log.error(
-            "run %s: drive failed (%s: %s) and recording that failed too (%s); it is retried "
+            "run %s: drive failed (%s) and recording that failed too (%s); it is retried "
             "when its lease expires",
             execution_id,
-            type(exc).__name__,
-            doc.get("message"),
-            second,
+            brief(exc),
+            brief(second),
         )
 
 
@@ -428,4 +428,4 @@ def release(runtime: Runtime, claim: Claim) -> None:
         with runtime.backend.begin() as conn:
             runtime.backend.release(conn, {claim.execution_id: claim.epoch})
     except Exception as exc:
-        log.warning("run %s: could not release its lease: %s", claim.execution_id, exc)
+        log.warning("run %s: could not release its lease: %s", claim.execution_id, brief(exc))

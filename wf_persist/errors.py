@@ -352,6 +352,23 @@ def _scrub(value: Any) -> Any:
     return value
 
 
+def driver_error(exc: BaseException) -> BaseException:
+    """The database driver's own error behind a SQLAlchemy wrapper (whose message repeats
+    the whole statement), else ``exc`` itself."""
+    from sqlalchemy.exc import DBAPIError
+
+    if isinstance(exc, DBAPIError) and isinstance(exc.orig, BaseException):
+        return exc.orig
+    return exc
+
+
+def brief(exc: BaseException) -> str:
+    """One line for a log: the error's type and the first line of its message."""
+    found = driver_error(exc)
+    lines = str(found).strip().splitlines()
+    return f"{type(found).__name__}: {lines[0] if lines else ''}"
+
+
 def rebuild_error(cls: type[BaseException], doc: dict[str, Any]) -> BaseException:
     """An instance of ``cls`` carrying a recorded error's args and fields (for replay)."""
     exc = cls.__new__(cls)

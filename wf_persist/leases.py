@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import Engine
 
+from .errors import brief
+
 if TYPE_CHECKING:
     from .backends import Backend
 
@@ -45,7 +47,7 @@ class Outage:
                 "%s failed%s: %s; retrying with backoff, logged again when it recovers",
                 self._what,
                 extra,
-                exc,
+                brief(exc),
             )
         self.failures += 1
         return float(min(self._cap, self._base * 2 ** min(self.failures - 1, 16)))
@@ -115,7 +117,7 @@ class LeaseKeeper(threading.Thread):
             with self.engine().connect():
                 pass
         except Exception as exc:
-            log.warning("the lease keeper cannot connect yet: %s", exc)
+            log.warning("the lease keeper cannot connect yet: %s", brief(exc))
 
     def run(self) -> None:
         interval = self.ttl / 4
@@ -175,7 +177,7 @@ class LeaseKeeper(threading.Thread):
             with self.engine().connect() as conn, self.backend.begin(conn):
                 return self.backend.release(conn, held)
         except Exception as exc:
-            log.warning("could not release the leases of %s on close: %s", sorted(held), exc)
+            log.warning("could not release the leases of %s on close: %s", sorted(held), brief(exc))
             return 0
 
     def stop(self) -> None:

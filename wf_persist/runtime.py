@@ -363,10 +363,16 @@ class Runtime:
             return []
         with self._lock:
             exclude = sorted(self._driving)
-        with self.backend.begin() as conn:
-            claims = self.backend.claim_due(
-                conn, self.owner, self._ttl(), limit, workflows, exclude
-            )
+        try:
+            with self.backend.begin() as conn:
+                claims = self.backend.claim_due(
+                    conn, self.owner, self._ttl(), limit, workflows, exclude
+                )
+        except Exception as exc:
+            if not self.backend.contention(exc):
+                raise
+            log.debug("claiming due runs ran into another claimer; trying again: %s", exc)
+            return []  # rolled back: nothing was claimed
         keeper = self.keeper()
         for claim in claims:  # renewed from now on, also while it waits for a thread
             keeper.hold(claim.execution_id, claim.epoch)

@@ -288,6 +288,12 @@ class Backend:
         if size > self.max_value_bytes:
             raise ValueTooLargeError(what, size, self.max_value_bytes)
 
+    def contention(self, exc: BaseException) -> bool:
+        """Whether ``exc`` says another transaction was in the way (a deadlock, a lock
+        timeout, a serialization failure): nothing happened, try again later."""
+        orig = getattr(exc, "orig", exc)
+        return getattr(orig, "sqlstate", None) in ("40001", "40P01", "55P03")
+
     def capacity(self) -> int | None:
         """Connections the runs' pool can hand out at once (None: unbounded)."""
         pool = self.base_engine.pool
@@ -299,6 +305,10 @@ class Backend:
 
     # dedupe ------------------------------------------------------------------------
 
+    #: The dialect's INSERT with ``ON CONFLICT (...) DO NOTHING`` (PostgreSQL, SQLite), which
+    #: names the one unique key a conflict may be ignored on; None where there is none.
+    insert_ignoring: ClassVar[Any] = None
+
     def insert_once(
         self,
         conn: Connection,
@@ -309,7 +319,14 @@ class Backend:
     ) -> bool:
         """Insert ``row`` unless it conflicts on ``key``; any other error (another unique
         key, a value too long, a NUL byte) raises. Returns whether it went in."""
-        raise NotImplementedError
+        stmt = (
+            self.insert_ignoring(table)
+            .values(**(sql_values or {}))
+            .on_conflict_do_nothing(index_elements=list(key.columns), index_where=key.where)
+            .execution_options(preserve_rowcount=True)
+        )
+        result = conn.execute(stmt, dict(row), execution_options=self.statement_options)
+        return int(result.rowcount) == 1
 
     # claims ------------------------------------------------------------------------
 

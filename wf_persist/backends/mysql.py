@@ -53,6 +53,15 @@ _PACKET_MARGIN: Final = 64 * 1024
 _STATEMENT_MARGIN: Final = 16 * 1024
 _STRICT = ("STRICT_TRANS_TABLES", "STRICT_ALL_TABLES")
 _DUPLICATE_KEY: Final = 1062
+_DEADLOCK: Final = 1213
+_LOCK_WAIT_TIMEOUT: Final = 1205
+
+
+def _code(exc: BaseException) -> Any:
+    """The server's error number behind a driver or SQLAlchemy error, if any."""
+    orig = getattr(exc, "orig", exc)
+    args = getattr(orig, "args", ())
+    return args[0] if args else None
 
 
 class NamedLockSlots(SessionLockSlots):
@@ -73,12 +82,13 @@ class MySQLBackend(Backend):
     transactional_ddl: ClassVar[bool] = False
 
     def __init__(self, engine: Engine, *, owned: bool, schema: str | None = None) -> None:
-        super().__init__(engine, owned=owned, schema=schema)
-        self.slots = NamedLockSlots(self.engine)
-        with self.base_engine.connect() as conn:
+        with engine.connect() as conn:
             mode, packet = conn.execute(
                 text("SELECT @@SESSION.sql_mode, @@max_allowed_packet")
             ).one()
+            self._isolation = conn.get_isolation_level()
+        super().__init__(engine, owned=owned, schema=schema)
+        self.slots = NamedLockSlots(self.engine)
         self.sql_mode = str(mode)
         self.packet_bytes = int(packet)
         self.max_value_bytes = (self.packet_bytes - _PACKET_MARGIN) // 2
@@ -88,6 +98,18 @@ class MySQLBackend(Backend):
         # What PostgreSQL does by default: each statement sees what committed before it.
         kwargs.setdefault("isolation_level", "READ COMMITTED")
         return url, kwargs
+
+    def view_options(self) -> dict[str, Any]:
+        # Claims and appends lock rows; at REPEATABLE READ (MySQL's default) gap locks make
+        # concurrent claimers deadlock. wf_persist's transactions run at READ COMMITTED.
+        options = super().view_options()
+        if self._isolation != "READ COMMITTED":
+            options["isolation_level"] = "READ COMMITTED"
+        return options
+
+    def contention(self, exc: BaseException) -> bool:
+        code = _code(exc)
+        return code in (_DEADLOCK, _LOCK_WAIT_TIMEOUT)
 
     @classmethod
     def on_own_engine(cls, engine: Engine) -> None:

@@ -33,7 +33,7 @@ from sqlalchemy.dialects import postgresql
 
 from ..errors import LeaseLostError
 from ..events import NewEvent
-from ..models import UTC_DATETIME, JSONDoc, UniqueKey
+from ..models import UTC_DATETIME, JSONDoc
 from ..models import executions_table as ex
 from ..models import history_table as hist
 from .base import HOT_COLUMNS, Backend, Fenced, WriteShape, bump
@@ -54,6 +54,7 @@ class AdvisorySlots(SessionLockSlots):
 
 class PostgreSQLBackend(Backend):
     names: ClassVar[tuple[str, ...]] = ("postgresql",)
+    insert_ignoring: ClassVar[Any] = staticmethod(postgresql.insert)
     supports_schemas: ClassVar[bool] = True
     skip_locked: ClassVar[bool] = True
 
@@ -69,23 +70,6 @@ class PostgreSQLBackend(Backend):
         if version is not None and version < (12,):
             return "PostgreSQL >= 12 is needed; found " + ".".join(str(p) for p in version)
         return None
-
-    def insert_once(
-        self,
-        conn: Connection,
-        table: Any,
-        row: Mapping[str, Any],
-        key: UniqueKey,
-        sql_values: Mapping[str, Any] | None = None,
-    ) -> bool:
-        stmt = (
-            postgresql.insert(table)
-            .values(**(sql_values or {}))
-            .on_conflict_do_nothing(index_elements=list(key.columns), index_where=key.where)
-            .execution_options(preserve_rowcount=True)
-        )
-        result = conn.execute(stmt, dict(row), execution_options=self.statement_options)
-        return int(result.rowcount) == 1
 
     def keyset_after(self, created_at: dt.datetime, execution_id: str) -> Any:
         # A row comparison is one index range condition.

@@ -29,7 +29,6 @@ from sqlalchemy.pool import ConnectionPoolEntry
 
 from ..errors import LeaseLostError
 from ..events import NewEvent
-from ..models import UniqueKey
 from ..models import executions_table as ex
 from .base import HOT_COLUMNS, INSERT_HISTORY, Backend, Fenced, WriteShape, bump, history_row
 
@@ -77,6 +76,7 @@ def _ts(value: dt.datetime | None) -> str | None:
 
 class SQLiteBackend(Backend):
     names: ClassVar[tuple[str, ...]] = ("sqlite",)
+    insert_ignoring: ClassVar[Any] = staticmethod(sqlite.insert)
     batch_migrations: ClassVar[bool] = True
     embedded: ClassVar[bool] = True
 
@@ -170,6 +170,10 @@ class SQLiteBackend(Backend):
         with self.engine.connect() as fresh, self._transaction(fresh, "BEGIN"):
             yield fresh
 
+    def contention(self, exc: BaseException) -> bool:
+        orig = getattr(exc, "orig", exc)
+        return isinstance(orig, sqlite3.OperationalError) and "locked" in str(orig)
+
     @classmethod
     def database_missing(cls, url: URL) -> bool:
         database = url.database or ""
@@ -187,25 +191,6 @@ class SQLiteBackend(Backend):
             found = ".".join(str(p) for p in version)
             return f"SQLite >= 3.35 is needed (UPDATE ... RETURNING); found {found}"
         return None
-
-    # dedupe ------------------------------------------------------------------------
-
-    def insert_once(
-        self,
-        conn: Connection,
-        table: Any,
-        row: Mapping[str, Any],
-        key: UniqueKey,
-        sql_values: Mapping[str, Any] | None = None,
-    ) -> bool:
-        stmt = (
-            sqlite.insert(table)
-            .values(**(sql_values or {}))
-            .on_conflict_do_nothing(index_elements=list(key.columns), index_where=key.where)
-            .execution_options(preserve_rowcount=True)
-        )
-        result = conn.execute(stmt, dict(row), execution_options=self.statement_options)
-        return int(result.rowcount) == 1
 
     # the hot path ------------------------------------------------------------------
 

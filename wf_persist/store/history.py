@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Row, insert, select, update
 
 from .. import lifecycle
+from ..backends.base import history_row
 from ..errors import LeaseLostError, StaleHistoryError, UnknownExecutionError
 from ..events import CLIENT_EVENT_TYPES, NewEvent
 from ..models import DEDUPE_KEY
@@ -37,18 +38,6 @@ class AppendResult:
     status: str = ""
     #: True when at least one status-moving event was appended and its status applied.
     transitioned: bool = False
-
-
-def _row(execution_id: str, seq: int, ev: NewEvent) -> dict[str, Any]:
-    return {
-        "execution_id": execution_id,
-        "sequence": seq,
-        "type": ev.type,
-        "activity_name": ev.activity_name,
-        "dedupe_key": ev.dedupe_key,
-        "created_at": ev.created_at,
-        "event": ev.event,
-    }
 
 
 def append(
@@ -94,12 +83,12 @@ def append(
     plain: list[dict[str, Any]] = []
     for ev in events:
         if ev.dedupe_key is None:
-            plain.append(_row(execution_id, seq, ev))
+            plain.append(history_row(execution_id, seq, ev))
         else:
             if plain:
                 core.execute(_insert, plain)
                 plain = []
-            if not backend.insert_once(core, hist, _row(execution_id, seq, ev), DEDUPE_KEY):
+            if not backend.insert_once(core, hist, history_row(execution_id, seq, ev), DEDUPE_KEY):
                 continue  # a replayed duplicate: no sequence, no status change
         result.sequences.append(seq)
         seq += 1
