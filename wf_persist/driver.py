@@ -296,18 +296,29 @@ def run_body(driver: RunDriver, wf: Workflow[Any, Any], payload: Any, journal: J
 
 def start_drive(runtime: Runtime, conn: Connection, claim: Claim) -> tuple[Journal, int]:
     """After a claim: read the whole history and record ``workflow.started`` the first time,
-    in one transaction. Reading after the claim committed means every write of a previous
-    holder is visible, so a recorded step is never run again."""
-    backend = runtime.backend
-    with backend.begin(conn):
-        rows = history.load(conn, claim.execution_id)
-        if not any(r.event["type"] == "workflow.started" for r in rows):
-            started = events.workflow_started(
-                claim.execution_id, claim.workflow_name, claim.workflow_version, claim.db_now
-            )
-            history.append(
-                conn, backend, claim.execution_id, [started], now=claim.db_now, epoch=claim.epoch
-            )
+    in one transaction (the claim's own, when the caller passes a connection inside it).
+    Reading after the claim means every write of a previous holder is visible, so a
+    recorded step is never run again."""
+    if conn.in_transaction():
+        return _start(runtime, conn, claim)
+    with runtime.backend.begin(conn):
+        return _start(runtime, conn, claim)
+
+
+def _start(runtime: Runtime, conn: Connection, claim: Claim) -> tuple[Journal, int]:
+    rows = history.load(conn, claim.execution_id)
+    if not any(r.event["type"] == "workflow.started" for r in rows):
+        started = events.workflow_started(
+            claim.execution_id, claim.workflow_name, claim.workflow_version, claim.db_now
+        )
+        history.append(
+            conn,
+            runtime.backend,
+            claim.execution_id,
+            [started],
+            now=claim.db_now,
+            epoch=claim.epoch,
+        )
     journal = Journal.from_events([r.event for r in rows])
     return journal, int(rows[-1].sequence) if rows else 0
 

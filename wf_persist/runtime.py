@@ -36,6 +36,7 @@ from .errors import (
     WorkflowVersionConflictError,
 )
 from .leases import LeaseKeeper
+from .replay import Journal
 from .secrets import SecretResolver
 from .store import Executor, catalog
 from .timers import Timers
@@ -329,11 +330,15 @@ class Runtime:
                 return NOT_DRIVEN
             backend = self.backend
             with backend.connection() as conn:
-                with backend.begin(conn):
+                loaded = None
+                with backend.begin(conn):  # the claim, the history read, workflow.started
                     claim = backend.claim(conn, execution_id, self.owner, self._ttl())
+                    if claim is not None:  # a missing definition undoes the claim
+                        self.definition(claim.workflow_name, claim.workflow_version)
+                        loaded = driver.start_drive(self, conn, claim)
                 if claim is None:
                     return NOT_DRIVEN
-                return self._drive(conn, claim)
+                return self._drive(conn, claim, loaded)
 
     def drive_claim(self, claim: Claim) -> Any:
         """Drive a run a worker claimed (see :meth:`claim_due`)."""
@@ -344,12 +349,15 @@ class Runtime:
             with self.backend.connection() as conn:
                 return self._drive(conn, claim)
 
-    def _drive(self, conn: Connection, claim: Claim) -> Any:
+    def _drive(
+        self, conn: Connection, claim: Claim, loaded: tuple[Journal, int] | None = None
+    ) -> Any:
         keeper = self.keeper()
         lease = keeper.hold(claim.execution_id, claim.epoch)
         try:
-            self.definition(claim.workflow_name, claim.workflow_version)
-            loaded = driver.start_drive(self, conn, claim)
+            if loaded is None:
+                self.definition(claim.workflow_name, claim.workflow_version)
+                loaded = driver.start_drive(self, conn, claim)
         except Exception as exc:
             keeper.forget(lease)
             driver.failed(self, claim, exc)

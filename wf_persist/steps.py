@@ -115,7 +115,13 @@ class _StartWatch:
         self.recorded = False
         self.error: BaseException | None = None
         delay = driver.record_start_after
-        self._cancel = driver.after(delay, self._fire) if delay is not None else None
+        self._cancel: Callable[[], None] | None = None
+        if delay == 0:  # every start recorded before the attempt runs
+            self._fire()
+            if self.error is not None:
+                raise self.error
+        elif delay is not None:
+            self._cancel = driver.after(delay, self._fire)
 
     def _fire(self) -> None:
         with self._state:
