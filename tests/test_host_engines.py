@@ -1,0 +1,103 @@
+"""Host engines configured any legal way: wf_persist drives runs correctly on each, and
+hands the host's connections back as it found them."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, text
+from sqlalchemy.pool import NullPool
+
+import wf_persist as wp
+
+from .fixtures import fencing as f
+from .fixtures import saga as s
+from .fixtures import workflows as w
+from .helpers import wait_until
+
+#: Engine arguments per backend family: each a configuration an application may use.
+CONFIGURATIONS: dict[str, dict[str, dict[str, Any]]] = {
+    "embedded": {
+        "driver-default": {},  # pysqlite's legacy transaction handling
+        "autocommit": {"isolation_level": "AUTOCOMMIT"},
+        "no-driver-transactions": {"connect_args": {"isolation_level": None}},
+        "serializable": {"isolation_level": "SERIALIZABLE"},
+        "null-pool": {"poolclass": NullPool},
+    },
+    "server": {
+        "driver-default": {},
+        "autocommit": {"isolation_level": "AUTOCOMMIT"},
+        "serializable": {"isolation_level": "SERIALIZABLE"},
+        "repeatable-read": {"isolation_level": "REPEATABLE READ"},
+        "pre-ping-null-pool": {"poolclass": NullPool, "pool_pre_ping": True},
+    },
+}
+
+
+def _configurations() -> list[str]:
+    return sorted({name for family in CONFIGURATIONS.values() for name in family})
+
+
+@pytest.mark.parametrize("configuration", _configurations())
+def test_runs_are_driven_correctly_on_every_host_configuration(
+    configuration: str, backend: str, db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    from .conftest import CAPABILITIES
+
+    family = "embedded" if "embedded" in CAPABILITIES[backend] else "server"
+    kwargs = CONFIGURATIONS[family].get(configuration)
+    if kwargs is None:
+        kwargs = CONFIGURATIONS[family]["driver-default"]  # same as the default there
+    s.reset()
+    f.reset()
+    engine = make_engine(db_url, **kwargs)
+    with wp.Runtime(engine, lease_ttl=5) as rt:
+        rt.register(*w.ALL, *s.ALL, *f.ALL)
+        client = rt.client()
+        # steps, a durable sleep, a signal wait, a saga unwind, an idempotent start
+        assert client.result(client.start(w.echo_wf, 3).execution_id, timeout=20).unwrap() == [
+            1,
+            2,
+            3,
+        ]
+        assert client.result(client.start(f.nap_wf, 0.2).execution_id, timeout=20).unwrap() == (
+            "rested"
+        )
+        waiting = client.start(w.approval_wf, None).execution_id
+
+        def parked() -> bool:
+            rt.drive(waiting)  # through its short sleep, to the wait
+            return bool(client.pending_signals(waiting))
+
+        wait_until(parked, what="the signal wait")
+        client.signal(waiting, "approval", {"approved": True})
+        assert client.result(waiting, timeout=20).unwrap() == "approved"
+        saga = client.result(client.start(s.saga_wf, 1).execution_id, timeout=20)
+        assert isinstance(saga, wp.Failed)
+        ids = set()
+        barrier = threading.Barrier(4)
+
+        def start() -> None:
+            barrier.wait()
+            ids.add(client.start(w.echo_wf, 1, idempotency_key="one").execution_id)
+
+        threads = [threading.Thread(target=start) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(ids) == 1
+        worker = rt.start_worker(concurrency=2, poll_interval=0.02)
+        many = [client.start(w.echo_wf, 2).execution_id for _ in range(10)]
+        for execution_id in many:
+            assert client.result(execution_id, timeout=30).unwrap() == [1, 2]
+        worker.stop()
+    # the host's connections come back as the host configured them
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT 1")).scalar() == 1
+        if family == "embedded" and configuration == "driver-default":
+            raw: Any = conn.connection.driver_connection
+            assert raw.isolation_level == ""  # pysqlite's legacy mode, as created
