@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, select
@@ -239,3 +240,63 @@ def test_a_pool_too_small_for_the_worker_is_refused(db_url: str) -> None:
     finally:
         rt.close()
         engine.dispose()
+
+
+def test_a_pause_between_a_claim_and_its_lease_record_is_not_trusted(
+    make_runtime: Callable[..., wp.Runtime], tmp_path: Path
+) -> None:
+    """A worker is paused right after its claim commits, longer than the lease; another
+    runtime takes the run over and is inside its second step. When the first resumes, its
+    driver must not count the lease as confirmed when it resumed: it asks the database
+    before its first step, learns the run was taken, and runs nothing."""
+    from .fixtures import workflows as w
+
+    first = make_runtime(lease_ttl=1.0)
+    first.register(w.three_steps_wf)
+    marks, hang = tmp_path / "marks", tmp_path / "hang"
+    hang.touch()
+    handle = first.client().start(w.three_steps_wf, {"marks": str(marks), "hang_file": str(hang)})
+    keeper = first.keeper()
+    hold = keeper.hold
+    resume = threading.Event()
+
+    def paused_hold(execution_id: str, epoch: int, asked: float | None = None) -> Any:
+        resume.wait(30)  # paused right after the claim committed
+        return hold(execution_id, epoch, asked)
+
+    keeper.hold = paused_hold  # type: ignore[method-assign]
+    claims: list[Any] = []
+    claimer = threading.Thread(target=lambda: claims.extend(first.claim_due(1)))
+    claimer.start()
+
+    def leased_by_first() -> bool:
+        with first.backend.read() as conn:
+            owner = conn.execute(
+                select(ex.c.lease_owner).where(ex.c.id == handle.execution_id)
+            ).scalar_one()
+        return bool(owner == first.owner)
+
+    wait_until(leased_by_first, what="the first runtime's claim")
+    second = make_runtime(lease_ttl=5)
+    second.register(w.three_steps_wf)
+    outcome: list[wp.Outcome] = []
+    taker = threading.Thread(
+        target=lambda: outcome.append(second.client().result(handle.execution_id, timeout=30))
+    )
+    taker.start()
+    wait_for_mark(marks, "b-start")  # the takeover, once the first lease expired
+    resume.set()
+    claimer.join(timeout=30)
+    assert [c.execution_id for c in claims] == [handle.execution_id]
+    stale: list[Any] = []
+    resumed = threading.Thread(target=lambda: stale.append(first.drive_claim(claims[0])))
+    resumed.start()
+    resumed.join(timeout=15)
+    alive = resumed.is_alive()
+    hang.unlink()
+    resumed.join(timeout=30)
+    assert not alive, "the resumed driver started step b (it hangs) on a lease it lost"
+    assert stale == [None], "the stale driver finished nothing"
+    taker.join(timeout=30)
+    assert outcome and outcome[0].unwrap() == "abc"
+    assert w.marks(marks) == ["a", "b-start", "b", "c"], "no step ran a second time"

@@ -12,9 +12,10 @@ gone: it stops before starting anything new, since another worker may be running
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from sqlalchemy import Engine
@@ -71,8 +72,10 @@ class Lease:
     epoch: int
     #: Set by the keeper: another runtime may drive the run now; stop before the next step.
     lost: bool = False
-    #: When the lease was last confirmed (monotonic seconds).
-    confirmed: float = field(default_factory=time.monotonic)
+    #: When the lease was last confirmed (monotonic seconds): taken *before* the statement
+    #: that confirmed it, so a pause between that statement and this record errs towards
+    #: asking the database again, never towards trusting an expired lease.
+    confirmed: float = -math.inf
 
 
 class LeaseKeeper(threading.Thread):
@@ -88,12 +91,16 @@ class LeaseKeeper(threading.Thread):
         self._stop_event = threading.Event()
         self._outage = Outage(log, "renewing leases", ttl / 6)
 
-    def hold(self, execution_id: str, epoch: int) -> Lease:
-        """Renew this claim from now on (the same Lease if it is already held)."""
+    def hold(self, execution_id: str, epoch: int, asked: float | None = None) -> Lease:
+        """Renew this claim from now on (the same Lease if it is already held). ``asked``
+        is when the claim was sent (monotonic); unknown, the driver asks the database
+        before its first step."""
         with self._lock:
             lease = self._held.get(execution_id)
             if lease is None or lease.epoch != epoch:
                 lease = self._held[execution_id] = Lease(execution_id, epoch)
+            if asked is not None:
+                lease.confirmed = max(lease.confirmed, asked)
             return lease
 
     def forget(self, lease: Lease) -> None:
@@ -142,7 +149,8 @@ class LeaseKeeper(threading.Thread):
                 continue
             self._outage.succeeded()
             for execution_id in still:
-                leases[execution_id].confirmed = started
+                lease = leases[execution_id]
+                lease.confirmed = max(lease.confirmed, started)
             missing = {i: lease for i, lease in leases.items() if i not in still}
             lost = sorted(self._taken(missing)) if missing else []
             for execution_id in lost:

@@ -331,6 +331,7 @@ class Runtime:
             backend = self.backend
             with backend.connection() as conn:
                 loaded = None
+                asked = time.monotonic()  # before the claim: see Lease.confirmed
                 with backend.begin(conn):  # the claim, the history read, workflow.started
                     claim = backend.claim(conn, execution_id, self.owner, self._ttl())
                     if claim is not None:  # a missing definition undoes the claim
@@ -338,7 +339,7 @@ class Runtime:
                         loaded = driver.start_drive(self, conn, claim)
                 if claim is None:
                     return NOT_DRIVEN
-                return self._drive(conn, claim, loaded)
+                return self._drive(conn, claim, loaded, asked)
 
     def drive_claim(self, claim: Claim) -> Any:
         """Drive a run a worker claimed (see :meth:`claim_due`)."""
@@ -350,10 +351,14 @@ class Runtime:
                 return self._drive(conn, claim)
 
     def _drive(
-        self, conn: Connection, claim: Claim, loaded: tuple[Journal, int] | None = None
+        self,
+        conn: Connection,
+        claim: Claim,
+        loaded: tuple[Journal, int] | None = None,
+        asked: float | None = None,
     ) -> Any:
         keeper = self.keeper()
-        lease = keeper.hold(claim.execution_id, claim.epoch)
+        lease = keeper.hold(claim.execution_id, claim.epoch, asked)
         try:
             if loaded is None:
                 self.definition(claim.workflow_name, claim.workflow_version)
@@ -371,6 +376,7 @@ class Runtime:
             return []
         with self._lock:
             exclude = sorted(self._driving)
+        asked = time.monotonic()  # before the claim: see Lease.confirmed
         try:
             with self.backend.begin() as conn:
                 claims = self.backend.claim_due(
@@ -383,7 +389,7 @@ class Runtime:
             return []  # rolled back: nothing was claimed
         keeper = self.keeper()
         for claim in claims:  # renewed from now on, also while it waits for a thread
-            keeper.hold(claim.execution_id, claim.epoch)
+            keeper.hold(claim.execution_id, claim.epoch, asked)
         return claims
 
     def seconds_to_next_wake(self) -> float | None:

@@ -217,7 +217,6 @@ class StepRunner:
         if record is not None:
             self.wait_until(record.retry_at, inline)
         while True:
-            self.driver.check_lease()
             started = events.step_started(who, attempt, inputs, self.driver.clock())
             watch = _StartWatch(self.driver, started, self.write_lock)
             try:
@@ -281,11 +280,15 @@ class StepRunner:
         values = self._resolved(step, inputs)
         limit = step.concurrency
         with outside_body():
+            # The lease is checked as late as possible, right before the step's own code:
+            # resolving secrets or waiting for a slot may take longer than the lease.
             if limit is None:
+                self.driver.check_lease()
                 result = step.fn(**values)
             else:
                 key = step.name if limit.key is None else str(limit.key(**values))
                 with self.driver.concurrency_slot(step, key):
+                    self.driver.check_lease()
                     result = step.fn(**values)
         what = f"result of step {step.name}"
         stored = to_json(step.output_adapter, result, what)

@@ -183,6 +183,9 @@ class StepExecution:
     visible: Any
     end: float | None = None
     raised: bool = False
+    #: When the body was entered, before it asked the database whether the step's
+    #: completion was already committed (``start`` is after that question).
+    entered: float | None = None
 
     def describe(self, t0: float) -> str:
         end = "no end" if self.end is None else f"end {self.end - t0:+.3f}s"
@@ -203,7 +206,12 @@ def load_ledger(directory: Path) -> list[StepExecution]:
                 continue
             if rec.get("k") == "start":
                 by_token[rec["tok"]] = StepExecution(
-                    rec["eid"], rec["act"], int(rec["pid"]), float(rec["t"]), rec.get("visible")
+                    rec["eid"],
+                    rec["act"],
+                    int(rec["pid"]),
+                    float(rec["t"]),
+                    rec.get("visible"),
+                    entered=float(rec.get("entered", rec["t"])),
                 )
             elif rec.get("k") == "end":
                 ends[rec["tok"]] = rec
@@ -295,6 +303,10 @@ class FaultLog:
             if s <= end and e >= start:
                 return label
         return None
+
+    def stopped_between(self, pid: int, start: float, end: float) -> bool:
+        """Whether the process was paused at some point between ``start`` and ``end``."""
+        return any(s <= end and e >= start for s, e in self.stops.get(pid, []))
 
     def any_between(self, start: float, end: float) -> bool:
         """Whether any fault at all (on any process, or the database) touched the window."""
@@ -463,7 +475,17 @@ def check_steps(
 
     unchecked = 0
     for e in ledger:
-        if e.visible is True:
+        entered = e.start if e.entered is None else e.entered
+        if e.visible is True and faults.stopped_between(e.pid, entered, e.start):
+            # The step's code was already running when its process was paused; the pause
+            # outlived the lease and another worker recorded the step meanwhile: a step in
+            # flight at a fault runs again (at-least-once), its late result is fenced off.
+            findings.note(
+                "step in flight when its process was paused re-ran elsewhere (at-least-once)",
+                f"run {e.execution_id} {e.activity} pid {e.pid}: entered "
+                f"{entered - t0:+.3f}s, {faults.history_of(e.pid, t0)}",
+            )
+        elif e.visible is True:
             mine = [x for x in ledger if x.execution_id == e.execution_id and x.pid == e.pid]
             findings.violation(
                 "step.rerun-after-commit",

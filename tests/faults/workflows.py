@@ -100,10 +100,12 @@ def failures_recorded(execution_id: str, activity: str) -> int | None:
 
 def _begin(execution_id: str, activity: str) -> str:
     token = uuid.uuid4().hex[:12]
+    entered = time.time()  # before the probe: a pause during it found the step in flight
     visible = completion_recorded(execution_id, activity)
     ledger_write(
         {
             "k": "start",
+            "entered": entered,
             "t": time.time(),
             "pid": os.getpid(),
             "eid": execution_id,
