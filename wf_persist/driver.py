@@ -311,14 +311,9 @@ def _start(runtime: Runtime, conn: Connection, claim: Claim) -> tuple[Journal, i
         started = events.workflow_started(
             claim.execution_id, claim.workflow_name, claim.workflow_version, claim.db_now
         )
-        history.append(
-            conn,
-            runtime.backend,
-            claim.execution_id,
-            [started],
-            now=claim.db_now,
-            epoch=claim.epoch,
-        )
+        # The claim just fenced the run at this epoch: the fenced write (no row lock
+        # and re-read first) is enough, in the claim's transaction.
+        runtime.backend.fenced(conn, claim.execution_id, claim.epoch, [started], now=claim.db_now)
     journal = Journal.from_events([r.event for r in rows])
     return journal, int(rows[-1].sequence) if rows else 0
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -119,11 +120,16 @@ def pinned(workflows: Sequence[tuple[str, int]]) -> Any:
     return or_(*(and_(ex.c.workflow_name == n, ex.c.workflow_version == v) for n, v in workflows))
 
 
-def claim_values(owner: str) -> dict[str, Any]:
+#: A claim's parameters: the run (single claims), the claiming runtime.
+P_ID = bindparam("p_id", type_=String(36))
+P_OWNER = bindparam("p_owner", type_=String(255))
+
+
+def claim_values() -> dict[str, Any]:
     """The SET of a claim: a new epoch and a lease measured by the database's clock."""
     return {
         "claim_epoch": ex.c.claim_epoch + 1,
-        "lease_owner": owner,
+        "lease_owner": P_OWNER,
         "lease_expires_at": db_later(P_TTL),
         "wake_at": db_later(P_TTL),
         "updated_at": db_now(),
@@ -143,6 +149,7 @@ def history_row(execution_id: str, seq: int, ev: NewEvent) -> dict[str, Any]:
     }
 
 
+@functools.lru_cache(maxsize=256)
 def bump(shape: WriteShape) -> Any:
     """UPDATE the run if the driver's epoch is current (and its status is in the guard)."""
     stmt = update(ex).where(
@@ -158,6 +165,27 @@ def bump(shape: WriteShape) -> Any:
     for column in shape.columns:
         values[column] = bindparam(f"v_{column}", type_=ex.c[column].type)
     return stmt.values(values)
+
+
+@functools.lru_cache(maxsize=256)
+def _bump_returning(shape: WriteShape) -> Any:
+    return bump(shape).returning(ex.c.next_seq, ex.c.status)
+
+
+_LOCK_RUN = (
+    select(ex.c.next_seq, ex.c.status, ex.c.claim_epoch).where(ex.c.id == P_ID).with_for_update()
+)
+
+
+@functools.cache
+def _claim_one() -> Any:
+    """Built once: a statement object reused keeps its cache key (no rebuild per claim)."""
+    return (
+        update(ex)
+        .where(ex.c.id == P_ID, due())
+        .values(claim_values())
+        .returning(*CLAIM_COLUMNS, db_now())
+    )
 
 
 class Backend:
@@ -332,13 +360,8 @@ class Backend:
 
     def claim(self, conn: Connection, execution_id: str, owner: str, ttl: float) -> Claim | None:
         """Claim one run if it is due: one compare-and-set."""
-        stmt = (
-            update(ex)
-            .where(ex.c.id == execution_id, due())
-            .values(claim_values(owner))
-            .returning(*CLAIM_COLUMNS, db_now())
-        )
-        row = conn.execute(stmt, {"p_ttl": ttl}).one_or_none()
+        params = {"p_id": execution_id, "p_owner": owner, "p_ttl": ttl}
+        row = conn.execute(_claim_one(), params).one_or_none()
         return None if row is None else Claim(*row)
 
     def claim_due(
@@ -365,10 +388,10 @@ class Backend:
         stmt = (
             update(ex)
             .where(ex.c.id == chosen.c.id, due())
-            .values(claim_values(owner))
+            .values(claim_values())
             .returning(*CLAIM_COLUMNS, db_now())
         )
-        return [Claim(*row) for row in conn.execute(stmt, {"p_ttl": ttl})]
+        return [Claim(*row) for row in conn.execute(stmt, {"p_ttl": ttl, "p_owner": owner})]
 
     def renew(self, conn: Connection, held: Mapping[str, int], ttl: float) -> set[str]:
         """Extend the leases still held at these epochs; return the ids still held."""
@@ -416,11 +439,7 @@ class Backend:
     def lock_run(self, conn: Connection, execution_id: str) -> Any:
         """Lock the run's row for the rest of the transaction; returns
         ``(next_seq, status, claim_epoch)`` or ``None``."""
-        return conn.execute(
-            select(ex.c.next_seq, ex.c.status, ex.c.claim_epoch)
-            .where(ex.c.id == execution_id)
-            .with_for_update()
-        ).one_or_none()
+        return conn.execute(_LOCK_RUN, {"p_id": execution_id}).one_or_none()
 
     def fenced(
         self,
@@ -437,7 +456,7 @@ class Backend:
         transaction: an UPDATE ... RETURNING (the compare-and-set) and one INSERT."""
         shape = WriteShape(len(events), tuple(sorted(values or ())), guard)
         params = self._params(execution_id, epoch, now, values)
-        top = conn.execute(bump(shape).returning(ex.c.next_seq, ex.c.status), params).one_or_none()
+        top = conn.execute(_bump_returning(shape), params).one_or_none()
         if top is None:
             raise LeaseLostError(execution_id)
         base = int(top[0]) - shape.n

@@ -12,6 +12,7 @@ engine without it is refused), so nothing is ever truncated silently.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -29,6 +30,7 @@ from ..models import executions_table as ex
 from .base import (
     CLAIM_COLUMNS,
     INSERT_HISTORY,
+    P_ID,
     P_TTL,
     Backend,
     Claim,
@@ -74,6 +76,14 @@ class NamedLockSlots(SessionLockSlots):
 
     def unlock(self, conn: Connection, k1: int, slot: int) -> None:
         conn.execute(text("SELECT RELEASE_LOCK(:n)"), {"n": self._name(k1, slot)})
+
+
+@functools.cache
+def _cas_statement() -> Any:
+    """A claim's compare-and-set, its new epoch handed back through ``LAST_INSERT_ID``."""
+    values = claim_values()
+    values["claim_epoch"] = func.last_insert_id(ex.c.claim_epoch + 1)
+    return update(ex).where(ex.c.id == P_ID, due()).values(values)
 
 
 class MySQLBackend(Backend):
@@ -176,11 +186,8 @@ class MySQLBackend(Backend):
     # claims ------------------------------------------------------------------------
 
     def _cas(self, conn: Connection, execution_id: str, owner: str, ttl: float) -> int | None:
-        values = claim_values(owner)
-        values["claim_epoch"] = func.last_insert_id(ex.c.claim_epoch + 1)
-        result = conn.execute(
-            update(ex).where(ex.c.id == execution_id, due()).values(values), {"p_ttl": ttl}
-        )
+        params = {"p_id": execution_id, "p_owner": owner, "p_ttl": ttl}
+        result = conn.execute(_cas_statement(), params)
         return int(result.lastrowid) if result.rowcount == 1 else None
 
     def _claimed(self, conn: Connection, pairs: Sequence[tuple[str, int]]) -> list[Claim]:

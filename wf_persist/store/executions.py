@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Row, delete, select, update
 
 from .. import lifecycle
+from ..backends.base import P_ID
 from ..backends.clock import db_now
 from ..errors import CannotCancelError, IdempotencyConflictError, UnknownExecutionError
 from ..events import NewEvent
@@ -24,6 +25,12 @@ from . import Executor, connection_of, history
 
 if TYPE_CHECKING:
     from ..backends import Backend
+
+
+#: Built once: a reused statement keeps its cache key.
+_CREATE = ex.insert().values(wake_at=db_now())
+_insert_history = hist.insert()
+_GET = select(ex, (ex.c.wake_at <= db_now()).label("due")).where(ex.c.id == P_ID)
 
 
 def create(
@@ -65,7 +72,7 @@ def create(
     }
     due_now = {"wake_at": db_now()}
     if idempotency_key is None:
-        core.execute(ex.insert().values(due_now), row, execution_options=options)
+        core.execute(_CREATE, row, execution_options=options)
     elif not backend.insert_once(core, ex, row, IDEMPOTENCY_KEY, due_now):
         found = core.execute(
             select(ex.c.id, ex.c.workflow_version).where(
@@ -77,7 +84,7 @@ def create(
             raise IdempotencyConflictError(workflow_name, idempotency_key)
         return str(found.id), int(found.workflow_version), False
     core.execute(
-        hist.insert(),
+        _insert_history,
         {
             "execution_id": execution_id,
             "sequence": 1,
@@ -151,10 +158,7 @@ def get(
     """The execution row, or ``None``."""
     return (
         connection_of(conn)
-        .execute(
-            select(ex, (ex.c.wake_at <= db_now()).label("due")).where(ex.c.id == execution_id),
-            execution_options=options or {},
-        )
+        .execute(_GET, {"p_id": execution_id}, execution_options=options or {})
         .one_or_none()
     )
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Row, insert, select, update
 
 from .. import lifecycle
-from ..backends.base import history_row
+from ..backends.base import P_ID, history_row
 from ..errors import LeaseLostError, StaleHistoryError, UnknownExecutionError
 from ..events import CLIENT_EVENT_TYPES, NewEvent
 from ..models import DEDUPE_KEY
@@ -30,6 +30,14 @@ if TYPE_CHECKING:
     from ..backends import Backend
 
 _insert = insert(hist)
+
+
+#: Built once: a reused statement keeps its cache key.
+_LOAD = (
+    select(hist.c.sequence, hist.c.created_at, hist.c.event)
+    .where(hist.c.execution_id == P_ID)
+    .order_by(hist.c.sequence)
+)
 
 
 @dataclass(slots=True)
@@ -130,12 +138,4 @@ def has_news(conn: Executor, execution_id: str, seen_through: int) -> bool:
 
 def load(conn: Executor, execution_id: str) -> Sequence[Row[Any, Any, Any]]:
     """Every event of one execution, in sequence order: one query per replay."""
-    return (
-        connection_of(conn)
-        .execute(
-            select(hist.c.sequence, hist.c.created_at, hist.c.event)
-            .where(hist.c.execution_id == execution_id)
-            .order_by(hist.c.sequence)
-        )
-        .all()
-    )
+    return connection_of(conn).execute(_LOAD, {"p_id": execution_id}).all()
