@@ -4,6 +4,7 @@ hands the host's connections back as it found them."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -101,3 +102,58 @@ def test_runs_are_driven_correctly_on_every_host_configuration(
         if family == "embedded" and configuration == "driver-default":
             raw: Any = conn.connection.driver_connection
             assert raw.isolation_level == ""  # pysqlite's legacy mode, as created
+
+
+def test_transactions_hold_on_an_autocommit_engine_already_at_read_committed(
+    backend: str, db_url: str, make_engine: Callable[..., Engine], saga_reset: None
+) -> None:
+    """AUTOCOMMIT is a driver setting, not an isolation level: a host engine in AUTOCOMMIT
+    whose sessions already run at READ COMMITTED (MySQL configured so, as PostgreSQL is by
+    default) still gets real transactions. Three cancels queued behind a host's lock on the
+    run record one cancellation; the others are refused (no duplicate-key error, no second
+    cancellation)."""
+    from .conftest import has
+
+    kwargs: dict[str, Any] = {"isolation_level": "AUTOCOMMIT"}
+    if has(backend, "sql_mode"):
+        kwargs["connect_args"] = {
+            "init_command": "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED"
+        }
+    engine = make_engine(db_url, **kwargs)
+    holder = make_engine(db_url)
+    with wp.Runtime(engine, lease_ttl=5) as rt:
+        rt.register(*s.ALL)
+        client = rt.client()
+        execution_id = client.start(s.reserve_then_wait_wf).execution_id
+
+        def parked() -> bool:
+            rt.drive(execution_id)
+            return bool(client.pending_signals(execution_id))
+
+        wait_until(parked, what="the signal wait")
+        results: list[str] = []
+
+        def cancel() -> None:
+            try:
+                client.cancel(execution_id)
+                results.append("ok")
+            except wp.CannotCancelError:
+                results.append("refused")
+            except Exception as exc:  # what the test is about: report it, do not hang
+                results.append(repr(exc))
+
+        threads = [threading.Thread(target=cancel) for _ in range(3)]
+        with holder.begin() as conn:  # the host holds the run's row while cancels queue
+            conn.execute(
+                text("UPDATE wf_executions SET updated_at = updated_at WHERE id = :i"),
+                {"i": execution_id},
+            )
+            for t in threads:
+                t.start()
+            time.sleep(0.5)  # every cancel is waiting for the row now
+            assert results == []
+        for t in threads:
+            t.join(30)
+        assert sorted(results) == ["ok", "refused", "refused"], results
+        types = [r.event["type"] for r in client.history(execution_id)]
+        assert types.count("execution.cancelled") == 1
