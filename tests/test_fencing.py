@@ -300,3 +300,31 @@ def test_a_pause_between_a_claim_and_its_lease_record_is_not_trusted(
     taker.join(timeout=30)
     assert outcome and outcome[0].unwrap() == "abc"
     assert w.marks(marks) == ["a", "b-start", "b", "c"], "no step ran a second time"
+
+
+def test_close_releases_the_lease_of_a_run_that_stopped_at_its_next_step(
+    make_runtime: Callable[..., wp.Runtime], tmp_path: Path
+) -> None:
+    """close() waits for a step in flight; its run stops before the next step. That run is
+    handed over at once too, not left leased until its lease runs out."""
+    first = make_runtime(lease_ttl=30)
+    first.register(*f.ALL)
+    marks, release = tmp_path / "marks", tmp_path / "release"
+    handle = first.client().start(f.fenced_wf, {"marks": str(marks), "release": str(release)})
+    first.start_worker(concurrency=1, poll_interval=0.02)
+    wait_for_mark(marks, "hold-start")
+    closing = threading.Thread(target=first.close, kwargs={"timeout": 30})
+    closing.start()
+    wait_until(lambda: first.closing, what="close() to begin")
+    release.touch()  # the step ends; the drive stops before the next one
+    closing.join(timeout=30)
+    assert not closing.is_alive()
+    second = make_runtime(lease_ttl=30)
+    second.register(*f.ALL)
+    assert _due(second, handle.execution_id), "released: due at once, not after 30 s"
+    assert second.client().result(handle.execution_id, timeout=30).unwrap() == [
+        "held",
+        "one",
+        "two",
+    ]
+    assert _completions(second, handle.execution_id)["hold#1"] == 1
