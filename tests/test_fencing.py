@@ -328,3 +328,45 @@ def test_close_releases_the_lease_of_a_run_that_stopped_at_its_next_step(
         "two",
     ]
     assert _completions(second, handle.execution_id)["hold#1"] == 1
+
+
+def test_a_compensation_is_not_started_without_the_lease(
+    make_runtime: Callable[..., wp.Runtime], tmp_path: Path
+) -> None:
+    """Compensations are new work like steps: a driver checks its lease before each one.
+    A runtime closed during the unwind records the compensation in flight but starts no
+    other; the runtime that takes the run over runs that one, once."""
+    first = make_runtime(lease_ttl=30)
+    first.register(*f.ALL)
+    marks, release = tmp_path / "marks", tmp_path / "release"
+    handle = first.client().start(f.unwound_wf, {"marks": str(marks), "release": str(release)})
+    first.start_worker(concurrency=1, poll_interval=0.02)
+    wait_for_mark(marks, "undo-second", timeout=20)
+    first.close(timeout=0.2)  # the undo is still running in its thread; the lease is released
+    second = make_runtime(lease_ttl=30)
+    second.register(*f.ALL)
+    client = second.client()
+    Path(f"{release}.second").touch()
+
+    def undone() -> list[str]:
+        return [
+            str(r.event.get("activityName"))
+            for r in client.history(handle.execution_id)
+            if r.event["type"] == "compensation.completed"
+        ]
+
+    wait_until(lambda: undone() == ["book#2"], what="the closed runtime's undo to be recorded")
+    time.sleep(0.3)  # long enough for that driver to start the next undo, if it would
+    outcome: list[wp.Outcome] = []
+    taker = threading.Thread(
+        target=lambda: outcome.append(client.result(handle.execution_id, timeout=30))
+    )
+    taker.start()
+    wait_for_mark(marks, "undo-first", timeout=20)
+    time.sleep(0.2)
+    Path(f"{release}.first").touch()
+    taker.join(timeout=30)
+    assert isinstance(outcome[0], wp.Failed)
+    labels = Counter(label for label, _ in f.marks_of(marks))
+    assert labels == {"undo-second": 1, "undo-first": 1}, labels
+    assert undone() == ["book#2", "book#1"]
