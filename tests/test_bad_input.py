@@ -1084,6 +1084,13 @@ def test_bad_worker_poll_interval(runtime: wp.Runtime, poll_interval: Any) -> No
         {"status": "bogus"},
         {"created_after": dt.datetime(2024, 1, 1)},
         {"created_before": "2024-01-01"},
+        # aware, but out of range once in UTC (what is stored and compared)
+        {
+            "created_after": dt.datetime(
+                9999, 12, 31, 23, tzinfo=dt.timezone(-dt.timedelta(hours=5))
+            )
+        },
+        {"created_before": dt.datetime(1, 1, 1, 1, tzinfo=dt.timezone(dt.timedelta(hours=5)))},
         {"version": "1"},
         {"version": True},
         {"actor": ""},
@@ -1093,6 +1100,24 @@ def test_bad_worker_poll_interval(runtime: wp.Runtime, poll_interval: Any) -> No
 def test_bad_list_arguments(client: wp.WorkflowClient, options: dict[str, Any]) -> None:
     with pytest.raises(wp.InvalidArgumentError):
         client.list(any_wf, **options)
+
+
+def test_a_cursor_out_of_range_is_an_invalid_cursor(client: wp.WorkflowClient) -> None:
+    import base64
+    import json
+
+    late = dt.datetime(9999, 12, 31, 23, tzinfo=dt.timezone(-dt.timedelta(hours=5)))
+    for fields in ([late.isoformat(), "x"], ["2024-01-01T00:00:00+00:00", "a\x00b"]):
+        cursor = base64.urlsafe_b64encode(json.dumps(fields).encode()).decode()
+        with pytest.raises(wp.InvalidCursorError):
+            client.list(any_wf, cursor=cursor)
+
+
+@pytest.mark.parametrize("timeout", ["1", math.nan, True], ids=repr)
+def test_bad_result_timeout(client: wp.WorkflowClient, timeout: Any) -> None:
+    done = client.start(any_wf, 1)
+    with pytest.raises(wp.InvalidArgumentError, match="timeout"):
+        client.result(done.execution_id, timeout=timeout)
 
 
 @pytest.mark.parametrize("workflow", [123, None, "", "w" * 201], ids=repr)
@@ -1111,6 +1136,10 @@ def test_bad_list_workflow(client: wp.WorkflowClient, workflow: Any) -> None:
         {"older_than": dt.timedelta(0), "statuses": ("running",)},
         {"older_than": dt.timedelta(0), "statuses": ()},
         {"older_than": dt.timedelta(0), "statuses": "completed"},
+        {"older_than": dt.timedelta(0), "statuses": None},
+        {"older_than": dt.timedelta(0), "statuses": [["completed"]]},
+        {"older_than": dt.timedelta.max},
+        {"older_than": dt.datetime(9999, 12, 31, 23, tzinfo=dt.timezone(-dt.timedelta(hours=5)))},
     ],
     ids=repr,
 )
