@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, make_url, text
 from sqlalchemy.pool import NullPool
 
 import wf_persist as wp
@@ -157,3 +158,54 @@ def test_transactions_hold_on_an_autocommit_engine_already_at_read_committed(
         assert sorted(results) == ["ok", "refused", "refused"], results
         types = [r.event["type"] for r in client.history(execution_id)]
         assert types.count("execution.cancelled") == 1
+
+
+@pytest.mark.needs("server")
+def test_a_host_engine_that_maps_the_default_schema(
+    backend: str, db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """A host engine with a ``schema_translate_map`` puts wf_persist's tables where it maps
+    them: every statement goes there, the one-statement fast path and the lease keeper's
+    renewals included (a live lease is never taken over)."""
+    from wf_persist import migrate
+
+    from .conftest import has
+
+    f.reset()
+    name = f"wf_map_{uuid.uuid4().hex[:8]}"
+    admin = make_engine(db_url)
+    with admin.begin() as conn:
+        conn.execute(text(f"CREATE SCHEMA {name}"))
+    try:
+
+        def mapped() -> Engine:
+            return make_engine(db_url).execution_options(schema_translate_map={None: name})
+
+        if has(backend, "schemas"):
+            migrate.upgrade(mapped())
+        else:  # MySQL/MariaDB: the schema is a database, migrated by its own URL
+            migrate.upgrade(make_engine(make_url(db_url).set(database=name)))
+        with (
+            wp.Runtime(mapped(), lease_ttl=1.0) as rt,
+            wp.Runtime(mapped(), lease_ttl=1.0) as other,
+        ):
+            rt.register(*w.ALL, *f.ALL)
+            other.register(*f.ALL)
+            client = rt.client()
+            done = client.result(client.start(w.echo_wf, 2).execution_id, timeout=20)
+            assert done.unwrap() == [1, 2]
+            handle = client.start(f.slow_wf, 2.5)
+            rt.start_worker(concurrency=1, poll_interval=0.02)
+            wait_until(
+                lambda: client.describe(handle.execution_id).started_at is not None,
+                what="the claim",
+            )
+            deadline = time.monotonic() + 2.5
+            while time.monotonic() < deadline:
+                assert other.drive(handle.execution_id) is False, "a live lease was taken over"
+                time.sleep(0.05)
+            assert client.result(handle.execution_id, timeout=20).unwrap() == 2.5
+            assert f.CONTROL["slow_runs"] == 1
+    finally:
+        with admin.begin() as conn:
+            conn.execute(text(f"DROP SCHEMA {name}{' CASCADE' if has(backend, 'schemas') else ''}"))

@@ -110,18 +110,13 @@ class PostgreSQLBackend(Backend):
                 .add_cte(top)
                 .returning(hist.c.sequence, select(top.c.status).scalar_subquery())
             )
-            options = self.statement_options
-            compiled = stmt.compile(
-                dialect=self.base_engine.dialect,
-                **(
-                    {
-                        "schema_translate_map": options["schema_translate_map"],
-                        "render_schema_translate": True,
-                    }
-                    if options
-                    else {}
-                ),
+            schema_map = self.schema_map
+            translate: dict[str, Any] = (
+                {"schema_translate_map": schema_map, "render_schema_translate": True}
+                if schema_map
+                else {}
             )
+            compiled = stmt.compile(dialect=self.base_engine.dialect, **translate)
             found = str(compiled)
             self._sql[shape] = found
         return found
