@@ -199,6 +199,9 @@ def worker(
 
     def stop(signum: int, _frame: object) -> None:
         err.print(f"worker {runtime.owner}: stopping ({signal.Signals(signum).name})")
+        # As close() does first: runs in flight stop before their next step and are handed
+        # over, rather than driven to their end while the loop waits for them.
+        runtime.closing = True
         loop.stop(timeout=0)
 
     signal.signal(signal.SIGTERM, stop)
