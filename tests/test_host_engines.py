@@ -7,6 +7,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ import wf_persist as wp
 from .fixtures import fencing as f
 from .fixtures import saga as s
 from .fixtures import workflows as w
-from .helpers import wait_until
+from .helpers import wait_for_mark, wait_until
 
 #: Engine arguments per backend family: each a configuration an application may use.
 CONFIGURATIONS: dict[str, dict[str, dict[str, Any]]] = {
@@ -209,3 +210,42 @@ def test_a_host_engine_that_maps_the_default_schema(
     finally:
         with admin.begin() as conn:
             conn.execute(text(f"DROP SCHEMA {name}{' CASCADE' if has(backend, 'schemas') else ''}"))
+
+
+@pytest.mark.needs("server")
+def test_a_session_default_above_read_committed_does_not_fail_fenced_writes(
+    backend: str, db_url: str, make_engine: Callable[..., Engine], tmp_path: Path
+) -> None:
+    """Sessions whose default isolation is SERIALIZABLE (the host's connect options, or
+    the database's own setting): a step's fenced write that meets a concurrent update of its
+    run (a lease renewal, say; here a host's) re-checks the run and is recorded, instead of
+    failing with a serialization error and counting a failed drive."""
+    from .conftest import has
+
+    f.reset()
+    connect_args = (
+        {"init_command": "SET SESSION TRANSACTION ISOLATION LEVEL SERIALIZABLE"}
+        if has(backend, "sql_mode")
+        else {"options": "-c default_transaction_isolation=serializable"}
+    )
+    engine = make_engine(db_url, connect_args=connect_args)
+    holder = make_engine(db_url)
+    marks, release = tmp_path / "marks", tmp_path / "release"
+    with wp.Runtime(engine, lease_ttl=30) as rt:
+        rt.register(*f.ALL)
+        client = rt.client()
+        handle = client.start(f.fenced_wf, {"marks": str(marks), "release": str(release)})
+        driving = threading.Thread(target=rt.drive, args=(handle.execution_id,))
+        driving.start()
+        wait_for_mark(marks, "hold-start")
+        with holder.begin() as conn:  # the run's row changes while the step's write waits
+            conn.execute(
+                text("UPDATE wf_executions SET updated_at = updated_at WHERE id = :i"),
+                {"i": handle.execution_id},
+            )
+            release.touch()
+            time.sleep(0.5)
+        driving.join(30)
+        types = [r.event["type"] for r in client.history(handle.execution_id)]
+        assert "drive.failed" not in types
+        assert client.result(handle.execution_id, timeout=20).unwrap() == ["held", "one", "two"]
