@@ -479,6 +479,16 @@ WIDE = "does not fit 64 bits"
 NUL = "NUL character"
 SURROGATE = "lone surrogate"
 BYTES = "can't decode byte 0xff"
+DEEP = "nested more than 29 levels"
+
+
+def nested(levels: int) -> Any:
+    """``[[...[1]...]]``: ``levels`` lists, one inside the other."""
+    value: Any = 1
+    for _ in range(levels):
+        value = [value]
+    return value
+
 
 #: id -> (value, what the error says)
 UNSTORABLE: dict[str, tuple[Any, str]] = {
@@ -496,6 +506,10 @@ UNSTORABLE: dict[str, tuple[Any, str]] = {
     "nul": ("a\x00b", NUL),
     "surrogate": ("x\ud800", SURROGATE),
     "nul-in-key": ({"a\x00": 1}, NUL),
+    # MariaDB keeps JSON up to 31 levels; pydantic serializes up to 254
+    "nested-30": (nested(30), DEEP),
+    "nested-in-dict-30": ({"a": nested(29)}, DEEP),
+    "nested-300": (nested(300), DEEP),
 }
 unstorable = pytest.mark.parametrize("value,says", UNSTORABLE.values(), ids=list(UNSTORABLE))
 
@@ -509,6 +523,18 @@ def test_unstorable_workflow_input_is_refused_by_start(
         client.start(any_wf, value, idempotency_key="k", actor="ann")
     assert info.value.what == "input of workflow bad-any"
     assert tables.counts() == before, "no run, no history, no catalog row"
+
+
+def test_values_nested_29_levels_deep_are_stored_everywhere(
+    client: wp.WorkflowClient,
+) -> None:
+    BAD["k"] = nested(29)
+    for wf in (step_arg_wf, step_result_wf, output_wf):
+        handle = client.start(wf, "k")
+        assert client.result(handle.execution_id, timeout=30).unwrap() == nested(29)
+        assert "drive.failed" not in types_of(client, handle.execution_id)
+    handle = client.start(any_wf, nested(29))
+    assert client.result(handle.execution_id, timeout=30).unwrap() == nested(29)
 
 
 def test_bad_input_to_an_unregistered_workflow_catalogs_nothing(
