@@ -479,6 +479,16 @@ WIDE = "does not fit 64 bits"
 NUL = "NUL character"
 SURROGATE = "lone surrogate"
 BYTES = "can't decode byte 0xff"
+DEEP = "nested more than 29 levels"
+
+
+def nested(levels: int) -> Any:
+    """``[[...[1]...]]``: ``levels`` lists, one inside the other."""
+    value: Any = 1
+    for _ in range(levels):
+        value = [value]
+    return value
+
 
 #: id -> (value, what the error says)
 UNSTORABLE: dict[str, tuple[Any, str]] = {
@@ -496,6 +506,10 @@ UNSTORABLE: dict[str, tuple[Any, str]] = {
     "nul": ("a\x00b", NUL),
     "surrogate": ("x\ud800", SURROGATE),
     "nul-in-key": ({"a\x00": 1}, NUL),
+    # MariaDB keeps JSON up to 31 levels; pydantic serializes up to 254
+    "nested-30": (nested(30), DEEP),
+    "nested-in-dict-30": ({"a": nested(29)}, DEEP),
+    "nested-300": (nested(300), DEEP),
 }
 unstorable = pytest.mark.parametrize("value,says", UNSTORABLE.values(), ids=list(UNSTORABLE))
 
@@ -509,6 +523,18 @@ def test_unstorable_workflow_input_is_refused_by_start(
         client.start(any_wf, value, idempotency_key="k", actor="ann")
     assert info.value.what == "input of workflow bad-any"
     assert tables.counts() == before, "no run, no history, no catalog row"
+
+
+def test_values_nested_29_levels_deep_are_stored_everywhere(
+    client: wp.WorkflowClient,
+) -> None:
+    BAD["k"] = nested(29)
+    for wf in (step_arg_wf, step_result_wf, output_wf):
+        handle = client.start(wf, "k")
+        assert client.result(handle.execution_id, timeout=30).unwrap() == nested(29)
+        assert "drive.failed" not in types_of(client, handle.execution_id)
+    handle = client.start(any_wf, nested(29))
+    assert client.result(handle.execution_id, timeout=30).unwrap() == nested(29)
 
 
 def test_bad_input_to_an_unregistered_workflow_catalogs_nothing(
@@ -1084,6 +1110,13 @@ def test_bad_worker_poll_interval(runtime: wp.Runtime, poll_interval: Any) -> No
         {"status": "bogus"},
         {"created_after": dt.datetime(2024, 1, 1)},
         {"created_before": "2024-01-01"},
+        # aware, but out of range once in UTC (what is stored and compared)
+        {
+            "created_after": dt.datetime(
+                9999, 12, 31, 23, tzinfo=dt.timezone(-dt.timedelta(hours=5))
+            )
+        },
+        {"created_before": dt.datetime(1, 1, 1, 1, tzinfo=dt.timezone(dt.timedelta(hours=5)))},
         {"version": "1"},
         {"version": True},
         {"actor": ""},
@@ -1093,6 +1126,24 @@ def test_bad_worker_poll_interval(runtime: wp.Runtime, poll_interval: Any) -> No
 def test_bad_list_arguments(client: wp.WorkflowClient, options: dict[str, Any]) -> None:
     with pytest.raises(wp.InvalidArgumentError):
         client.list(any_wf, **options)
+
+
+def test_a_cursor_out_of_range_is_an_invalid_cursor(client: wp.WorkflowClient) -> None:
+    import base64
+    import json
+
+    late = dt.datetime(9999, 12, 31, 23, tzinfo=dt.timezone(-dt.timedelta(hours=5)))
+    for fields in ([late.isoformat(), "x"], ["2024-01-01T00:00:00+00:00", "a\x00b"]):
+        cursor = base64.urlsafe_b64encode(json.dumps(fields).encode()).decode()
+        with pytest.raises(wp.InvalidCursorError):
+            client.list(any_wf, cursor=cursor)
+
+
+@pytest.mark.parametrize("timeout", ["1", math.nan, True], ids=repr)
+def test_bad_result_timeout(client: wp.WorkflowClient, timeout: Any) -> None:
+    done = client.start(any_wf, 1)
+    with pytest.raises(wp.InvalidArgumentError, match="timeout"):
+        client.result(done.execution_id, timeout=timeout)
 
 
 @pytest.mark.parametrize("workflow", [123, None, "", "w" * 201], ids=repr)
@@ -1111,6 +1162,10 @@ def test_bad_list_workflow(client: wp.WorkflowClient, workflow: Any) -> None:
         {"older_than": dt.timedelta(0), "statuses": ("running",)},
         {"older_than": dt.timedelta(0), "statuses": ()},
         {"older_than": dt.timedelta(0), "statuses": "completed"},
+        {"older_than": dt.timedelta(0), "statuses": None},
+        {"older_than": dt.timedelta(0), "statuses": [["completed"]]},
+        {"older_than": dt.timedelta.max},
+        {"older_than": dt.datetime(9999, 12, 31, 23, tzinfo=dt.timezone(-dt.timedelta(hours=5)))},
     ],
     ids=repr,
 )

@@ -300,3 +300,73 @@ def test_a_pause_between_a_claim_and_its_lease_record_is_not_trusted(
     taker.join(timeout=30)
     assert outcome and outcome[0].unwrap() == "abc"
     assert w.marks(marks) == ["a", "b-start", "b", "c"], "no step ran a second time"
+
+
+def test_close_releases_the_lease_of_a_run_that_stopped_at_its_next_step(
+    make_runtime: Callable[..., wp.Runtime], tmp_path: Path
+) -> None:
+    """close() waits for a step in flight; its run stops before the next step. That run is
+    handed over at once too, not left leased until its lease runs out."""
+    first = make_runtime(lease_ttl=30)
+    first.register(*f.ALL)
+    marks, release = tmp_path / "marks", tmp_path / "release"
+    handle = first.client().start(f.fenced_wf, {"marks": str(marks), "release": str(release)})
+    first.start_worker(concurrency=1, poll_interval=0.02)
+    wait_for_mark(marks, "hold-start")
+    closing = threading.Thread(target=first.close, kwargs={"timeout": 30})
+    closing.start()
+    wait_until(lambda: first.closing, what="close() to begin")
+    release.touch()  # the step ends; the drive stops before the next one
+    closing.join(timeout=30)
+    assert not closing.is_alive()
+    second = make_runtime(lease_ttl=30)
+    second.register(*f.ALL)
+    assert _due(second, handle.execution_id), "released: due at once, not after 30 s"
+    assert second.client().result(handle.execution_id, timeout=30).unwrap() == [
+        "held",
+        "one",
+        "two",
+    ]
+    assert _completions(second, handle.execution_id)["hold#1"] == 1
+
+
+def test_a_compensation_is_not_started_without_the_lease(
+    make_runtime: Callable[..., wp.Runtime], tmp_path: Path
+) -> None:
+    """Compensations are new work like steps: a driver checks its lease before each one.
+    A runtime closed during the unwind records the compensation in flight but starts no
+    other; the runtime that takes the run over runs that one, once."""
+    first = make_runtime(lease_ttl=30)
+    first.register(*f.ALL)
+    marks, release = tmp_path / "marks", tmp_path / "release"
+    handle = first.client().start(f.unwound_wf, {"marks": str(marks), "release": str(release)})
+    first.start_worker(concurrency=1, poll_interval=0.02)
+    wait_for_mark(marks, "undo-second", timeout=20)
+    first.close(timeout=0.2)  # the undo is still running in its thread; the lease is released
+    second = make_runtime(lease_ttl=30)
+    second.register(*f.ALL)
+    client = second.client()
+    Path(f"{release}.second").touch()
+
+    def undone() -> list[str]:
+        return [
+            str(r.event.get("activityName"))
+            for r in client.history(handle.execution_id)
+            if r.event["type"] == "compensation.completed"
+        ]
+
+    wait_until(lambda: undone() == ["book#2"], what="the closed runtime's undo to be recorded")
+    time.sleep(0.3)  # long enough for that driver to start the next undo, if it would
+    outcome: list[wp.Outcome] = []
+    taker = threading.Thread(
+        target=lambda: outcome.append(client.result(handle.execution_id, timeout=30))
+    )
+    taker.start()
+    wait_for_mark(marks, "undo-first", timeout=20)
+    time.sleep(0.2)
+    Path(f"{release}.first").touch()
+    taker.join(timeout=30)
+    assert isinstance(outcome[0], wp.Failed)
+    labels = Counter(label for label, _ in f.marks_of(marks))
+    assert labels == {"undo-second": 1, "undo-first": 1}, labels
+    assert undone() == ["book#2", "book#1"]

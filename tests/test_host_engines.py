@@ -4,11 +4,14 @@ hands the host's connections back as it found them."""
 from __future__ import annotations
 
 import threading
+import time
+import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, make_url, text
 from sqlalchemy.pool import NullPool
 
 import wf_persist as wp
@@ -16,7 +19,7 @@ import wf_persist as wp
 from .fixtures import fencing as f
 from .fixtures import saga as s
 from .fixtures import workflows as w
-from .helpers import wait_until
+from .helpers import wait_for_mark, wait_until
 
 #: Engine arguments per backend family: each a configuration an application may use.
 CONFIGURATIONS: dict[str, dict[str, dict[str, Any]]] = {
@@ -101,3 +104,148 @@ def test_runs_are_driven_correctly_on_every_host_configuration(
         if family == "embedded" and configuration == "driver-default":
             raw: Any = conn.connection.driver_connection
             assert raw.isolation_level == ""  # pysqlite's legacy mode, as created
+
+
+def test_transactions_hold_on_an_autocommit_engine_already_at_read_committed(
+    backend: str, db_url: str, make_engine: Callable[..., Engine], saga_reset: None
+) -> None:
+    """AUTOCOMMIT is a driver setting, not an isolation level: a host engine in AUTOCOMMIT
+    whose sessions already run at READ COMMITTED (MySQL configured so, as PostgreSQL is by
+    default) still gets real transactions. Three cancels queued behind a host's lock on the
+    run record one cancellation; the others are refused (no duplicate-key error, no second
+    cancellation)."""
+    from .conftest import has
+
+    kwargs: dict[str, Any] = {"isolation_level": "AUTOCOMMIT"}
+    if has(backend, "sql_mode"):
+        kwargs["connect_args"] = {
+            "init_command": "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED"
+        }
+    engine = make_engine(db_url, **kwargs)
+    holder = make_engine(db_url)
+    with wp.Runtime(engine, lease_ttl=5) as rt:
+        rt.register(*s.ALL)
+        client = rt.client()
+        execution_id = client.start(s.reserve_then_wait_wf).execution_id
+
+        def parked() -> bool:
+            rt.drive(execution_id)
+            return bool(client.pending_signals(execution_id))
+
+        wait_until(parked, what="the signal wait")
+        results: list[str] = []
+
+        def cancel() -> None:
+            try:
+                client.cancel(execution_id)
+                results.append("ok")
+            except wp.CannotCancelError:
+                results.append("refused")
+            except Exception as exc:  # what the test is about: report it, do not hang
+                results.append(repr(exc))
+
+        threads = [threading.Thread(target=cancel) for _ in range(3)]
+        with holder.begin() as conn:  # the host holds the run's row while cancels queue
+            conn.execute(
+                text("UPDATE wf_executions SET updated_at = updated_at WHERE id = :i"),
+                {"i": execution_id},
+            )
+            for t in threads:
+                t.start()
+            time.sleep(0.5)  # every cancel is waiting for the row now
+            assert results == []
+        for t in threads:
+            t.join(30)
+        assert sorted(results) == ["ok", "refused", "refused"], results
+        types = [r.event["type"] for r in client.history(execution_id)]
+        assert types.count("execution.cancelled") == 1
+
+
+@pytest.mark.needs("server")
+def test_a_host_engine_that_maps_the_default_schema(
+    backend: str, db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """A host engine with a ``schema_translate_map`` puts wf_persist's tables where it maps
+    them: every statement goes there, the one-statement fast path and the lease keeper's
+    renewals included (a live lease is never taken over)."""
+    from wf_persist import migrate
+
+    from .conftest import has
+
+    f.reset()
+    name = f"wf_map_{uuid.uuid4().hex[:8]}"
+    admin = make_engine(db_url)
+    with admin.begin() as conn:
+        conn.execute(text(f"CREATE SCHEMA {name}"))
+    try:
+
+        def mapped() -> Engine:
+            return make_engine(db_url).execution_options(schema_translate_map={None: name})
+
+        if has(backend, "schemas"):
+            migrate.upgrade(mapped())
+        else:  # MySQL/MariaDB: the schema is a database, migrated by its own URL
+            migrate.upgrade(make_engine(make_url(db_url).set(database=name)))
+        with (
+            wp.Runtime(mapped(), lease_ttl=1.0) as rt,
+            wp.Runtime(mapped(), lease_ttl=1.0) as other,
+        ):
+            rt.register(*w.ALL, *f.ALL)
+            other.register(*f.ALL)
+            client = rt.client()
+            done = client.result(client.start(w.echo_wf, 2).execution_id, timeout=20)
+            assert done.unwrap() == [1, 2]
+            handle = client.start(f.slow_wf, 2.5)
+            rt.start_worker(concurrency=1, poll_interval=0.02)
+            wait_until(
+                lambda: client.describe(handle.execution_id).started_at is not None,
+                what="the claim",
+            )
+            deadline = time.monotonic() + 2.5
+            while time.monotonic() < deadline:
+                assert other.drive(handle.execution_id) is False, "a live lease was taken over"
+                time.sleep(0.05)
+            assert client.result(handle.execution_id, timeout=20).unwrap() == 2.5
+            assert f.CONTROL["slow_runs"] == 1
+    finally:
+        with admin.begin() as conn:
+            conn.execute(text(f"DROP SCHEMA {name}{' CASCADE' if has(backend, 'schemas') else ''}"))
+
+
+@pytest.mark.needs("server")
+def test_a_session_default_above_read_committed_does_not_fail_fenced_writes(
+    backend: str, db_url: str, make_engine: Callable[..., Engine], tmp_path: Path
+) -> None:
+    """Sessions whose default isolation is SERIALIZABLE (the host's connect options, or
+    the database's own setting): a step's fenced write that meets a concurrent update of its
+    run (a lease renewal, say; here a host's) re-checks the run and is recorded, instead of
+    failing with a serialization error and counting a failed drive."""
+    from .conftest import has
+
+    f.reset()
+    connect_args = (
+        {"init_command": "SET SESSION TRANSACTION ISOLATION LEVEL SERIALIZABLE"}
+        if has(backend, "sql_mode")
+        else {"options": "-c default_transaction_isolation=serializable"}
+    )
+    engine = make_engine(db_url, connect_args=connect_args)
+    holder = make_engine(db_url)
+    marks, release = tmp_path / "marks", tmp_path / "release"
+    with wp.Runtime(engine, lease_ttl=30) as rt:
+        rt.register(*f.ALL)
+        client = rt.client()
+        handle = client.start(f.fenced_wf, {"marks": str(marks), "release": str(release)})
+        driving = threading.Thread(target=rt.drive, args=(handle.execution_id,))
+        driving.start()
+        wait_for_mark(marks, "hold-start")
+        with holder.begin() as conn:  # the run's row changes while the step's write waits
+            conn.execute(
+                text("UPDATE wf_executions SET updated_at = updated_at WHERE id = :i"),
+                {"i": handle.execution_id},
+            )
+            release.touch()
+            time.sleep(0.5)
+        driving.join(30)
+        types = [r.event["type"] for r in client.history(handle.execution_id)]
+        assert "drive.failed" not in types
+        assert client.result(handle.execution_id, timeout=20).unwrap() == ["held", "one", "two"]

@@ -206,3 +206,35 @@ def test_suspended_runs_cost_the_worker_no_memory(runtime: wp.Runtime) -> None:
     loaded = idle_allocations()
     assert loaded - baseline < 256 * 1024, (baseline, loaded)
     assert runtime._driving == set()
+
+
+def test_sigterm_stops_a_worker_process_at_the_next_step_and_hands_the_run_over(
+    runtime: wp.Runtime, db_url: str, tmp_path: Path, procs: Processes
+) -> None:
+    """SIGTERM: the step in flight ends, nothing new starts, and the run is due at once for
+    other workers (not after the lease TTL), as with close()."""
+    from .fixtures import fencing as f
+
+    runtime.register(*f.ALL)
+    client = runtime.client()
+    marks, release = tmp_path / "marks", tmp_path / "release"
+    handle = client.start(f.fenced_wf, {"marks": str(marks), "release": str(release)})
+    worker = procs.worker(db_url, lease_ttl=30.0)
+    wait_for_mark(marks, "hold-start")
+    worker.send(signal.SIGTERM)
+    worker.wait_for_stderr("stopping (SIGTERM)")
+    release.touch()
+    assert worker.wait(30) == 0
+    assert w.marks(marks) == ["hold-start", "hold-end"], "nothing new started after SIGTERM"
+    with runtime.backend.read() as conn:
+        row = conn.execute(
+            select(ex.c.status, ex.c.lease_owner).where(ex.c.id == handle.execution_id)
+        ).one()
+    assert (row.status, row.lease_owner) == ("running", None), "handed over at once"
+    assert client.result(handle.execution_id, timeout=30).unwrap() == ["held", "one", "two"]
+    completed = Counter(
+        r.event["activityName"]
+        for r in client.history(handle.execution_id)
+        if r.event["type"] == "step.completed"
+    )
+    assert completed == Counter({"hold#1": 1, "after#1": 1, "after#2": 1})

@@ -123,11 +123,12 @@ def current(url: UrlOption = None, schema: SchemaOption = None) -> None:
 def parse_age(text: str) -> dt.timedelta | dt.datetime:
     """``30d``, ``12h``, ``15m``, ``90s`` (an age) or an ISO-8601 time with offset (a cutoff)."""
     units = {"d": "days", "h": "hours", "m": "minutes", "s": "seconds"}
-    if text[-1:] in units and text[:-1].replace(".", "", 1).isdigit():
-        return dt.timedelta(**{units[text[-1]]: float(text[:-1])})
+    when: dt.timedelta | dt.datetime | None
     try:
+        if text[-1:] in units and text[:-1].replace(".", "", 1).isdigit():
+            return dt.timedelta(**{units[text[-1]]: float(text[:-1])})
         when = dt.datetime.fromisoformat(text)
-    except ValueError:
+    except (ValueError, OverflowError):  # not a time, or an age beyond any date
         when = None
     if when is None or when.tzinfo is None:
         raise InvalidArgumentError(
@@ -199,6 +200,9 @@ def worker(
 
     def stop(signum: int, _frame: object) -> None:
         err.print(f"worker {runtime.owner}: stopping ({signal.Signals(signum).name})")
+        # As close() does first: runs in flight stop before their next step and are handed
+        # over, rather than driven to their end while the loop waits for them.
+        runtime.closing = True
         loop.stop(timeout=0)
 
     signal.signal(signal.SIGTERM, stop)

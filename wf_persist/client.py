@@ -159,10 +159,10 @@ def _decode_cursor(cursor: str) -> tuple[dt.datetime, str]:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
         created, execution_id = json.loads(raw)
         when = dt.datetime.fromisoformat(created)
-        if when.tzinfo is None or not isinstance(execution_id, str):
+        if when.tzinfo is None or not isinstance(execution_id, str) or unstorable(execution_id):
             raise ValueError(cursor)
-        return when, execution_id
-    except (binascii.Error, ValueError, TypeError, UnicodeDecodeError) as exc:
+        return when.astimezone(dt.UTC), execution_id
+    except (binascii.Error, ValueError, TypeError, UnicodeDecodeError, OverflowError) as exc:
         raise InvalidCursorError(cursor) from exc
 
 
@@ -229,6 +229,16 @@ def _signal_document(execution_id: str, name: str, wait: Mapping[str, Any], payl
             errors = [{"loc": tuple(e.absolute_path), "msg": e.message} for e in found]
             raise SignalPayloadError(execution_id, name, errors)
     return doc
+
+
+def _utc(value: object, what: str) -> dt.datetime:
+    """An aware datetime as UTC (the form it is stored and compared in)."""
+    if not isinstance(value, dt.datetime) or value.tzinfo is None:
+        raise InvalidArgumentError(f"{what} must be an aware datetime, got {value!r:.80}")
+    try:
+        return value.astimezone(dt.UTC)
+    except OverflowError:
+        raise InvalidArgumentError(f"{what} is out of range in UTC: {value!r}") from None
 
 
 def _check_text(what: str, value: str | None) -> None:
@@ -375,6 +385,10 @@ class WorkflowClient:
         Raises:
             UnknownExecutionError, MissingWorkflowVersionError, ResultTimeoutError.
         """
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout != timeout
+        ):
+            raise InvalidArgumentError(f"timeout must be a number of seconds, got {timeout!r:.80}")
         rt = self.runtime
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.002
@@ -496,9 +510,10 @@ class WorkflowClient:
         Filters: ``status``, ``version``, creation time in ``[created_after,
         created_before)`` (timezone-aware) and ``actor``.
         """
-        for bound in (created_after, created_before):
-            if bound is not None and (not isinstance(bound, dt.datetime) or bound.tzinfo is None):
-                raise InvalidArgumentError("created_after/created_before must be aware datetimes")
+        if created_after is not None:
+            created_after = _utc(created_after, "created_after")
+        if created_before is not None:
+            created_before = _utc(created_before, "created_before")
         name = _workflow_name(workflow)
         _check_text("actor", actor)
         if version is not None and (
@@ -552,15 +567,22 @@ class WorkflowClient:
             How many runs were deleted.
         """
         if isinstance(older_than, dt.timedelta):
-            cutoff = self.runtime.clock() - older_than
-        elif isinstance(older_than, dt.datetime) and older_than.tzinfo is not None:
-            cutoff = older_than
+            try:
+                cutoff = self.runtime.clock() - older_than
+            except OverflowError:
+                raise InvalidArgumentError(f"older_than is out of range: {older_than!r}") from None
+        elif isinstance(older_than, dt.datetime):
+            cutoff = _utc(older_than, "older_than")
         else:
             raise InvalidArgumentError("older_than must be a timedelta or an aware datetime")
-        bad = [s for s in statuses if s not in lifecycle.TERMINAL]
-        if bad or not statuses:
+        if (
+            not isinstance(statuses, Sequence)
+            or isinstance(statuses, str | bytes)
+            or not statuses
+            or any(not isinstance(s, str) or s not in lifecycle.TERMINAL for s in statuses)
+        ):
             raise InvalidArgumentError(
-                f"purge deletes finished runs only (completed, failed); got {list(statuses)}"
+                f"purge deletes finished runs only (completed, failed); got {statuses!r:.80}"
             )
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise InvalidArgumentError(f"batch_size must be a positive integer, got {batch_size!r}")

@@ -347,9 +347,15 @@ def drive(
             return driver.finished
     except Halt as halt:
         if isinstance(halt.cause, LeaseLostError):
-            log.info(
-                "run %s: lease lost, stopped (another runtime may drive it)", claim.execution_id
-            )
+            if runtime.closing and not lease.lost:
+                # Stopped by close(), not by a takeover: hand the run over now (its lease is
+                # forgotten below, so close() would not release it).
+                release(runtime, claim)
+            else:
+                log.info(
+                    "run %s: lease lost, stopped (another runtime may drive it)",
+                    claim.execution_id,
+                )
         else:
             failed(runtime, claim, halt.cause)
     except Exception as exc:  # a defect in replay itself: count it like any failed drive

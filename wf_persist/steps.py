@@ -354,6 +354,8 @@ class StepRunner:
         if "reason" in params:
             kwargs["reason"] = reason
         with outside_body():
+            # New work like a step: not started without the lease (checked as late).
+            self.driver.check_lease()
             fn(comp.result, *bound.args, **kwargs)
 
 

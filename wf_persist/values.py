@@ -21,11 +21,17 @@ from .errors import InvalidPayloadError, NotSerializableError
 #: JSON numbers every backend keeps exactly (MySQL's JSON and SQLite's json functions turn
 #: larger integers into doubles, silently losing digits).
 INT_RANGE: Final = range(-(2**63), 2**63)
+#: Lists and objects nested in one value: MariaDB keeps JSON documents up to 31 levels deep
+#: and a stored event wraps a value in up to two more (``{"input": {"param": value}}``).
+MAX_DEPTH: Final = 29
 
 
-def unstorable(value: Any) -> str | None:
+def unstorable(value: Any, depth: int = 0) -> str | None:
     """Why a JSON document cannot be stored exactly everywhere, or ``None``: text with NUL
-    characters or lone surrogates (invalid UTF-8), or an integer beyond 64 bits."""
+    characters or lone surrogates (invalid UTF-8), an integer beyond 64 bits, or lists and
+    objects nested more than :data:`MAX_DEPTH` levels deep."""
+    if isinstance(value, dict | list) and depth >= MAX_DEPTH:
+        return f"it is nested more than {MAX_DEPTH} levels deep, which MariaDB rejects"
     if isinstance(value, str):
         if "\x00" in value:
             return "it contains a NUL character, which databases reject"
@@ -42,13 +48,13 @@ def unstorable(value: Any) -> str | None:
         return None
     if isinstance(value, dict):
         for k, v in value.items():
-            found = unstorable(k) or unstorable(v)
+            found = unstorable(k) or unstorable(v, depth + 1)
             if found:
                 return found
         return None
     if isinstance(value, list):
         for v in value:
-            found = unstorable(v)
+            found = unstorable(v, depth + 1)
             if found:
                 return found
     return None
@@ -84,6 +90,10 @@ def to_json(adapter: TypeAdapter[Any], value: Any, what: str) -> Any:
         raise InvalidPayloadError(what, [dict(e) for e in exc.errors(include_url=False)]) from exc
     except (PydanticSerializationError, UnicodeDecodeError) as exc:
         raise NotSerializableError(what, str(exc)) from exc
+    except ValueError as exc:  # pydantic's own limit: "Maximum serialization depth exceeded"
+        deep = "depth" in str(exc)
+        detail = f"it is nested more than {MAX_DEPTH} levels deep" if deep else str(exc)
+        raise NotSerializableError(what, detail) from exc
     if non_finite(validated):
         raise NotSerializableError(what, "it contains NaN or an infinity, which JSON cannot hold")
     problem = unstorable(doc)

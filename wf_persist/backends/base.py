@@ -219,6 +219,10 @@ class Backend:
             {} if schema is None else {"schema_translate_map": {None: schema}}
         )
         self.engine = self.make_view(engine)
+        #: The schema translation our statements get (a named schema's, or one the host's
+        #: engine carries): SQL a fast path renders itself must render it too.
+        found = self.engine.get_execution_options().get("schema_translate_map")
+        self.schema_map: dict[str | None, str | None] | None = dict(found) if found else None
         self.slots = Slots(self.engine)
         #: The largest JSON value (bytes, as sent) one stored value may have.
         self.max_value_bytes = 256 * 1024 * 1024 - 64 * 1024
@@ -272,13 +276,13 @@ class Backend:
 
     def side_engine(self) -> Engine:
         """An engine with a pool of its own (the lease keeper's): a busy runs' pool must not
-        starve lease renewal. It connects as the host's engine does (same creator)."""
+        starve lease renewal. It connects as the host's engine does (same creator) and runs
+        statements as it does (its execution options, a schema translation among them)."""
         from sqlalchemy import create_engine
 
         pool = self.base_engine.pool.recreate()
-        engine = create_engine(
-            self.base_engine.url, pool=pool, execution_options=self.view_options()
-        )
+        options = {**self.base_engine.get_execution_options(), **self.view_options()}
+        engine = create_engine(self.base_engine.url, pool=pool, execution_options=options)
         if self.owned:
             self.on_own_engine(engine)
         return engine

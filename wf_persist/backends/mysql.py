@@ -96,7 +96,11 @@ class MySQLBackend(Backend):
             mode, packet = conn.execute(
                 text("SELECT @@SESSION.sql_mode, @@max_allowed_packet")
             ).one()
-            self._isolation = conn.get_isolation_level()
+            # AUTOCOMMIT is a driver setting the isolation level does not report: such an
+            # engine needs our level set too, or our transactions would not be transactions.
+            raw: Any = conn.connection.dbapi_connection
+            autocommit = conn.dialect.detect_autocommit_setting(raw)
+            self._isolation = "AUTOCOMMIT" if autocommit else conn.get_isolation_level()
         super().__init__(engine, owned=owned, schema=schema)
         self.slots = NamedLockSlots(self.engine)
         self.sql_mode = str(mode)

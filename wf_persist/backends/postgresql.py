@@ -62,6 +62,13 @@ class PostgreSQLBackend(Backend):
         super().__init__(engine, owned=owned, schema=schema)
         self.slots = AdvisorySlots(self.engine)
         self._sql: dict[WriteShape, str] = {}
+        # The one-statement write runs in autocommit, at the sessions' default isolation
+        # (the host's connect options or the database's setting may raise it): above READ
+        # COMMITTED its compare-and-set fails on any concurrent update of the run instead of
+        # re-checking it, so it is used only where that default is READ COMMITTED.
+        with engine.connect() as conn:
+            default = conn.exec_driver_sql("SHOW default_transaction_isolation").scalar()
+        self.autocommit_writes = default == "read committed"
 
     def view_options(self) -> dict[str, Any]:
         return {**super().view_options(), "isolation_level": "READ COMMITTED"}
@@ -110,18 +117,13 @@ class PostgreSQLBackend(Backend):
                 .add_cte(top)
                 .returning(hist.c.sequence, select(top.c.status).scalar_subquery())
             )
-            options = self.statement_options
-            compiled = stmt.compile(
-                dialect=self.base_engine.dialect,
-                **(
-                    {
-                        "schema_translate_map": options["schema_translate_map"],
-                        "render_schema_translate": True,
-                    }
-                    if options
-                    else {}
-                ),
+            schema_map = self.schema_map
+            translate: dict[str, Any] = (
+                {"schema_translate_map": schema_map, "render_schema_translate": True}
+                if schema_map
+                else {}
             )
+            compiled = stmt.compile(dialect=self.base_engine.dialect, **translate)
             found = str(compiled)
             self._sql[shape] = found
         return found
@@ -139,7 +141,7 @@ class PostgreSQLBackend(Backend):
     ) -> Fenced:
         """The one-statement write, straight to psycopg in autocommit with SQL rendered
         once by SQLAlchemy (psycopg prepares it server-side after a few runs)."""
-        if not events or conn.in_transaction():
+        if not events or conn.in_transaction() or not self.autocommit_writes:
             return super().write(
                 conn, execution_id, epoch, events, now=now, values=values, guard=guard
             )

@@ -226,7 +226,7 @@ class SQLiteBackend(Backend):
         sent straight to the driver with SQL rendered once by SQLAlchemy: skipping
         SQLAlchemy's per-execution work halves a step's CPU, most of its cost next to the
         commit. Errors are handled as SQLAlchemy would (a dead connection is invalidated)."""
-        if conn.in_transaction() or self.schema is not None:
+        if conn.in_transaction() or self.schema_map:
             return super().write(
                 conn, execution_id, epoch, events, now=now, values=values, guard=guard
             )
