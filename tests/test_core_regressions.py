@@ -331,3 +331,24 @@ def test_lifecycle_rules() -> None:
     assert L.event_transition("running", "step.completed") is None
     assert L.cancellation_status(True) == "compensating"
     assert L.cancellation_status(False) == "failed"
+
+
+def test_an_error_carrying_data_no_database_keeps_is_recorded_once(
+    rt: wp.Runtime, tmp_path: Path
+) -> None:
+    """A step raises an error whose arguments and fields are nested deeper than MariaDB's
+    JSON allows, hold integers beyond 64 bits and NaN. The failure is recorded at the first
+    attempt (those parts as text, the rest as JSON) instead of failing the write at every
+    drive and running the step again each time."""
+    rt.register(*f.ALL)
+    marks = tmp_path / "marks"
+    handle = rt.client().start(f.awkward_wf, str(marks))
+    outcome = rt.client().result(handle.execution_id, timeout=30)
+    assert isinstance(outcome, wp.Failed) and outcome.error_type == "Awkward"
+    assert [label for label, _ in f.marks_of(marks)] == ["awkward"], "the step ran once"
+    error = outcome.error
+    assert isinstance(error["tree"], str) and error["tree"].startswith("[[[")
+    assert error["huge"] == str(2**80)
+    assert error["plain"] == {"kept": [1, 2]}
+    assert error["args"][0] == "awkward" and error["args"][2:] == [str(2**70), "nan"]
+    assert "drive.failed" not in _types(rt, handle.execution_id)

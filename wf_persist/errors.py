@@ -318,6 +318,19 @@ def error_document(exc: BaseException) -> dict[str, Any]:
     """
     import json
 
+    from .values import unstorable
+
+    def storable(value: Any) -> Any:
+        """The value as strict JSON every backend keeps (no NaN, no integer beyond 64
+        bits, not nested past MariaDB's limit), else its text: an error must always be
+        recordable, or the step that raised it would run again at every drive."""
+        try:
+            doc = _scrub(json.loads(json.dumps(value, allow_nan=False)))
+        except (TypeError, ValueError, RecursionError):
+            return str(value)
+        # Room for the levels around it: event, error, compensation errors, args.
+        return str(value) if unstorable(doc, 6) else doc
+
     doc: dict[str, Any] = {
         "name": type(exc).__name__,
         "module": type(exc).__module__,
@@ -325,17 +338,15 @@ def error_document(exc: BaseException) -> dict[str, Any]:
     }
     # Strict JSON (no NaN or infinities, which JSON columns reject), kept in its JSON form:
     # the document a caller gets is the one a later read of the database returns.
-    try:
-        doc["args"] = json.loads(json.dumps(list(exc.args), allow_nan=False))
-    except (TypeError, ValueError):
-        doc["args"] = [str(a) for a in exc.args]
+    doc["args"] = [storable(a) for a in exc.args]
     for key, value in vars(exc).items():
         if key.startswith("_") or key in doc:
             continue
         try:
-            doc[key] = json.loads(json.dumps(value, allow_nan=False))
-        except (TypeError, ValueError):
-            continue
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError, RecursionError):
+            continue  # not data (a connection, a callable): left out
+        doc[key] = storable(value)
     # An error must always be recordable: databases reject NUL and lone surrogates in text.
     cleaned: dict[str, Any] = _scrub(doc)
     return cleaned
