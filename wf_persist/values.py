@@ -28,10 +28,17 @@ MAX_DEPTH: Final = 29
 
 def unstorable(value: Any, depth: int = 0) -> str | None:
     """Why a JSON document cannot be stored exactly everywhere, or ``None``: text with NUL
-    characters or lone surrogates (invalid UTF-8), an integer beyond 64 bits, or lists and
-    objects nested more than :data:`MAX_DEPTH` levels deep."""
-    if isinstance(value, dict | list) and depth >= MAX_DEPTH:
-        return f"it is nested more than {MAX_DEPTH} levels deep, which MariaDB rejects"
+    characters or lone surrogates (invalid UTF-8), an integer beyond 64 bits, NaN or an
+    infinity, or lists and objects nested more than :data:`MAX_DEPTH` levels deep."""
+    return _scan(value, depth, None)
+
+
+def _scan(value: Any, depth: int, nulls: list[bool] | None) -> str | None:
+    """:func:`unstorable`, also noting in ``nulls`` whether the document holds a null."""
+    if value is None:
+        if nulls is not None and not nulls:
+            nulls.append(True)
+        return None
     if isinstance(value, str):
         if "\x00" in value:
             return "it contains a NUL character, which databases reject"
@@ -46,18 +53,25 @@ def unstorable(value: Any, depth: int = 0) -> str | None:
         if value not in INT_RANGE:
             return f"the integer {value} does not fit 64 bits; store it as a string"
         return None
+    if isinstance(value, float):
+        return None if math.isfinite(value) else _NON_FINITE
+    if isinstance(value, dict | list) and depth >= MAX_DEPTH:
+        return f"it is nested more than {MAX_DEPTH} levels deep, which MariaDB rejects"
     if isinstance(value, dict):
         for k, v in value.items():
-            found = unstorable(k) or unstorable(v, depth + 1)
+            found = _scan(k, depth, nulls) or _scan(v, depth + 1, nulls)
             if found:
                 return found
         return None
     if isinstance(value, list):
         for v in value:
-            found = unstorable(v, depth + 1)
+            found = _scan(v, depth + 1, nulls)
             if found:
                 return found
     return None
+
+
+_NON_FINITE: Final = "it contains NaN or an infinity, which JSON cannot hold"
 
 
 def non_finite(value: Any, depth: int = 0) -> bool:
@@ -94,9 +108,12 @@ def to_json(adapter: TypeAdapter[Any], value: Any, what: str) -> Any:
         deep = "depth" in str(exc)
         detail = f"it is nested more than {MAX_DEPTH} levels deep" if deep else str(exc)
         raise NotSerializableError(what, detail) from exc
-    if non_finite(validated):
-        raise NotSerializableError(what, "it contains NaN or an infinity, which JSON cannot hold")
-    problem = unstorable(doc)
+    nulls: list[bool] = []
+    problem = _scan(doc, 0, nulls)
+    # pydantic writes NaN and infinities as null: only a document with a null (or already
+    # refused) needs the walk over the Python value that tells them apart.
+    if (nulls or problem) and non_finite(validated):
+        raise NotSerializableError(what, _NON_FINITE)
     if problem is not None:
         raise NotSerializableError(what, problem)
     return doc
