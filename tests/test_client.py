@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from pathlib import Path
@@ -168,3 +169,31 @@ def test_result_times_out_while_another_runtime_holds_the_lease(make_runtime: ob
     with pytest.raises(wp.ResultTimeoutError):
         waiter.client().result(handle.execution_id, timeout=0.3)
     assert waiter.client().status(handle.execution_id) == "running"
+
+
+def test_signal_and_cancel_need_no_workflow_code_in_this_process(make_runtime: object) -> None:
+    """A process that registered nothing (a web handler, an operations script) signals and
+    cancels runs that a runtime with the code drives: the signal is validated against the
+    schema its wait recorded, and the cancellation is unwound by whoever drives the run."""
+    full = make_runtime()  # type: ignore[operator]
+    full.register(w.approval_wf)
+    waiting = full.client().start(w.approval_wf, None)
+    doomed = full.client().start(w.approval_wf, None)
+
+    def at_the_wait(execution_id: str) -> bool:  # past its short sleep, to the signal wait
+        full.drive(execution_id)
+        return bool(full.client().pending_signals(execution_id))
+
+    for execution_id in (waiting.execution_id, doomed.execution_id):
+        wait_until(functools.partial(at_the_wait, execution_id), what="the signal wait")
+
+    thin = make_runtime().client()  # type: ignore[operator]
+    with pytest.raises(wp.SignalPayloadError):
+        thin.signal(waiting.execution_id, "approval", {"approved": "perhaps"})
+    thin.signal(waiting.execution_id, "approval", {"approved": True}, actor="ops")
+    thin.cancel(doomed.execution_id, actor="ops")
+    assert thin.status(doomed.execution_id) == "compensating"
+
+    assert full.client().result(waiting.execution_id, timeout=30).unwrap() == "approved"
+    cancelled = full.client().result(doomed.execution_id, timeout=30)
+    assert isinstance(cancelled, wp.Failed) and cancelled.error_type == "Cancelled"

@@ -432,13 +432,12 @@ class WorkflowClient:
         Raises:
             CannotCancelError: the run is not running or suspended ("Cannot cancel completed
                 execution ..."); of two concurrent cancels, the second.
-            UnknownExecutionError, MissingWorkflowVersionError.
+            UnknownExecutionError.
         """
         _check_text("actor", actor)
         rt = self.runtime
         with self._reading() as conn:
-            row = self._row(conn, execution_id)
-        rt.definition(row.workflow_name, row.workflow_version)
+            self._row(conn, execution_id)
         error = error_document(Cancelled(compensate, actor))
         now = rt.clock()
         with rt.backend.begin() as conn:
@@ -475,14 +474,12 @@ class WorkflowClient:
             SignalNotWaitingError: no pending wait on ``name`` (nothing is recorded).
             SignalPayloadError: the payload does not fit; nothing is recorded.
             SignalAlreadyDeliveredError: a concurrent delivery to the same wait won.
-            MissingWorkflowVersionError: this runtime lacks the run's pinned version.
         """
         _check_text("actor", actor)
         _check_text("signal name", name)
         rt = self.runtime
         with self._reading() as conn:
-            row = self._row(conn, execution_id)
-        rt.definition(row.workflow_name, row.workflow_version)
+            self._row(conn, execution_id)
 
         def validate(wait: Mapping[str, Any]) -> Any:
             stored = _validate_signal(execution_id, name, wait, payload)
