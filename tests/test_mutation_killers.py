@@ -1,0 +1,344 @@
+"""Tests that kill mutants of the core modules the rest of the suite let survive.
+
+Each pins documented behaviour (README, docstrings, docs/sql.md) that a mutation run
+(``make mutation``, docs/mutation.md) showed no other test asserted; each docstring names
+the mutants it kills.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.engine import make_url
+
+import wf_persist as wp
+from wf_persist import migrate
+from wf_persist.backends.sqlite import SQLiteBackend
+from wf_persist.events import NewEvent
+from wf_persist.models import executions_table as ex
+from wf_persist.models import history_table as hist
+from wf_persist.store import executions
+
+from .fixtures import workflows as w
+
+T0 = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
+
+
+def _started(runtime: wp.Runtime) -> str:
+    runtime.register(w.echo_wf)
+    return runtime.client().start(w.echo_wf, 2).execution_id
+
+
+def _row(runtime: wp.Runtime, execution_id: str) -> dict[str, object]:
+    with runtime.transaction() as conn:
+        return dict(conn.execute(select(ex).where(ex.c.id == execution_id)).mappings().one())
+
+
+def _seconds(later: object, earlier: object) -> float:
+    assert isinstance(later, dt.datetime) and isinstance(earlier, dt.datetime)
+    return (later - earlier).total_seconds()
+
+
+# leases: Backend.renew ----------------------------------------------------------------
+
+
+def test_renew_extends_only_leases_held_at_their_epoch(runtime: wp.Runtime) -> None:
+    """``renew`` extends the lease (and the takeover time, ``wake_at``) of each run still
+    held at the given epoch, by the TTL on the database's clock, and returns those ids; a
+    run held at another epoch, or not named, is left alone. Kills the ``Backend.renew``
+    mutants that drop or null a column, lose the WHERE or the TTL parameter."""
+    held = _started(runtime)
+    other = _started(runtime)
+    backend = runtime.backend
+    with runtime.transaction() as conn:
+        claim = backend.claim(conn, held, runtime.owner, 5)
+        other_claim = backend.claim(conn, other, runtime.owner, 5)
+    assert claim is not None and other_claim is not None
+    before, other_before = _row(runtime, held), _row(runtime, other)
+    with runtime.transaction() as conn:
+        assert backend.renew(conn, {}, 3600) == set()
+        assert backend.renew(conn, {held: claim.epoch}, 3600) == {held}
+    after = _row(runtime, held)
+    assert _seconds(after["lease_expires_at"], before["lease_expires_at"]) > 3000
+    assert _seconds(after["wake_at"], before["wake_at"]) > 3000
+    assert _row(runtime, other) == other_before, "a lease not named is not renewed"
+    with runtime.transaction() as conn:  # a stale epoch renews nothing
+        assert backend.renew(conn, {held: claim.epoch + 1}, 7200) == set()
+    assert _row(runtime, held) == after
+
+
+# listing: keyset pagination and filters -------------------------------------------------
+
+
+def _create(runtime: wp.Runtime, execution_id: str, at: dt.datetime, actor: str | None) -> None:
+    runtime.register(w.echo_wf)
+    started = NewEvent({"type": "execution.started", "executionId": execution_id}, at)
+    with runtime.transaction() as conn:
+        executions.create(
+            conn,
+            runtime.backend,
+            execution_id=execution_id,
+            workflow_name=w.echo_wf.name,
+            workflow_version=1,
+            payload=None,
+            idempotency_key=None,
+            actor=actor,
+            started=started,
+            now=at,
+        )
+
+
+def test_pages_walk_runs_created_at_the_same_instant_exactly_once(runtime: wp.Runtime) -> None:
+    """``list`` is keyset-paginated on ``(created_at, id)``: runs created at one instant
+    are ordered by id and each page starts after the last row of the previous one, so a
+    run is neither skipped nor repeated, also when an older run has a larger id. Kills the
+    ``keyset_after`` mutants that drop either half of the tie-break and the ``list_page``
+    mutants that drop ``id`` from the ORDER BY."""
+    early = "ffffffff-0000-4000-8000-" + "0" * 12
+    ties = [f"{i:08x}-0000-4000-8000-" + "0" * 12 for i in (3, 1, 2)]
+    _create(runtime, early, T0, None)
+    for execution_id in ties:
+        _create(runtime, execution_id, T0 + dt.timedelta(seconds=1), None)
+    client = runtime.client()
+    seen: list[str] = []
+    cursor = None
+    for _ in range(10):
+        page = client.list(w.echo_wf, limit=1, cursor=cursor)
+        seen += [i.execution_id for i in page.items]
+        cursor = page.next_cursor
+        if cursor is None:
+            break
+    assert seen == [early, *sorted(ties)]
+    assert [i.execution_id for i in client.list(w.echo_wf).items] == [early, *sorted(ties)]
+
+
+def test_list_time_range_is_half_open_and_actor_filters(runtime: wp.Runtime) -> None:
+    """Creation time is filtered as ``[created_after, created_before)`` and ``actor``
+    selects that actor's runs only. Kills the ``list_page`` mutants that drop a bound,
+    make either bound inclusive/exclusive the other way, or invert the actor filter."""
+    ids = [str(uuid.UUID(int=i + 1)) for i in range(4)]
+    for i, (execution_id, actor) in enumerate(zip(ids, ["ann", "bob", "ann", "cy"], strict=True)):
+        _create(runtime, execution_id, T0 + dt.timedelta(hours=i), actor)
+    client = runtime.client()
+
+    def listed(**kwargs: object) -> list[str]:
+        return [i.execution_id for i in client.list(w.echo_wf, **kwargs).items]  # type: ignore[arg-type]
+
+    one, three = T0 + dt.timedelta(hours=1), T0 + dt.timedelta(hours=3)
+    assert listed(created_after=one, created_before=three) == ids[1:3]
+    assert listed(created_after=one) == ids[1:]
+    assert listed(created_before=three) == ids[:3]
+    assert listed(actor="ann") == [ids[0], ids[2]]
+    assert listed(actor="cy", created_after=one) == [ids[3]]
+    assert listed(limit=2) == ids[:2]
+
+
+# purge ----------------------------------------------------------------------------------
+
+
+def test_purge_batch_deletes_the_oldest_finished_runs_of_the_wanted_statuses(
+    runtime: wp.Runtime,
+) -> None:
+    """``purge_batch`` deletes up to ``limit`` runs of the wanted terminal statuses that
+    finished strictly before the cutoff, oldest first, with their history; other statuses,
+    later runs and every other run's history stay, and non-terminal statuses match
+    nothing. Kills the ``purge_batch`` mutants that drop or loosen a filter, the ordering,
+    the history filter or the early return."""
+    runtime.register(*w.ALL)
+    client = runtime.client()
+    done = [client.start(w.echo_wf, 2).execution_id for _ in range(3)]
+    for execution_id in done:
+        client.result(execution_id)
+    failed = client.start(w.explode_wf, "x").execution_id
+    client.result(failed)
+    running = client.start(w.echo_wf, 2).execution_id
+    # finished at T0+3min, +1min, +2min (completed) and T0 (failed)
+    finished_at = dict(zip([*done, failed], (3, 1, 2, 0), strict=True))
+    with runtime.transaction() as conn:
+        for execution_id, minutes in finished_at.items():
+            at = T0 + dt.timedelta(minutes=minutes)
+            conn.execute(ex.update().where(ex.c.id == execution_id).values(finished_at=at))
+    cutoff = T0 + dt.timedelta(minutes=3)  # the run finished exactly then is not older
+    with runtime.transaction() as conn:
+        assert (
+            executions.purge_batch(conn, finished_before=cutoff, statuses=["running"], limit=9) == 0
+        )
+        assert (
+            executions.purge_batch(conn, finished_before=cutoff, statuses=["completed"], limit=1)
+            == 1
+        )
+    gone = done[1]  # completed at T0+1min: the oldest completed run
+    with pytest.raises(wp.UnknownExecutionError):
+        client.status(gone)
+    with runtime.transaction() as conn:
+        assert (
+            executions.purge_batch(conn, finished_before=cutoff, statuses=["completed"], limit=9)
+            == 1
+        )
+    assert client.status(done[0]) == "completed", "finished at the cutoff: kept"
+    assert client.status(failed) == "failed", "a status not asked for: kept"
+    assert client.status(running) == "running"
+    with runtime.transaction() as conn:
+        left = {r[0] for r in conn.execute(select(hist.c.execution_id).distinct())}
+    assert left == {done[0], failed, running}
+
+
+# SQLite: read-only commands never create a database ------------------------------------
+
+
+def test_schema_state_of_sqlite_urls_never_creates_a_file(tmp_path: Path) -> None:
+    """``migrate.state`` never creates anything: a missing SQLite file reads as
+    ``missing`` and is not created, while in-memory databases (``sqlite://``,
+    ``:memory:``) and URI filenames (``file:...``), whose meaning SQLite decides, are read
+    as they are. Kills every ``SQLiteBackend.database_missing`` mutant."""
+    missing = tmp_path / "missing.sqlite3"
+    state = migrate.state(f"sqlite:///{missing}")
+    assert state.missing and state.revision is None and not missing.exists()
+    for url in ("sqlite://", "sqlite:///:memory:"):
+        memory = migrate.state(url)
+        assert not memory.missing and memory.revision is None, url
+    assert SQLiteBackend.database_missing(make_url(f"sqlite:///{missing}"))
+    assert not SQLiteBackend.database_missing(make_url("sqlite://"))
+    assert not SQLiteBackend.database_missing(make_url("sqlite:///:memory:"))
+    assert not SQLiteBackend.database_missing(make_url(f"sqlite:///file:{missing}?uri=true"))
+    made = tmp_path / "made.sqlite3"
+    migrate.upgrade(f"sqlite:///{made}")
+    assert not SQLiteBackend.database_missing(make_url(f"sqlite:///{made}"))
+    uri = migrate.state(f"sqlite:///file:{made}?mode=ro&uri=true")
+    assert not uri.missing and uri.revision == migrate.current(f"sqlite:///{made}") is not None
+
+
+def test_an_existing_database_is_never_missing(db_url: str) -> None:
+    """Every backend reads an existing, migrated database's revision (none is taken for a
+    missing SQLite file)."""
+    state = migrate.state(db_url)
+    assert not state.missing and state.revision is not None
+
+
+# fenced writes (the generic UPDATE ... RETURNING path) -----------------------------------
+
+
+def test_fenced_write_sets_columns_under_its_status_guard(runtime: wp.Runtime) -> None:
+    """``Backend.fenced`` appends the events and updates the run only at the current epoch
+    and, with a guard, only from a guarded status; it returns the new sequences and the
+    run's status, and a refused write raises ``LeaseLostError`` naming the run and changes
+    nothing. (A write that sets ``status`` returns the new one on PostgreSQL and SQLite but
+    the one it replaced on MySQL, so the row is read then.) Kills the ``fenced`` and
+    ``_params`` mutants that drop the values, the guard, the returned status or the run id
+    of the error."""
+    execution_id = _started(runtime)
+    backend = runtime.backend
+    now = runtime.clock()
+    with runtime.transaction() as conn:
+        claim = backend.claim(conn, execution_id, runtime.owner, 30)
+    assert claim is not None
+
+    def event(name: str) -> NewEvent:
+        doc = {"type": "step.completed", "executionId": execution_id, "activityName": name}
+        return NewEvent(doc, now)
+
+    with runtime.transaction() as conn:
+        done = backend.fenced(conn, execution_id, claim.epoch, [event("a#1")], now=now)
+    assert (done.sequences, done.status) == ([2], "running")
+    with runtime.transaction() as conn:
+        done = backend.fenced(
+            conn, execution_id, claim.epoch, [], now=now, values={"status": "suspended"}
+        )
+    assert done.sequences == []
+    assert _row(runtime, execution_id)["status"] == "suspended"
+    with pytest.raises(wp.LeaseLostError) as lost, runtime.transaction() as conn:
+        backend.fenced(
+            conn,
+            execution_id,
+            claim.epoch,
+            [event("b#1")],
+            now=now,
+            values={"status": "completed"},
+            guard=("running",),
+        )
+    assert lost.value.execution_id == execution_id
+    assert _row(runtime, execution_id)["status"] == "suspended"
+    with runtime.transaction() as conn:
+        done = backend.fenced(
+            conn,
+            execution_id,
+            claim.epoch,
+            [event("b#1"), event("c#1")],
+            now=now,
+            values={"status": "completed"},
+            guard=("running", "suspended"),
+        )
+    assert done.sequences == [3, 4]
+    assert _row(runtime, execution_id)["status"] == "completed"
+    types = [e["type"] for e in (r.event for r in runtime.client().history(execution_id))]
+    assert types == ["execution.started", "step.completed", "step.completed", "step.completed"]
+
+
+# compensations ---------------------------------------------------------------------------
+
+UNDONE: list[tuple[int, int]] = []
+
+
+@wp.step(compensate=max)
+def reserve(amount: int) -> int:
+    return amount + 1
+
+
+@wp.workflow(name="mutation-compensate-builtin", version=1)
+def compensate_builtin_wf(ctx: wp.Context, amount: int) -> int:
+    ctx.run(reserve, amount)
+    ctx.fail(ValueError("undo"))
+    return 0
+
+
+def test_a_compensation_without_an_inspectable_signature_runs_without_reason(
+    runtime: wp.Runtime,
+) -> None:
+    """A compensation is called as ``compensate(result, *args)`` plus ``reason=`` only when
+    it accepts one; a callable whose signature cannot be read (a builtin such as ``max``)
+    is called without it and completes. Kills ``_call_compensation``'s mutant that breaks
+    the no-signature fallback."""
+    runtime.register(compensate_builtin_wf)
+    client = runtime.client()
+    execution_id = client.start(compensate_builtin_wf, 4).execution_id
+    assert isinstance(client.result(execution_id, timeout=30), wp.Failed)
+    types = [r.event["type"] for r in client.history(execution_id)]
+    assert "compensation.completed" in types and "compensation.failed" not in types
+
+
+# replay from fresh history ---------------------------------------------------------------
+
+CANCELLER: dict[str, wp.WorkflowClient] = {}
+
+
+@wp.step
+def cancel_own_run(execution_id: str) -> str:
+    CANCELLER["client"].cancel(execution_id, actor="itself")
+    return execution_id
+
+
+@wp.workflow(name="mutation-cancel-then-sleep", version=1)
+def cancel_then_sleep_wf(ctx: wp.Context) -> str:
+    ctx.run(cancel_own_run, ctx.execution_id)
+    ctx.sleep(3600)
+    return "slept"
+
+
+def test_a_cancellation_seen_mid_drive_replays_from_fresh_history(runtime: wp.Runtime) -> None:
+    """A client event after the history a drive read (here a cancellation recorded while a
+    step ran) makes the next call replay the body from fresh history in the same drive:
+    the run unwinds and fails as cancelled, with no failed drive counted. Kills the
+    ``load_journal`` mutants (each turns the reload into a failed drive)."""
+    runtime.register(cancel_then_sleep_wf)
+    client = runtime.client()
+    CANCELLER["client"] = client
+    execution_id = client.start(cancel_then_sleep_wf).execution_id
+    outcome = client.result(execution_id, timeout=30)
+    assert isinstance(outcome, wp.Failed) and outcome.error_type == "Cancelled"
+    types = [r.event["type"] for r in client.history(execution_id)]
+    assert "drive.failed" not in types and "sleep.started" not in types
+    assert _row(runtime, execution_id)["drive_failures"] == 0
