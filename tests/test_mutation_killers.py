@@ -8,7 +8,10 @@ the mutants it kills.
 from __future__ import annotations
 
 import datetime as dt
+import threading
+import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,8 +25,11 @@ from wf_persist.events import NewEvent
 from wf_persist.models import executions_table as ex
 from wf_persist.models import history_table as hist
 from wf_persist.store import executions
+from wf_persist.worker import Worker
 
+from .fixtures import saga as s
 from .fixtures import workflows as w
+from .helpers import history_types, wait_until
 
 T0 = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
 
@@ -342,3 +348,111 @@ def test_a_cancellation_seen_mid_drive_replays_from_fresh_history(runtime: wp.Ru
     types = [r.event["type"] for r in client.history(execution_id)]
     assert "drive.failed" not in types and "sleep.started" not in types
     assert _row(runtime, execution_id)["drive_failures"] == 0
+
+
+# cancellation fences the run -------------------------------------------------------------
+
+
+def test_a_cancelled_runs_epoch_moves_past_every_claim(runtime: wp.Runtime) -> None:
+    """Cancelling without compensation bumps the fencing token, so no driver that ever
+    held the run (any earlier epoch) can write to it again. Kills the ``cancel`` mutant
+    that moves the epoch backwards (onto an older claim's token)."""
+    execution_id = _started(runtime)
+    backend = runtime.backend
+    with runtime.transaction() as conn:
+        first = backend.claim(conn, execution_id, "first", 30)
+    assert first is not None
+    with runtime.transaction() as conn:
+        backend.release(conn, {execution_id: first.epoch})
+    with runtime.transaction() as conn:
+        second = backend.claim(conn, execution_id, "second", 30)
+    assert second is not None and second.epoch > first.epoch
+    runtime.client().cancel(execution_id, compensate=False)
+    assert _row(runtime, execution_id)["claim_epoch"] > second.epoch  # type: ignore[operator]
+    now = runtime.clock()
+    ev = NewEvent(
+        {"type": "step.completed", "executionId": execution_id, "activityName": "x#1"}, now
+    )
+    for epoch in (first.epoch, second.epoch):
+        with pytest.raises(wp.LeaseLostError), runtime.transaction() as conn:
+            backend.fenced(conn, execution_id, epoch, [ev], now=now)
+
+
+def test_cancel_of_an_unknown_run_raises_naming_the_id(client: wp.WorkflowClient) -> None:
+    """``cancel`` of an id no run has raises ``UnknownExecutionError`` carrying that id.
+    Kills the ``cancel`` mutant that raises it without the id."""
+    missing = str(uuid.uuid4())
+    with pytest.raises(wp.UnknownExecutionError) as raised:
+        client.cancel(missing)
+    assert raised.value.execution_id == missing
+
+
+# concurrency slots -----------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("saga_reset")
+def test_a_run_queued_behind_a_limit_waits_without_replaying_or_failing(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """A run waiting for a step's slot checks now and then that it is still its own and
+    not cancelled, and otherwise just waits: once the slot frees, its one attempt runs,
+    with no failed drive and no replay (one ``step.started``). Kills the ``_check_run``
+    mutants that break the check's query or replay on every check."""
+    runtime = make_runtime(record_start_after=0)
+    runtime.register(*s.ALL)
+    runtime.start_worker(concurrency=4, poll_interval=0.02)
+    client = runtime.client()
+    holder = client.start(s.exclusive_wf, "holder")
+    wait_until(lambda: s.CALLS["exclusive:holder"] > 0, what="the holder's step")
+    queued = client.start(s.exclusive_wf, "queued")
+    wait_until(lambda: "step.started" in history_types(client, queued.execution_id))
+    time.sleep(0.8)  # several of the checks made every 0.2 s while it queues
+    s.GATE.set()
+    assert client.result(holder.execution_id, timeout=10).unwrap() == "holder"
+    assert client.result(queued.execution_id, timeout=10).unwrap() == "queued"
+    types = history_types(client, queued.execution_id)
+    assert types.count("step.started") == 1 and "drive.failed" not in types
+    assert _row(runtime, queued.execution_id)["drive_failures"] == 0
+
+
+@pytest.mark.usefixtures("saga_reset")
+def test_a_run_cancelled_while_it_queues_stops_waiting_at_once(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """A run cancelled without compensation while it waits for a slot stops waiting at its
+    next check (every 0.2 s), not when its lease renewal next fails (a quarter of a long
+    TTL later). Kills the ``_check_run`` mutant that only notices a vanished run."""
+    runtime = make_runtime(record_start_after=0, lease_ttl=60)
+    runtime.register(*s.ALL)
+    runtime.start_worker(concurrency=4, poll_interval=0.02)
+    client = runtime.client()
+    holder = client.start(s.exclusive_wf, "holder")
+    wait_until(lambda: s.CALLS["exclusive:holder"] > 0, what="the holder's step")
+    queued = client.start(s.exclusive_wf, "queued")
+    wait_until(lambda: "step.started" in history_types(client, queued.execution_id))
+    client.cancel(queued.execution_id, compensate=False)
+    wait_until(lambda: queued.execution_id not in runtime._driving, 3, "the queued drive ends")
+    s.GATE.set()
+    assert client.result(holder.execution_id, timeout=10).unwrap() == "holder"
+    assert s.CALLS["exclusive:queued"] == 0
+
+
+# workers ----------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("saga_reset")
+def test_worker_stop_waits_for_runs_in_flight_and_is_safe_before_start(
+    runtime: wp.Runtime,
+) -> None:
+    """``Worker.stop`` on a worker never started returns at once; on a started one it waits
+    (up to ``timeout``) for its loop, which waits for the runs in flight. Kills the
+    ``Worker.stop`` mutants of its join condition."""
+    Worker(runtime, concurrency=1).stop()
+    runtime.register(*s.ALL)
+    worker = Worker(runtime, concurrency=1, poll_interval=0.05).start()
+    runtime.client().start(s.exclusive_wf, "holder")
+    wait_until(lambda: s.CALLS["exclusive:holder"] > 0, what="the run in flight")
+    threading.Timer(0.5, s.GATE.set).start()
+    worker.stop(timeout=10)
+    assert s.GATE.is_set()
+    assert worker._thread is not None and not worker._thread.is_alive()
