@@ -23,14 +23,18 @@ test: $(VENV)/.installed
 	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest
 
-# Backend-independent code is mutated once, on SQLite: a fresh process per mutant on the
-# embedded database keeps the run within the hour on two cores. MUTANTS narrows the run to
-# mutant names matching a glob (MUTANTS='wf_persist.replay.*'); results are kept in mutants/
-# and a second run only tests what is new or changed.
+# Mutants are tested on SQLite (one forked pytest per mutant, the covering tests of the
+# selection in tests/mutation_selection.py). A run stops after MUTATION_MINUTES (default
+# 45) and keeps its results in mutants/: the next `make mutation` goes on where it stopped,
+# re-testing only what changed. MUTANTS narrows a run to names matching a glob, e.g.
+# MUTANTS='wf_persist.replay.*'. The summary is printed either way.
+MUTATION_MINUTES ?= 45
 MUTANTS ?=
 mutation: $(VENV)/.installed
 	$(PY) -m pip install -q -e '.[dev,mutation]'
-	WF_PERSIST_TEST_BACKENDS=sqlite WF_PERSIST_TEST_STRICT= $(VENV)/bin/mutmut run $(if $(MUTANTS),"$(MUTANTS)")
+	WF_PERSIST_TEST_BACKENDS=sqlite WF_PERSIST_TEST_STRICT= timeout --signal=INT \
+		--kill-after=120 $(MUTATION_MINUTES)m $(VENV)/bin/mutmut run \
+		$(if $(MUTANTS),"$(MUTANTS)") || test $$? -eq 124
 	$(PY) -m tests.mutation_report
 
 bench: $(VENV)/.installed

@@ -77,6 +77,37 @@ def test_renew_extends_only_leases_held_at_their_epoch(runtime: wp.Runtime) -> N
     assert _row(runtime, held) == after
 
 
+def test_release_clears_the_lease_and_makes_the_run_due_after_the_delay(
+    runtime: wp.Runtime,
+) -> None:
+    """``release`` gives up leases held at their epoch: the run has no lease owner or expiry
+    any more (docs/sql.md: they are set "while one does" drive it) and is due again after
+    ``delay`` seconds, so another runtime claims it then; it returns how many it released,
+    0 for none. Kills the ``Backend.release`` mutants that keep a lease column or miscount."""
+    execution_id = _started(runtime)
+    backend = runtime.backend
+    with runtime.transaction() as conn:
+        claim = backend.claim(conn, execution_id, runtime.owner, 3600)
+        assert backend.release(conn, {}) == 0
+    assert claim is not None
+    with runtime.transaction() as conn:
+        assert backend.release(conn, {execution_id: claim.epoch + 1}) == 0
+        assert backend.release(conn, {execution_id: claim.epoch}, 3600) == 1
+    row = _row(runtime, execution_id)
+    assert row["lease_owner"] is None and row["lease_expires_at"] is None
+    with runtime.transaction() as conn:  # due again only in an hour
+        assert backend.claim(conn, execution_id, "another", 30) is None
+    other = _started(runtime)
+    with runtime.transaction() as conn:
+        held = backend.claim(conn, other, runtime.owner, 3600)
+    assert held is not None
+    with runtime.transaction() as conn:
+        assert backend.release(conn, {other: held.epoch}) == 1
+    with runtime.transaction() as conn:  # released without a delay: claimable at once
+        taken = backend.claim(conn, other, "another", 30)
+    assert taken is not None and taken.epoch > held.epoch
+
+
 # listing: keyset pagination and filters -------------------------------------------------
 
 
