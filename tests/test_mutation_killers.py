@@ -193,8 +193,8 @@ def test_purge_batch_deletes_the_oldest_finished_runs_of_the_wanted_statuses(
     failed = client.start(w.explode_wf, "x").execution_id
     client.result(failed)
     running = client.start(w.echo_wf, 2).execution_id
-    # finished at T0+3min, +1min, +2min (completed) and T0 (failed)
-    finished_at = dict(zip([*done, failed], (3, 1, 2, 0), strict=True))
+    # finished at T0+3min, +2min, +1min (completed: the oldest was started last) and T0
+    finished_at = dict(zip([*done, failed], (3, 2, 1, 0), strict=True))
     with runtime.transaction() as conn:
         for execution_id, minutes in finished_at.items():
             at = T0 + dt.timedelta(minutes=minutes)
@@ -208,7 +208,7 @@ def test_purge_batch_deletes_the_oldest_finished_runs_of_the_wanted_statuses(
             executions.purge_batch(conn, finished_before=cutoff, statuses=["completed"], limit=1)
             == 1
         )
-    gone = done[1]  # completed at T0+1min: the oldest completed run
+    gone = done[2]  # completed at T0+1min: the oldest completed run
     with pytest.raises(wp.UnknownExecutionError):
         client.status(gone)
     with runtime.transaction() as conn:
@@ -476,14 +476,16 @@ def test_worker_stop_waits_for_runs_in_flight_and_is_safe_before_start(
     runtime: wp.Runtime,
 ) -> None:
     """``Worker.stop`` on a worker never started returns at once; on a started one it waits
-    (up to ``timeout``) for its loop, which waits for the runs in flight. Kills the
-    ``Worker.stop`` mutants of its join condition."""
+    (up to ``timeout``) for its loop, which waits for the runs in flight; the loop is a
+    daemon thread, so a process that never stops it can still exit. Kills the
+    ``Worker.stop`` mutants of its join condition and ``Worker.start``'s daemon mutant."""
     Worker(runtime, concurrency=1).stop()
     runtime.register(*s.ALL)
     worker = Worker(runtime, concurrency=1, poll_interval=0.05).start()
     runtime.client().start(s.exclusive_wf, "holder")
     wait_until(lambda: s.CALLS["exclusive:holder"] > 0, what="the run in flight")
     threading.Timer(0.5, s.GATE.set).start()
+    assert worker._thread is not None and worker._thread.daemon  # never keeps a process alive
     worker.stop(timeout=10)
     assert s.GATE.is_set()
     assert worker._thread is not None and not worker._thread.is_alive()
