@@ -409,12 +409,20 @@ def test_a_cancelled_runs_epoch_moves_past_every_claim(runtime: wp.Runtime) -> N
             backend.fenced(conn, execution_id, epoch, [ev], now=now)
 
 
-def test_cancel_of_an_unknown_run_raises_naming_the_id(client: wp.WorkflowClient) -> None:
-    """``cancel`` of an id no run has raises ``UnknownExecutionError`` carrying that id.
-    Kills the ``cancel`` mutant that raises it without the id."""
+def test_cancel_of_an_unknown_run_raises_naming_the_id(runtime: wp.Runtime) -> None:
+    """Cancelling an id no run has raises ``UnknownExecutionError`` carrying that id, from
+    the client and from the store function a host calls in its own transaction. Kills the
+    ``store.executions.cancel`` mutant that raises it without the id."""
     missing = str(uuid.uuid4())
     with pytest.raises(wp.UnknownExecutionError) as raised:
-        client.cancel(missing)
+        runtime.client().cancel(missing)
+    assert raised.value.execution_id == missing
+    now = runtime.clock()
+    cancelled = NewEvent({"type": "execution.cancelled", "executionId": missing}, now)
+    with pytest.raises(wp.UnknownExecutionError) as raised, runtime.transaction() as conn:
+        executions.cancel(
+            conn, runtime.backend, missing, cancelled=cancelled, compensate=True, error={}, now=now
+        )
     assert raised.value.execution_id == missing
 
 
@@ -489,3 +497,23 @@ def test_worker_stop_waits_for_runs_in_flight_and_is_safe_before_start(
     worker.stop(timeout=10)
     assert s.GATE.is_set()
     assert worker._thread is not None and not worker._thread.is_alive()
+
+
+@pytest.mark.usefixtures("saga_reset")
+def test_a_worker_claims_no_more_runs_than_it_drives_at_once(runtime: wp.Runtime) -> None:
+    """``concurrency`` is how many runs a worker drives at once, and it claims no more
+    than that: due runs it could not start stay unleased, for other workers. Kills the
+    ``Worker.run`` mutant that counts the runs in flight as free."""
+    runtime.register(*s.ALL)
+    client = runtime.client()
+    holder = client.start(s.exclusive_wf, "holder")
+    runtime.start_worker(concurrency=1, poll_interval=0.02)
+    wait_until(lambda: s.CALLS["exclusive:holder"] > 0, what="the run in flight")
+    others = [client.start(s.exclusive_wf, label).execution_id for label in ("b", "c")]
+    time.sleep(0.5)  # many polls of the worker's loop
+    with runtime.transaction() as conn:
+        leased = conn.execute(select(ex.c.id).where(ex.c.lease_owner.is_not(None))).all()
+    assert [r[0] for r in leased] == [holder.execution_id]
+    s.GATE.set()
+    for execution_id in [holder.execution_id, *others]:
+        assert isinstance(client.result(execution_id, timeout=10), wp.Completed)
