@@ -502,18 +502,32 @@ def test_worker_stop_waits_for_runs_in_flight_and_is_safe_before_start(
 @pytest.mark.usefixtures("saga_reset")
 def test_a_worker_claims_no_more_runs_than_it_drives_at_once(runtime: wp.Runtime) -> None:
     """``concurrency`` is how many runs a worker drives at once, and it claims no more
-    than that: due runs it could not start stay unleased, for other workers. Kills the
-    ``Worker.run`` mutant that counts the runs in flight as free."""
+    than that: due runs it could not start stay unleased, for other workers. Here two are
+    in flight (one in the step, one queued for its slot) and two more stay unclaimed.
+    Kills the ``Worker.run`` mutants that count runs in flight wrong."""
     runtime.register(*s.ALL)
     client = runtime.client()
-    holder = client.start(s.exclusive_wf, "holder")
-    runtime.start_worker(concurrency=1, poll_interval=0.02)
+    holder = client.start(s.exclusive_wf, "holder").execution_id
+    runtime.start_worker(concurrency=2, poll_interval=0.02)
     wait_until(lambda: s.CALLS["exclusive:holder"] > 0, what="the run in flight")
-    others = [client.start(s.exclusive_wf, label).execution_id for label in ("b", "c")]
+    queued = client.start(s.exclusive_wf, "b").execution_id
+    wait_until(lambda: "step.started" in history_types(client, queued), 10, "b's attempt")
+    others = [client.start(s.exclusive_wf, label).execution_id for label in ("c", "d")]
     time.sleep(0.5)  # many polls of the worker's loop
     with runtime.transaction() as conn:
         leased = conn.execute(select(ex.c.id).where(ex.c.lease_owner.is_not(None))).all()
-    assert [r[0] for r in leased] == [holder.execution_id]
+    assert sorted(r[0] for r in leased) == sorted([holder, queued])
     s.GATE.set()
-    for execution_id in [holder.execution_id, *others]:
+    for execution_id in [holder, queued, *others]:
         assert isinstance(client.result(execution_id, timeout=10), wp.Completed)
+
+
+def test_worker_arguments_are_checked_and_default_to_four_runs(runtime: wp.Runtime) -> None:
+    """A worker drives 4 runs at once unless told otherwise and polls at the runtime's
+    interval; ``concurrency`` must be a positive integer (not a bool, not a float). Kills
+    the ``Worker.__init__`` mutants of the default and of the type check."""
+    worker = Worker(runtime)
+    assert worker.concurrency == 4 and worker.poll_interval == runtime.poll_interval
+    for bad in (True, 2.0, 0, -1):
+        with pytest.raises(wp.InvalidArgumentError):
+            Worker(runtime, concurrency=bad)  # type: ignore[arg-type]
