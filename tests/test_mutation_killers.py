@@ -8,6 +8,7 @@ the mutants it kills.
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import threading
 import time
 import uuid
@@ -22,14 +23,15 @@ import wf_persist as wp
 from wf_persist import migrate
 from wf_persist.backends.sqlite import SQLiteBackend
 from wf_persist.events import NewEvent
+from wf_persist.leases import Outage
 from wf_persist.models import executions_table as ex
 from wf_persist.models import history_table as hist
-from wf_persist.store import executions
+from wf_persist.store import executions, signals
 from wf_persist.worker import Worker
 
 from .fixtures import saga as s
 from .fixtures import workflows as w
-from .helpers import history_types, wait_until
+from .helpers import history_types, wait_status, wait_until
 
 T0 = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
 
@@ -529,5 +531,97 @@ def test_worker_arguments_are_checked_and_default_to_four_runs(runtime: wp.Runti
     worker = Worker(runtime)
     assert worker.concurrency == 4 and worker.poll_interval == runtime.poll_interval
     for bad in (True, 2.0, 0, -1):
-        with pytest.raises(wp.InvalidArgumentError):
+        with pytest.raises(wp.InvalidArgumentError, match="concurrency"):
             Worker(runtime, concurrency=bad)  # type: ignore[arg-type]
+    for interval in (True, "1", 0, -0.5, float("inf")):
+        with pytest.raises(wp.InvalidArgumentError, match="poll_interval"):
+            Worker(runtime, poll_interval=interval)  # type: ignore[arg-type]
+    assert Worker(runtime, poll_interval=2).poll_interval == 2.0
+
+
+@wp.workflow(name="mutation-short-sleep", version=1)
+def short_sleep_wf(ctx: wp.Context) -> str:
+    ctx.sleep(0.2)
+    return "woke"
+
+
+def test_a_worker_wakes_for_a_known_timer_before_its_poll_interval(runtime: wp.Runtime) -> None:
+    """ "Timers known to this worker fire on time; others within one interval": with a
+    5 s poll interval, a run sleeping 0.2 s is finished well before the first poll.
+    Kills the ``Worker._idle_wait`` mutant that ignores the next wake time."""
+    runtime.register(short_sleep_wf)
+    runtime.start_worker(concurrency=2, poll_interval=5)
+    client = runtime.client()
+    started = time.monotonic()
+    execution_id = client.start(short_sleep_wf).execution_id
+    wait_status(client, execution_id, "completed", 4)  # polls status, never drives the run
+    assert time.monotonic() - started < 4
+
+
+def test_an_outage_is_logged_once_and_its_end_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Saying once (not every poll) that something fails: the first failure of an outage
+    is logged and later ones are not, its end is logged once, the backoff doubles from
+    ``base`` up to ``cap``, and a new outage starts over. Kills the
+    ``Outage.succeeded`` mutants."""
+    logger = logging.getLogger("wf_persist.test_outage")
+    outage = Outage(logger, "polling", 0.5, cap=1.5)
+    with caplog.at_level(logging.WARNING, logger=logger.name):
+        waits = [outage.failed(RuntimeError("down")) for _ in range(3)]
+        outage.succeeded()
+        outage.succeeded()
+        again = outage.failed(RuntimeError("down again"))
+    assert waits == [0.5, 1.0, 1.5] and again == 0.5
+    levels = [r.levelname for r in caplog.records]
+    assert levels == ["ERROR", "WARNING", "ERROR"], caplog.text
+
+
+# signals -----------------------------------------------------------------------------------
+
+
+@wp.workflow(name="mutation-two-signals", version=1)
+def two_signals_wf(ctx: wp.Context) -> str:
+    ctx.wait_for_signal("a#b", int)
+    ctx.wait_for_signal("other", int)
+    return "done"
+
+
+def test_signal_errors_name_the_run_and_a_received_wait_counts_as_delivered(
+    runtime: wp.Runtime,
+) -> None:
+    """A signal to a wait that already got its signal (delivered, or received by the run)
+    raises ``SignalAlreadyDeliveredError``; to a name the run never waited on, or to a run
+    that is not signalable, ``SignalNotWaitingError``; both carry the run's id and the
+    signal's name, also when the name itself contains ``#``. Kills the
+    ``store.signals.deliver`` mutants of those branches and error arguments."""
+    runtime.register(two_signals_wf)
+    client = runtime.client()
+    execution_id = client.start(two_signals_wf).execution_id
+    runtime.start_worker(concurrency=2, poll_interval=0.02)
+    wait_until(lambda: client.pending_signals(execution_id), 10, "the first wait")
+    client.signal(execution_id, "a#b", 1)
+    with pytest.raises(wp.SignalAlreadyDeliveredError) as delivered:
+        client.signal(execution_id, "a#b", 2)
+    assert (delivered.value.execution_id, delivered.value.signal_name) == (execution_id, "a#b")
+    wait_until(
+        lambda: [p.name for p in client.pending_signals(execution_id)] == ["other"],
+        10,
+        "the second wait",
+    )
+    assert "signal.received" in history_types(client, execution_id)
+    with pytest.raises(wp.SignalAlreadyDeliveredError) as received:
+        client.signal(execution_id, "a#b", 3)
+    assert (received.value.execution_id, received.value.signal_name) == (execution_id, "a#b")
+    with pytest.raises(wp.SignalNotWaitingError) as never:
+        client.signal(execution_id, "never", 1)
+    assert (never.value.execution_id, never.value.signal_name) == (execution_id, "never")
+    client.signal(execution_id, "other", 4)
+    wait_status(client, execution_id, "completed", 10)
+    with pytest.raises(wp.SignalNotWaitingError) as finished:
+        client.signal(execution_id, "other", 5)
+    assert (finished.value.execution_id, finished.value.signal_name) == (execution_id, "other")
+    missing = str(uuid.uuid4())
+    with pytest.raises(wp.UnknownExecutionError) as unknown, runtime.transaction() as conn:
+        signals.deliver(
+            conn, runtime.backend, missing, "x", lambda wait: None, None, runtime.clock()
+        )
+    assert unknown.value.execution_id == missing
