@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import Engine, select
 from sqlalchemy.engine import make_url
 
 import wf_persist as wp
@@ -224,6 +224,29 @@ def test_purge_batch_deletes_the_oldest_finished_runs_of_the_wanted_statuses(
     with runtime.transaction() as conn:
         left = {r[0] for r in conn.execute(select(hist.c.execution_id).distinct())}
     assert left == {done[0], failed, running}
+
+
+def test_purge_batch_deletes_history_whatever_the_foreign_key_setting(
+    runtime: wp.Runtime, db_engine: Engine
+) -> None:
+    """History is deleted explicitly, not by the foreign key's cascade, "so it works
+    whatever the connection's foreign-key setting": on a host's plain SQLite engine
+    (foreign keys off) a purge leaves no orphaned history. Kills the ``purge_batch`` mutant
+    that deletes no history itself."""
+    runtime.register(w.echo_wf)
+    client = runtime.client()
+    done = [client.start(w.echo_wf, 2).execution_id for _ in range(2)]
+    for execution_id in done:
+        client.result(execution_id, timeout=30)
+    later = runtime.clock() + dt.timedelta(hours=1)
+    with db_engine.begin() as conn:
+        purged = executions.purge_batch(
+            conn, finished_before=later, statuses=["completed"], limit=10
+        )
+    assert purged == 2
+    with db_engine.connect() as conn:
+        left = conn.execute(select(hist.c.execution_id).where(hist.c.execution_id.in_(done)))
+        assert left.all() == []
 
 
 # SQLite: read-only commands never create a database ------------------------------------
