@@ -648,3 +648,36 @@ def test_signal_errors_name_the_run_and_a_received_wait_counts_as_delivered(
             conn, runtime.backend, missing, "x", lambda wait: None, None, runtime.clock()
         )
     assert unknown.value.execution_id == missing
+
+
+# retries across replays --------------------------------------------------------------------
+
+ATTEMPTS: list[int] = []
+
+
+@wp.step(retry=wp.Retry(attempts=3, backoff="exponential", base=1.05, factor=1))
+def always_fails() -> str:
+    ATTEMPTS.append(1)
+    raise RuntimeError("still down")
+
+
+@wp.workflow(name="mutation-parked-retries", version=1)
+def parked_retries_wf(ctx: wp.Context) -> str:
+    return ctx.run(always_fails)
+
+
+def test_parked_retries_keep_counting_attempts_across_replays(runtime: wp.Runtime) -> None:
+    """Each retry delay here is longer than the inline limit, so the run parks between
+    attempts and every attempt after the first starts from a replayed history: it must
+    still be attempt n+1 of ``attempts`` (each ``step.failed`` records its number, the
+    last one ``final``), and the step runs exactly ``attempts`` times. Kills the
+    ``Journal._step_event`` mutants that lose the attempt number or miscount failures."""
+    ATTEMPTS.clear()
+    runtime.register(parked_retries_wf)
+    client = runtime.client()
+    execution_id = client.start(parked_retries_wf).execution_id
+    outcome = client.result(execution_id, timeout=30)
+    assert isinstance(outcome, wp.Failed) and outcome.error_type == "StepExecutionError"
+    failed = [r.event for r in client.history(execution_id) if r.event["type"] == "step.failed"]
+    assert [(e["attempt"], e["final"]) for e in failed] == [(1, False), (2, False), (3, True)]
+    assert len(ATTEMPTS) == 3
