@@ -434,7 +434,7 @@ def test_a_cancelled_runs_epoch_moves_past_every_claim(runtime: wp.Runtime) -> N
             backend.fenced(conn, execution_id, epoch, [ev], now=now)
 
 
-def test_cancel_of_an_unknown_run_raises_naming_the_id(runtime: wp.Runtime) -> None:
+def test_cancelling_an_unknown_run_raises_naming_it(runtime: wp.Runtime) -> None:
     """Cancelling an id no run has raises ``UnknownExecutionError`` carrying that id, from
     the client and from the store function a host calls in its own transaction. Kills the
     ``store.executions.cancel`` mutant that raises it without the id."""
