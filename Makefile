@@ -1,10 +1,12 @@
 # Two entry points: `make demo` runs the example workflow on the embedded SQLite default,
 # `make test` runs ruff, mypy --strict and the test suite on every backend.
+# `make mutation` (not part of `make test` or CI) runs mutmut over the core modules; see
+# docs/mutation.md.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench mutation clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +23,22 @@ test: $(VENV)/.installed
 	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest
 
+# Mutants are tested on SQLite (one forked pytest per mutant, the covering tests of the
+# selection in tests/mutation_selection.py). A run stops after MUTATION_MINUTES (default
+# 45) and keeps its results in mutants/: the next `make mutation` goes on where it stopped,
+# re-testing only what changed. MUTANTS narrows a run to names matching a glob, e.g.
+# MUTANTS='wf_persist.replay.*'. The summary is printed either way.
+MUTATION_MINUTES ?= 45
+MUTANTS ?=
+mutation: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[dev,mutation]'
+	WF_PERSIST_TEST_BACKENDS=sqlite WF_PERSIST_TEST_STRICT= timeout --signal=INT \
+		--kill-after=120 $(MUTATION_MINUTES)m $(VENV)/bin/mutmut run \
+		$(if $(MUTANTS),"$(MUTANTS)") || test $$? -eq 124
+	$(PY) -m tests.mutation_report
+
 bench: $(VENV)/.installed
 	$(PY) bench/bench_steps.py
 
 clean:
-	rm -rf $(VENV) wf_persist.sqlite3 wf_persist.sqlite3-wal wf_persist.sqlite3-shm
+	rm -rf $(VENV) mutants wf_persist.sqlite3 wf_persist.sqlite3-wal wf_persist.sqlite3-shm

@@ -1,0 +1,683 @@
+"""Tests that kill mutants of the core modules the rest of the suite let survive.
+
+Each pins documented behaviour (README, docstrings, docs/sql.md) that a mutation run
+(``make mutation``, docs/mutation.md) showed no other test asserted; each docstring names
+the mutants it kills.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Engine, select
+from sqlalchemy.engine import make_url
+
+import wf_persist as wp
+from wf_persist import migrate
+from wf_persist.backends.sqlite import SQLiteBackend
+from wf_persist.events import NewEvent
+from wf_persist.leases import Outage
+from wf_persist.models import executions_table as ex
+from wf_persist.models import history_table as hist
+from wf_persist.store import executions, signals
+from wf_persist.worker import Worker
+
+from .fixtures import saga as s
+from .fixtures import workflows as w
+from .helpers import history_types, wait_status, wait_until
+
+T0 = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
+
+
+def _started(runtime: wp.Runtime) -> str:
+    runtime.register(w.echo_wf)
+    return runtime.client().start(w.echo_wf, 2).execution_id
+
+
+def _row(runtime: wp.Runtime, execution_id: str) -> dict[str, object]:
+    with runtime.transaction() as conn:
+        return dict(conn.execute(select(ex).where(ex.c.id == execution_id)).mappings().one())
+
+
+def _seconds(later: object, earlier: object) -> float:
+    assert isinstance(later, dt.datetime) and isinstance(earlier, dt.datetime)
+    return (later - earlier).total_seconds()
+
+
+# leases: Backend.renew ----------------------------------------------------------------
+
+
+def test_renew_extends_only_leases_held_at_their_epoch(runtime: wp.Runtime) -> None:
+    """``renew`` extends the lease (and the takeover time, ``wake_at``) of each run still
+    held at the given epoch, by the TTL on the database's clock, and returns those ids; a
+    run held at another epoch, or not named, is left alone. Kills the ``Backend.renew``
+    mutants that drop or null a column, lose the WHERE or the TTL parameter."""
+    held = _started(runtime)
+    other = _started(runtime)
+    backend = runtime.backend
+    with runtime.transaction() as conn:
+        claim = backend.claim(conn, held, runtime.owner, 5)
+        other_claim = backend.claim(conn, other, runtime.owner, 5)
+    assert claim is not None and other_claim is not None
+    before, other_before = _row(runtime, held), _row(runtime, other)
+    with runtime.transaction() as conn:
+        assert backend.renew(conn, {}, 3600) == set()
+        assert backend.renew(conn, {held: claim.epoch}, 3600) == {held}
+    after = _row(runtime, held)
+    assert _seconds(after["lease_expires_at"], before["lease_expires_at"]) > 3000
+    assert _seconds(after["wake_at"], before["wake_at"]) > 3000
+    assert _row(runtime, other) == other_before, "a lease not named is not renewed"
+    with runtime.transaction() as conn:  # a stale epoch renews nothing
+        assert backend.renew(conn, {held: claim.epoch + 1}, 7200) == set()
+    assert _row(runtime, held) == after
+
+
+def test_release_clears_the_lease_and_makes_the_run_due_after_the_delay(
+    runtime: wp.Runtime,
+) -> None:
+    """``release`` gives up leases held at their epoch: the run has no lease owner or expiry
+    any more (docs/sql.md: they are set "while one does" drive it) and is due again after
+    ``delay`` seconds, so another runtime claims it then; it returns how many it released,
+    0 for none. Kills the ``Backend.release`` mutants that keep a lease column or miscount."""
+    execution_id = _started(runtime)
+    backend = runtime.backend
+    with runtime.transaction() as conn:
+        claim = backend.claim(conn, execution_id, runtime.owner, 3600)
+        assert backend.release(conn, {}) == 0
+    assert claim is not None
+    with runtime.transaction() as conn:
+        assert backend.release(conn, {execution_id: claim.epoch + 1}) == 0
+        assert backend.release(conn, {execution_id: claim.epoch}, 3600) == 1
+    row = _row(runtime, execution_id)
+    assert row["lease_owner"] is None and row["lease_expires_at"] is None
+    with runtime.transaction() as conn:  # due again only in an hour
+        assert backend.claim(conn, execution_id, "another", 30) is None
+    other = _started(runtime)
+    with runtime.transaction() as conn:
+        held = backend.claim(conn, other, runtime.owner, 3600)
+    assert held is not None
+    with runtime.transaction() as conn:
+        assert backend.release(conn, {other: held.epoch}) == 1
+    with runtime.transaction() as conn:  # released without a delay: claimable at once
+        taken = backend.claim(conn, other, "another", 30)
+    assert taken is not None and taken.epoch > held.epoch
+
+
+# listing: keyset pagination and filters -------------------------------------------------
+
+
+def _create(runtime: wp.Runtime, execution_id: str, at: dt.datetime, actor: str | None) -> None:
+    runtime.register(w.echo_wf)
+    started = NewEvent({"type": "execution.started", "executionId": execution_id}, at)
+    with runtime.transaction() as conn:
+        executions.create(
+            conn,
+            runtime.backend,
+            execution_id=execution_id,
+            workflow_name=w.echo_wf.name,
+            workflow_version=1,
+            payload=None,
+            idempotency_key=None,
+            actor=actor,
+            started=started,
+            now=at,
+        )
+
+
+def test_pages_walk_runs_created_at_the_same_instant_exactly_once(runtime: wp.Runtime) -> None:
+    """``list`` is keyset-paginated on ``(created_at, id)``: runs created at one instant
+    are ordered by id and each page starts after the last row of the previous one, so a
+    run is neither skipped nor repeated, also when an older run has a larger id. Kills the
+    ``keyset_after`` mutants that drop either half of the tie-break and the ``list_page``
+    mutants that drop ``id`` from the ORDER BY."""
+    early = "ffffffff-0000-4000-8000-" + "0" * 12
+    ties = [f"{i:08x}-0000-4000-8000-" + "0" * 12 for i in (3, 1, 2)]
+    _create(runtime, early, T0, None)
+    for execution_id in ties:
+        _create(runtime, execution_id, T0 + dt.timedelta(seconds=1), None)
+    client = runtime.client()
+    seen: list[str] = []
+    cursor = None
+    for _ in range(10):
+        page = client.list(w.echo_wf, limit=1, cursor=cursor)
+        seen += [i.execution_id for i in page.items]
+        cursor = page.next_cursor
+        if cursor is None:
+            break
+    assert seen == [early, *sorted(ties)]
+    assert [i.execution_id for i in client.list(w.echo_wf).items] == [early, *sorted(ties)]
+
+
+def test_list_time_range_is_half_open_and_actor_filters(runtime: wp.Runtime) -> None:
+    """Creation time is filtered as ``[created_after, created_before)`` and ``actor``
+    selects that actor's runs only. Kills the ``list_page`` mutants that drop a bound,
+    make either bound inclusive/exclusive the other way, or invert the actor filter."""
+    ids = [str(uuid.UUID(int=i + 1)) for i in range(4)]
+    for i, (execution_id, actor) in enumerate(zip(ids, ["ann", "bob", "ann", "cy"], strict=True)):
+        _create(runtime, execution_id, T0 + dt.timedelta(hours=i), actor)
+    client = runtime.client()
+
+    def listed(**kwargs: object) -> list[str]:
+        return [i.execution_id for i in client.list(w.echo_wf, **kwargs).items]  # type: ignore[arg-type]
+
+    one, three = T0 + dt.timedelta(hours=1), T0 + dt.timedelta(hours=3)
+    assert listed(created_after=one, created_before=three) == ids[1:3]
+    assert listed(created_after=one) == ids[1:]
+    assert listed(created_before=three) == ids[:3]
+    assert listed(actor="ann") == [ids[0], ids[2]]
+    assert listed(actor="cy", created_after=one) == [ids[3]]
+    assert listed(limit=2) == ids[:2]
+
+
+# purge ----------------------------------------------------------------------------------
+
+
+def test_purge_batch_deletes_the_oldest_finished_runs_of_the_wanted_statuses(
+    runtime: wp.Runtime,
+) -> None:
+    """``purge_batch`` deletes up to ``limit`` runs of the wanted terminal statuses that
+    finished strictly before the cutoff, oldest first, with their history; other statuses,
+    later runs and every other run's history stay, and non-terminal statuses match
+    nothing. Kills the ``purge_batch`` mutants that drop or loosen a filter, the ordering,
+    the history filter or the early return."""
+    runtime.register(*w.ALL)
+    client = runtime.client()
+    done = [client.start(w.echo_wf, 2).execution_id for _ in range(3)]
+    for execution_id in done:
+        client.result(execution_id)
+    failed = client.start(w.explode_wf, "x").execution_id
+    client.result(failed)
+    running = client.start(w.echo_wf, 2).execution_id
+    # finished at T0+3min, +2min, +1min (completed: the oldest was started last) and T0
+    finished_at = dict(zip([*done, failed], (3, 2, 1, 0), strict=True))
+    with runtime.transaction() as conn:
+        for execution_id, minutes in finished_at.items():
+            at = T0 + dt.timedelta(minutes=minutes)
+            conn.execute(ex.update().where(ex.c.id == execution_id).values(finished_at=at))
+    cutoff = T0 + dt.timedelta(minutes=3)  # the run finished exactly then is not older
+    with runtime.transaction() as conn:
+        assert (
+            executions.purge_batch(conn, finished_before=cutoff, statuses=["running"], limit=9) == 0
+        )
+        assert (
+            executions.purge_batch(conn, finished_before=cutoff, statuses=["completed"], limit=1)
+            == 1
+        )
+    gone = done[2]  # completed at T0+1min: the oldest completed run
+    with pytest.raises(wp.UnknownExecutionError):
+        client.status(gone)
+    with runtime.transaction() as conn:
+        assert (
+            executions.purge_batch(conn, finished_before=cutoff, statuses=["completed"], limit=9)
+            == 1
+        )
+    assert client.status(done[0]) == "completed", "finished at the cutoff: kept"
+    assert client.status(failed) == "failed", "a status not asked for: kept"
+    assert client.status(running) == "running"
+    with runtime.transaction() as conn:
+        left = {r[0] for r in conn.execute(select(hist.c.execution_id).distinct())}
+    assert left == {done[0], failed, running}
+
+
+def test_purge_batch_deletes_history_whatever_the_foreign_key_setting(
+    runtime: wp.Runtime, db_engine: Engine
+) -> None:
+    """History is deleted explicitly, not by the foreign key's cascade, "so it works
+    whatever the connection's foreign-key setting": on a host's plain SQLite engine
+    (foreign keys off) a purge leaves no orphaned history. Kills the ``purge_batch`` mutant
+    that deletes no history itself."""
+    runtime.register(w.echo_wf)
+    client = runtime.client()
+    done = [client.start(w.echo_wf, 2).execution_id for _ in range(2)]
+    for execution_id in done:
+        client.result(execution_id, timeout=30)
+    later = runtime.clock() + dt.timedelta(hours=1)
+    with db_engine.begin() as conn:
+        purged = executions.purge_batch(
+            conn, finished_before=later, statuses=["completed"], limit=10
+        )
+    assert purged == 2
+    with db_engine.connect() as conn:
+        left = conn.execute(select(hist.c.execution_id).where(hist.c.execution_id.in_(done)))
+        assert left.all() == []
+
+
+# SQLite: read-only commands never create a database ------------------------------------
+
+
+def test_schema_state_of_sqlite_urls_never_creates_a_file(tmp_path: Path) -> None:
+    """``migrate.state`` never creates anything: a missing SQLite file reads as
+    ``missing`` and is not created, while in-memory databases (``sqlite://``,
+    ``:memory:``) and URI filenames (``file:...``), whose meaning SQLite decides, are read
+    as they are. Kills every ``SQLiteBackend.database_missing`` mutant."""
+    missing = tmp_path / "missing.sqlite3"
+    state = migrate.state(f"sqlite:///{missing}")
+    assert state.missing and state.revision is None and not missing.exists()
+    for url in ("sqlite://", "sqlite:///:memory:"):
+        memory = migrate.state(url)
+        assert not memory.missing and memory.revision is None, url
+    assert SQLiteBackend.database_missing(make_url(f"sqlite:///{missing}"))
+    assert not SQLiteBackend.database_missing(make_url("sqlite://"))
+    assert not SQLiteBackend.database_missing(make_url("sqlite:///:memory:"))
+    assert not SQLiteBackend.database_missing(make_url(f"sqlite:///file:{missing}?uri=true"))
+    made = tmp_path / "made.sqlite3"
+    migrate.upgrade(f"sqlite:///{made}")
+    assert not SQLiteBackend.database_missing(make_url(f"sqlite:///{made}"))
+    uri = migrate.state(f"sqlite:///file:{made}?mode=ro&uri=true")
+    assert not uri.missing and uri.revision == migrate.current(f"sqlite:///{made}") is not None
+
+
+def test_an_existing_database_is_never_missing(db_url: str) -> None:
+    """Every backend reads an existing, migrated database's revision (none is taken for a
+    missing SQLite file)."""
+    state = migrate.state(db_url)
+    assert not state.missing and state.revision is not None
+
+
+# fenced writes (the generic UPDATE ... RETURNING path) -----------------------------------
+
+
+def test_fenced_write_sets_columns_under_its_status_guard(runtime: wp.Runtime) -> None:
+    """``Backend.fenced`` appends the events and updates the run only at the current epoch
+    and, with a guard, only from a guarded status; it returns the new sequences and the
+    run's status, and a refused write raises ``LeaseLostError`` naming the run and changes
+    nothing. (A write that sets ``status`` returns the new one on PostgreSQL and SQLite but
+    the one it replaced on MySQL, so the row is read then.) Kills the ``fenced`` and
+    ``_params`` mutants that drop the values, the guard, the returned status or the run id
+    of the error."""
+    execution_id = _started(runtime)
+    backend = runtime.backend
+    now = runtime.clock()
+    with runtime.transaction() as conn:
+        claim = backend.claim(conn, execution_id, runtime.owner, 30)
+    assert claim is not None
+
+    def event(name: str) -> NewEvent:
+        doc = {"type": "step.completed", "executionId": execution_id, "activityName": name}
+        return NewEvent(doc, now)
+
+    with runtime.transaction() as conn:
+        done = backend.fenced(conn, execution_id, claim.epoch, [event("a#1")], now=now)
+    assert (done.sequences, done.status) == ([2], "running")
+    with runtime.transaction() as conn:
+        done = backend.fenced(
+            conn, execution_id, claim.epoch, [], now=now, values={"status": "suspended"}
+        )
+    assert done.sequences == []
+    assert _row(runtime, execution_id)["status"] == "suspended"
+    with pytest.raises(wp.LeaseLostError) as lost, runtime.transaction() as conn:
+        backend.fenced(
+            conn,
+            execution_id,
+            claim.epoch,
+            [event("b#1")],
+            now=now,
+            values={"status": "completed"},
+            guard=("running",),
+        )
+    assert lost.value.execution_id == execution_id
+    assert _row(runtime, execution_id)["status"] == "suspended"
+    with runtime.transaction() as conn:
+        done = backend.fenced(
+            conn,
+            execution_id,
+            claim.epoch,
+            [event("b#1"), event("c#1")],
+            now=now,
+            values={"status": "completed"},
+            guard=("running", "suspended"),
+        )
+    assert done.sequences == [3, 4]
+    assert _row(runtime, execution_id)["status"] == "completed"
+    types = [e["type"] for e in (r.event for r in runtime.client().history(execution_id))]
+    assert types == ["execution.started", "step.completed", "step.completed", "step.completed"]
+
+
+# compensations ---------------------------------------------------------------------------
+
+UNDONE: list[tuple[int, int]] = []
+
+
+@wp.step(compensate=max)
+def reserve(amount: int) -> int:
+    return amount + 1
+
+
+@wp.workflow(name="mutation-compensate-builtin", version=1)
+def compensate_builtin_wf(ctx: wp.Context, amount: int) -> int:
+    ctx.run(reserve, amount)
+    ctx.fail(ValueError("undo"))
+    return 0
+
+
+def test_a_compensation_without_an_inspectable_signature_runs_without_reason(
+    runtime: wp.Runtime,
+) -> None:
+    """A compensation is called as ``compensate(result, *args)`` plus ``reason=`` only when
+    it accepts one; a callable whose signature cannot be read (a builtin such as ``max``)
+    is called without it and completes. Kills ``_call_compensation``'s mutant that breaks
+    the no-signature fallback."""
+    runtime.register(compensate_builtin_wf)
+    client = runtime.client()
+    execution_id = client.start(compensate_builtin_wf, 4).execution_id
+    assert isinstance(client.result(execution_id, timeout=30), wp.Failed)
+    types = [r.event["type"] for r in client.history(execution_id)]
+    assert "compensation.completed" in types and "compensation.failed" not in types
+
+
+# replay from fresh history ---------------------------------------------------------------
+
+CANCELLER: dict[str, wp.WorkflowClient] = {}
+
+
+@wp.step
+def cancel_own_run(execution_id: str) -> str:
+    CANCELLER["client"].cancel(execution_id, actor="itself")
+    return execution_id
+
+
+@wp.workflow(name="mutation-cancel-then-sleep", version=1)
+def cancel_then_sleep_wf(ctx: wp.Context) -> str:
+    ctx.run(cancel_own_run, ctx.execution_id)
+    ctx.sleep(3600)
+    return "slept"
+
+
+def test_a_cancellation_seen_mid_drive_replays_from_fresh_history(runtime: wp.Runtime) -> None:
+    """A client event after the history a drive read (here a cancellation recorded while a
+    step ran) makes the next call replay the body from fresh history in the same drive:
+    the run unwinds and fails as cancelled, with no failed drive counted. Kills the
+    ``load_journal`` mutants (each turns the reload into a failed drive)."""
+    runtime.register(cancel_then_sleep_wf)
+    client = runtime.client()
+    CANCELLER["client"] = client
+    execution_id = client.start(cancel_then_sleep_wf).execution_id
+    outcome = client.result(execution_id, timeout=30)
+    assert isinstance(outcome, wp.Failed) and outcome.error_type == "Cancelled"
+    types = [r.event["type"] for r in client.history(execution_id)]
+    assert "drive.failed" not in types and "sleep.started" not in types
+    assert _row(runtime, execution_id)["drive_failures"] == 0
+
+
+# cancellation fences the run -------------------------------------------------------------
+
+
+def test_a_cancelled_runs_epoch_moves_past_every_claim(runtime: wp.Runtime) -> None:
+    """Cancelling without compensation bumps the fencing token, so no driver that ever
+    held the run (any earlier epoch) can write to it again. Kills the ``cancel`` mutant
+    that moves the epoch backwards (onto an older claim's token)."""
+    execution_id = _started(runtime)
+    backend = runtime.backend
+    with runtime.transaction() as conn:
+        first = backend.claim(conn, execution_id, "first", 30)
+    assert first is not None
+    with runtime.transaction() as conn:
+        backend.release(conn, {execution_id: first.epoch})
+    with runtime.transaction() as conn:
+        second = backend.claim(conn, execution_id, "second", 30)
+    assert second is not None and second.epoch > first.epoch
+    runtime.client().cancel(execution_id, compensate=False)
+    assert _row(runtime, execution_id)["claim_epoch"] > second.epoch  # type: ignore[operator]
+    now = runtime.clock()
+    ev = NewEvent(
+        {"type": "step.completed", "executionId": execution_id, "activityName": "x#1"}, now
+    )
+    for epoch in (first.epoch, second.epoch):
+        with pytest.raises(wp.LeaseLostError), runtime.transaction() as conn:
+            backend.fenced(conn, execution_id, epoch, [ev], now=now)
+
+
+def test_cancelling_an_unknown_run_raises_naming_it(runtime: wp.Runtime) -> None:
+    """Cancelling an id no run has raises ``UnknownExecutionError`` carrying that id, from
+    the client and from the store function a host calls in its own transaction. Kills the
+    ``store.executions.cancel`` mutant that raises it without the id."""
+    missing = str(uuid.uuid4())
+    with pytest.raises(wp.UnknownExecutionError) as raised:
+        runtime.client().cancel(missing)
+    assert raised.value.execution_id == missing
+    now = runtime.clock()
+    cancelled = NewEvent({"type": "execution.cancelled", "executionId": missing}, now)
+    with pytest.raises(wp.UnknownExecutionError) as raised, runtime.transaction() as conn:
+        executions.cancel(
+            conn, runtime.backend, missing, cancelled=cancelled, compensate=True, error={}, now=now
+        )
+    assert raised.value.execution_id == missing
+
+
+# concurrency slots -----------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("saga_reset")
+def test_a_run_queued_behind_a_limit_waits_without_replaying_or_failing(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """A run waiting for a step's slot checks now and then that it is still its own and
+    not cancelled, and otherwise just waits: once the slot frees, its one attempt runs,
+    with no failed drive and no replay (one ``step.started``). Kills the ``_check_run``
+    mutants that break the check's query or replay on every check."""
+    runtime = make_runtime(record_start_after=0)
+    runtime.register(*s.ALL)
+    runtime.start_worker(concurrency=4, poll_interval=0.02)
+    client = runtime.client()
+    holder = client.start(s.exclusive_wf, "holder")
+    wait_until(lambda: s.CALLS["exclusive:holder"] > 0, what="the holder's step")
+    queued = client.start(s.exclusive_wf, "queued")
+    wait_until(lambda: "step.started" in history_types(client, queued.execution_id))
+    time.sleep(0.8)  # several of the checks made every 0.2 s while it queues
+    s.GATE.set()
+    assert client.result(holder.execution_id, timeout=10).unwrap() == "holder"
+    assert client.result(queued.execution_id, timeout=10).unwrap() == "queued"
+    types = history_types(client, queued.execution_id)
+    assert types.count("step.started") == 1 and "drive.failed" not in types
+    assert _row(runtime, queued.execution_id)["drive_failures"] == 0
+
+
+@pytest.mark.usefixtures("saga_reset")
+def test_a_run_cancelled_while_it_queues_stops_waiting_at_once(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """A run cancelled without compensation while it waits for a slot stops waiting at its
+    next check (every 0.2 s), not when its lease renewal next fails (a quarter of a long
+    TTL later). Kills the ``_check_run`` mutant that only notices a vanished run."""
+    runtime = make_runtime(record_start_after=0, lease_ttl=60)
+    runtime.register(*s.ALL)
+    runtime.start_worker(concurrency=4, poll_interval=0.02)
+    client = runtime.client()
+    holder = client.start(s.exclusive_wf, "holder")
+    wait_until(lambda: s.CALLS["exclusive:holder"] > 0, what="the holder's step")
+    queued = client.start(s.exclusive_wf, "queued")
+    wait_until(lambda: "step.started" in history_types(client, queued.execution_id))
+    client.cancel(queued.execution_id, compensate=False)
+    wait_until(lambda: queued.execution_id not in runtime._driving, 3, "the queued drive ends")
+    s.GATE.set()
+    assert client.result(holder.execution_id, timeout=10).unwrap() == "holder"
+    assert s.CALLS["exclusive:queued"] == 0
+
+
+# workers ----------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("saga_reset")
+def test_worker_stop_waits_for_runs_in_flight_and_is_safe_before_start(
+    runtime: wp.Runtime,
+) -> None:
+    """``Worker.stop`` on a worker never started returns at once; on a started one it waits
+    (up to ``timeout``) for its loop, which waits for the runs in flight; the loop is a
+    daemon thread, so a process that never stops it can still exit. Kills the
+    ``Worker.stop`` mutants of its join condition and ``Worker.start``'s daemon mutant."""
+    Worker(runtime, concurrency=1).stop()
+    runtime.register(*s.ALL)
+    worker = Worker(runtime, concurrency=1, poll_interval=0.05).start()
+    runtime.client().start(s.exclusive_wf, "holder")
+    wait_until(lambda: s.CALLS["exclusive:holder"] > 0, what="the run in flight")
+    threading.Timer(0.5, s.GATE.set).start()
+    assert worker._thread is not None and worker._thread.daemon  # never keeps a process alive
+    worker.stop(timeout=10)
+    assert s.GATE.is_set()
+    assert worker._thread is not None and not worker._thread.is_alive()
+
+
+@pytest.mark.usefixtures("saga_reset")
+def test_a_worker_claims_no_more_runs_than_it_drives_at_once(runtime: wp.Runtime) -> None:
+    """``concurrency`` is how many runs a worker drives at once, and it claims no more
+    than that: due runs it could not start stay unleased, for other workers. Here two are
+    in flight (one in the step, one queued for its slot) and two more stay unclaimed.
+    Kills the ``Worker.run`` mutants that count runs in flight wrong."""
+    runtime.register(*s.ALL)
+    client = runtime.client()
+    holder = client.start(s.exclusive_wf, "holder").execution_id
+    runtime.start_worker(concurrency=2, poll_interval=0.02)
+    wait_until(lambda: s.CALLS["exclusive:holder"] > 0, what="the run in flight")
+    queued = client.start(s.exclusive_wf, "b").execution_id
+    wait_until(lambda: "step.started" in history_types(client, queued), 10, "b's attempt")
+    others = [client.start(s.exclusive_wf, label).execution_id for label in ("c", "d")]
+    time.sleep(0.5)  # many polls of the worker's loop
+    with runtime.transaction() as conn:
+        leased = conn.execute(select(ex.c.id).where(ex.c.lease_owner.is_not(None))).all()
+    assert sorted(r[0] for r in leased) == sorted([holder, queued])
+    s.GATE.set()
+    for execution_id in [holder, queued, *others]:
+        assert isinstance(client.result(execution_id, timeout=10), wp.Completed)
+
+
+def test_worker_arguments_are_checked_and_default_to_four_runs(runtime: wp.Runtime) -> None:
+    """A worker drives 4 runs at once unless told otherwise and polls at the runtime's
+    interval; ``concurrency`` must be a positive integer (not a bool, not a float). Kills
+    the ``Worker.__init__`` mutants of the default and of the type check."""
+    worker = Worker(runtime)
+    assert worker.concurrency == 4 and worker.poll_interval == runtime.poll_interval
+    for bad in (True, 2.0, 0, -1):
+        with pytest.raises(wp.InvalidArgumentError, match="concurrency"):
+            Worker(runtime, concurrency=bad)  # type: ignore[arg-type]
+    for interval in (True, "1", 0, -0.5, float("inf")):
+        with pytest.raises(wp.InvalidArgumentError, match="poll_interval"):
+            Worker(runtime, poll_interval=interval)  # type: ignore[arg-type]
+    assert Worker(runtime, poll_interval=2).poll_interval == 2.0
+
+
+@wp.workflow(name="mutation-short-sleep", version=1)
+def short_sleep_wf(ctx: wp.Context) -> str:
+    ctx.sleep(0.2)
+    return "woke"
+
+
+def test_a_worker_wakes_for_a_known_timer_before_its_poll_interval(runtime: wp.Runtime) -> None:
+    """ "Timers known to this worker fire on time; others within one interval": with a
+    5 s poll interval, a run sleeping 0.2 s is finished well before the first poll.
+    Kills the ``Worker._idle_wait`` mutant that ignores the next wake time."""
+    runtime.register(short_sleep_wf)
+    runtime.start_worker(concurrency=2, poll_interval=5)
+    client = runtime.client()
+    started = time.monotonic()
+    execution_id = client.start(short_sleep_wf).execution_id
+    wait_status(client, execution_id, "completed", 4)  # polls status, never drives the run
+    assert time.monotonic() - started < 4
+
+
+def test_an_outage_is_logged_once_and_its_end_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Saying once (not every poll) that something fails: the first failure of an outage
+    is logged and later ones are not, its end is logged once, the backoff doubles from
+    ``base`` up to ``cap``, and a new outage starts over. Kills the
+    ``Outage.succeeded`` mutants."""
+    logger = logging.getLogger("wf_persist.test_outage")
+    outage = Outage(logger, "polling", 0.5, cap=1.5)
+    with caplog.at_level(logging.WARNING, logger=logger.name):
+        waits = [outage.failed(RuntimeError("down")) for _ in range(3)]
+        outage.succeeded()
+        outage.succeeded()
+        again = outage.failed(RuntimeError("down again"))
+    assert waits == [0.5, 1.0, 1.5] and again == 0.5
+    levels = [r.levelname for r in caplog.records]
+    assert levels == ["ERROR", "WARNING", "ERROR"], caplog.text
+
+
+# signals -----------------------------------------------------------------------------------
+
+
+@wp.workflow(name="mutation-two-signals", version=1)
+def two_signals_wf(ctx: wp.Context) -> str:
+    ctx.wait_for_signal("a#b", int)
+    ctx.wait_for_signal("other", int)
+    return "done"
+
+
+def test_signal_errors_name_the_run_and_a_received_wait_counts_as_delivered(
+    runtime: wp.Runtime,
+) -> None:
+    """A signal to a wait that already got its signal (delivered, or received by the run)
+    raises ``SignalAlreadyDeliveredError``; to a name the run never waited on, or to a run
+    that is not signalable, ``SignalNotWaitingError``; both carry the run's id and the
+    signal's name, also when the name itself contains ``#``. Kills the
+    ``store.signals.deliver`` mutants of those branches and error arguments."""
+    runtime.register(two_signals_wf)
+    client = runtime.client()
+    execution_id = client.start(two_signals_wf).execution_id
+    runtime.start_worker(concurrency=2, poll_interval=0.02)
+    wait_until(lambda: client.pending_signals(execution_id), 10, "the first wait")
+    client.signal(execution_id, "a#b", 1)
+    with pytest.raises(wp.SignalAlreadyDeliveredError) as delivered:
+        client.signal(execution_id, "a#b", 2)
+    assert (delivered.value.execution_id, delivered.value.signal_name) == (execution_id, "a#b")
+    wait_until(
+        lambda: [p.name for p in client.pending_signals(execution_id)] == ["other"],
+        10,
+        "the second wait",
+    )
+    assert "signal.received" in history_types(client, execution_id)
+    with pytest.raises(wp.SignalAlreadyDeliveredError) as received:
+        client.signal(execution_id, "a#b", 3)
+    assert (received.value.execution_id, received.value.signal_name) == (execution_id, "a#b")
+    with pytest.raises(wp.SignalNotWaitingError) as never:
+        client.signal(execution_id, "never", 1)
+    assert (never.value.execution_id, never.value.signal_name) == (execution_id, "never")
+    client.signal(execution_id, "other", 4)
+    wait_status(client, execution_id, "completed", 10)
+    with pytest.raises(wp.SignalNotWaitingError) as finished:
+        client.signal(execution_id, "other", 5)
+    assert (finished.value.execution_id, finished.value.signal_name) == (execution_id, "other")
+    missing = str(uuid.uuid4())
+    with pytest.raises(wp.UnknownExecutionError) as unknown, runtime.transaction() as conn:
+        signals.deliver(
+            conn, runtime.backend, missing, "x", lambda wait: None, None, runtime.clock()
+        )
+    assert unknown.value.execution_id == missing
+
+
+# retries across replays --------------------------------------------------------------------
+
+ATTEMPTS: list[int] = []
+
+
+@wp.step(retry=wp.Retry(attempts=3, backoff="exponential", base=1.05, factor=1))
+def always_fails() -> str:
+    ATTEMPTS.append(1)
+    raise RuntimeError("still down")
+
+
+@wp.workflow(name="mutation-parked-retries", version=1)
+def parked_retries_wf(ctx: wp.Context) -> str:
+    return ctx.run(always_fails)
+
+
+def test_parked_retries_keep_counting_attempts_across_replays(runtime: wp.Runtime) -> None:
+    """Each retry delay here is longer than the inline limit, so the run parks between
+    attempts and every attempt after the first starts from a replayed history: it must
+    still be attempt n+1 of ``attempts`` (each ``step.failed`` records its number, the
+    last one ``final``), and the step runs exactly ``attempts`` times. Kills the
+    ``Journal._step_event`` mutants that lose the attempt number or miscount failures."""
+    ATTEMPTS.clear()
+    runtime.register(parked_retries_wf)
+    client = runtime.client()
+    execution_id = client.start(parked_retries_wf).execution_id
+    outcome = client.result(execution_id, timeout=30)
+    assert isinstance(outcome, wp.Failed) and outcome.error_type == "StepExecutionError"
+    failed = [r.event for r in client.history(execution_id) if r.event["type"] == "step.failed"]
+    assert [(e["attempt"], e["final"]) for e in failed] == [(1, False), (2, False), (3, True)]
+    assert len(ATTEMPTS) == 3
