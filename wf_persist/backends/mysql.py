@@ -276,7 +276,9 @@ class MySQLBackend(Backend):
                 INSERT_HISTORY,
                 [history_row(execution_id, base + i, e) for i, e in enumerate(events)],
             )
-        return Fenced([base + i for i in range(shape.n)], str(top[1]))
+        # The status after the write, as RETURNING gives it on the other backends.
+        status = (values or {}).get("status", top[1])
+        return Fenced([base + i for i in range(shape.n)], str(status))
 
     def _check_packet(self, events: Sequence[NewEvent], values: Mapping[str, Any] | None) -> None:
         """A statement over ``max_allowed_packet`` breaks the connection; refuse it first.
