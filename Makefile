@@ -30,11 +30,13 @@ test: $(VENV)/.installed
 # MUTANTS='wf_persist.replay.*'. The summary is printed either way.
 MUTATION_MINUTES ?= 45
 MUTANTS ?=
+# Mutants mostly wait (leases, timers, polls) rather than compute: more than one per core.
+MUTATION_CHILDREN ?= 8
 mutation: $(VENV)/.installed
 	$(PY) -m pip install -q -e '.[dev,mutation]'
 	WF_PERSIST_TEST_BACKENDS=sqlite WF_PERSIST_TEST_STRICT= timeout --signal=INT \
 		--kill-after=120 $(MUTATION_MINUTES)m $(VENV)/bin/mutmut run \
-		$(if $(MUTANTS),"$(MUTANTS)") || test $$? -eq 124
+		--max-children $(MUTATION_CHILDREN) $(if $(MUTANTS),"$(MUTANTS)") || test $$? -eq 124
 	$(PY) -m tests.mutation_report
 
 bench: $(VENV)/.installed
