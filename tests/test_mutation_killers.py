@@ -680,3 +680,95 @@ def test_parked_retries_keep_counting_attempts_across_replays(runtime: wp.Runtim
     failed = [r.event for r in client.history(execution_id) if r.event["type"] == "step.failed"]
     assert [(e["attempt"], e["final"]) for e in failed] == [(1, False), (2, False), (3, True)]
     assert len(ATTEMPTS) == 3
+
+
+# recorded step failures raised again on replay -----------------------------------------
+
+
+class Declined(Exception):
+    """A terminal error importable by its module path: replay rebuilds this very class."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"declined {code}")
+        self.code = code
+
+
+def _local_error() -> type[Exception]:
+    class Refused(Exception):  # not importable by name: replay finds it among step.errors
+        def __init__(self, reason: str) -> None:
+            super().__init__(reason)
+            self.reason = reason
+
+    return Refused
+
+
+#: Bound under another name: ``module:Refused`` does not resolve, so replay takes the
+#: class from the step's ``errors``.
+_REFUSED = _local_error()
+#: A subclass raised where its base is declared: replay rebuilds the declared base.
+_HARD_REFUSAL = type("HardRefusal", (_REFUSED,), {})
+
+
+@wp.step(errors=(Declined,))
+def mutation_decline(code: int) -> str:
+    raise Declined(code)
+
+
+@wp.step(errors=(_REFUSED,))
+def mutation_refuse(reason: str) -> str:
+    raise _REFUSED(reason)
+
+
+@wp.step(errors=(_REFUSED,))
+def mutation_refuse_hard(reason: str) -> str:
+    raise _HARD_REFUSAL(reason)
+
+
+@wp.step(retry=wp.Retry(attempts=1))
+def mutation_flaky() -> str:
+    raise RuntimeError("flaky")
+
+
+@wp.workflow(name="mutation-replayed-failures", version=1)
+def replayed_failures_wf(ctx: wp.Context) -> list[str]:
+    """Catches three recorded step failures, then sleeps: the result comes from the replay
+    after the sleep, so each failure is the one rebuilt from history."""
+    seen = []
+    try:
+        ctx.run(mutation_decline, 7)
+    except Declined as exc:
+        seen.append(f"{type(exc).__name__}:{exc.code}")
+    try:
+        ctx.run(mutation_refuse, "no stock")
+    except _REFUSED as exc:
+        seen.append(f"{type(exc).__name__}:{exc.reason}")  # type: ignore[attr-defined]
+    try:
+        ctx.run(mutation_refuse_hard, "never")
+    except _REFUSED as exc:
+        seen.append(f"{type(exc).__name__}:{exc.reason}")  # type: ignore[attr-defined]
+    try:
+        ctx.run(mutation_flaky)
+    except wp.StepExecutionError as exc:
+        seen.append(f"{type(exc).__name__}:{exc.step_name}")
+    ctx.sleep(0.05)
+    return seen
+
+
+def test_recorded_step_failures_are_raised_again_as_recorded_on_replay(
+    runtime: wp.Runtime,
+) -> None:
+    """README: a terminal error is "raised in the workflow as itself (rebuilt with its
+    fields on replay)", whether or not its class can be imported by name; exhausted retries
+    raise ``StepExecutionError`` naming the step. Kills the ``_recorded_step_error``
+    mutants."""
+    runtime.register(replayed_failures_wf)
+    client = runtime.client()
+    handle = client.start(replayed_failures_wf, None)
+    outcome = client.result(handle.execution_id, timeout=30)
+    assert outcome.unwrap() == [
+        "Declined:7",
+        "Refused:no stock",
+        "Refused:never",
+        "StepExecutionError:mutation_flaky",
+    ]
+    assert history_types(client, handle.execution_id).count("step.failed") == 4
