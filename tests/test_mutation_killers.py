@@ -772,3 +772,65 @@ def test_recorded_step_failures_are_raised_again_as_recorded_on_replay(
         "StepExecutionError:mutation_flaky",
     ]
     assert history_types(client, handle.execution_id).count("step.failed") == 4
+
+
+# code blocks --------------------------------------------------------------------------
+
+
+@wp.workflow(name="mutation-code-blocks", version=1)
+def code_blocks_wf(ctx: wp.Context) -> list[str]:
+    """Two code blocks, one failing and caught, then a sleep: the result comes from the
+    replay after it, so both outcomes are the recorded ones."""
+    seen = [str(ctx.code("pick", lambda: 41 + 1, output=int, reason="the answer"))]
+    try:
+        ctx.code("boom", lambda: 1 // 0, output=int, reason="divide")
+    except wp.CodeExecutionError as exc:
+        seen.append(f"{exc.code_name}:{exc.cause['name']}")
+    ctx.sleep(0.05)
+    return seen
+
+
+@wp.workflow(name="mutation-code-misuse", version=1)
+def code_misuse_wf(ctx: wp.Context, what: str) -> str:
+    if what == "name":
+        ctx.code("", lambda: 1)
+    return str(ctx.code("nan", lambda: float("nan"), output=float))
+
+
+def test_code_blocks_record_their_reason_and_outcome_and_replay_them(
+    runtime: wp.Runtime,
+) -> None:
+    """README: ``ctx.code(name, fn, output=...)`` runs once and records its value; an
+    exception fails as ``CodeExecutionError`` (naming the block, carrying the cause) and a
+    replay raises it again. Kills the ``Context.code`` mutants that drop the name, the
+    reason, the outcome flag or the cause."""
+    runtime.register(code_blocks_wf)
+    client = runtime.client()
+    handle = client.start(code_blocks_wf, None)
+    assert client.result(handle.execution_id, timeout=30).unwrap() == [
+        "42",
+        "boom:ZeroDivisionError",
+    ]
+    events = [r.event for r in client.history(handle.execution_id)]
+    code = [e for e in events if e["type"].startswith("code.")]
+    assert [(e["type"], e["name"], e["activityName"], e["invocation"]) for e in code] == [
+        ("code.started", "pick", "pick#1", 1),
+        ("code.completed", "pick", "pick#1", 1),
+        ("code.started", "boom", "boom#1", 1),
+        ("code.failed", "boom", "boom#1", 1),
+    ]
+    assert [e["reason"] for e in code] == ["the answer"] * 2 + ["divide"] * 2
+    assert code[1]["result"] == 42
+    assert code[3]["error"]["name"] == "ZeroDivisionError"
+
+
+def test_code_block_misuse_names_the_code_block(runtime: wp.Runtime) -> None:
+    """A bad code block name and an unstorable result are refused with errors that say it
+    was a code block and which one."""
+    runtime.register(code_misuse_wf)
+    client = runtime.client()
+    bad_name = client.result(client.start(code_misuse_wf, "name").execution_id, timeout=30)
+    assert isinstance(bad_name, wp.Failed) and "code block name" in bad_name.message
+    nan = client.result(client.start(code_misuse_wf, "nan").execution_id, timeout=30)
+    assert isinstance(nan, wp.Failed) and nan.error_type == "CodeExecutionError"
+    assert "result of code block nan" in nan.message
