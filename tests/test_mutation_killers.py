@@ -834,3 +834,97 @@ def test_code_block_misuse_names_the_code_block(runtime: wp.Runtime) -> None:
     nan = client.result(client.start(code_misuse_wf, "nan").execution_id, timeout=30)
     assert isinstance(nan, wp.Failed) and nan.error_type == "CodeExecutionError"
     assert "result of code block nan" in nan.message
+
+
+# ctx.all ------------------------------------------------------------------------------
+
+_FLAKY_ONCE: dict[str, int] = {}
+
+
+@wp.step
+def mutation_double(n: int) -> int:
+    return 2 * n
+
+
+@wp.step(retry=wp.Retry(attempts=2, backoff="exponential", base=1.2, factor=1))
+def mutation_fails_once(key: str) -> str:
+    _FLAKY_ONCE[key] = _FLAKY_ONCE.get(key, 0) + 1
+    if _FLAKY_ONCE[key] == 1:
+        raise RuntimeError("first attempt fails")
+    return key
+
+
+def _not_a_step(n: int) -> int:
+    return n
+
+
+@wp.workflow(name="mutation-all-misuse", version=1)
+def all_misuse_wf(ctx: wp.Context, what: str) -> list[int]:
+    calls = [wp.call(mutation_double, 1), wp.call(mutation_double, 2)]
+    if what == "concurrency-0":
+        return ctx.all(calls, concurrency=0)
+    if what == "concurrency-text":
+        return ctx.all(calls, concurrency="2")  # type: ignore[arg-type]
+    if what == "name":
+        return ctx.all(calls, name="")
+    if what == "not-a-list":
+        return ctx.all(wp.call(mutation_double, 1))  # type: ignore[arg-type]
+    if what == "not-a-call":
+        return ctx.all([mutation_double])  # type: ignore[list-item]
+    if what == "plain-function":
+        return ctx.all([wp.call(_not_a_step, 1)])  # type: ignore[arg-type]
+    return ctx.all(calls, concurrency=1)
+
+
+@wp.workflow(name="mutation-all-retry", version=1)
+def all_retry_wf(ctx: wp.Context, key: str) -> list[str]:
+    return ctx.all([wp.call(mutation_fails_once, key), wp.call(mutation_fails_once, key + "!")])
+
+
+@pytest.mark.parametrize(
+    ("what", "says"),
+    [
+        ("concurrency-0", "concurrency must be a positive integer, got 0"),
+        ("concurrency-text", "concurrency must be a positive integer, got '2'"),
+        ("name", "ctx.all name"),
+        ("not-a-list", "ctx.all takes a list of wp.call(step, ...) items"),
+        ("not-a-call", "ctx.all takes wp.call(step, ...) items"),
+        ("plain-function", "ctx.all needs a step declared with @wp.step"),
+    ],
+)
+def test_ctx_all_misuse_is_refused_saying_what_is_wrong(
+    runtime: wp.Runtime, what: str, says: str
+) -> None:
+    runtime.register(all_misuse_wf)
+    client = runtime.client()
+    outcome = client.result(client.start(all_misuse_wf, what).execution_id, timeout=30)
+    assert isinstance(outcome, wp.Failed) and says in outcome.message
+
+
+def test_ctx_all_records_its_branches_and_runs_one_at_a_time_with_concurrency_1(
+    runtime: wp.Runtime,
+) -> None:
+    runtime.register(all_misuse_wf)
+    client = runtime.client()
+    handle = client.start(all_misuse_wf, "ok")
+    assert client.result(handle.execution_id, timeout=30).unwrap() == [2, 4]
+    events = [r.event for r in client.history(handle.execution_id)]
+    started = next(e for e in events if e["type"] == "all.started")
+    done = next(e for e in events if e["type"] == "all.completed")
+    assert (started["branches"], done["branches"]) == (2, 2)
+    steps = [e for e in events if e["type"] == "step.completed"]
+    assert [(e["activityName"], e["invocation"]) for e in steps] == [
+        ("mutation_double#1", 1),
+        ("mutation_double#2", 2),
+    ]
+
+
+def test_a_branch_waits_out_a_long_retry_backoff_in_its_thread(runtime: wp.Runtime) -> None:
+    """Inside ``ctx.all`` a retry backoff is always waited in the branch's thread (the run
+    cannot park with other branches in flight), even one longer than a parked retry's."""
+    runtime.register(all_retry_wf)
+    client = runtime.client()
+    key = uuid.uuid4().hex
+    handle = client.start(all_retry_wf, key)
+    assert client.result(handle.execution_id, timeout=30).unwrap() == [key, key + "!"]
+    assert history_types(client, handle.execution_id).count("step.failed") == 2
