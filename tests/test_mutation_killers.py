@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, create_engine, select
 from sqlalchemy.engine import make_url
 
 import wf_persist as wp
@@ -928,3 +928,62 @@ def test_a_branch_waits_out_a_long_retry_backoff_in_its_thread(runtime: wp.Runti
     handle = client.start(all_retry_wf, key)
     assert client.result(handle.execution_id, timeout=30).unwrap() == [key, key + "!"]
     assert history_types(client, handle.execution_id).count("step.failed") == 2
+
+
+# claims and pools ---------------------------------------------------------------------
+
+
+def test_claimed_runs_are_held_from_before_the_claim_and_never_twice(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """``Runtime.claim_due`` hands each claimed run to the lease keeper at its epoch, with
+    the lease counted from before the claim; it never claims a run this process is still
+    driving (even one whose lease looks expired), and a closing runtime claims nothing."""
+    rt = make_runtime(lease_ttl=30)
+    rt.register(w.three_steps_wf)
+    first = rt.client().start(w.three_steps_wf, {"marks": "/dev/null", "hang_file": ""})
+    before = time.monotonic()
+    claims = rt.claim_due(10)
+    after = time.monotonic()
+    assert [c.execution_id for c in claims] == [first.execution_id]
+    keeper = rt.keeper()
+    assert keeper.held() == {first.execution_id: claims[0].epoch}
+    lease = keeper.hold(first.execution_id, claims[0].epoch)
+    assert before <= lease.confirmed <= after, "confirmed from when the claim was sent"
+
+    with rt._lock:  # this process drives it (the driving thread is elsewhere)
+        rt._driving.add(first.execution_id)
+    with rt.transaction() as conn:  # its lease looks expired to the database
+        conn.execute(
+            ex.update()
+            .where(ex.c.id == first.execution_id)
+            .values(wake_at=dt.datetime(2000, 1, 1, tzinfo=dt.UTC))
+        )
+    assert rt.claim_due(10) == [], "never a run this process still drives"
+    with rt._lock:
+        rt._driving.discard(first.execution_id)
+    rt.closing = True
+    assert rt.claim_due(10) == [], "a closing runtime claims nothing"
+    rt.closing = False
+    assert rt.claim_due(0) == []
+    assert [c.execution_id for c in rt.claim_due(10)] == [first.execution_id]
+
+
+def test_a_pool_is_comfortable_from_twice_the_concurrency_plus_two(
+    db_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """README: ``start_worker`` warns below ``2 * concurrency + 2`` connections."""
+    engine = create_engine(db_url, pool_size=5, max_overflow=5)  # 10 connections
+    rt = wp.Runtime(engine)
+    try:
+        with caplog.at_level(logging.WARNING, logger="wf_persist.runtime"):
+            rt.check_pool(4)  # needs 5, comfortable at 10: quiet
+            assert not caplog.records
+            rt.check_pool(5)  # comfortable at 12: says so, with the numbers
+        assert [r.getMessage() for r in caplog.records] == [
+            "the engine's pool gives 10 connections; a worker with concurrency 5 needs 6, "
+            "up to 12 when steps wait for concurrency slots"
+        ]
+    finally:
+        rt.close()
+        engine.dispose()
