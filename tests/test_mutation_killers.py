@@ -987,3 +987,34 @@ def test_a_pool_is_comfortable_from_twice_the_concurrency_plus_two(
     finally:
         rt.close()
         engine.dispose()
+
+
+def test_the_journal_reads_attempts_failures_and_retry_times_from_step_events() -> None:
+    """What a replay learns about a step from its events: the highest attempt (an event
+    without one is attempt 1), that a failure without ``final`` is final, and for a failure
+    that will be retried, the count and the recorded retry time. Kills the
+    ``Journal._step_event`` mutants."""
+    from wf_persist.replay import Journal
+
+    def ev(etype: str, act: str, **fields: object) -> dict[str, object]:
+        return {"type": etype, "activityName": act, "stepName": act.split("#")[0], **fields}
+
+    at = "2026-12-01T10:00:00.250000+00:00"
+    journal = Journal.from_events(
+        [
+            ev("step.started", "plain#1"),
+            ev("step.failed", "legacy#1", error={"name": "E"}),
+            ev("step.failed", "retried#1", attempt=1, final=False, retryAt=at),
+            ev("step.failed", "retried#1", attempt=2, final=False),
+            ev("step.failed", "again#1", attempt=3, final=False, retryAt=at),
+        ]
+    )
+    assert journal.steps["plain#1"].last_attempt == 1
+    assert "plain#1" not in journal.outcomes
+    assert journal.outcomes["legacy#1"][0] is False, "a failure without 'final' is final"
+    retried = journal.steps["retried#1"]
+    assert (retried.last_attempt, retried.failures, retried.retry_at) == (2, 2, None)
+    again = journal.steps["again#1"]
+    assert (again.last_attempt, again.failures) == (3, 1)
+    assert again.retry_at == dt.datetime(2026, 12, 1, 10, 0, 0, 250000, tzinfo=dt.UTC)
+    assert "retried#1" not in journal.outcomes and "again#1" not in journal.outcomes
