@@ -88,6 +88,20 @@ def test_a_paused_driver_records_nothing_after_a_takeover(
     assert sequences == list(range(1, len(sequences) + 1))
 
 
+def _holding(
+    make_runtime: Callable[..., wp.Runtime], tmp_path: Path
+) -> tuple[wp.Runtime, wp.ExecutionHandle, Path, Path]:
+    """A runtime whose worker is inside the ``hold`` step of a fenced run (until
+    ``release`` exists)."""
+    first = make_runtime(lease_ttl=30)
+    first.register(*f.ALL)
+    marks, release = tmp_path / "marks", tmp_path / "release"
+    handle = first.client().start(f.fenced_wf, {"marks": str(marks), "release": str(release)})
+    first.start_worker(concurrency=1, poll_interval=0.02)
+    wait_for_mark(marks, "hold-start")
+    return first, handle, marks, release
+
+
 def _due(rt: wp.Runtime, execution_id: str) -> bool:
     from wf_persist.store import executions
 
@@ -171,12 +185,7 @@ def test_timers_run_on_the_database_clock(
 def test_close_releases_leases_so_another_runtime_takes_over_at_once(
     make_runtime: Callable[..., wp.Runtime], tmp_path: Path
 ) -> None:
-    first = make_runtime(lease_ttl=30)
-    first.register(*f.ALL)
-    marks, release = tmp_path / "marks", tmp_path / "release"
-    handle = first.client().start(f.fenced_wf, {"marks": str(marks), "release": str(release)})
-    first.start_worker(concurrency=1, poll_interval=0.02)
-    wait_for_mark(marks, "hold-start")
+    first, handle, marks, release = _holding(make_runtime, tmp_path)
     first.close(timeout=0.2)  # the step is still running in its thread
     second = make_runtime(lease_ttl=30)
     second.register(*f.ALL)
@@ -307,12 +316,7 @@ def test_close_releases_the_lease_of_a_run_that_stopped_at_its_next_step(
 ) -> None:
     """close() waits for a step in flight; its run stops before the next step. That run is
     handed over at once too, not left leased until its lease runs out."""
-    first = make_runtime(lease_ttl=30)
-    first.register(*f.ALL)
-    marks, release = tmp_path / "marks", tmp_path / "release"
-    handle = first.client().start(f.fenced_wf, {"marks": str(marks), "release": str(release)})
-    first.start_worker(concurrency=1, poll_interval=0.02)
-    wait_for_mark(marks, "hold-start")
+    first, handle, _, release = _holding(make_runtime, tmp_path)
     closing = threading.Thread(target=first.close, kwargs={"timeout": 30})
     closing.start()
     wait_until(lambda: first.closing, what="close() to begin")

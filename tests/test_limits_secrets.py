@@ -57,10 +57,9 @@ def queued_behind_the_limit(runtime: wp.Runtime, execution_id: str) -> None:
     assert execution_id in runtime._driving and s.CALLS["exclusive:queued"] == 0
 
 
-def test_cancelled_run_queued_behind_a_limit_never_starts(
-    make_runtime: Callable[..., wp.Runtime],
-) -> None:  # 51
-    runtime = make_runtime(record_start_after=0)
+def holder_and_queued(runtime: wp.Runtime) -> tuple[wp.ExecutionHandle, wp.ExecutionHandle]:
+    """A worker drives two runs of ``exclusive`` (a limit of one): the holder is inside
+    the step, the other run's attempt waits for the slot (``record_start_after=0``)."""
     runtime.register(*s.ALL)
     runtime.start_worker(concurrency=4, poll_interval=0.02)
     client = runtime.client()
@@ -68,6 +67,15 @@ def test_cancelled_run_queued_behind_a_limit_never_starts(
     wait_until(lambda: s.CALLS["exclusive:holder"] > 0, what="the holder's step")
     queued = client.start(s.exclusive_wf, "queued")
     queued_behind_the_limit(runtime, queued.execution_id)
+    return holder, queued
+
+
+def test_cancelled_run_queued_behind_a_limit_never_starts(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:  # 51
+    runtime = make_runtime(record_start_after=0)
+    client = runtime.client()
+    holder, queued = holder_and_queued(runtime)
     client.cancel(queued.execution_id, compensate=False)
     # Its driver notices while it waits for the slot, and gives up without the step.
     wait_until(lambda: queued.execution_id not in runtime._driving, what="the queued drive ends")

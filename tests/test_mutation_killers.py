@@ -32,6 +32,7 @@ from wf_persist.worker import Worker
 from .fixtures import saga as s
 from .fixtures import workflows as w
 from .helpers import history_types, wait_status, wait_until
+from .test_limits_secrets import holder_and_queued
 
 T0 = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
 
@@ -462,13 +463,8 @@ def test_a_run_queued_behind_a_limit_waits_without_replaying_or_failing(
     with no failed drive and no replay (one ``step.started``). Kills the ``_check_run``
     mutants that break the check's query or replay on every check."""
     runtime = make_runtime(record_start_after=0)
-    runtime.register(*s.ALL)
-    runtime.start_worker(concurrency=4, poll_interval=0.02)
     client = runtime.client()
-    holder = client.start(s.exclusive_wf, "holder")
-    wait_until(lambda: s.CALLS["exclusive:holder"] > 0, what="the holder's step")
-    queued = client.start(s.exclusive_wf, "queued")
-    wait_until(lambda: "step.started" in history_types(client, queued.execution_id))
+    holder, queued = holder_and_queued(runtime)
     time.sleep(0.8)  # several of the checks made every 0.2 s while it queues
     s.GATE.set()
     assert client.result(holder.execution_id, timeout=10).unwrap() == "holder"
@@ -486,13 +482,8 @@ def test_a_run_cancelled_while_it_queues_stops_waiting_at_once(
     next check (every 0.2 s), not when its lease renewal next fails (a quarter of a long
     TTL later). Kills the ``_check_run`` mutant that only notices a vanished run."""
     runtime = make_runtime(record_start_after=0, lease_ttl=60)
-    runtime.register(*s.ALL)
-    runtime.start_worker(concurrency=4, poll_interval=0.02)
     client = runtime.client()
-    holder = client.start(s.exclusive_wf, "holder")
-    wait_until(lambda: s.CALLS["exclusive:holder"] > 0, what="the holder's step")
-    queued = client.start(s.exclusive_wf, "queued")
-    wait_until(lambda: "step.started" in history_types(client, queued.execution_id))
+    holder, queued = holder_and_queued(runtime)
     client.cancel(queued.execution_id, compensate=False)
     wait_until(lambda: queued.execution_id not in runtime._driving, 3, "the queued drive ends")
     s.GATE.set()
