@@ -277,10 +277,18 @@ def test_upgrade_keeps_data_from_the_oldest_revision(
         for statement in LEGACY.read_text().split(";\n"):
             if statement.strip():
                 conn.execute(text(statement))
+    migrate.upgrade(blank_db_url, "wf_0003")  # the revision before the newest, with data
+    assert migrate.current(blank_db_url) == "wf_0003"
     migrate.upgrade(blank_db_url)
     assert migrate.current(blank_db_url) == migrate.SCHEMA_HEAD
+    with wp.Client(engine) as thin:  # cataloged before schemas were recorded
+        assert [(e.name, e.input_schema) for e in thin.workflows()] == [("echo", None)]
+    # Down to the previous revision and up again: the catalog rows and runs survive.
+    migrate.downgrade(blank_db_url, "wf_0003")
+    migrate.upgrade(blank_db_url)
     with wp.Runtime(engine) as rt:
         rt.register(w.echo_wf)
+        assert [e.input_schema for e in rt.client().workflows()] == [{"type": "integer"}]
         client = rt.client()
         info = client.describe("00000000-0000-4000-8000-000000000001")
         assert (info.status, info.actor, info.version) == ("completed", "legacy-actor", 1)

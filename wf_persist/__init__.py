@@ -17,6 +17,7 @@ from .authoring import call as call
 from .authoring import step as step
 from .authoring import workflow as workflow
 from .backends import create_engine as create_engine
+from .client import Client as Client
 from .client import Completed as Completed
 from .client import ExecutionHandle as ExecutionHandle
 from .client import ExecutionInfo as ExecutionInfo
@@ -26,6 +27,7 @@ from .client import Outcome as Outcome
 from .client import Page as Page
 from .client import PendingSignal as PendingSignal
 from .client import WorkflowClient as WorkflowClient
+from .client import WorkflowEntry as WorkflowEntry
 from .context import Context as Context
 from .errors import Cancelled as Cancelled
 from .errors import CannotCancelError as CannotCancelError
@@ -74,6 +76,7 @@ __all__ = [
     "Call",
     "Cancelled",
     "CannotCancelError",
+    "Client",
     "CodeExecutionError",
     "Completed",
     "Context",
@@ -121,6 +124,7 @@ __all__ = [
     "Workflow",
     "WorkflowClient",
     "WorkflowDefinitionError",
+    "WorkflowEntry",
     "WorkflowFailedError",
     "WorkflowVersionConflictError",
     "call",

@@ -24,7 +24,7 @@ from pydantic import PydanticUserError, TypeAdapter
 
 from .errors import InvalidArgumentError, WorkflowDefinitionError
 from .models import CALL_NAME_WIDTH, WORKFLOW_NAME_WIDTH
-from .values import unstorable
+from .values import json_schema_of, unstorable
 
 I = TypeVar("I")  # noqa: E741
 O = TypeVar("O")  # noqa: E741
@@ -172,6 +172,15 @@ class Workflow(Generic[I, O]):
     @property
     def key(self) -> tuple[str, int]:
         return (self.name, self.version)
+
+    @functools.cached_property
+    def schemas(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """The JSON Schemas of the input and the output, as cataloged (``None`` where the
+        type has none): what a process without this code validates a start against."""
+        return (
+            json_schema_of(self.input_adapter, "validation"),
+            json_schema_of(self.output_adapter, "serialization"),
+        )
 
     def __repr__(self) -> str:
         return f"<Workflow {self.name}@v{self.version}>"

@@ -1,302 +1,180 @@
-"""The client: start runs, wait for results, inspect status, list and read history."""
+"""The clients: :class:`Client` operates runs from any process without the workflows' code
+and never executes a step; :class:`WorkflowClient` (from :meth:`Runtime.client`) is the
+embedded one, which starts the runtime's own definitions and may drive a due run in the
+calling thread while it waits for a result.
+"""
 
 from __future__ import annotations
 
-import base64
-import binascii
 import datetime as dt
 import json
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any
 
-from jsonschema import Draft202012Validator
-from pydantic import ValidationError
-from pydantic_core import PydanticSerializationError
-from sqlalchemy import Connection, Row
+from sqlalchemy import Connection, Engine, Row
+from sqlalchemy.engine import URL
 from sqlalchemy.orm import Session
 
-from . import events, lifecycle
-from .authoring import Workflow, adapter_for
+from . import arguments, events, lifecycle
+from .authoring import Workflow
+from .backends import Backend
+from .database import Database
 from .errors import (
     Cancelled,
     InvalidArgumentError,
-    InvalidCursorError,
+    InvalidPayloadError,
+    MissingWorkflowVersionError,
+    NotSerializableError,
     ResultTimeoutError,
-    SignalPayloadError,
     UnknownExecutionError,
-    WorkflowFailedError,
+    UnknownWorkflowError,
     error_document,
 )
-from .models import KEY_WIDTH, WORKFLOW_NAME_WIDTH
-from .runtime import NOT_DRIVEN
-from .store import Executor, executions, history, signals
-from .values import non_finite, resolve_type_reference, unstorable
+from .records import (
+    Completed,
+    ExecutionHandle,
+    ExecutionInfo,
+    Failed,
+    HistoryRecord,
+    Outcome,
+    Page,
+    PendingSignal,
+    WorkflowEntry,
+    decode_cursor,
+    encode_cursor,
+)
+from .runtime import NOT_DRIVEN, Clock, positive, utc_now
+from .store import Executor, catalog, executions, history, signals
+from .values import schema_errors, unstorable
 
 if TYPE_CHECKING:
     from .runtime import Runtime
 
-T = TypeVar("T")
+__all__ = [
+    "Client",
+    "Completed",
+    "ExecutionHandle",
+    "ExecutionInfo",
+    "Failed",
+    "HistoryRecord",
+    "Outcome",
+    "Page",
+    "PendingSignal",
+    "WorkflowClient",
+    "WorkflowEntry",
+]
+
+#: What :meth:`Client.result` returns to when it has driven a run (or nothing was due).
+_AGAIN, _WAIT = True, False
 
 
-@dataclass(frozen=True)
-class ExecutionHandle:
-    """What ``start`` returns. Equal handles name the same run."""
+class Client:
+    """Starts, signals, cancels, awaits and inspects runs; never runs workflow code.
 
-    execution_id: str
-    workflow_name: str
-    version: int
-    #: False when an idempotency key matched an existing run (nothing new was recorded).
-    created: bool = field(default=True, compare=False)
+    Needs only the database: start a workflow by its cataloged name (the input is validated
+    against the JSON Schema its version recorded), and wait for results that workers
+    elsewhere produce. Nothing here imports or executes a step.
 
+    Args:
+        bind: a database URL or an existing ``Engine`` (see :class:`~wf_persist.Runtime`).
+        schema: a PostgreSQL schema holding the wf_ tables.
+        auto_migrate: as for a runtime (default: only an embedded SQLite file it creates).
+        poll_interval: the longest pause between two looks at a run :meth:`result` waits
+            for (it starts at 2 ms and doubles).
+        clock: the source of the times this client records (``created_at`` of a run).
+    """
 
-@dataclass(frozen=True)
-class ExecutionInfo:
-    """A run as stored: identity, pinned version, status and timestamps."""
+    def __init__(
+        self,
+        bind: str | URL | Engine | None = None,
+        *,
+        schema: str | None = None,
+        auto_migrate: bool | None = None,
+        poll_interval: float = 0.25,
+        clock: Clock = utc_now,
+    ) -> None:
+        positive(poll_interval, "poll_interval")
+        self._database: Database | None = Database(bind, auto_migrate=auto_migrate, schema=schema)
+        self.backend: Backend = self._database.backend
+        #: The engine this client works through.
+        self.engine = self._database.engine
+        self._clock = clock
+        self._poll_interval = poll_interval
 
-    execution_id: str
-    workflow_name: str
-    version: int
-    status: str
-    actor: str | None
-    idempotency_key: str | None
-    created_at: dt.datetime
-    started_at: dt.datetime | None
-    finished_at: dt.datetime | None
-    updated_at: dt.datetime
+    # hooks the embedded client overrides ------------------------------------------------
 
-    @classmethod
-    def from_row(cls, row: Row[Any]) -> ExecutionInfo:
-        return cls(
-            execution_id=row.id,
-            workflow_name=row.workflow_name,
-            version=row.workflow_version,
-            status=row.status,
-            actor=row.actor,
-            idempotency_key=row.idempotency_key,
-            created_at=row.created_at,
-            started_at=row.started_at,
-            finished_at=row.finished_at,
-            updated_at=row.updated_at,
-        )
+    def _now(self) -> dt.datetime:
+        return self._clock()
 
+    def _poll(self) -> float:
+        return self._poll_interval
 
-@dataclass(frozen=True)
-class HistoryRecord:
-    """One history event: its per-run sequence, when it was recorded, and the event."""
+    def _notify(self) -> None:
+        """A run changed (embedded: wake this process's worker and waiters)."""
 
-    sequence: int
-    created_at: dt.datetime
-    event: dict[str, Any]
+    def _wait(self, seconds: float) -> None:
+        time.sleep(seconds)
 
+    def _prepare_start(
+        self,
+        workflow: Workflow[Any, Any] | str,
+        version: int | None,
+        payload: Any,
+        session: Executor | None,
+    ) -> tuple[str, int, Any]:
+        """The (name, version) to start and the payload's stored form, from the catalog."""
+        name = arguments.workflow_name(workflow)
+        arguments.check_version(version)
+        with self._reading() as conn:
+            entry = catalog.entry(conn, self.backend, name, version)
+        if entry is None:
+            if version is None:
+                raise UnknownWorkflowError(name, cataloged=True)
+            raise MissingWorkflowVersionError(name, version, cataloged=True)
+        what = f"input of workflow {name}"
+        stored = _cataloged_document(what, payload, entry.input_schema)
+        self.backend.check_size(what, stored)
+        return name, int(entry.version), stored
 
-@dataclass(frozen=True)
-class Page:
-    """One page of :meth:`WorkflowClient.list`; pass ``next_cursor`` to get the next."""
+    def _try_drive(self, row: Row[Any]) -> Outcome | bool:
+        """While :meth:`result` waits: the outcome if this call finished the run, ``_AGAIN``
+        to look at the run again at once, ``_WAIT`` to wait. A thin client only waits."""
+        return _WAIT
 
-    items: list[ExecutionInfo]
-    next_cursor: str | None
+    def _outcome(self, row: Row[Any]) -> Outcome:
+        if row.status == "failed":
+            return Failed(row.id, dict(row.error or {}))
+        return Completed(row.id, row.result)
 
-
-@dataclass(frozen=True)
-class Completed(Generic[T]):
-    """A run that returned ``value`` (validated into the workflow's output type)."""
-
-    execution_id: str
-    value: T
-    status: Literal["completed"] = "completed"
-
-    def unwrap(self) -> T:
-        return self.value
-
-
-@dataclass(frozen=True)
-class Failed:
-    """A run that failed. ``error`` is the stored error document (name, message, fields)."""
-
-    execution_id: str
-    error: dict[str, Any]
-    status: Literal["failed"] = "failed"
-
-    @property
-    def error_type(self) -> str:
-        return str(self.error.get("name"))
-
-    @property
-    def message(self) -> str:
-        return str(self.error.get("message"))
-
-    @property
-    def compensation_errors(self) -> list[dict[str, Any]]:
-        """Errors of compensations that failed during the unwind (the run's error stays the
-        original failure)."""
-        return list(self.error.get("compensationErrors") or [])
-
-    def matches(self, error_type: type[BaseException]) -> bool:
-        """Whether the run failed with ``error_type`` (by class name and module)."""
-        return (
-            self.error.get("name") == error_type.__name__
-            and self.error.get("module", error_type.__module__) == error_type.__module__
-        )
-
-    def unwrap(self) -> Any:
-        raise WorkflowFailedError(self.execution_id, self.error)
-
-
-Outcome = Completed[Any] | Failed
-
-
-def _encode_cursor(created_at: dt.datetime, execution_id: str) -> str:
-    raw = json.dumps([created_at.isoformat(), execution_id]).encode()
-    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
-
-
-def _decode_cursor(cursor: str) -> tuple[dt.datetime, str]:
-    try:
-        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
-        created, execution_id = json.loads(raw)
-        when = dt.datetime.fromisoformat(created)
-        if when.tzinfo is None or not isinstance(execution_id, str) or unstorable(execution_id):
-            raise ValueError(cursor)
-        return when.astimezone(dt.UTC), execution_id
-    except (binascii.Error, ValueError, TypeError, UnicodeDecodeError, OverflowError) as exc:
-        raise InvalidCursorError(cursor) from exc
-
-
-@dataclass(frozen=True)
-class PendingSignal:
-    """A wait the run is parked on: what to send and what shape it must have."""
-
-    name: str
-    invocation: int
-    activity_name: str
-    timeout: float | None
-    payload_schema: dict[str, Any] | None
-
-    @classmethod
-    def from_event(cls, event: Mapping[str, Any]) -> PendingSignal:
-        return cls(
-            name=str(event["name"]),
-            invocation=int(event["invocation"]),
-            activity_name=str(event["activityName"]),
-            timeout=event.get("timeout"),
-            payload_schema=event.get("payloadSchema"),
-        )
-
-
-def _validate_signal(execution_id: str, name: str, wait: Mapping[str, Any], payload: Any) -> Any:
-    """The payload's stored JSON form, validated by the wait's type or recorded schema."""
-    if non_finite(payload):
-        problem: str | None = "it contains NaN or an infinity, which JSON cannot hold"
-    else:
-        stored = _signal_document(execution_id, name, wait, payload)
-        problem = unstorable(stored)
-    if problem is not None:
-        raise SignalPayloadError(execution_id, name, [{"loc": (), "msg": problem}])
-    return stored
-
-
-def _signal_document(execution_id: str, name: str, wait: Mapping[str, Any], payload: Any) -> Any:
-    tp = resolve_type_reference(wait.get("payloadType"))
-    if tp is not None and isinstance(payload, tp):
-        try:
-            return adapter_for(tp).dump_python(payload, mode="json")
-        except (PydanticSerializationError, UnicodeDecodeError) as exc:  # bytes not UTF-8
-            raise SignalPayloadError(execution_id, name, [{"loc": (), "msg": str(exc)}]) from exc
-    try:
-        text = json.dumps(payload, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise SignalPayloadError(execution_id, name, [{"loc": (), "msg": str(exc)}]) from exc
-    if tp is not None:
-        # Strict JSON validation: the payload must already have the declared shape ("yes" is
-        # not a boolean), as the recorded JSON Schema would judge it.
-        adapter = adapter_for(tp)
-        try:
-            return adapter.dump_python(adapter.validate_json(text, strict=True), mode="json")
-        except ValidationError as exc:
-            errors = [dict(e) for e in exc.errors(include_url=False)]
-            raise SignalPayloadError(execution_id, name, errors) from exc
-    doc = json.loads(text)
-    schema = wait.get("payloadSchema")
-    if schema:
-        found = sorted(
-            Draft202012Validator(schema).iter_errors(doc), key=lambda e: list(e.absolute_path)
-        )
-        if found:
-            errors = [{"loc": tuple(e.absolute_path), "msg": e.message} for e in found]
-            raise SignalPayloadError(execution_id, name, errors)
-    return doc
-
-
-def _utc(value: object, what: str) -> dt.datetime:
-    """An aware datetime as UTC (the form it is stored and compared in)."""
-    if not isinstance(value, dt.datetime) or value.tzinfo is None:
-        raise InvalidArgumentError(f"{what} must be an aware datetime, got {value!r:.80}")
-    try:
-        return value.astimezone(dt.UTC)
-    except OverflowError:
-        raise InvalidArgumentError(f"{what} is out of range in UTC: {value!r}") from None
-
-
-def _check_text(what: str, value: str | None) -> None:
-    if value is not None and (
-        not isinstance(value, str) or not value or len(value) > KEY_WIDTH or unstorable(value)
-    ):
-        raise InvalidArgumentError(
-            f"{what} must be a non-empty string of at most {KEY_WIDTH} characters without "
-            f"NUL or invalid UTF-8, got {value!r:.80}"
-        )
-
-
-def _check_id(execution_id: object) -> str:
-    if (
-        not isinstance(execution_id, str)
-        or not execution_id
-        or len(execution_id) > 36
-        or unstorable(execution_id)
-    ):
-        raise InvalidArgumentError(
-            "an execution id is a string of 36 characters without NUL or invalid UTF-8, "
-            f"got {execution_id!r:.80}"
-        )
-    return execution_id
-
-
-def _workflow_name(workflow: object) -> str:
-    if isinstance(workflow, Workflow):
-        return workflow.name
-    if (
-        not isinstance(workflow, str)
-        or not workflow
-        or len(workflow) > WORKFLOW_NAME_WIDTH
-        or unstorable(workflow)
-    ):
-        raise InvalidArgumentError(
-            f"expected a workflow or its name (a non-empty string of at most "
-            f"{WORKFLOW_NAME_WIDTH} characters without NUL or invalid UTF-8), got {workflow!r:.80}"
-        )
-    return workflow
-
-
-class WorkflowClient:
-    """Starts and observes runs. Get one from :meth:`Runtime.client`."""
-
-    def __init__(self, runtime: Runtime) -> None:
-        self.runtime = runtime
+    # plumbing ---------------------------------------------------------------------------
 
     @contextmanager
     def _reading(self) -> Iterator[Connection]:
-        with self.runtime.backend.read() as conn:
+        with self.backend.read() as conn:
             yield conn
 
     def _row(self, conn: Executor, execution_id: str) -> Row[Any]:
-        row = executions.get(conn, _check_id(execution_id))
+        row = executions.get(conn, arguments.check_id(execution_id))
         if row is None:
             raise UnknownExecutionError(execution_id)
         return row
+
+    def close(self) -> None:
+        """Dispose of the engine if this client created it. Idempotent."""
+        database, self._database = self._database, None
+        if database is not None:
+            database.dispose()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # operations -------------------------------------------------------------------------
 
     def start(
         self,
@@ -310,36 +188,37 @@ class WorkflowClient:
     ) -> ExecutionHandle:
         """Start a run (durably) and return its handle.
 
-        The payload is validated against the workflow's input type first; an invalid payload
-        raises :class:`InvalidPayloadError` and writes nothing. The same (workflow name,
-        idempotency key) always returns the same handle and records nothing new.
+        The payload is validated first (an invalid one raises :class:`InvalidPayloadError`
+        and writes nothing): by this client against the JSON Schema the version recorded in
+        the catalog; by the embedded client with the workflow's own types. The same
+        (workflow name, idempotency key) always returns the same handle and records nothing
+        new.
 
         Args:
-            workflow: a workflow definition or a registered name.
-            version: the version to pin (default: the highest registered).
+            workflow: a workflow's name (or its definition, which names it).
+            version: the version to pin (default: the highest cataloged, or for the embedded
+                client the highest registered).
             session: a host session or connection to write in; the run then exists only if
                 the host commits.
+
+        Raises:
+            UnknownWorkflowError, MissingWorkflowVersionError, InvalidPayloadError,
+            NotSerializableError, ValueTooLargeError, IdempotencyConflictError.
         """
-        _check_text("idempotency_key", idempotency_key)
-        _check_text("actor", actor)
-        rt = self.runtime
-        wf = rt.choose(workflow, version)
-        stored = rt.validate_input(wf, payload)  # before anything is written, the catalog too
-        if isinstance(workflow, Workflow):
-            # In a host transaction, even cataloging a new workflow goes into that
-            # transaction: a second write transaction of our own would wait on the host's lock.
-            rt.ensure_registered(workflow, session=session)
-        now = rt.clock()
+        arguments.check_text("idempotency_key", idempotency_key)
+        arguments.check_text("actor", actor)
+        name, pinned, stored = self._prepare_start(workflow, version, payload, session)
+        now = self._now()
         execution_id = str(uuid.uuid4())
-        started = events.execution_started(execution_id, wf.name, wf.version, stored, actor, now)
+        started = events.execution_started(execution_id, name, pinned, stored, actor, now)
 
         def write(conn: Executor) -> tuple[str, int, bool]:
             return executions.create(
                 conn,
-                rt.backend,
+                self.backend,
                 execution_id=execution_id,
-                workflow_name=wf.name,
-                workflow_version=wf.version,
+                workflow_name=name,
+                workflow_version=pinned,
                 payload=stored,
                 idempotency_key=idempotency_key,
                 actor=actor,
@@ -350,10 +229,10 @@ class WorkflowClient:
         if session is not None:
             found = write(session)
         else:
-            with rt.backend.begin() as conn:
+            with self.backend.begin() as conn:
                 found = write(conn)
-            rt._notify()
-        return ExecutionHandle(found[0], wf.name, found[1], created=found[2])
+            self._notify()
+        return ExecutionHandle(found[0], name, found[1], created=found[2])
 
     def describe(self, execution_id: str) -> ExecutionInfo:
         """The stored record of a run."""
@@ -364,32 +243,22 @@ class WorkflowClient:
         """The run's status: running, suspended, compensating, completed or failed."""
         return self.describe(execution_id).status
 
-    def _outcome(self, row: Row[Any]) -> Outcome:
-        if row.status == "failed":
-            return Failed(row.id, dict(row.error or {}))
-        value = row.result
-        definition = self.runtime._registry.get((row.workflow_name, row.workflow_version))
-        if definition is not None:
-            value = definition.output_adapter.validate_python(value)
-        return Completed(row.id, value)
-
     def result(self, execution_id: str, timeout: float | None = None) -> Outcome:
         """Wait for the run to finish and return its outcome.
 
-        A due run nobody holds is driven in this thread (embedded mode); otherwise this waits
-        for its timer, a signal, or the runtime holding it, without spinning: it sleeps until
-        the run's wake time or a change made by this runtime, re-reading at most every
-        ``poll_interval``. Requires the run's pinned version to be registered here unless the
-        run has already finished.
+        This client only waits (workers drive the run): it looks at the run after 2 ms,
+        then twice as long each time, at most every ``poll_interval``. The value of a
+        :class:`Completed` is the stored JSON document (the embedded client validates it
+        into the workflow's output type when it has the definition).
 
         Raises:
-            UnknownExecutionError, MissingWorkflowVersionError, ResultTimeoutError.
+            UnknownExecutionError, ResultTimeoutError; for the embedded client also
+            MissingWorkflowVersionError (see :meth:`WorkflowClient.result`).
         """
         if timeout is not None and (
             isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout != timeout
         ):
             raise InvalidArgumentError(f"timeout must be a number of seconds, got {timeout!r:.80}")
-        rt = self.runtime
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.002
         while True:
@@ -397,26 +266,20 @@ class WorkflowClient:
                 row = self._row(conn, execution_id)
             if row.status in lifecycle.TERMINAL:
                 return self._outcome(row)
-            rt.definition(row.workflow_name, row.workflow_version)
-            if deadline is not None and time.monotonic() >= deadline:
-                raise ResultTimeoutError(execution_id, float(timeout or 0))
-            if row.due:
-                drove = rt.drive_for_outcome(execution_id)
-                if isinstance(drove, tuple):  # finished here: no need to read it back
-                    ok, value = drove
-                    if not ok:
-                        return Failed(execution_id, dict(value or {}))
-                    definition = rt.definition(row.workflow_name, row.workflow_version)
-                    return Completed(execution_id, definition.output_adapter.validate_python(value))
-                if drove is not NOT_DRIVEN:
-                    delay = 0.002
-                    continue
+            drove = (
+                self._try_drive(row) if deadline is None or time.monotonic() < deadline else _WAIT
+            )
+            if not isinstance(drove, bool):
+                return drove
+            if drove is _AGAIN:
+                delay = 0.002
+                continue
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise ResultTimeoutError(execution_id, float(timeout or 0))
-            wait = min(delay, rt.poll_interval)
-            rt.wait_for_change(wait if remaining is None else min(wait, remaining))
-            delay = min(delay * 2, rt.poll_interval)
+            wait = min(delay, self._poll())
+            self._wait(wait if remaining is None else min(wait, remaining))
+            delay = min(delay * 2, self._poll())
 
     def cancel(
         self, execution_id: str, *, compensate: bool = True, actor: str | None = None
@@ -434,28 +297,27 @@ class WorkflowClient:
                 execution ..."); of two concurrent cancels, the second.
             UnknownExecutionError.
         """
-        _check_text("actor", actor)
-        rt = self.runtime
+        arguments.check_text("actor", actor)
         with self._reading() as conn:
             self._row(conn, execution_id)
         error = error_document(Cancelled(compensate, actor))
-        now = rt.clock()
-        with rt.backend.begin() as conn:
+        now = self._now()
+        with self.backend.begin() as conn:
             executions.cancel(
                 conn,
-                rt.backend,
+                self.backend,
                 execution_id,
                 cancelled=events.execution_cancelled(execution_id, compensate, actor, now),
                 compensate=compensate,
                 error=error,
                 now=now,
             )
-        rt._notify()
+        self._notify()
 
     def pending_signals(self, execution_id: str) -> list[PendingSignal]:
         """The waits the run is parked on (or about to be), oldest first."""
         with self._reading() as conn:
-            waits = signals.pending(conn, _check_id(execution_id))
+            waits = signals.pending(conn, arguments.check_id(execution_id))
             if not waits:
                 self._row(conn, execution_id)
         return [PendingSignal.from_event(w) for w in waits]
@@ -475,20 +337,28 @@ class WorkflowClient:
             SignalPayloadError: the payload does not fit; nothing is recorded.
             SignalAlreadyDeliveredError: a concurrent delivery to the same wait won.
         """
-        _check_text("actor", actor)
-        _check_text("signal name", name)
-        rt = self.runtime
+        arguments.check_text("actor", actor)
+        arguments.check_text("signal name", name)
         with self._reading() as conn:
             self._row(conn, execution_id)
 
         def validate(wait: Mapping[str, Any]) -> Any:
-            stored = _validate_signal(execution_id, name, wait, payload)
-            rt.backend.check_size(f"payload of signal {name}", stored)
+            stored = arguments.validate_signal(execution_id, name, wait, payload)
+            self.backend.check_size(f"payload of signal {name}", stored)
             return stored
 
-        with rt.backend.begin() as conn:
-            signals.deliver(conn, rt.backend, execution_id, name, validate, actor, rt.clock())
-        rt._notify()
+        with self.backend.begin() as conn:
+            signals.deliver(conn, self.backend, execution_id, name, validate, actor, self._now())
+        self._notify()
+
+    def workflows(self, name: str | None = None) -> list[WorkflowEntry]:
+        """The catalog: every registered (name, version), or the versions of ``name``, with
+        source hash, registration time and input/output JSON Schemas."""
+        if name is not None:
+            arguments.workflow_name(name)
+        with self._reading() as conn:
+            rows = catalog.entries(conn, self.backend, name)
+        return [WorkflowEntry.from_row(r) for r in rows]
 
     def list(
         self,
@@ -508,11 +378,11 @@ class WorkflowClient:
         created_before)`` (timezone-aware) and ``actor``.
         """
         if created_after is not None:
-            created_after = _utc(created_after, "created_after")
+            created_after = arguments.utc(created_after, "created_after")
         if created_before is not None:
-            created_before = _utc(created_before, "created_before")
-        name = _workflow_name(workflow)
-        _check_text("actor", actor)
+            created_before = arguments.utc(created_before, "created_before")
+        name = arguments.workflow_name(workflow)
+        arguments.check_text("actor", actor)
         if version is not None and (
             isinstance(version, bool) or not isinstance(version, int) or version < 1
         ):
@@ -525,11 +395,11 @@ class WorkflowClient:
             isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0
         ):
             raise InvalidArgumentError(f"limit must be a positive integer, got {limit!r}")
-        after = None if cursor is None else _decode_cursor(cursor)
+        after = None if cursor is None else decode_cursor(cursor)
         with self._reading() as conn:
             rows = executions.list_page(
                 conn,
-                self.runtime.backend,
+                self.backend,
                 name,
                 status=status,
                 version=version,
@@ -541,7 +411,7 @@ class WorkflowClient:
             )
         items = [ExecutionInfo.from_row(r) for r in rows[: limit if limit is not None else None]]
         more = limit is not None and len(rows) > limit
-        next_cursor = _encode_cursor(items[-1].created_at, items[-1].execution_id) if more else None
+        next_cursor = encode_cursor(items[-1].created_at, items[-1].execution_id) if more else None
         return Page(items, next_cursor)
 
     def purge(
@@ -565,11 +435,11 @@ class WorkflowClient:
         """
         if isinstance(older_than, dt.timedelta):
             try:
-                cutoff = self.runtime.clock() - older_than
+                cutoff = self._now() - older_than
             except OverflowError:
                 raise InvalidArgumentError(f"older_than is out of range: {older_than!r}") from None
         elif isinstance(older_than, dt.datetime):
-            cutoff = _utc(older_than, "older_than")
+            cutoff = arguments.utc(older_than, "older_than")
         else:
             raise InvalidArgumentError("older_than must be a timedelta or an aware datetime")
         if (
@@ -585,7 +455,7 @@ class WorkflowClient:
             raise InvalidArgumentError(f"batch_size must be a positive integer, got {batch_size!r}")
         total = 0
         while True:
-            with self.runtime.backend.begin() as conn:
+            with self.backend.begin() as conn:
                 deleted = executions.purge_batch(
                     conn, finished_before=cutoff, statuses=statuses, limit=batch_size
                 )
@@ -596,7 +466,91 @@ class WorkflowClient:
     def history(self, execution_id: str) -> Sequence[HistoryRecord]:
         """Every event of the run in sequence order."""
         with self._reading() as conn:
-            rows = history.load(conn, _check_id(execution_id))
+            rows = history.load(conn, arguments.check_id(execution_id))
             if not rows:
                 self._row(conn, execution_id)
         return [HistoryRecord(int(r.sequence), r.created_at, dict(r.event)) for r in rows]
+
+
+class WorkflowClient(Client):
+    """The embedded client of a :class:`~wf_persist.Runtime` (get one from
+    :meth:`Runtime.client`): starts the runtime's own definitions, validated with their
+    types, and may drive a due run in the calling thread while :meth:`result` waits."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self._database = None  # the runtime's: closed with it
+        self.backend = runtime.backend
+        self.engine = runtime.engine
+
+    def _now(self) -> dt.datetime:
+        return self.runtime.clock()
+
+    def _poll(self) -> float:
+        return self.runtime.poll_interval
+
+    def _notify(self) -> None:
+        self.runtime._notify()
+
+    def _wait(self, seconds: float) -> None:
+        self.runtime.wait_for_change(seconds)
+
+    def _prepare_start(
+        self,
+        workflow: Workflow[Any, Any] | str,
+        version: int | None,
+        payload: Any,
+        session: Executor | None,
+    ) -> tuple[str, int, Any]:
+        rt = self.runtime
+        wf = rt.choose(workflow, version)
+        stored = rt.validate_input(wf, payload)  # before anything is written, the catalog too
+        if isinstance(workflow, Workflow):
+            # In a host transaction, even cataloging a new workflow goes into that
+            # transaction: a second write transaction of our own would wait on the host's lock.
+            rt.ensure_registered(workflow, session=session)
+        return wf.name, wf.version, stored
+
+    def _outcome(self, row: Row[Any]) -> Outcome:
+        outcome = super()._outcome(row)
+        definition = self.runtime._registry.get((row.workflow_name, row.workflow_version))
+        if isinstance(outcome, Completed) and definition is not None:
+            return Completed(row.id, definition.output_adapter.validate_python(outcome.value))
+        return outcome
+
+    def _try_drive(self, row: Row[Any]) -> Outcome | bool:
+        """A due run nobody holds is driven in this thread; a run whose pinned version is
+        not registered here raises :class:`MissingWorkflowVersionError` (use a
+        :class:`Client` to wait for runs this process cannot drive)."""
+        rt = self.runtime
+        definition = rt.definition(row.workflow_name, row.workflow_version)
+        if not row.due:
+            return _WAIT
+        drove = rt.drive_for_outcome(row.id)
+        if isinstance(drove, tuple):  # finished here: no need to read it back
+            ok, value = drove
+            if not ok:
+                return Failed(row.id, dict(value or {}))
+            return Completed(row.id, definition.output_adapter.validate_python(value))
+        return _WAIT if drove is NOT_DRIVEN else _AGAIN
+
+    def close(self) -> None:
+        """Nothing to do: the runtime owns the engine."""
+
+
+def _cataloged_document(what: str, payload: Any, schema: Mapping[str, Any] | None) -> Any:
+    """The payload's stored JSON form, checked against a cataloged JSON Schema (strictly: a
+    value must already have the declared shape; ``"5"`` is not an integer)."""
+    problem = unstorable(payload)
+    if problem is None:
+        try:
+            doc = json.loads(json.dumps(payload, allow_nan=False))
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise NotSerializableError(what, f"it is not JSON: {exc}") from None
+    else:
+        raise NotSerializableError(what, problem)
+    if schema:
+        errors = schema_errors(dict(schema), doc)
+        if errors:
+            raise InvalidPayloadError(what, errors)
+    return doc

@@ -55,23 +55,33 @@ class UnknownExecutionError(WfPersistError, LookupError):
 
 
 class UnknownWorkflowError(WfPersistError, LookupError):
-    """No workflow of this name is registered in this runtime."""
+    """No workflow of this name is registered in this runtime (or, for a
+    :class:`~wf_persist.Client`, in the database's catalog)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, cataloged: bool = False) -> None:
         self.workflow_name = name
-        super().__init__(f"Workflow {name} is not registered in this runtime")
+        where = "cataloged in this database" if cataloged else "registered in this runtime"
+        super().__init__(f"Workflow {name} is not {where}")
 
 
 class MissingWorkflowVersionError(WfPersistError):
-    """The run is pinned to a (name, version) this runtime does not have."""
+    """The (name, version) asked for is not registered in this runtime (or, for a
+    :class:`~wf_persist.Client`, not in the database's catalog)."""
 
-    def __init__(self, name: str, version: int) -> None:
+    def __init__(self, name: str, version: int, *, cataloged: bool = False) -> None:
         self.workflow_name = name
         self.version = version
-        super().__init__(
-            f"Workflow {name}@v{version} is not registered in this runtime; "
-            "re-register that exact version before resuming this execution"
-        )
+        if cataloged:
+            message = (
+                f"Workflow {name}@v{version} is not cataloged in this database; a runtime "
+                "registers a version when it starts serving it"
+            )
+        else:
+            message = (
+                f"Workflow {name}@v{version} is not registered in this runtime; "
+                "re-register that exact version before resuming this execution"
+            )
+        super().__init__(message)
 
 
 class WorkflowVersionConflictError(WfPersistError):

@@ -131,7 +131,13 @@ metadata: Final = Base.metadata
 
 
 class WorkflowVersion(Base):
-    """The version catalog: first registration of (name, version) wins, forever."""
+    """The version catalog: first registration of (name, version) wins, forever.
+
+    ``input_schema``/``output_schema`` are the JSON Schemas of the version's input and
+    output, so a process without the workflow's code can validate a start and show what a
+    run returns. NULL where none could be made (a type with no JSON Schema) or for versions
+    cataloged before the columns existed, until the version is registered again.
+    """
 
     __tablename__ = "wf_workflows"
 
@@ -139,6 +145,8 @@ class WorkflowVersion(Base):
     version: Mapped[int] = mapped_column(Integer, primary_key=True)
     source_hash: Mapped[str] = mapped_column(String(64))
     registered_at: Mapped[dt.datetime]
+    input_schema: Mapped[dict[str, Any] | None]
+    output_schema: Mapped[dict[str, Any] | None]
 
     __table_args__ = (
         CheckConstraint("version >= 1", name="version_positive"),

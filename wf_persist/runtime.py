@@ -23,9 +23,11 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import URL
 
-from . import backends, driver, migrate
+from . import driver
+from .arguments import check_version
 from .authoring import Workflow
 from .backends import Claim
+from .database import Database
 from .errors import (
     InvalidArgumentError,
     InvalidPayloadError,
@@ -59,7 +61,7 @@ def utc_now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
-def _positive(value: object, what: str, *, allow_none: bool = False) -> None:
+def positive(value: object, what: str, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if (
@@ -112,8 +114,8 @@ class Runtime:
         record_start_after: float | None = 1.0,
         max_drive_failures: int = 10,
     ) -> None:
-        _positive(lease_ttl, "lease_ttl")
-        _positive(poll_interval, "poll_interval")
+        positive(lease_ttl, "lease_ttl")
+        positive(poll_interval, "poll_interval")
         if record_start_after is not None and (
             isinstance(record_start_after, bool)
             or not isinstance(record_start_after, int | float)
@@ -131,31 +133,11 @@ class Runtime:
             raise InvalidArgumentError(
                 f"max_drive_failures must be a positive integer, got {max_drive_failures!r}"
             )
-        if bind is not None and not isinstance(bind, str | URL | Engine):
-            raise InvalidArgumentError(f"bind must be a URL or an Engine, got {bind!r}")
-        if isinstance(bind, Engine):
-            engine = bind
-            self._owns_engine = False
-        else:
-            engine = backends.create_engine(bind)
-            self._owns_engine = True
-        try:
-            self.backend = backends.open_backend(engine, owned=self._owns_engine, schema=schema)
-            self.backend.check()
-            if auto_migrate is None:
-                auto_migrate = self._owns_engine and self.backend.embedded
-            if auto_migrate:
-                migrate.upgrade(self.backend.engine)
-            else:
-                migrate.assert_at_head(self.backend.engine)
-        except BaseException:
-            if self._owns_engine:
-                backends.dispose_engine(engine)
-            raise
-        self._base_engine = engine
+        self.database = Database(bind, auto_migrate=auto_migrate, schema=schema)
+        self.backend = self.database.backend
         self.schema = schema
         #: The engine wf_persist works through (same pool as ``bind``, our options).
-        self.engine = self.backend.engine
+        self.engine = self.database.engine
         self.clock = clock
         self.lease_ttl = dt.timedelta(seconds=lease_ttl)
         self.poll_interval = poll_interval
@@ -202,7 +184,7 @@ class Runtime:
         def write(conn: Executor) -> None:
             for wf in workflows:
                 found = catalog.catalog_version(
-                    conn, self.backend, wf.name, wf.version, wf.source_hash, now
+                    conn, self.backend, wf.name, wf.version, wf.source_hash, now, wf.schemas
                 )
                 if found != wf.source_hash:
                     raise WorkflowVersionConflictError(wf.name, wf.version, found, wf.source_hash)
@@ -236,10 +218,7 @@ class Runtime:
         registered, a definition passed in counting as registered. Writes nothing."""
         if not isinstance(workflow, Workflow | str):
             raise InvalidArgumentError(f"expected a workflow or its name, got {workflow!r}")
-        if version is not None and (
-            isinstance(version, bool) or not isinstance(version, int) or version < 1
-        ):
-            raise InvalidArgumentError(f"version must be a positive integer, got {version!r}")
+        check_version(version)
         name = workflow if isinstance(workflow, str) else workflow.name
         with self._lock:
             known = {v: wf for (n, v), wf in self._registry.items() if n == name}
@@ -504,8 +483,7 @@ class Runtime:
             if self._disposed:
                 return
             self._disposed = True
-        if self._owns_engine:
-            backends.dispose_engine(self._base_engine)
+        self.database.dispose()
 
     def __enter__(self) -> Runtime:
         return self

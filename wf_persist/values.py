@@ -8,13 +8,17 @@ on every retry.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from dataclasses import is_dataclass
-from typing import Any, Final
+from typing import Any, Final, Literal
 
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError, UnknownType
+from pydantic import BaseModel, PydanticUserError, TypeAdapter, ValidationError
 from pydantic_core import PydanticSerializationError
+from referencing.exceptions import Unresolvable
 
 from .errors import InvalidPayloadError, NotSerializableError
 
@@ -151,3 +155,28 @@ def resolve_type_reference(ref: str | None) -> Any:
     for part in qualname.split("."):
         target = getattr(target, part, None)
     return target if isinstance(target, type) and target is not Any else None
+
+
+def json_schema_of(
+    adapter: TypeAdapter[Any], mode: Literal["validation", "serialization"]
+) -> dict[str, Any] | None:
+    """The type's JSON Schema as the catalog stores it, or ``None`` when the type has none
+    (an arbitrary class) or the schema itself is not a storable document."""
+    try:
+        schema = adapter.json_schema(mode=mode)
+        json.dumps(schema, allow_nan=False)
+    except (PydanticUserError, TypeError, ValueError):
+        return None
+    return None if unstorable(schema) is not None else schema
+
+
+def schema_errors(schema: dict[str, Any], doc: Any) -> list[dict[str, Any]]:
+    """Where a JSON document breaks a JSON Schema (2020-12), in pydantic's error shape; a
+    schema that is not valid JSON Schema checks nothing."""
+    try:
+        Draft202012Validator.check_schema(schema)
+        validator = Draft202012Validator(schema)
+        found = sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
+    except (SchemaError, UnknownType, Unresolvable, TypeError, ValueError):  # made by hand
+        return []
+    return [{"loc": tuple(e.absolute_path), "msg": e.message} for e in found]

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import datetime as dt
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import select
+from sqlalchemy import Row, func, select, update
 
 from ..models import CATALOG_KEY
 from ..models import workflows_table as wf
@@ -16,18 +16,72 @@ if TYPE_CHECKING:
 
 
 def catalog_version(
-    conn: Executor, backend: Backend, name: str, version: int, source_hash: str, now: dt.datetime
+    conn: Executor,
+    backend: Backend,
+    name: str,
+    version: int,
+    source_hash: str,
+    now: dt.datetime,
+    schemas: tuple[dict[str, Any] | None, dict[str, Any] | None] = (None, None),
 ) -> str:
-    """Record (name, version, hash) unless present; return the hash the catalog holds.
+    """Record (name, version, hash, input and output schema) unless present; return the hash
+    the catalog holds.
 
     The insert ignores a conflict on the primary key, so two processes registering at once
-    never fail; the loser reads the winner's hash and the caller compares.
+    never fail; the loser reads the winner's hash and the caller compares. A version
+    cataloged without schemas (before they were recorded) gets them from a registration of
+    the same source.
     """
     core = connection_of(conn)
-    row = {"name": name, "version": version, "source_hash": source_hash, "registered_at": now}
+    options = backend.statement_options
+    row = {
+        "name": name,
+        "version": version,
+        "source_hash": source_hash,
+        "registered_at": now,
+        "input_schema": schemas[0],
+        "output_schema": schemas[1],
+    }
     backend.insert_once(core, wf, row, CATALOG_KEY)
-    cataloged = core.execute(
-        select(wf.c.source_hash).where(wf.c.name == name, wf.c.version == version),
-        execution_options=backend.statement_options,
-    ).scalar_one()
-    return str(cataloged)
+    found = core.execute(
+        select(wf.c.source_hash, wf.c.input_schema, wf.c.output_schema).where(
+            wf.c.name == name, wf.c.version == version
+        ),
+        execution_options=options,
+    ).one()
+    if found.source_hash == source_hash and (
+        (found.input_schema is None and schemas[0] is not None)
+        or (found.output_schema is None and schemas[1] is not None)
+    ):
+        core.execute(
+            update(wf)
+            .where(wf.c.name == name, wf.c.version == version, wf.c.source_hash == source_hash)
+            .values(input_schema=schemas[0], output_schema=schemas[1]),
+            execution_options=options,
+        )
+    return str(found.source_hash)
+
+
+def entries(conn: Executor, backend: Backend, name: str | None = None) -> list[Row[Any]]:
+    """Cataloged versions (of one workflow, or all), by name then version."""
+    query = select(wf).order_by(wf.c.name, wf.c.version)
+    if name is not None:
+        query = query.where(wf.c.name == name)
+    return list(
+        connection_of(conn).execute(query, execution_options=backend.statement_options).all()
+    )
+
+
+def entry(conn: Executor, backend: Backend, name: str, version: int | None) -> Row[Any] | None:
+    """One cataloged version: ``version``, or the highest when ``None``."""
+    wanted: Any = version
+    if version is None:
+        wanted = select(func.max(wf.c.version)).where(wf.c.name == name).scalar_subquery()
+    return (
+        connection_of(conn)
+        .execute(
+            select(wf).where(wf.c.name == name, wf.c.version == wanted),
+            execution_options=backend.statement_options,
+        )
+        .one_or_none()
+    )

@@ -1,0 +1,41 @@
+"""The input and output JSON Schema of each cataloged workflow version.
+
+Why: a process without a workflow's code (an operations script, the ``wf-persist runs``
+commands, a web handler) starts runs by name and must validate the input before anything is
+written, as a process with the code does. Both columns are nullable: versions cataloged
+before this revision get their schemas the next time a runtime registers them.
+
+Downgrade drops the two columns; no other data is touched.
+
+Revision ID: wf_0004
+Revises: wf_0003
+Create Date: 2026-12-01
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
+
+from alembic import op
+
+revision: str = "wf_0004"
+down_revision: str | Sequence[str] | None = "wf_0003"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+_JSON = sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
+
+
+def upgrade() -> None:
+    op.add_column("wf_workflows", sa.Column("input_schema", _JSON, nullable=True))
+    op.add_column("wf_workflows", sa.Column("output_schema", _JSON, nullable=True))
+
+
+def downgrade() -> None:
+    # Plain ALTER TABLE ... DROP COLUMN everywhere (SQLite >= 3.35 has it): a batch copy of
+    # wf_workflows would cascade to the runs that reference it under foreign_keys=ON.
+    op.execute("ALTER TABLE wf_workflows DROP COLUMN output_schema")
+    op.execute("ALTER TABLE wf_workflows DROP COLUMN input_schema")

@@ -1,0 +1,264 @@
+"""The thin client: operates runs with the database alone, validates starts against the
+catalog's JSON Schemas, and never executes a step."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy import Engine
+
+import wf_persist as wp
+from wf_persist.models import executions_table, workflows_table
+
+from .fixtures import workflows as w
+from .helpers import Processes
+
+
+@pytest.fixture
+def thin(db_url: str) -> Iterator[wp.Client]:
+    with wp.Client(db_url, poll_interval=0.05) as client:
+        yield client
+
+
+def _runs(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return int(
+            conn.execute(sa.select(sa.func.count()).select_from(executions_table)).scalar_one()
+        )
+
+
+def test_a_start_by_name_is_validated_against_the_cataloged_schema(
+    runtime: wp.Runtime, thin: wp.Client
+) -> None:
+    runtime.register(w.order_wf)
+    refused: list[tuple[Any, str]] = [
+        ({"order_id": "", "amount": 5}, "order_id: '' should be non-empty"),
+        ({"order_id": "a", "amount": "5"}, "amount: '5' is not of type 'integer'"),  # strict
+        ({"order_id": "a", "amount": 0}, "amount: 0 is less than or equal to"),
+        ({"order_id": "a"}, "'amount' is a required property"),
+        (None, "None is not of type 'object'"),
+    ]
+    for payload, message in refused:
+        with pytest.raises(wp.InvalidPayloadError) as info:
+            thin.start("order", payload)
+        assert info.value.what == "input of workflow order"
+        assert message in str(info.value), str(info.value)
+    assert _runs(thin.engine) == 0
+    handle = thin.start("order", {"order_id": "a", "amount": 5}, actor="ops")
+    assert (handle.workflow_name, handle.version, handle.created) == ("order", 1, True)
+    assert thin.describe(handle.execution_id).actor == "ops"
+    # An idempotency key works as for the embedded client.
+    first = thin.start("order", {"order_id": "b", "amount": 1}, idempotency_key="k")
+    again = thin.start("order", {"order_id": "b", "amount": 1}, idempotency_key="k")
+    assert again == first and not again.created
+
+
+def test_unknown_names_and_versions_name_the_catalog(runtime: wp.Runtime, thin: wp.Client) -> None:
+    runtime.register(w.versioned_v1, w.versioned_v2)
+    assert thin.start("versioned", "x").version == 2  # the highest cataloged
+    assert thin.start("versioned", "x", version=1).version == 1
+    with pytest.raises(wp.MissingWorkflowVersionError) as missing:
+        thin.start("versioned", "x", version=3)
+    assert (missing.value.workflow_name, missing.value.version) == ("versioned", 3)
+    assert "not cataloged in this database" in str(missing.value)
+    with pytest.raises(wp.UnknownWorkflowError) as unknown:
+        thin.start("nobody-registered-this", 1)
+    assert unknown.value.workflow_name == "nobody-registered-this"
+    assert "is not cataloged in this database" in str(unknown.value)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [math.nan, math.inf, 2**64, {"a": object()}, b"\xff", "nul\x00", [[[[]]]] * 1 + [0]],
+    ids=["nan", "inf", "2**64", "object", "bytes", "nul", "mixed"],
+)
+def test_unstorable_input_is_refused_before_anything_is_written(
+    runtime: wp.Runtime, thin: wp.Client, payload: Any
+) -> None:
+    runtime.register(w.bad_result_wf)  # an input that must be null: the schema refuses too
+    with pytest.raises((wp.NotSerializableError, wp.InvalidPayloadError)):
+        thin.start("bad-result", payload)
+    assert _runs(thin.engine) == 0
+
+
+def test_values_too_deep_for_any_backend_are_refused(runtime: wp.Runtime, thin: wp.Client) -> None:
+    runtime.register(w.determinism_wf, w.echo_wf)
+    deep: Any = 1
+    for _ in range(40):
+        deep = [deep]
+    with pytest.raises(wp.NotSerializableError, match="nested more than 29 levels"):
+        thin.start("echo", deep)
+    cyclic: list[Any] = []
+    cyclic.append(cyclic)
+    with pytest.raises(wp.NotSerializableError):
+        thin.start("echo", cyclic)
+    assert _runs(thin.engine) == 0
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda c: c.start("", 1), "expected a workflow or its name"),
+        (lambda c: c.start(42, 1), "expected a workflow or its name"),
+        (lambda c: c.start("echo", 1, version=0), "version must be a positive integer"),
+        (lambda c: c.start("echo", 1, version=True), "version must be a positive integer"),
+        (lambda c: c.start("echo", 1, version=2**40), "version must be a positive integer"),
+        (lambda c: c.start("echo", 1, actor=""), "actor must be a non-empty string"),
+        (lambda c: c.result("x" * 37), "an execution id is a string"),
+        (lambda c: c.workflows(""), "expected a workflow or its name"),
+    ],
+)
+def test_bad_arguments_are_typed_errors(
+    runtime: wp.Runtime, thin: wp.Client, call: Callable[[wp.Client], object], message: str
+) -> None:
+    runtime.register(w.echo_wf)
+    with pytest.raises(wp.InvalidArgumentError, match=message):
+        call(thin)
+    assert _runs(thin.engine) == 0
+
+
+def test_client_construction_checks_its_arguments(db_url: str) -> None:
+    with pytest.raises(wp.InvalidArgumentError, match="bind must be a URL or an Engine"):
+        wp.Client(42)  # type: ignore[arg-type]
+    with pytest.raises(wp.InvalidArgumentError, match="poll_interval must be a positive"):
+        wp.Client(db_url, poll_interval=0)
+    with pytest.raises(wp.UnsupportedDatabaseError):
+        wp.Client("oracle://nobody@nowhere/db")
+
+
+def test_result_waits_and_never_drives(runtime: wp.Runtime, thin: wp.Client) -> None:
+    runtime.register(w.echo_wf, w.explode_wf)
+    handle = thin.start("echo", 3)
+    with pytest.raises(wp.ResultTimeoutError):
+        thin.result(handle.execution_id, timeout=0.3)
+    # Nothing ran: the run is due and untouched, only its start is recorded.
+    assert [r.event["type"] for r in thin.history(handle.execution_id)] == ["execution.started"]
+    assert thin.status(handle.execution_id) == "running"
+    assert runtime.drive(handle.execution_id)
+    outcome = thin.result(handle.execution_id, timeout=5)
+    assert isinstance(outcome, wp.Completed) and outcome.value == [1, 2, 3]  # the stored JSON
+    failing = thin.start("explode", "boom")
+    runtime.start_worker()
+    failed = thin.result(failing.execution_id, timeout=20)
+    assert isinstance(failed, wp.Failed) and "boom" in failed.message
+
+
+def test_the_catalog_lists_versions_with_their_schemas(
+    runtime: wp.Runtime, thin: wp.Client
+) -> None:
+    runtime.register(w.versioned_v1, w.versioned_v2, w.echo_wf)
+    entries = thin.workflows()
+    assert [(e.name, e.version) for e in entries] == [
+        ("echo", 1),
+        ("versioned", 1),
+        ("versioned", 2),
+    ]
+    echo = entries[0]
+    assert echo.source_hash == w.echo_wf.source_hash
+    assert echo.input_schema == {"type": "integer"}
+    assert echo.output_schema == {"items": {"type": "integer"}, "type": "array"}
+    assert echo.registered_at.tzinfo is not None
+    assert [e.version for e in thin.workflows("versioned")] == [1, 2]
+    assert thin.workflows("nothing-here") == []
+    assert runtime.client().workflows() == entries
+
+
+def test_a_version_cataloged_without_schemas_gets_them_from_its_next_registration(
+    runtime: wp.Runtime, thin: wp.Client
+) -> None:
+    runtime.register(w.echo_wf)
+    with thin.engine.begin() as conn:
+        conn.execute(sa.update(workflows_table).values(input_schema=None, output_schema=None))
+    assert thin.workflows()[0].input_schema is None
+    # Without a schema any JSON input is accepted (the worker validates it when it runs).
+    loose = thin.start("echo", "not a number")
+    assert thin.status(loose.execution_id) == "running"
+    other = wp.Runtime(runtime.engine)  # e.g. a worker of the new release starting
+    try:
+        other.register(w.echo_wf)
+    finally:
+        other.close()
+    assert thin.workflows()[0].input_schema == {"type": "integer"}
+    with pytest.raises(wp.InvalidPayloadError):
+        thin.start("echo", "not a number")
+
+
+def test_a_schema_that_is_not_json_schema_checks_nothing(
+    runtime: wp.Runtime, thin: wp.Client
+) -> None:
+    runtime.register(w.echo_wf)
+    with thin.engine.begin() as conn:
+        conn.execute(sa.update(workflows_table).values(input_schema={"type": "no-such-type"}))
+    assert thin.status(thin.start("echo", 2).execution_id) == "running"
+
+
+def test_a_client_on_a_host_engine_leaves_the_engine_open(
+    db_url: str, make_engine: Callable[..., Engine], runtime: wp.Runtime
+) -> None:
+    runtime.register(w.echo_wf)
+    engine = make_engine(db_url)
+    with wp.Client(engine) as thin:
+        handle = thin.start("echo", 2)
+    with engine.connect() as conn:  # still usable
+        assert conn.execute(sa.text("SELECT 1")).scalar_one() == 1
+    assert runtime.client().result(handle.execution_id, timeout=10).unwrap() == [1, 2]
+
+
+OPS_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, time
+    import wf_persist as wp
+
+    client = wp.Client(poll_interval=0.02)
+    deadline = time.monotonic() + 60
+    while not client.workflows("approval"):  # the worker catalogs it when it starts
+        assert time.monotonic() < deadline, "no worker cataloged 'approval'"
+        time.sleep(0.05)
+
+    def parked(execution_id):
+        while not client.pending_signals(execution_id):
+            assert time.monotonic() < deadline, "the run never waited"
+            time.sleep(0.02)
+
+    approved = client.start("approval", None)
+    parked(approved.execution_id)
+    client.signal(approved.execution_id, "approval", {"approved": True}, actor="ops")
+    cancelled = client.start("approval", None)
+    parked(cancelled.execution_id)
+    client.cancel(cancelled.execution_id, compensate=False)
+    outcomes = [client.result(h.execution_id, timeout=60) for h in (approved, cancelled)]
+    mine = sorted(m for m in sys.modules if m.split(".")[0] == "tests")
+    print(json.dumps({
+        "outcomes": [[o.status, getattr(o, "value", None), getattr(o, "error_type", None)]
+                     for o in outcomes],
+        "imported": mine,
+    }))
+    client.close()
+    """
+)
+
+
+def test_an_operations_script_with_only_wf_persist_operates_runs_of_a_worker(
+    db_url: str, procs: Processes, tmp_path: Path
+) -> None:
+    """start by name, signal, cancel and result from a process that has no workflow code,
+    against runs a ``wf-persist worker`` process drives."""
+    procs.worker(db_url)
+    script = tmp_path / "ops.py"
+    script.write_text(OPS_SCRIPT)
+    finished = procs.run(
+        [sys.executable, str(script)],
+        env={"WF_PERSIST_DATABASE_URL": db_url},
+        name="ops script",
+    )
+    report = json.loads(finished.stdout)
+    assert report["imported"] == []
+    assert report["outcomes"] == [["completed", "approved", None], ["failed", None, "Cancelled"]]

@@ -1,0 +1,63 @@
+"""An opened database: the engine (ours or a host's), its backend, and a schema check.
+
+Shared by the :class:`~wf_persist.runtime.Runtime` (which drives runs) and the thin
+:class:`~wf_persist.client.Client` (which never does), so both open a database the same way.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import Engine
+from sqlalchemy.engine import URL
+
+from . import backends, migrate
+from .errors import InvalidArgumentError
+
+
+class Database:
+    """The binding of one process to one wf_persist database.
+
+    Args:
+        bind: a database URL, or an existing SQLAlchemy ``Engine`` (used as is, never
+            reconfigured, never disposed). Default: ``$WF_PERSIST_DATABASE_URL``, else
+            ``wf_persist.sqlite3`` in the working directory.
+        auto_migrate: upgrade the schema on open. Default: only for an embedded SQLite
+            database whose engine this object created; any other database must be at head
+            (:class:`~wf_persist.errors.SchemaVersionError` otherwise).
+        schema: a PostgreSQL schema holding the wf_ tables.
+    """
+
+    def __init__(
+        self,
+        bind: str | URL | Engine | None = None,
+        *,
+        auto_migrate: bool | None = None,
+        schema: str | None = None,
+    ) -> None:
+        if bind is not None and not isinstance(bind, str | URL | Engine):
+            raise InvalidArgumentError(f"bind must be a URL or an Engine, got {bind!r:.80}")
+        if isinstance(bind, Engine):
+            engine, self.owns_engine = bind, False
+        else:
+            engine, self.owns_engine = backends.create_engine(bind), True
+        try:
+            self.backend = backends.open_backend(engine, owned=self.owns_engine, schema=schema)
+            self.backend.check()
+            if auto_migrate is None:
+                auto_migrate = self.owns_engine and self.backend.embedded
+            if auto_migrate:
+                migrate.upgrade(self.backend.engine)
+            else:
+                migrate.assert_at_head(self.backend.engine)
+        except BaseException:
+            if self.owns_engine:
+                backends.dispose_engine(engine)
+            raise
+        self.base_engine = engine
+        self.schema = schema
+        #: The engine wf_persist works through (same pool as ``bind``, our options).
+        self.engine = self.backend.engine
+
+    def dispose(self) -> None:
+        """Dispose of the engine if this object created it (a host's engine is left alone)."""
+        if self.owns_engine:
+            backends.dispose_engine(self.base_engine)
