@@ -33,6 +33,7 @@ from .errors import Cancelled as Cancelled
 from .errors import CannotCancelError as CannotCancelError
 from .errors import CodeExecutionError as CodeExecutionError
 from .errors import DriveFailedError as DriveFailedError
+from .errors import EventNotSetError as EventNotSetError
 from .errors import IdempotencyConflictError as IdempotencyConflictError
 from .errors import InvalidArgumentError as InvalidArgumentError
 from .errors import InvalidCursorError as InvalidCursorError
@@ -81,6 +82,7 @@ __all__ = [
     "Completed",
     "Context",
     "DriveFailedError",
+    "EventNotSetError",
     "ExecutionHandle",
     "ExecutionInfo",
     "Failed",

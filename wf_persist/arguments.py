@@ -113,3 +113,14 @@ def check_version(version: object) -> None:
         isinstance(version, bool) or not isinstance(version, int) or not 1 <= version < 2**31
     ):
         raise InvalidArgumentError(f"version must be a positive integer, got {version!r:.80}")
+
+
+def check_timeout(timeout: object) -> None:
+    """A timeout is ``None`` or a non-negative number of seconds (not NaN)."""
+    if timeout is not None and (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or timeout != timeout
+        or timeout < 0
+    ):
+        raise InvalidArgumentError(f"timeout must be a number of seconds, got {timeout!r:.80}")

@@ -10,9 +10,8 @@ import datetime as dt
 import json
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 from sqlalchemy import Connection, Engine, Row
 from sqlalchemy.engine import URL
@@ -29,10 +28,10 @@ from .errors import (
     MissingWorkflowVersionError,
     NotSerializableError,
     ResultTimeoutError,
-    UnknownExecutionError,
     UnknownWorkflowError,
     error_document,
 )
+from .reading import RunReader
 from .records import (
     Completed,
     ExecutionHandle,
@@ -43,11 +42,9 @@ from .records import (
     Page,
     PendingSignal,
     WorkflowEntry,
-    decode_cursor,
-    encode_cursor,
 )
 from .runtime import NOT_DRIVEN, Clock, positive, utc_now
-from .store import Executor, catalog, executions, history, signals
+from .store import Executor, catalog, executions, signals
 from .values import schema_errors, unstorable
 
 if TYPE_CHECKING:
@@ -71,7 +68,7 @@ __all__ = [
 _AGAIN, _WAIT = True, False
 
 
-class Client:
+class Client(RunReader):
     """Starts, signals, cancels, awaits and inspects runs; never runs workflow code.
 
     Needs only the database: start a workflow by its cataloged name (the input is validated
@@ -109,14 +106,8 @@ class Client:
     def _now(self) -> dt.datetime:
         return self._clock()
 
-    def _poll(self) -> float:
-        return self._poll_interval
-
     def _notify(self) -> None:
         """A run changed (embedded: wake this process's worker and waiters)."""
-
-    def _wait(self, seconds: float) -> None:
-        time.sleep(seconds)
 
     def _prepare_start(
         self,
@@ -148,19 +139,6 @@ class Client:
         if row.status == "failed":
             return Failed(row.id, dict(row.error or {}))
         return Completed(row.id, row.result)
-
-    # plumbing ---------------------------------------------------------------------------
-
-    @contextmanager
-    def _reading(self) -> Iterator[Connection]:
-        with self.backend.read() as conn:
-            yield conn
-
-    def _row(self, conn: Executor, execution_id: str) -> Row[Any]:
-        row = executions.get(conn, arguments.check_id(execution_id))
-        if row is None:
-            raise UnknownExecutionError(execution_id)
-        return row
 
     def close(self) -> None:
         """Dispose of the engine if this client created it. Idempotent."""
@@ -234,15 +212,6 @@ class Client:
             self._notify()
         return ExecutionHandle(found[0], name, found[1], created=found[2])
 
-    def describe(self, execution_id: str) -> ExecutionInfo:
-        """The stored record of a run."""
-        with self._reading() as conn:
-            return ExecutionInfo.from_row(self._row(conn, execution_id))
-
-    def status(self, execution_id: str) -> str:
-        """The run's status: running, suspended, compensating, completed or failed."""
-        return self.describe(execution_id).status
-
     def result(self, execution_id: str, timeout: float | None = None) -> Outcome:
         """Wait for the run to finish and return its outcome.
 
@@ -255,10 +224,7 @@ class Client:
             UnknownExecutionError, ResultTimeoutError; for the embedded client also
             MissingWorkflowVersionError (see :meth:`WorkflowClient.result`).
         """
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout != timeout
-        ):
-            raise InvalidArgumentError(f"timeout must be a number of seconds, got {timeout!r:.80}")
+        arguments.check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.002
         while True:
@@ -314,17 +280,15 @@ class Client:
             )
         self._notify()
 
-    def pending_signals(self, execution_id: str) -> list[PendingSignal]:
-        """The waits the run is parked on (or about to be), oldest first."""
-        with self._reading() as conn:
-            waits = signals.pending(conn, arguments.check_id(execution_id))
-            if not waits:
-                self._row(conn, execution_id)
-        return [PendingSignal.from_event(w) for w in waits]
-
     def signal(
-        self, execution_id: str, name: str, payload: Any, *, actor: str | None = None
-    ) -> None:
+        self,
+        execution_id: str,
+        name: str,
+        payload: Any,
+        *,
+        actor: str | None = None,
+        buffer: bool = False,
+    ) -> Literal["delivered", "buffered"]:
         """Deliver a signal to the run's latest pending wait on ``name``.
 
         The payload is validated against the waiting call's type before anything is
@@ -332,13 +296,24 @@ class Client:
         the wait recorded (so a process that never ran the workflow validates too). A bad
         payload raises :class:`SignalPayloadError` and the run keeps waiting.
 
+        With ``buffer=True`` a run not waiting on ``name`` yet keeps the signal durably; its
+        next ``ctx.wait_for_signal(name)`` takes the oldest one without suspending. It is
+        validated now by the latest earlier wait on ``name`` if the run had one, else by the
+        wait that takes it, which records a misfit as ``signal.rejected`` and keeps waiting.
+
+        Returns:
+            ``"delivered"`` (to a pending wait) or ``"buffered"``.
+
         Raises:
-            SignalNotWaitingError: no pending wait on ``name`` (nothing is recorded).
+            SignalNotWaitingError: no pending wait on ``name`` and no ``buffer``, or the run
+                has finished (``.status``); nothing is recorded.
             SignalPayloadError: the payload does not fit; nothing is recorded.
             SignalAlreadyDeliveredError: a concurrent delivery to the same wait won.
         """
         arguments.check_text("actor", actor)
         arguments.check_text("signal name", name)
+        if not isinstance(buffer, bool):
+            raise InvalidArgumentError(f"buffer must be True or False, got {buffer!r:.80}")
         with self._reading() as conn:
             self._row(conn, execution_id)
 
@@ -347,72 +322,13 @@ class Client:
             self.backend.check_size(f"payload of signal {name}", stored)
             return stored
 
+        now = self._now()
         with self.backend.begin() as conn:
-            signals.deliver(conn, self.backend, execution_id, name, validate, actor, self._now())
+            buffered = signals.deliver(
+                conn, self.backend, execution_id, name, validate, actor, now, buffer=buffer
+            )
         self._notify()
-
-    def workflows(self, name: str | None = None) -> list[WorkflowEntry]:
-        """The catalog: every registered (name, version), or the versions of ``name``, with
-        source hash, registration time and input/output JSON Schemas."""
-        if name is not None:
-            arguments.workflow_name(name)
-        with self._reading() as conn:
-            rows = catalog.entries(conn, self.backend, name)
-        return [WorkflowEntry.from_row(r) for r in rows]
-
-    def list(
-        self,
-        workflow: Workflow[Any, Any] | str,
-        *,
-        status: str | None = None,
-        version: int | None = None,
-        limit: int | None = None,
-        cursor: str | None = None,
-        created_after: dt.datetime | None = None,
-        created_before: dt.datetime | None = None,
-        actor: str | None = None,
-    ) -> Page:
-        """Runs of one workflow, oldest first, ``limit`` at a time (keyset pagination).
-
-        Filters: ``status``, ``version``, creation time in ``[created_after,
-        created_before)`` (timezone-aware) and ``actor``.
-        """
-        if created_after is not None:
-            created_after = arguments.utc(created_after, "created_after")
-        if created_before is not None:
-            created_before = arguments.utc(created_before, "created_before")
-        name = arguments.workflow_name(workflow)
-        arguments.check_text("actor", actor)
-        if version is not None and (
-            isinstance(version, bool) or not isinstance(version, int) or version < 1
-        ):
-            raise InvalidArgumentError(f"version must be a positive integer, got {version!r}")
-        if status is not None and status not in lifecycle.STATUSES:
-            raise InvalidArgumentError(
-                f"unknown status {status!r}; expected one of {lifecycle.STATUSES}"
-            )
-        if limit is not None and (
-            isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0
-        ):
-            raise InvalidArgumentError(f"limit must be a positive integer, got {limit!r}")
-        after = None if cursor is None else decode_cursor(cursor)
-        with self._reading() as conn:
-            rows = executions.list_page(
-                conn,
-                self.backend,
-                name,
-                status=status,
-                version=version,
-                after=after,
-                limit=None if limit is None else limit + 1,
-                created_after=created_after,
-                created_before=created_before,
-                actor=actor,
-            )
-        items = [ExecutionInfo.from_row(r) for r in rows[: limit if limit is not None else None]]
-        more = limit is not None and len(rows) > limit
-        next_cursor = encode_cursor(items[-1].created_at, items[-1].execution_id) if more else None
-        return Page(items, next_cursor)
+        return "buffered" if buffered else "delivered"
 
     def purge(
         self,
@@ -462,14 +378,6 @@ class Client:
             total += deleted
             if deleted < batch_size:
                 return total
-
-    def history(self, execution_id: str) -> Sequence[HistoryRecord]:
-        """Every event of the run in sequence order."""
-        with self._reading() as conn:
-            rows = history.load(conn, arguments.check_id(execution_id))
-            if not rows:
-                self._row(conn, execution_id)
-        return [HistoryRecord(int(r.sequence), r.created_at, dict(r.event)) for r in rows]
 
 
 class WorkflowClient(Client):

@@ -17,9 +17,16 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn, TypeVar, overload
 
 from . import events
+from .arguments import validate_signal
 from .authoring import Call, Step, adapter_for, check_call_name, outside_body
 from .control import Reload, Suspended
-from .errors import Cancelled, CodeExecutionError, InvalidArgumentError, WorkflowDefinitionError
+from .errors import (
+    Cancelled,
+    CodeExecutionError,
+    InvalidArgumentError,
+    SignalPayloadError,
+    WorkflowDefinitionError,
+)
 from .events import Activity
 from .replay import Cursor, Journal, Received, TimedOut
 from .secrets import Redactor
@@ -323,17 +330,21 @@ class Context:
                 return Received(adapter.validate_python(outcome.value))
             return TimedOut()
         who = self._who(name, invocation, activity)
+        rejected: list[events.NewEvent] = []
+        schema = adapter.json_schema()
         if activity not in self._journal.delivered:
             self._before_new_call()
+            taken = self._take_buffered(who, payload_type, schema, rejected)
+            if taken is not None:
+                return Received(adapter.validate_python(taken))
         waiting = self._journal.waiting.get(activity)
         if waiting is None:
             now = self._driver.clock()
             deadline = None if limit is None else now + dt.timedelta(seconds=limit)
-            schema = adapter.json_schema()
             event = events.signal_waiting(
                 who, limit, deadline, schema, type_reference(payload_type), now
             )
-            self._driver.suspend([event], deadline)
+            self._driver.suspend([*rejected, event], deadline)
             raise Suspended
         if activity in self._journal.delivered:
             payload = self._journal.delivered[activity]
@@ -349,5 +360,48 @@ class Context:
                 [events.signal_timeout(who, waiting.get("timeout"), self._driver.clock())]
             )
             return TimedOut()
-        self._driver.suspend([], deadline)
+        self._driver.suspend(rejected, deadline)
         raise Suspended
+
+    def _take_buffered(
+        self,
+        who: Activity,
+        payload_type: Any,
+        schema: dict[str, Any],
+        rejected: list[events.NewEvent],
+    ) -> Any:
+        """The payload of the oldest buffered signal for this wait that fits it, recorded as
+        received (with the rejections of misfits before it), or ``None``: the misfits are
+        left in ``rejected`` for the write that parks the run."""
+        queue = self._journal.buffered.get(who.name) or []
+        type_ref = type_reference(payload_type)
+        wait = {"payloadType": type_ref, "payloadSchema": schema}
+        while queue:
+            signal_id, payload = queue.pop(0)
+            now = self._driver.clock()
+            try:
+                stored = validate_signal(self._execution_id, who.name, wait, payload)
+            except SignalPayloadError as exc:
+                errors = [
+                    {"loc": list(e.get("loc", ())), "msg": str(e.get("msg"))} for e in exc.errors
+                ]
+                rejected.append(events.signal_rejected(who, signal_id, errors, now))
+                continue
+            taken = events.signal_taken(who, signal_id, stored, schema, type_ref, now)
+            self._driver.record_checked([*rejected, taken])
+            return stored
+        return None
+
+    def set_event(self, key: str, value: Any) -> None:
+        """Publish ``value`` under ``key`` for clients (``client.get_event(id, key)``); a
+        later call with the same key replaces it. Recorded once: a replay publishes nothing
+        again."""
+        check_call_name(key, "event key")
+        activity, invocation = self._cursor.enter("event", key)
+        if self._journal.outcomes.get(activity) is not None:
+            return
+        self._before_new_call()
+        stored = to_json(adapter_for(Any), value, f"value of event {key}")
+        self._driver.check_size(f"value of event {key}", stored)
+        who = self._who(key, invocation, activity)
+        self._steps.record([events.event_set(who, key, stored, self._driver.clock())])

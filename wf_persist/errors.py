@@ -271,10 +271,25 @@ class SignalDeliveryError(WfPersistError):
 class SignalNotWaitingError(SignalDeliveryError, LookupError):
     """The run has no pending wait for this signal name."""
 
-    def __init__(self, execution_id: str, name: str) -> None:
+    def __init__(self, execution_id: str, name: str, *, status: str | None = None) -> None:
         self.execution_id = execution_id
         self.signal_name = name
-        super().__init__(f"Execution {execution_id} is not waiting for signal {name}")
+        #: The run's status when it cannot take signals at all (finished, compensating).
+        self.status = status
+        why = "" if status is None else f" (it is {status})"
+        super().__init__(f"Execution {execution_id} is not waiting for signal {name}{why}")
+
+
+class EventNotSetError(WfPersistError, LookupError):
+    """``get_event``: the run never published the key (it ended, or the wait timed out)."""
+
+    def __init__(self, execution_id: str, key: str, *, finished: bool) -> None:
+        self.execution_id = execution_id
+        self.key = key
+        #: True when the run ended without setting it; False when the timeout passed.
+        self.finished = finished
+        why = "ended without setting it" if finished else "has not set it yet"
+        super().__init__(f"Execution {execution_id} {why}: event {key}")
 
 
 class SignalAlreadyDeliveredError(SignalDeliveryError):

@@ -55,7 +55,7 @@ class Activity:
 
 
 #: Written by clients, never by a driver: any a driver has not read yet is news to it.
-CLIENT_EVENT_TYPES: Final = ("signal.delivered", "execution.cancelled")
+CLIENT_EVENT_TYPES: Final = ("signal.delivered", "signal.buffered", "execution.cancelled")
 
 
 def _keyed(kind: str, who: Activity, at: dt.datetime, **fields: Any) -> NewEvent:
@@ -273,6 +273,62 @@ def signal_delivered(
         "actor": actor,
     }
     return NewEvent(event, at, f"signal.delivered:{activity}")
+
+
+def signal_buffered(
+    execution_id: str,
+    name: str,
+    signal_id: str,
+    payload: Any,
+    actor: str | None,
+    at: dt.datetime,
+) -> NewEvent:
+    """A client's signal for a run not waiting on ``name`` yet: its next wait on ``name``
+    takes it (``signal.received`` or ``signal.rejected`` name it by ``signalId``)."""
+    event = {
+        "type": "signal.buffered",
+        "executionId": execution_id,
+        "name": name,
+        "signalId": signal_id,
+        "payload": payload,
+        "actor": actor,
+    }
+    return NewEvent(event, at)
+
+
+def signal_taken(
+    who: Activity,
+    signal_id: str,
+    payload: Any,
+    schema: dict[str, Any],
+    type_ref: str | None,
+    at: dt.datetime,
+) -> NewEvent:
+    """A wait received a buffered signal (without suspending). It records the wait's schema
+    as ``signal.waiting`` does, so later buffered signals of the name are validated when
+    they are sent."""
+    return _keyed(
+        "signal.received",
+        who,
+        at,
+        payload=payload,
+        signalId=signal_id,
+        payloadSchema=schema,
+        payloadType=type_ref,
+    )
+
+
+def signal_rejected(
+    who: Activity, signal_id: str, errors: list[dict[str, Any]], at: dt.datetime
+) -> NewEvent:
+    """A wait refused a buffered signal whose payload does not fit it; it keeps waiting."""
+    event = {"type": "signal.rejected", **who.base(), "signalId": signal_id, "errors": errors}
+    return NewEvent(event, at, f"signal.rejected:{signal_id}")
+
+
+def event_set(who: Activity, key: str, value: Any, at: dt.datetime) -> NewEvent:
+    """``ctx.set_event``: a value any client can read by key (the latest one wins)."""
+    return _keyed("event.set", who, at, key=key, value=value)
 
 
 #: The events that settle a signal wait (the wait is pending until one is recorded).

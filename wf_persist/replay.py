@@ -37,6 +37,7 @@ KIND_OF_EVENT: Final[Mapping[str, str]] = {
     "code.completed": "code",
     "code.failed": "code",
     "all.started": "all",
+    "event.set": "event",
 }
 _VALUE_EVENTS = frozenset({"now.recorded", "random.recorded", "uuid.recorded"})
 
@@ -92,6 +93,9 @@ class Journal:
     compensated: dict[str, dict[str, Any] | None] = field(default_factory=dict)
     #: ``(compensate, actor)`` once ``execution.cancelled`` was recorded.
     cancelled: tuple[bool, str | None] | None = None
+    #: Signal name -> buffered signals no wait has taken or rejected yet, oldest first, as
+    #: ``(signalId, payload)``.
+    buffered: dict[str, list[tuple[str, Any]]] = field(default_factory=dict)
 
     @classmethod
     def from_events(cls, events: Sequence[Mapping[str, Any]]) -> Journal:
@@ -138,9 +142,19 @@ class Journal:
             elif etype == "signal.timeout":
                 journal.waiting.pop(activity, None)
                 journal.outcomes[activity] = (True, TimedOut())
+            elif etype == "event.set":
+                journal.outcomes[activity] = (True, None)
+        taken: set[str] = set()
         for ev in events:  # client-written: not journal positions
-            if ev["type"] == "signal.delivered" and ev["activityName"] in journal.waiting:
+            etype = ev["type"]
+            if etype == "signal.delivered" and ev["activityName"] in journal.waiting:
                 journal.delivered[ev["activityName"]] = ev.get("payload")
+            elif etype in ("signal.received", "signal.rejected") and ev.get("signalId"):
+                taken.add(str(ev["signalId"]))
+        for ev in events:
+            if ev["type"] == "signal.buffered" and ev.get("signalId") not in taken:
+                queue = journal.buffered.setdefault(str(ev.get("name")), [])
+                queue.append((str(ev.get("signalId")), ev.get("payload")))
         return journal
 
     def _step_event(self, etype: str, activity: str, ev: Mapping[str, Any]) -> None:

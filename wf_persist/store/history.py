@@ -139,3 +139,13 @@ def has_news(conn: Executor, execution_id: str, seen_through: int) -> bool:
 def load(conn: Executor, execution_id: str) -> Sequence[Row[Any, Any, Any]]:
     """Every event of one execution, in sequence order: one query per replay."""
     return connection_of(conn).execute(_LOAD, {"p_id": execution_id}).all()
+
+
+def events_set(conn: Executor, execution_id: str) -> dict[str, Any]:
+    """The values a run published with ``ctx.set_event``, the latest per key."""
+    rows = connection_of(conn).execute(
+        select(hist.c.event)
+        .where(hist.c.execution_id == execution_id, hist.c.type == "event.set")
+        .order_by(hist.c.sequence)
+    )
+    return {str(r.event.get("key")): r.event.get("value") for r in rows}

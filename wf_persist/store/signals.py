@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import uuid
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -23,8 +24,9 @@ Validator = Callable[[Mapping[str, Any]], Any]
 
 def _waits(
     conn: Executor, execution_id: str
-) -> tuple[dict[str, Mapping[str, Any]], dict[str, str]]:
-    """Pending waits by activity (history order), and how settled ones were settled."""
+) -> tuple[dict[str, Mapping[str, Any]], dict[str, str], dict[str, Mapping[str, Any]]]:
+    """Pending waits by activity (history order), how settled ones were settled, and the
+    latest wait of each signal name (pending or not: its schema judges a buffered signal)."""
     rows = (
         connection_of(conn)
         .execute(
@@ -36,13 +38,16 @@ def _waits(
     )
     pending: dict[str, Mapping[str, Any]] = {}
     settled: dict[str, str] = {}
+    latest: dict[str, Mapping[str, Any]] = {}
     for row in rows:
+        if row.type == "signal.waiting" or "payloadSchema" in row.event:  # a wait's schema
+            latest[str(row.event.get("name"))] = row.event
         if row.type == "signal.waiting":
             pending[row.activity_name] = row.event
         elif row.activity_name in pending:
             settled[row.activity_name] = row.type
             del pending[row.activity_name]
-    return pending, settled
+    return pending, settled, latest
 
 
 def pending(conn: Executor, execution_id: str) -> list[Mapping[str, Any]]:
@@ -58,19 +63,25 @@ def deliver(
     validate: Validator,
     actor: str | None,
     now: dt.datetime,
-) -> int:
-    """Record ``signal.delivered`` for the run's latest pending wait on ``name``, and make
-    the run due.
+    *,
+    buffer: bool = False,
+) -> bool:
+    """Record ``signal.delivered`` for the run's latest pending wait on ``name`` and make
+    the run due; with ``buffer``, when no wait on ``name`` is pending, record
+    ``signal.buffered`` instead, for the run's next wait on ``name`` to take (FIFO).
 
     Everything is decided under the run's row lock: which wait is pending, whether the
     payload fits it, and the write. So of N concurrent deliveries to one wait exactly one
-    wins and every other one finds it delivered.
+    wins and every other one finds it delivered (or, with ``buffer``, queues behind it).
+    A buffered payload is validated by the latest wait on ``name`` the run recorded, if
+    any (``validate({})`` otherwise: the wait validates it when it takes it).
 
     Returns:
-        The event's sequence number.
+        Whether the signal was buffered (False: delivered to a pending wait).
 
     Raises:
-        SignalNotWaitingError: no pending wait on ``name`` (or the run is not signalable).
+        SignalNotWaitingError: no pending wait on ``name`` (or the run is not signalable;
+            with ``buffer``, the run has finished).
         SignalAlreadyDeliveredError: the latest wait on ``name`` already got its signal.
         SignalPayloadError: from ``validate``; nothing is recorded.
     """
@@ -78,13 +89,19 @@ def deliver(
     locked = backend.lock_run(core, execution_id)
     if locked is None:
         raise UnknownExecutionError(execution_id)
-    waits, settled = _waits(core, execution_id)
-    named = [w for w in waits.values() if w.get("name") == name]
     if str(locked.status) not in lifecycle.SIGNALABLE:
-        raise SignalNotWaitingError(execution_id, name)
+        raise SignalNotWaitingError(execution_id, name, status=str(locked.status))
+    waits, settled, latest = _waits(core, execution_id)
+    named = [w for w in waits.values() if w.get("name") == name]
+    if not named and buffer:
+        stored = validate(dict(latest.get(name) or {}))
+        signal_id = str(uuid.uuid4())
+        buffered = events.signal_buffered(execution_id, name, signal_id, stored, actor, now)
+        history.append(core, backend, execution_id, [buffered], now=now)
+        return True
     if not named:
-        latest = next((a for a in reversed(list(settled)) if a.rsplit("#", 1)[0] == name), None)
-        if latest is not None and settled[latest] in ("signal.delivered", "signal.received"):
+        last = next((a for a in reversed(list(settled)) if a.rsplit("#", 1)[0] == name), None)
+        if last is not None and settled[last] in ("signal.delivered", "signal.received"):
             raise SignalAlreadyDeliveredError(execution_id, name)
         raise SignalNotWaitingError(execution_id, name)
     wait = dict(named[-1])
@@ -95,4 +112,4 @@ def deliver(
     if not appended.sequences:
         raise SignalAlreadyDeliveredError(execution_id, name)
     executions.wake(core, backend, execution_id)
-    return appended.sequences[0]
+    return False

@@ -1,0 +1,175 @@
+"""Reading runs: status, records, history, pages, pending signals, published events and
+the catalog. Shared by both clients; needs nothing but the database."""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import Connection, Row
+
+from . import arguments, lifecycle
+from .authoring import Workflow
+from .backends import Backend
+from .errors import EventNotSetError, InvalidArgumentError, UnknownExecutionError
+from .records import (
+    ExecutionInfo,
+    HistoryRecord,
+    Page,
+    PendingSignal,
+    WorkflowEntry,
+    decode_cursor,
+    encode_cursor,
+)
+from .store import Executor, catalog, executions, history, signals
+
+
+class RunReader:
+    """The read side of a client: never writes, never waits on a lock."""
+
+    backend: Backend
+    _poll_interval: float
+
+    def _poll(self) -> float:
+        """The longest pause between two looks at a run being waited for."""
+        return self._poll_interval
+
+    def _wait(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    # plumbing ---------------------------------------------------------------------------
+
+    @contextmanager
+    def _reading(self) -> Iterator[Connection]:
+        with self.backend.read() as conn:
+            yield conn
+
+    def _row(self, conn: Executor, execution_id: str) -> Row[Any]:
+        row = executions.get(conn, arguments.check_id(execution_id))
+        if row is None:
+            raise UnknownExecutionError(execution_id)
+        return row
+
+    def describe(self, execution_id: str) -> ExecutionInfo:
+        """The stored record of a run."""
+        with self._reading() as conn:
+            return ExecutionInfo.from_row(self._row(conn, execution_id))
+
+    def status(self, execution_id: str) -> str:
+        """The run's status: running, suspended, compensating, completed or failed."""
+        return self.describe(execution_id).status
+
+    def pending_signals(self, execution_id: str) -> list[PendingSignal]:
+        """The waits the run is parked on (or about to be), oldest first."""
+        with self._reading() as conn:
+            waits = signals.pending(conn, arguments.check_id(execution_id))
+            if not waits:
+                self._row(conn, execution_id)
+        return [PendingSignal.from_event(w) for w in waits]
+
+    def get_event(self, execution_id: str, key: str, *, timeout: float | None = None) -> Any:
+        """The latest value the run published under ``key`` with ``ctx.set_event``, waiting
+        up to ``timeout`` seconds (``None``: until it is set or the run ends) for a first.
+
+        Raises:
+            EventNotSetError: the run ended, or ``timeout`` passed, without ``key`` set.
+            UnknownExecutionError.
+        """
+        arguments.check_text("event key", key)
+        arguments.check_timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.002
+        while True:
+            with self._reading() as conn:
+                row = self._row(conn, execution_id)
+                found = history.events_set(conn, execution_id)
+            if key in found:
+                return found[key]
+            if row.status in lifecycle.TERMINAL:
+                raise EventNotSetError(execution_id, key, finished=True)
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise EventNotSetError(execution_id, key, finished=False)
+            wait = min(delay, self._poll())
+            self._wait(wait if remaining is None else min(wait, remaining))
+            delay = min(delay * 2, self._poll())
+
+    def events(self, execution_id: str) -> dict[str, Any]:
+        """Every key the run published with ``ctx.set_event``, with its latest value."""
+        with self._reading() as conn:
+            self._row(conn, execution_id)
+            return history.events_set(conn, execution_id)
+
+    def workflows(self, name: str | None = None) -> list[WorkflowEntry]:
+        """The catalog: every registered (name, version), or the versions of ``name``, with
+        source hash, registration time and input/output JSON Schemas."""
+        if name is not None:
+            arguments.workflow_name(name)
+        with self._reading() as conn:
+            rows = catalog.entries(conn, self.backend, name)
+        return [WorkflowEntry.from_row(r) for r in rows]
+
+    def list(
+        self,
+        workflow: Workflow[Any, Any] | str,
+        *,
+        status: str | None = None,
+        version: int | None = None,
+        limit: int | None = None,
+        cursor: str | None = None,
+        created_after: dt.datetime | None = None,
+        created_before: dt.datetime | None = None,
+        actor: str | None = None,
+    ) -> Page:
+        """Runs of one workflow, oldest first, ``limit`` at a time (keyset pagination).
+
+        Filters: ``status``, ``version``, creation time in ``[created_after,
+        created_before)`` (timezone-aware) and ``actor``.
+        """
+        if created_after is not None:
+            created_after = arguments.utc(created_after, "created_after")
+        if created_before is not None:
+            created_before = arguments.utc(created_before, "created_before")
+        name = arguments.workflow_name(workflow)
+        arguments.check_text("actor", actor)
+        if version is not None and (
+            isinstance(version, bool) or not isinstance(version, int) or version < 1
+        ):
+            raise InvalidArgumentError(f"version must be a positive integer, got {version!r}")
+        if status is not None and status not in lifecycle.STATUSES:
+            raise InvalidArgumentError(
+                f"unknown status {status!r}; expected one of {lifecycle.STATUSES}"
+            )
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0
+        ):
+            raise InvalidArgumentError(f"limit must be a positive integer, got {limit!r}")
+        after = None if cursor is None else decode_cursor(cursor)
+        with self._reading() as conn:
+            rows = executions.list_page(
+                conn,
+                self.backend,
+                name,
+                status=status,
+                version=version,
+                after=after,
+                limit=None if limit is None else limit + 1,
+                created_after=created_after,
+                created_before=created_before,
+                actor=actor,
+            )
+        items = [ExecutionInfo.from_row(r) for r in rows[: limit if limit is not None else None]]
+        more = limit is not None and len(rows) > limit
+        next_cursor = encode_cursor(items[-1].created_at, items[-1].execution_id) if more else None
+        return Page(items, next_cursor)
+
+    def history(self, execution_id: str) -> Sequence[HistoryRecord]:
+        """Every event of the run in sequence order."""
+        with self._reading() as conn:
+            rows = history.load(conn, arguments.check_id(execution_id))
+            if not rows:
+                self._row(conn, execution_id)
+        return [HistoryRecord(int(r.sequence), r.created_at, dict(r.event)) for r in rows]
