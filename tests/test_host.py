@@ -28,7 +28,7 @@ from wf_persist.models import executions_table as ex
 from wf_persist.models import history_table as hist
 
 from .conftest import HostTables
-from .fixtures import fencing
+from .fixtures import fencing, messaging
 from .fixtures import saga as s
 from .fixtures import workflows as w
 from .helpers import Processes
@@ -237,6 +237,10 @@ def test_documented_queries_run_on_every_backend(
             client.result(execution_id, timeout=0.3)
     client.signal(signalled, "approval", {"approved": True}, actor="kim")
     client.result(signalled, timeout=5)
+    rt.register(*messaging.ALL)  # a buffered signal taken, and events published
+    inbox = client.start(messaging.inbox_wf, {"count": 1}).execution_id
+    client.signal(inbox, "approval", {"approved": True}, buffer=True)
+    client.result(inbox, timeout=5)
     params = {"execution_id": signalled, "actor": "checkout"}
     with db_engine.connect() as conn:
         for sql in _doc_queries():
