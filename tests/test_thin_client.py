@@ -262,3 +262,29 @@ def test_an_operations_script_with_only_wf_persist_operates_runs_of_a_worker(
     report = json.loads(finished.stdout)
     assert report["imported"] == []
     assert report["outcomes"] == [["completed", "approved", None], ["failed", None, "Cancelled"]]
+
+
+def test_runs_of_every_workflow_are_listed_in_pages(runtime: wp.Runtime, thin: wp.Client) -> None:
+    runtime.register(w.echo_wf, w.versioned_v1)
+    started = [
+        thin.start("echo" if i % 2 else "versioned", 2 if i % 2 else "x").execution_id
+        for i in range(5)
+    ]
+    seen: list[str] = []
+    cursor = None
+    while True:
+        page = thin.list(limit=2, cursor=cursor)
+        seen += [i.execution_id for i in page.items]
+        if page.next_cursor is None:
+            break
+        cursor = page.next_cursor
+    assert sorted(seen) == sorted(started) and len(seen) == 5
+    items = thin.list().items
+    assert [(i.created_at, i.execution_id) for i in items] == sorted(
+        (i.created_at, i.execution_id) for i in items
+    )
+    assert {i.workflow_name for i in thin.list(status="running").items} == {"echo", "versioned"}
+    info = thin.describe(started[1])
+    assert (info.input, info.result, info.error, info.drive_failures) == (2, None, None, 0)
+    with pytest.raises(wp.InvalidArgumentError, match="version filters the runs of one workflow"):
+        thin.list(version=1)

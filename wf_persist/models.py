@@ -208,6 +208,8 @@ class Execution(Base):
         Index(None, "workflow_name", "created_at", "id"),
         Index(None, "workflow_name", "workflow_version", "created_at", "id"),
         Index(None, "workflow_name", "status", "created_at", "id"),
+        # Keyset listing across workflows (operators, the CLI): every run, oldest first.
+        Index(None, "created_at", "id"),
         # Finding runnable work: non-terminal runs by wake time.
         Index(None, "status", "wake_at"),
         MYSQL_TABLE_OPTIONS,

@@ -114,7 +114,7 @@ class RunReader:
 
     def list(
         self,
-        workflow: Workflow[Any, Any] | str,
+        workflow: Workflow[Any, Any] | str | None = None,
         *,
         status: str | None = None,
         version: int | None = None,
@@ -124,21 +124,21 @@ class RunReader:
         created_before: dt.datetime | None = None,
         actor: str | None = None,
     ) -> Page:
-        """Runs of one workflow, oldest first, ``limit`` at a time (keyset pagination).
+        """Runs of one workflow (``None``: of every workflow), oldest first, ``limit`` at a
+        time (keyset pagination).
 
-        Filters: ``status``, ``version``, creation time in ``[created_after,
-        created_before)`` (timezone-aware) and ``actor``.
+        Filters: ``status``, ``version`` (with a workflow), creation time in
+        ``[created_after, created_before)`` (timezone-aware) and ``actor``.
         """
         if created_after is not None:
             created_after = arguments.utc(created_after, "created_after")
         if created_before is not None:
             created_before = arguments.utc(created_before, "created_before")
-        name = arguments.workflow_name(workflow)
+        name = None if workflow is None else arguments.workflow_name(workflow)
         arguments.check_text("actor", actor)
-        if version is not None and (
-            isinstance(version, bool) or not isinstance(version, int) or version < 1
-        ):
-            raise InvalidArgumentError(f"version must be a positive integer, got {version!r}")
+        arguments.check_version(version)
+        if version is not None and name is None:
+            raise InvalidArgumentError("version filters the runs of one workflow: name it")
         if status is not None and status not in lifecycle.STATUSES:
             raise InvalidArgumentError(
                 f"unknown status {status!r}; expected one of {lifecycle.STATUSES}"

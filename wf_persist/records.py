@@ -44,6 +44,17 @@ class ExecutionInfo:
     started_at: dt.datetime | None
     finished_at: dt.datetime | None
     updated_at: dt.datetime
+    #: The stored input, result and error documents (``None`` until there is one).
+    input: Any = field(default=None, repr=False)
+    result: Any = field(default=None, repr=False)
+    error: dict[str, Any] | None = field(default=None, repr=False)
+    #: When the run next needs a worker (its timer, a retry, its lease's expiry), and who
+    #: drives it now, if anyone.
+    wake_at: dt.datetime | None = None
+    lease_owner: str | None = None
+    lease_expires_at: dt.datetime | None = None
+    #: Consecutive drives that stopped on an error (see ``max_drive_failures``).
+    drive_failures: int = 0
 
     @classmethod
     def from_row(cls, row: Row[Any]) -> ExecutionInfo:
@@ -58,6 +69,13 @@ class ExecutionInfo:
             started_at=row.started_at,
             finished_at=row.finished_at,
             updated_at=row.updated_at,
+            input=row.input,
+            result=row.result,
+            error=row.error,
+            wake_at=row.wake_at,
+            lease_owner=row.lease_owner,
+            lease_expires_at=row.lease_expires_at,
+            drive_failures=int(row.drive_failures),
         )
 
 

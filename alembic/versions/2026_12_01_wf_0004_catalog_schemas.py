@@ -1,11 +1,14 @@
-"""The input and output JSON Schema of each cataloged workflow version.
+"""The input and output JSON Schema of each cataloged workflow version, and runs listed
+across workflows.
 
 Why: a process without a workflow's code (an operations script, the ``wf-persist runs``
 commands, a web handler) starts runs by name and must validate the input before anything is
 written, as a process with the code does. Both columns are nullable: versions cataloged
-before this revision get their schemas the next time a runtime registers them.
+before this revision get their schemas the next time a runtime registers them. Operators
+list every run newest or oldest first whatever its workflow: an index on
+``(created_at, id)`` keeps each keyset page a range scan.
 
-Downgrade drops the two columns; no other data is touched.
+Downgrade drops the index and the two columns; no other data is touched.
 
 Revision ID: wf_0004
 Revises: wf_0003
@@ -32,9 +35,11 @@ _JSON = sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
 def upgrade() -> None:
     op.add_column("wf_workflows", sa.Column("input_schema", _JSON, nullable=True))
     op.add_column("wf_workflows", sa.Column("output_schema", _JSON, nullable=True))
+    op.create_index("ix_wf_executions__created_at_id", "wf_executions", ["created_at", "id"])
 
 
 def downgrade() -> None:
+    op.drop_index("ix_wf_executions__created_at_id", table_name="wf_executions")
     # Plain ALTER TABLE ... DROP COLUMN everywhere (SQLite >= 3.35 has it): a batch copy of
     # wf_workflows would cascade to the runs that reference it under foreign_keys=ON.
     op.execute("ALTER TABLE wf_workflows DROP COLUMN output_schema")

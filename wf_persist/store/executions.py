@@ -187,7 +187,7 @@ def wake(conn: Executor, backend: Backend, execution_id: str) -> None:
 def list_page(
     conn: Executor,
     backend: Backend,
-    workflow_name: str,
+    workflow_name: str | None,
     *,
     status: str | None,
     version: int | None,
@@ -197,13 +197,16 @@ def list_page(
     created_before: dt.datetime | None = None,
     actor: str | None = None,
 ) -> Sequence[Row[Any]]:
-    """Runs of one workflow, oldest first, after a keyset position.
+    """Runs of one workflow (or of all), oldest first, after a keyset position.
 
-    The WHERE and ORDER BY match the ``(workflow_name, [status | version,] created_at, id)``
-    indexes, so every page is an index range scan however deep the cursor is; a time range
-    narrows the same range, and ``actor`` filters rows inside it.
+    The WHERE and ORDER BY match the ``([workflow_name, [status | version,]] created_at,
+    id)`` indexes, so every page is an index range scan however deep the cursor is; a time
+    range narrows the same range, and ``actor`` (or, across workflows, ``status``) filters
+    rows inside it.
     """
-    query = select(ex).where(ex.c.workflow_name == workflow_name)
+    query = select(ex)
+    if workflow_name is not None:
+        query = query.where(ex.c.workflow_name == workflow_name)
     if status is not None:
         query = query.where(ex.c.status == status)
     if version is not None:
