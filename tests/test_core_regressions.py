@@ -235,6 +235,8 @@ def test_resolved_secrets_are_scrubbed_from_every_stored_error(
     assert f.CONTROL["charge_key"] == SECRET_VALUE
     assert f.CONTROL["refund_key"] == SECRET_VALUE, "the compensation got the resolved value"
     assert "secret:stripe-key" in outcome.message and SECRET_VALUE not in str(outcome.error)
+    # The stored traceback is scrubbed too (it repeats the message).
+    assert "LeakyError: card declined for key secret:stripe-key" in outcome.error["traceback"]
     stored = [r.event for r in client.history(handle.execution_id)]
     assert SECRET_VALUE not in str(stored)
     rt.close()

@@ -19,7 +19,7 @@ import datetime as dt
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +43,7 @@ from .errors import (
 )
 from .events import NewEvent
 from .leases import Lease
+from .logs import run_fields
 from .models import executions_table as ex
 from .replay import Journal
 from .secrets import SecretResolver
@@ -96,6 +97,7 @@ class RunDriver:
         self.backend = runtime.backend
         self.conn = conn
         self.execution_id = claim.execution_id
+        self.workflow = claim.workflow_name
         self.epoch = claim.epoch
         self.lease = lease
         self.clock = clock
@@ -290,6 +292,14 @@ def run_body(driver: RunDriver, wf: Workflow[Any, Any], payload: Any, journal: J
             if errors:
                 reason = {**reason, "compensationErrors": errors}
         driver.finish(wf, ok=False, value=reason)
+        log.warning(
+            "run %s (%s) failed: %s: %s",
+            driver.execution_id,
+            wf.name,
+            reason.get("name"),
+            reason.get("message"),
+            extra=run_fields(driver.execution_id, wf.name),
+        )
         return
     driver.finish(wf, ok=True, value=stored)
 
@@ -307,7 +317,16 @@ def start_drive(runtime: Runtime, conn: Connection, claim: Claim) -> tuple[Journ
 
 def _start(runtime: Runtime, conn: Connection, claim: Claim) -> tuple[Journal, int]:
     rows = history.load(conn, claim.execution_id)
-    if not any(r.event["type"] == "workflow.started" for r in rows):
+    begun = any(r.event["type"] == "workflow.started" for r in rows)
+    if begun and _left_in_flight(claim, rows[-1].event):
+        log.info(
+            "run %s (%s): resuming a run an earlier driver left in flight (claim %d)",
+            claim.execution_id,
+            claim.workflow_name,
+            claim.epoch,
+            extra=run_fields(claim.execution_id, claim.workflow_name),
+        )
+    if not begun:
         started = events.workflow_started(
             claim.execution_id, claim.workflow_name, claim.workflow_version, claim.db_now
         )
@@ -316,6 +335,17 @@ def _start(runtime: Runtime, conn: Connection, claim: Claim) -> tuple[Journal, i
         runtime.backend.fenced(conn, claim.execution_id, claim.epoch, [started], now=claim.db_now)
     journal = Journal.from_events([r.event for r in rows])
     return journal, int(rows[-1].sequence) if rows else 0
+
+
+def _left_in_flight(claim: Claim, last: Mapping[str, Any]) -> bool:
+    """Whether the run's last driver stopped mid-drive (it died, was paused past its lease
+    or handed the run over on shutdown): running, no failed drive, and the last event is
+    neither a client's (a signal, a cancellation) nor a retry parked for later."""
+    if claim.status != lifecycle.RUNNING.value or claim.drive_failures:
+        return False
+    if last["type"] in events.CLIENT_EVENT_TYPES:
+        return False
+    return not (last["type"] == "step.failed" and not last.get("final", True))
 
 
 def drive(
@@ -352,9 +382,11 @@ def drive(
                 # forgotten below, so close() would not release it).
                 release(runtime, claim)
             else:
-                log.info(
-                    "run %s: lease lost, stopped (another runtime may drive it)",
+                log.warning(
+                    "run %s (%s): lease lost, stopped (another runtime may drive it)",
                     claim.execution_id,
+                    claim.workflow_name,
+                    extra=run_fields(claim.execution_id, claim.workflow_name),
                 )
         else:
             failed(runtime, claim, halt.cause)
@@ -417,20 +449,24 @@ def failed(runtime: Runtime, claim: Claim, exc: BaseException) -> None:
                 conn, backend, execution_id, evs, now=now, epoch=claim.epoch, values=values
             )
         log.error(
-            "run %s: drive %d of at most %d failed: %s%s",
+            "run %s (%s): drive %d of at most %d failed: %s%s",
             execution_id,
+            claim.workflow_name,
             count,
             limit,
             brief(exc),
-            "; the run is failed" if count >= limit else "",
+            "; the run is failed (DriveFailedError)" if count >= limit else "",
+            extra=run_fields(execution_id, claim.workflow_name),
         )
     except Exception as second:
         log.error(
-            "run %s: drive failed (%s) and recording that failed too (%s); it is retried "
+            "run %s (%s): drive failed (%s) and recording that failed too (%s); it is retried "
             "when its lease expires",
             execution_id,
+            claim.workflow_name,
             brief(exc),
             brief(second),
+            extra=run_fields(execution_id, claim.workflow_name),
         )
 
 
@@ -440,4 +476,10 @@ def release(runtime: Runtime, claim: Claim) -> None:
         with runtime.backend.begin() as conn:
             runtime.backend.release(conn, {claim.execution_id: claim.epoch})
     except Exception as exc:
-        log.warning("run %s: could not release its lease: %s", claim.execution_id, brief(exc))
+        log.warning(
+            "run %s (%s): could not release its lease: %s",
+            claim.execution_id,
+            claim.workflow_name,
+            brief(exc),
+            extra=run_fields(claim.execution_id, claim.workflow_name),
+        )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 
 class WfPersistError(Exception):
@@ -372,9 +372,32 @@ def error_document(exc: BaseException) -> dict[str, Any]:
         except (TypeError, ValueError, RecursionError):
             continue  # not data (a connection, a callable): left out
         doc[key] = storable(value)
+    trace = traceback_text(exc)
+    if trace is not None:
+        doc["traceback"] = trace
     # An error must always be recordable: databases reject NUL and lone surrogates in text.
     cleaned: dict[str, Any] = _scrub(doc)
     return cleaned
+
+
+#: The longest traceback kept in an error document (its end, where the error was raised).
+MAX_TRACEBACK: Final = 8000
+
+
+def traceback_text(exc: BaseException) -> str | None:
+    """The formatted traceback of a raised exception (with its causes), cut to its last
+    :data:`MAX_TRACEBACK` characters; ``None`` for one never raised."""
+    import traceback
+
+    if exc.__traceback__ is None:
+        return None
+    try:
+        text = "".join(traceback.format_exception(exc))
+    except Exception:  # a __str__ that raises: the frames are still worth keeping
+        text = "".join(traceback.format_tb(exc.__traceback__))
+    if len(text) > MAX_TRACEBACK:
+        text = "...\n" + text[-MAX_TRACEBACK:]
+    return text
 
 
 def _scrub(value: Any) -> Any:

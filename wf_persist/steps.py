@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import inspect
+import logging
 import random as _random
 import threading
 import time
@@ -26,12 +27,16 @@ from .authoring import Step, outside_body
 from .control import Suspended
 from .errors import InvalidPayloadError, StepExecutionError, error_document, rebuild_error
 from .events import Activity, NewEvent
+from .logs import run_fields
 from .replay import Journal
 from .secrets import Redactor, SecretResolver, contains_reference, resolve_references
 from .values import from_json, resolve_type_reference, to_json
 
 #: Retry delays up to this long are waited in the driving thread; longer ones park the run.
 INLINE_BACKOFF_SECONDS = 1.0
+
+
+log = logging.getLogger("wf_persist.steps")
 
 
 class Driver(Protocol):
@@ -41,6 +46,8 @@ class Driver(Protocol):
     record_start_after: float | None
     #: Set when a fenced write saw a status this replay did not expect (a cancellation).
     news: bool
+    #: The name of the workflow the run belongs to (for logs).
+    workflow: str
 
     def clock(self) -> dt.datetime:
         """The database's time (measured from the claim), never the worker's own clock."""
@@ -244,6 +251,7 @@ class StepRunner:
                     retry_at=retry_at,
                 )
                 self.record([*pending, failed])
+                self._log_failure(step.name, attempt, cause, retry_at, final=final)
                 if terminal:
                     raise
                 if final:
@@ -337,9 +345,53 @@ class StepRunner:
                 doc = self.error_document(exc)
                 self.record([started, events.compensation_finished(who, doc, self.driver.clock())])
                 errors.append({**where, "error": doc})
+                log.error(
+                    "run %s (%s): compensation of step %s failed: %s: %s",
+                    self.execution_id,
+                    self.driver.workflow,
+                    call.step.name,
+                    doc.get("name"),
+                    doc.get("message"),
+                    extra=run_fields(self.execution_id, self.driver.workflow, call.step.name),
+                )
                 continue
             self.record([started, events.compensation_finished(who, None, self.driver.clock())])
         return errors
+
+    def _log_failure(
+        self,
+        step: str,
+        attempt: int,
+        cause: dict[str, Any],
+        retry_at: dt.datetime | None,
+        *,
+        final: bool,
+    ) -> None:
+        """One line per failed attempt: retried (warning) or the step's last (error)."""
+        workflow = self.driver.workflow
+        what = f"{cause.get('name')}: {cause.get('message')}"
+        extra = run_fields(self.execution_id, workflow, step, attempt)
+        if final:
+            log.error(
+                "run %s (%s): step %s failed at attempt %d, not retried: %s",
+                self.execution_id,
+                workflow,
+                step,
+                attempt,
+                what,
+                extra=extra,
+            )
+        else:
+            log.warning(
+                "run %s (%s): step %s attempt %d failed, retried at %s: %s",
+                self.execution_id,
+                workflow,
+                step,
+                attempt,
+                retry_at.isoformat() if retry_at else "once",
+                what,
+                extra=extra,
+            )
 
     def _call_compensation(self, comp: Compensation, reason: dict[str, Any]) -> None:
         fn = comp.call.step.compensate

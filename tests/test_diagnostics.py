@@ -1,0 +1,146 @@
+"""Diagnostics: stored tracebacks, and log records that name the run, step and attempt."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import pytest
+
+import wf_persist as wp
+from wf_persist.errors import MAX_TRACEBACK, error_document
+from wf_persist.logs import JsonFormatter
+
+from .fixtures import fencing as f
+from .fixtures import saga as s
+from .fixtures import workflows as w
+
+
+def _records(caplog: pytest.LogCaptureFixture, execution_id: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if getattr(r, "execution_id", None) == execution_id]
+
+
+def test_a_failed_step_and_run_store_the_traceback(runtime: wp.Runtime) -> None:
+    runtime.register(w.explode_wf)
+    client = runtime.client()
+    handle = client.start(w.explode_wf, "kaboom")
+    outcome = client.result(handle.execution_id, timeout=10)
+    assert isinstance(outcome, wp.Failed)
+    trace = outcome.error["traceback"]
+    assert trace.startswith("Traceback (most recent call last)")
+    assert "in explode" in trace and "RuntimeError: kaboom" in trace
+    failed = next(
+        r.event for r in client.history(handle.execution_id) if r.event["type"] == "step.failed"
+    )
+    assert "RuntimeError: kaboom" in failed["error"]["traceback"]
+    assert client.describe(handle.execution_id).error == outcome.error
+
+
+def test_an_error_never_raised_has_no_traceback_and_long_ones_keep_their_end(
+    runtime: wp.Runtime,
+) -> None:
+    assert "traceback" not in error_document(ValueError("never raised"))
+
+    try:
+        raise ValueError("x" * (2 * MAX_TRACEBACK) + " the end")
+    except ValueError as exc:
+        doc = error_document(exc)
+    assert doc["traceback"].startswith("...\n") and len(doc["traceback"]) <= MAX_TRACEBACK + 4
+    assert doc["traceback"].rstrip().endswith("x the end")
+    runtime.register(w.approval_wf)
+    client = runtime.client()
+    handle = client.start(w.approval_wf, None)
+    client.cancel(handle.execution_id, compensate=False)
+    cancelled = client.result(handle.execution_id, timeout=10)
+    assert isinstance(cancelled, wp.Failed) and "traceback" not in cancelled.error
+
+
+def test_failures_are_logged_with_the_run_step_and_attempt(
+    runtime: wp.Runtime, caplog: pytest.LogCaptureFixture
+) -> None:
+    s.reset()
+    runtime.register(*s.ALL)
+    client = runtime.client()
+    caplog.set_level(logging.INFO, logger="wf_persist")
+    flaky = client.start(s.flaky_wf).execution_id
+    client.result(flaky, timeout=20)
+    retried = [r for r in _records(caplog, flaky) if r.name == "wf_persist.steps"]
+    assert [(r.levelname, r.step, r.attempt) for r in retried] == [  # type: ignore[attr-defined]
+        ("WARNING", "flaky", 1),
+        ("WARNING", "flaky", 2),
+    ]
+    assert all(r.workflow == "flaky" for r in retried)  # type: ignore[attr-defined]
+    assert "retried at" in retried[0].getMessage() and flaky in retried[0].getMessage()
+
+    runtime.register(w.explode_wf)
+    exploded = client.start(w.explode_wf, "kaboom").execution_id
+    assert isinstance(client.result(exploded, timeout=20), wp.Failed)
+    mine = _records(caplog, exploded)
+    steps = [(r.levelname, r.attempt) for r in mine if r.name == "wf_persist.steps"]  # type: ignore[attr-defined]
+    assert steps[-1][0] == "ERROR" and all(level == "WARNING" for level, _ in steps[:-1])
+    assert [a for _, a in steps] == list(range(1, len(steps) + 1))
+    assert "not retried" in next(r for r in mine if r.levelname == "ERROR").getMessage()
+    run_failed = [
+        r for r in mine if r.name == "wf_persist.runtime" and " failed: " in r.getMessage()
+    ]
+    assert [r.levelname for r in run_failed] == ["WARNING"]
+    line = json.loads(JsonFormatter().format(run_failed[0]))
+    assert line["execution_id"] == exploded and line["workflow"] == "explode"
+    assert line["logger"] == "wf_persist.runtime" and line["level"] == "WARNING"
+
+
+def test_a_run_resumed_after_its_driver_died_is_logged(
+    runtime: wp.Runtime, caplog: pytest.LogCaptureFixture
+) -> None:
+    f.reset()
+    runtime.register(*f.ALL)
+    client = runtime.client()
+    caplog.set_level(logging.INFO, logger="wf_persist")
+    crashed = client.start(f.crashes_once_wf, 0.0).execution_id
+    with pytest.raises(f.SimulatedCrash):
+        client.result(crashed)
+    assert not [r for r in _records(caplog, crashed) if "resuming" in r.getMessage()]
+    assert client.result(crashed, timeout=10).unwrap() == "done"
+    resumed = [r for r in _records(caplog, crashed) if "resuming" in r.getMessage()]
+    assert len(resumed) == 1 and resumed[0].levelname == "INFO"
+    # A run woken by its signal is not "resumed from a dead driver".
+    runtime.register(w.two_approvals_wf)
+    waiting = client.start(w.two_approvals_wf).execution_id
+    for _ in range(2):
+        assert runtime.drive(waiting)
+        client.signal(waiting, "approval", {"approved": True})
+    assert client.result(waiting, timeout=10).unwrap() == [True, True]
+    assert not [r for r in _records(caplog, waiting) if "resuming" in r.getMessage()]
+
+
+def test_the_json_log_format_is_one_object_per_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from wf_persist import logs
+
+    logs.configure("json")
+    try:
+        logger = logging.getLogger("wf_persist.steps")
+        try:
+            raise RuntimeError("boom")
+        except RuntimeError:
+            logger.error("step failed", exc_info=True, extra=logs.run_fields("id-1", "wf", "s", 2))
+        line: dict[str, Any] = json.loads(capsys.readouterr().err.strip())
+    finally:
+        root = logging.getLogger("wf_persist")
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        root.propagate = True
+        root.setLevel(logging.NOTSET)
+    assert {
+        k: line[k]
+        for k in ("level", "logger", "message", "execution_id", "workflow", "step", "attempt")
+    } == {
+        "level": "ERROR",
+        "logger": "wf_persist.steps",
+        "message": "step failed",
+        "execution_id": "id-1",
+        "workflow": "wf",
+        "step": "s",
+        "attempt": 2,
+    }
+    assert "RuntimeError: boom" in line["exception"] and line["time"].endswith("+00:00")

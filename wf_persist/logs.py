@@ -1,0 +1,72 @@
+"""Logging: the logger hierarchy, the fields a log pipeline filters on, and a JSON format.
+
+Every record about a run carries ``execution_id`` and ``workflow`` (and ``step`` and
+``attempt`` for a step attempt) as attributes, besides saying them in the message, so a
+pipeline indexes them without parsing text. The loggers, all under ``wf_persist``:
+
+- ``wf_persist.runtime``: drives — a run resumed from an earlier driver, a lost lease, a
+  failed drive, a run failed after too many, a workflow that failed;
+- ``wf_persist.steps``: step attempts that failed (and are retried, or not), compensations
+  that failed;
+- ``wf_persist.leases``: the lease keeper — outages, leases found lost;
+- ``wf_persist.worker``: the claim loop — outages, unexpected errors.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import sys
+from typing import Any, Final, Literal
+
+#: The record attributes this library sets, as they appear in JSON output.
+RUN_FIELDS: Final = ("execution_id", "workflow", "step", "attempt")
+
+
+def run_fields(
+    execution_id: str, workflow: str, step: str | None = None, attempt: int | None = None
+) -> dict[str, Any]:
+    """``extra=`` for a record about a run (or one step attempt of it)."""
+    fields: dict[str, Any] = {"execution_id": execution_id, "workflow": workflow}
+    if step is not None:
+        fields["step"] = step
+    if attempt is not None:
+        fields["attempt"] = attempt
+    return fields
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time (UTC, ISO-8601), level, logger, message, the run's
+    fields when the record has them, and the formatted exception if any."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {
+            "time": dt.datetime.fromtimestamp(record.created, dt.UTC).isoformat(),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for key in RUN_FIELDS:
+            value = getattr(record, key, None)
+            if value is not None:
+                doc[key] = value
+        if record.exc_info:
+            doc["exception"] = self.formatException(record.exc_info)
+        return json.dumps(doc, default=str)
+
+
+def configure(fmt: Literal["text", "json"] = "text", level: int = logging.INFO) -> None:
+    """Send ``wf_persist`` records to stderr as text or JSON lines (for ``wf-persist
+    worker``; an application configures logging its own way)."""
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("wf_persist")
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level)
+    root.propagate = False
