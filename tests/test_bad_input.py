@@ -1209,3 +1209,20 @@ def test_bad_register_and_start_arguments(
         with pytest.raises(wp.InvalidArgumentError, match="version"):
             client.start(any_wf, 1, version=version)
     assert tables.counts() == before, "nothing registered, nothing started"
+
+
+@pytest.mark.parametrize(
+    ("module", "url", "extra"),
+    [
+        ("psycopg", "postgresql://nobody@127.0.0.1:1/none", "postgresql"),
+        ("pymysql", "mysql://nobody@127.0.0.1:1/none", "mysql"),
+    ],
+)
+def test_a_missing_driver_names_the_extra_to_install(
+    monkeypatch: pytest.MonkeyPatch, module: str, url: str, extra: str
+) -> None:
+    monkeypatch.setitem(sys.modules, module, None)  # as if it were not installed
+    for open_it in (wp.Runtime, wp.Client):
+        with pytest.raises(wp.UnsupportedDatabaseError) as info:
+            open_it(url)
+        assert f"pip install 'wf-persist[{extra}]'" in str(info.value)

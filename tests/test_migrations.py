@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import sys
+import zipfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -285,6 +286,18 @@ def test_installed_wheel_migrates_from_any_directory(tmp_path: Path, procs: Proc
         [*pip, "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels)]
     )
     (wheel,) = wheels.glob("wf_persist-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        metadata = archive.read(next(n for n in names if n.endswith(".dist-info/METADATA")))
+    # Drivers are extras (SQLite needs none); the license travels with the wheel.
+    requires = [
+        line for line in metadata.decode().splitlines() if line.startswith("Requires-Dist:")
+    ]
+    assert "Requires-Dist: psycopg[binary]>=3.1; extra == 'postgresql'" in requires
+    assert "Requires-Dist: pymysql>=1.1; extra == 'mysql'" in requires
+    assert not [r for r in requires if ("psycopg" in r or "pymysql" in r) and "extra ==" not in r]
+    assert "License-Expression: MIT" in metadata.decode() or "License: MIT" in metadata.decode()
+    assert any(n.endswith("licenses/LICENSE") or n.endswith("/LICENSE") for n in names)
     site = tmp_path / "site"
     procs.run([*pip, "install", "--no-deps", "-q", "--target", str(site), str(wheel)])
     elsewhere = tmp_path / "elsewhere"

@@ -103,8 +103,13 @@ def create_engine(url: str | URL | None = None, **kwargs: Any) -> Engine:
     try:
         engine = sa_create_engine(resolved, **kwargs)
     except ImportError as exc:
+        hint = (
+            ""
+            if kind.extra is None
+            else f"; install it with: pip install 'wf-persist[{kind.extra}]'"
+        )
         raise UnsupportedDatabaseError(
-            f"the driver for {describe_url(resolved)} is not installed: {exc}"
+            f"the driver for {describe_url(resolved)} is not installed ({exc}){hint}"
         ) from exc
     except TypeError as exc:  # an argument this pool or dialect does not take
         raise UnsupportedDatabaseError(

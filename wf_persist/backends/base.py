@@ -193,6 +193,8 @@ class Backend:
 
     #: SQLAlchemy dialect names this backend serves.
     names: ClassVar[tuple[str, ...]] = ()
+    #: The package extra that installs this backend's default driver (None: built in).
+    extra: ClassVar[str | None] = None
     #: Whether tables can live in a named schema (``Runtime(schema=...)``).
     supports_schemas: ClassVar[bool] = False
     #: Whether claims skip rows other claimers have locked (``FOR UPDATE SKIP LOCKED``).

@@ -88,6 +88,7 @@ def _cas_statement() -> Any:
 
 class MySQLBackend(Backend):
     names: ClassVar[tuple[str, ...]] = ("mysql", "mariadb")
+    extra: ClassVar[str | None] = "mysql"
     skip_locked: ClassVar[bool] = True
     transactional_ddl: ClassVar[bool] = False
 

@@ -54,6 +54,7 @@ class AdvisorySlots(SessionLockSlots):
 
 class PostgreSQLBackend(Backend):
     names: ClassVar[tuple[str, ...]] = ("postgresql",)
+    extra: ClassVar[str | None] = "postgresql"
     insert_ignoring: ClassVar[Any] = staticmethod(postgresql.insert)
     supports_schemas: ClassVar[bool] = True
     skip_locked: ClassVar[bool] = True
