@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import ast
 import sys
-import zipfile
 import threading
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 

@@ -60,14 +60,16 @@ MAX_FAILURE_BACKOFF = 60.0
 
 
 class DriveClock:
-    """The database's time at the claim, advanced by this process's monotonic clock."""
+    """The database's time at the claim, advanced by this process's monotonic clock (and by
+    the time the test kit skips meanwhile, see :meth:`Runtime.time_shift`)."""
 
-    def __init__(self, db_now: dt.datetime) -> None:
+    def __init__(self, db_now: dt.datetime, shift: Callable[[], float]) -> None:
         self._base = db_now
-        self._t0 = time.monotonic()
+        self._shift = shift
+        self._t0 = time.monotonic() + shift()
 
     def __call__(self) -> dt.datetime:
-        return self._base + dt.timedelta(seconds=time.monotonic() - self._t0)
+        return self._base + dt.timedelta(seconds=time.monotonic() + self._shift() - self._t0)
 
 
 def load_journal(conn: Connection, execution_id: str) -> tuple[Journal, int]:
@@ -197,6 +199,12 @@ class RunDriver:
 
     def after(self, delay: float, fn: Callable[[], None]) -> Callable[[], None]:
         return self.runtime.timers.after(delay, fn)
+
+    def pause(self, seconds: float) -> None:
+        self.runtime.pause(seconds)
+
+    def step_function(self, step: Step[Any]) -> Callable[..., Any]:
+        return self.runtime.step_overrides.get(step, step.fn)
 
     @contextmanager
     def concurrency_slot(self, step: Step[Any], key: str) -> Iterator[None]:
@@ -356,7 +364,7 @@ def drive(
     Returns ``(ok, stored value)`` if it finished here, else ``None``.
     """
     wf = runtime.definition(claim.workflow_name, claim.workflow_version)
-    clock = DriveClock(claim.db_now)
+    clock = DriveClock(claim.db_now, runtime.time_shift)
     try:
         while True:
             journal, seen = loaded

@@ -25,7 +25,7 @@ from sqlalchemy.engine import URL
 
 from . import driver
 from .arguments import check_version
-from .authoring import Workflow
+from .authoring import Step, Workflow
 from .backends import Claim
 from .database import Database
 from .errors import (
@@ -157,6 +157,8 @@ class Runtime:
         self._changed = threading.Condition()
         self._closed = False
         self._disposed = False
+        #: Stand-ins for step functions, by step (the test kit's ``mock_step``).
+        self.step_overrides: dict[Step[Any], Callable[..., Any]] = {}
 
     # registry -------------------------------------------------------------------------
 
@@ -391,6 +393,17 @@ class Runtime:
                 self._keeper = LeaseKeeper(self.backend, self._ttl())
                 self._keeper.start()
             return self._keeper
+
+    # time ---------------------------------------------------------------------------
+
+    def time_shift(self) -> float:
+        """Seconds the clock of this runtime's database was moved ahead (only the test kit's
+        virtual clock moves; see :mod:`wf_persist.testing`)."""
+        return 0.0
+
+    def pause(self, seconds: float) -> None:
+        """Wait in the calling thread (a short in-thread retry backoff)."""
+        time.sleep(seconds)
 
     # waiting for changes ----------------------------------------------------------------
 

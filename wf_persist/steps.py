@@ -14,7 +14,6 @@ import inspect
 import logging
 import random as _random
 import threading
-import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -75,6 +74,12 @@ class Driver(Protocol):
 
     def after(self, delay: float, fn: Callable[[], None]) -> Callable[[], None]:
         """Call ``fn`` on a timer thread after ``delay`` seconds; returns a cancel."""
+
+    def pause(self, seconds: float) -> None:
+        """Wait in this thread (a short retry backoff); the test kit skips the time."""
+
+    def step_function(self, step: Step[Any]) -> Callable[..., Any]:
+        """The function an attempt of ``step`` calls (the test kit may stand in for it)."""
 
 
 @dataclass(slots=True)
@@ -292,12 +297,12 @@ class StepRunner:
             # resolving secrets or waiting for a slot may take longer than the lease.
             if limit is None:
                 self.driver.check_lease()
-                result = step.fn(**values)
+                result = self.driver.step_function(step)(**values)
             else:
                 key = step.name if limit.key is None else str(limit.key(**values))
                 with self.driver.concurrency_slot(step, key):
                     self.driver.check_lease()
-                    result = step.fn(**values)
+                    result = self.driver.step_function(step)(**values)
         what = f"result of step {step.name}"
         stored = to_json(step.output_adapter, result, what)
         self.driver.check_size(what, stored)
@@ -312,7 +317,7 @@ class StepRunner:
         if remaining <= 0:
             return
         if remaining <= INLINE_BACKOFF_SECONDS or inline:
-            time.sleep(remaining)
+            self.driver.pause(remaining)
             return
         self.driver.suspend([], when)
         raise Suspended

@@ -8,12 +8,15 @@ own way (SQLAlchemy's ``@compiles``, the documented recipe for a portable "utcno
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from sqlalchemy import Engine, event
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.functions import FunctionElement
 
+from ..errors import UnsupportedDatabaseError
 from ..models import UTC_DATETIME
 
 
@@ -36,17 +39,41 @@ class db_later(FunctionElement[Any]):
 # Timestamps on SQLite are text in SQLAlchemy's format, 'YYYY-MM-DD HH:MM:SS.ffffff' (UTC),
 # so text comparison is time comparison. SQLite's clock has millisecond resolution.
 _SQLITE_NOW = "strftime('%Y-%m-%d %H:%M:%f', 'now'{}) || '000'"
+#: The SQL function an engine with a virtual clock provides: '+<seconds> seconds'.
+VIRTUAL_SHIFT = "wf_clock_shift"
+
+
+def _sqlite_shift(compiler: SQLCompiler) -> str:
+    """The modifier moving SQLite's 'now' on an engine with a virtual clock (the test kit's:
+    :func:`use_virtual_clock`); compiled once per statement and engine."""
+    return f", {VIRTUAL_SHIFT}()" if getattr(compiler.dialect, "wf_virtual_clock", False) else ""
 
 
 @compiles(db_now, "sqlite")
 def _sqlite_now(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
-    return _SQLITE_NOW.format("")
+    return _SQLITE_NOW.format(_sqlite_shift(compiler))
 
 
 @compiles(db_later, "sqlite")
 def _sqlite_later(element: db_later, compiler: SQLCompiler, **kw: Any) -> str:
     seconds = compiler.process(element.clauses, **kw)
-    return _SQLITE_NOW.format(f", '+' || ({seconds}) || ' seconds'")
+    return _SQLITE_NOW.format(f"{_sqlite_shift(compiler)}, '+' || ({seconds}) || ' seconds'")
+
+
+def use_virtual_clock(engine: Engine, shift: Callable[[], float]) -> None:
+    """Make ``db_now()`` on this SQLite engine the real time plus ``shift()`` seconds (the
+    test kit skips durable waits this way). Call before the engine's first statement."""
+    if engine.dialect.name != "sqlite":
+        raise UnsupportedDatabaseError("a virtual clock needs a SQLite engine")
+    engine.dialect.wf_virtual_clock = True  # type: ignore[attr-defined]
+
+    def install(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.create_function(
+            VIRTUAL_SHIFT, 0, lambda: f"+{shift():.6f} seconds", deterministic=False
+        )
+
+    event.listen(engine, "connect", install)
+    engine.dispose()  # connections opened before the listener lack the function
 
 
 @compiles(db_now, "postgresql")

@@ -1,0 +1,65 @@
+"""The replay checker on every backend: stored histories replayed against current code."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Iterator
+
+import pytest
+
+import wf_persist as wp
+from wf_persist.testing import check_replay
+
+from .fixtures import saga as s
+from .fixtures import workflows as w
+
+
+@pytest.fixture(autouse=True)
+def _reset() -> Iterator[None]:
+    s.reset()
+    w.CONTROL["diverge"] = False
+    yield
+    w.CONTROL["diverge"] = False
+
+
+def test_runs_in_every_state_replay_and_a_changed_body_is_reported(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    rt = make_runtime()
+    rt.register(w.determinism_wf, s.saga_wf, w.two_approvals_wf, w.versioned_v1)
+    client = rt.client()
+    done = client.start(w.determinism_wf).execution_id
+    failed = client.start(s.saga_wf, 1).execution_id
+    waiting = client.start(w.two_approvals_wf).execution_id
+    cancelled = client.start(w.two_approvals_wf).execution_id
+    for run in (done, failed):
+        client.result(run, timeout=10)
+    for run in (waiting, cancelled):
+        assert rt.drive(run)
+    client.signal(waiting, "approval", {"approved": True})
+    assert rt.drive(waiting)  # parked on the second approval
+    client.cancel(cancelled, compensate=False)
+    assert client.status(cancelled) == "failed"
+    old_version = client.start(w.versioned_v1, "x").execution_id  # never driven
+
+    reports = {r.execution_id: r for r in check_replay(rt)}
+    assert set(reports) == {done, failed, waiting, cancelled, old_version}
+    assert all(r.ok for r in reports.values()), [r for r in reports.values() if not r.ok]
+    assert (reports[done].workflow_name, reports[done].version, reports[done].status) == (
+        "determinism",
+        1,
+        "completed",
+    )
+
+    w.CONTROL["diverge"] = True  # same source hash, another step: what a helper edit does
+    later = make_runtime()
+    later.register(w.determinism_wf, s.saga_wf, w.two_approvals_wf)  # v1 of "versioned" gone
+    reports = {r.execution_id: r for r in check_replay(later)}
+    assert "expected step:first#1 but saw step:second#1" in str(reports[done].divergence)
+    assert reports[failed].ok and reports[waiting].ok and reports[cancelled].ok
+    assert old_version not in reports  # not a workflow this runtime serves
+    [missing] = check_replay(later, [old_version])
+    assert "versioned@v1 is not registered" in str(missing.divergence)
+    assert check_replay(later, since=dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)) == []
+    with pytest.raises(wp.InvalidArgumentError, match="aware datetime"):
+        check_replay(later, since=dt.datetime(2026, 1, 1))

@@ -1,0 +1,195 @@
+"""The replay checker: would the current code replay the stored histories the same way?
+
+A deploy gate for workflow changes (what Temporal's ``Replayer`` is for). Each run is
+replayed against the definition of its pinned version, in this process, without writing
+anything and without running a step: the body gets the recorded results, and the first
+thing it would do that its history lacks stops the replay. A run diverges when the body
+makes a different call than the one recorded at that position (``NonDeterminismError``),
+ends before it replayed every recorded call, would record something new although the run
+has finished, or ends differently (completed instead of failed, or another result). An
+unfinished run replays up to where it stands (or to the end its next drive would reach).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from . import lifecycle
+from .authoring import Step, Workflow, inside_body
+from .context import Context
+from .errors import Cancelled, InvalidArgumentError, NonDeterminismError, WfPersistError
+from .events import NewEvent
+from .replay import Journal
+from .secrets import SecretResolver
+from .store import executions, history
+from .values import to_json
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+
+@dataclass(frozen=True)
+class ReplayReport:
+    """One run replayed: ``divergence`` says how the code departs from its history."""
+
+    execution_id: str
+    workflow_name: str
+    version: int
+    status: str
+    #: ``None`` when the code replays the history exactly.
+    divergence: str | None
+
+    @property
+    def ok(self) -> bool:
+        return self.divergence is None
+
+
+class _Frontier(BaseException):
+    """The body reached what its history lacks (a BaseException: user code cannot catch
+    it, as it cannot catch a suspension)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
+
+
+class _DryDriver:
+    """A driver that writes nothing and runs no step (see :class:`~wf_persist.steps.Driver`)."""
+
+    record_start_after: float | None = None
+    news = False
+
+    def __init__(self, workflow: str, now: dt.datetime, recorded: set[str]) -> None:
+        self.workflow = workflow
+        self._now = now
+        self._recorded = recorded
+
+    def clock(self) -> dt.datetime:
+        return self._now
+
+    def record(self, events: Sequence[NewEvent]) -> None:
+        raise _Frontier(f"would record {', '.join(e.type for e in events)}")
+
+    def record_checked(self, events: Sequence[NewEvent]) -> None:
+        if events and "execution.cancelled" in self._recorded and all(
+            e.type == "cancellation.received" for e in events
+        ):
+            return  # the cancellation the history shows: the body unwinds as it did
+        self.record(events)
+
+    def suspend(self, events: Sequence[NewEvent], wake_at: dt.datetime | None) -> None:
+        raise _Frontier("would wait" if not events else f"would record {events[0].type}")
+
+    def check_lease(self) -> None:
+        return None
+
+    def check_size(self, what: str, value: Any) -> None:
+        return None
+
+    def secret_resolver(self) -> SecretResolver | None:
+        return None
+
+    @contextlib.contextmanager
+    def concurrency_slot(self, step: Step[Any], key: str) -> Iterator[None]:
+        yield
+
+    def after(self, delay: float, fn: Callable[[], None]) -> Callable[[], None]:
+        return lambda: None
+
+    def pause(self, seconds: float) -> None:
+        return None
+
+    def step_function(self, step: Step[Any]) -> Callable[..., Any]:
+        def never(**_: Any) -> Any:
+            raise _Frontier(f"would run step {step.name}")
+
+        return never
+
+
+def replay_run(wf: Workflow[Any, Any], row: Any, events: Sequence[dict[str, Any]]) -> str | None:
+    """Replay one stored run against ``wf``; how it diverges, or ``None``."""
+    journal = Journal.from_events(events)
+    recorded = {str(e["type"]) for e in events}
+    finished = row.status in lifecycle.TERMINAL
+    driver = _DryDriver(wf.name, row.updated_at, recorded)
+    ctx = Context(row.id, journal, driver)
+    try:
+        value = wf.input_adapter.validate_python(row.input)
+        with inside_body():
+            out = wf.fn(ctx, value) if wf.takes_input else wf.fn(ctx)
+        ctx._ended()
+        ending: tuple[str, Any] = ("completed", to_json(wf.output_adapter, out, "output"))
+    except _Frontier as stop:
+        return f"{stop.what}, but the run has finished" if finished else None
+    except NonDeterminismError as exc:
+        return str(exc)
+    except (Exception, Cancelled) as exc:
+        with contextlib.suppress(NonDeterminismError):
+            ctx._ended()
+        if ctx.divergence is not None:
+            return str(ctx.divergence)
+        ending = ("failed", type(exc).__name__)
+    if not finished:
+        return None  # what its next drive will do
+    if ending[0] != row.status:
+        return f"would end {ending[0]} where the run ended {row.status}"
+    if ending[0] == "completed" and ending[1] != row.result:
+        return f"would return {ending[1]!r:.200} where the run returned {row.result!r:.200}"
+    return None
+
+
+def check_replay(
+    runtime: Runtime,
+    runs: Iterable[str] | None = None,
+    *,
+    since: dt.datetime | None = None,
+) -> list[ReplayReport]:
+    """Replay stored runs against ``runtime``'s registered definitions.
+
+    Args:
+        runs: execution ids; default every run of the workflows the runtime registered
+            (created at or after ``since``, an aware datetime, if given).
+
+    Returns:
+        One report per run, oldest first. A run whose pinned version is not registered
+        reports that as its divergence if it is unfinished (nothing could drive it), and is
+        skipped if it has finished.
+    """
+    if since is not None and (not isinstance(since, dt.datetime) or since.tzinfo is None):
+        raise InvalidArgumentError(f"since must be an aware datetime, got {since!r:.80}")
+    ids = list(runs) if runs is not None else _runs_of(runtime, since)
+    reports: list[ReplayReport] = []
+    for execution_id in ids:
+        with runtime.backend.read() as conn:
+            row = executions.get(conn, execution_id)
+            if row is None:
+                continue
+            events = [dict(r.event) for r in history.load(conn, execution_id)]
+        key = (row.workflow_name, int(row.workflow_version))
+        try:
+            wf = runtime.definition(*key)
+        except WfPersistError as exc:
+            if row.status not in lifecycle.TERMINAL:
+                reports.append(ReplayReport(row.id, *key, row.status, str(exc)))
+            continue
+        divergence = replay_run(wf, row, events)
+        reports.append(ReplayReport(row.id, *key, row.status, divergence))
+    return reports
+
+
+def _runs_of(runtime: Runtime, since: dt.datetime | None) -> list[str]:
+    client = runtime.client()
+    ids: list[str] = []
+    for name in sorted({name for name, _ in runtime.runnable_workflows()}):
+        cursor = None
+        while True:
+            page = client.list(name, created_after=since, limit=500, cursor=cursor)
+            ids += [item.execution_id for item in page.items]
+            if page.next_cursor is None:
+                break
+            cursor = page.next_cursor
+    return ids
