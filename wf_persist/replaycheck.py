@@ -75,8 +75,10 @@ class _DryDriver:
         raise _Frontier(f"would record {', '.join(e.type for e in events)}")
 
     def record_checked(self, events: Sequence[NewEvent]) -> None:
-        if events and "execution.cancelled" in self._recorded and all(
-            e.type == "cancellation.received" for e in events
+        if (
+            events
+            and "execution.cancelled" in self._recorded
+            and all(e.type == "cancellation.received" for e in events)
         ):
             return  # the cancellation the history shows: the body unwinds as it did
         self.record(events)
