@@ -148,26 +148,14 @@ def test_replay_reports_code_that_no_longer_replays_its_history(
     assert w.CALLS["second"] == 0  # replaying runs no step
 
 
-def test_the_plugin_fixture_works_in_a_project_of_its_own(tmp_path: Path) -> None:
-    """A user's test file, run by pytest in a fresh process: the fixture comes from the
-    installed package's entry point."""
-    (tmp_path / "test_mine.py").write_text(
-        "import wf_persist as wp\n"
-        "\n"
-        "@wp.step\n"
-        "def hello(name: str) -> str:\n"
-        "    return f'hello {name}'\n"
-        "\n"
-        "@wp.workflow(name='greet')\n"
-        "def greet(ctx: wp.Context, name: str) -> str:\n"
-        "    ctx.sleep(3600)\n"
-        "    return ctx.run(hello, name)\n"
-        "\n"
-        "def test_greet(wf_runtime):\n"
-        "    wf_runtime.register(greet)\n"
-        "    wf_runtime.mock_step(hello, lambda name: f'hi {name}')\n"
-        "    assert wf_runtime.result(wf_runtime.start(greet, 'ada')).unwrap() == 'hi ada'\n"
-    )
+def test_the_readme_example_runs_with_the_plugin_fixture(tmp_path: Path) -> None:
+    """The README's test kit example, as a user's test file run by pytest in a fresh
+    process: the fixture comes from the installed package's entry point."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Testing workflows") :]
+    example = section[section.index("```python\n") + 10 : section.index("```\n\n")]
+    assert "def test_reminders(wf_runtime)" in example
+    (tmp_path / "test_mine.py").write_text(example)
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
         cwd=tmp_path,
