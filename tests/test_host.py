@@ -121,10 +121,16 @@ def test_tables_in_a_named_schema(blank_db_url: str, make_engine: Callable[..., 
             client.result(handle.execution_id, timeout=0.3)
         client.signal(handle.execution_id, "approval", {"approved": True})
         assert client.result(handle.execution_id, timeout=5).unwrap() == "approved"
+        rt.start_worker()
+        with wp.Client(engine, schema="wf", poll_interval=0.02) as thin:  # no code, same schema
+            assert {e.name for e in thin.workflows()} >= {"echo", "approval"}
+            echoed = thin.start("echo", 3).execution_id
+            assert thin.result(echoed, timeout=10).value == [1, 2, 3]
+            assert thin.list("echo").items[0].execution_id == echoed
     with engine.connect() as conn:
         n = conn.execute(text("SELECT count(*) FROM wf.wf_history")).scalar()
         assert n and n > 5
-        assert conn.execute(text("SELECT count(*) FROM wf.wf_step_attempts")).scalar() == 1
+        assert conn.execute(text("SELECT count(*) FROM wf.wf_step_attempts")).scalar() == 4
     script = migrate.upgrade(url, sql=True, schema="wf")
     assert script is not None and 'SET LOCAL search_path TO "wf"' in script
 
