@@ -228,3 +228,17 @@ def test_bad_event_values_and_keys_fail_the_run_with_a_typed_error(rt: wp.Runtim
         client.get_event(client.start(m.publisher_wf, 1).execution_id, "value", timeout=-1)
     with pytest.raises(wp.UnknownExecutionError):
         client.get_event("00000000-0000-4000-8000-00000000dead", "value", timeout=0)
+
+
+def test_a_buffered_null_payload_is_taken_once_and_the_wait_does_not_park(
+    rt: wp.Runtime,
+) -> None:
+    """``None`` is a payload like any other: the wait that takes it must not park as if
+    nothing were buffered (which recorded a wait after its signal.received)."""
+    client = rt.client()
+    handle = client.start(m.pings_wf, 2)
+    assert client.signal(handle.execution_id, "ping", None, buffer=True) == "buffered"
+    assert client.signal(handle.execution_id, "ping", 0, buffer=True) == "buffered"
+    assert client.result(handle.execution_id, timeout=5).unwrap() == [None, 0]
+    assert "signal.waiting" not in kinds(client, handle.execution_id)
+    assert len(events_of(client, handle.execution_id, "signal.received")) == 2

@@ -336,7 +336,7 @@ class Context:
             self._before_new_call()
             taken = self._take_buffered(who, payload_type, schema, rejected)
             if taken is not None:
-                return Received(adapter.validate_python(taken))
+                return Received(adapter.validate_python(taken.value))
         waiting = self._journal.waiting.get(activity)
         if waiting is None:
             now = self._driver.clock()
@@ -369,10 +369,11 @@ class Context:
         payload_type: Any,
         schema: dict[str, Any],
         rejected: list[events.NewEvent],
-    ) -> Any:
-        """The payload of the oldest buffered signal for this wait that fits it, recorded as
-        received (with the rejections of misfits before it), or ``None``: the misfits are
-        left in ``rejected`` for the write that parks the run."""
+    ) -> Received[Any] | None:
+        """The stored payload of the oldest buffered signal for this wait that fits it (a
+        ``Received``: the payload itself may be ``None``), recorded as received with the
+        rejections of misfits before it; or ``None``: the misfits are left in ``rejected``
+        for the write that parks the run."""
         queue = self._journal.buffered.get(who.name) or []
         type_ref = type_reference(payload_type)
         wait = {"payloadType": type_ref, "payloadSchema": schema}
@@ -389,7 +390,7 @@ class Context:
                 continue
             taken = events.signal_taken(who, signal_id, stored, schema, type_ref, now)
             self._driver.record_checked([*rejected, taken])
-            return stored
+            return Received(stored)
         return None
 
     def set_event(self, key: str, value: Any) -> None:
