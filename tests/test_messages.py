@@ -242,3 +242,18 @@ def test_a_buffered_null_payload_is_taken_once_and_the_wait_does_not_park(
     assert client.result(handle.execution_id, timeout=5).unwrap() == [None, 0]
     assert "signal.waiting" not in kinds(client, handle.execution_id)
     assert len(events_of(client, handle.execution_id, "signal.received")) == 2
+
+
+def test_a_buffered_signal_the_waits_type_refuses_is_rejected_not_failing_the_run(
+    rt: wp.Runtime,
+) -> None:
+    """A wait on a type without a class (``list[datetime]``) is judged by more than its
+    JSON Schema (which does not assert ``format``): a misfit is rejected, the run waits on."""
+    client = rt.client()
+    handle = client.start(m.dates_wf, None)
+    client.signal(handle.execution_id, "dates", ["not a date"], buffer=True)
+    client.signal(handle.execution_id, "dates", ["2026-01-02T03:04:05+00:00"], buffer=True)
+    outcome = client.result(handle.execution_id, timeout=5)
+    assert outcome.unwrap() == ["2026-01-02T03:04:05+00:00"]
+    [rejected] = events_of(client, handle.execution_id, "signal.rejected")
+    assert rejected["errors"]

@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn, TypeVar, overload
 
+from pydantic import TypeAdapter, ValidationError
+
 from . import events
 from .arguments import validate_signal
 from .authoring import Call, Step, adapter_for, check_call_name, outside_body
@@ -334,7 +336,7 @@ class Context:
         schema = adapter.json_schema()
         if activity not in self._journal.delivered:
             self._before_new_call()
-            taken = self._take_buffered(who, payload_type, schema, rejected)
+            taken = self._take_buffered(who, payload_type, adapter, schema, rejected)
             if taken is not None:
                 return Received(adapter.validate_python(taken.value))
         waiting = self._journal.waiting.get(activity)
@@ -367,6 +369,7 @@ class Context:
         self,
         who: Activity,
         payload_type: Any,
+        adapter: TypeAdapter[Any],
         schema: dict[str, Any],
         rejected: list[events.NewEvent],
     ) -> Received[Any] | None:
@@ -382,10 +385,12 @@ class Context:
             now = self._driver.clock()
             try:
                 stored = validate_signal(self._execution_id, who.name, wait, payload)
-            except SignalPayloadError as exc:
-                errors = [
-                    {"loc": list(e.get("loc", ())), "msg": str(e.get("msg"))} for e in exc.errors
-                ]
+                # What the wait does with it: a type without a class (``list[datetime]``) is
+                # more than its JSON Schema, and a misfit must be rejected, not fail the run.
+                adapter.validate_python(stored)
+            except (SignalPayloadError, ValidationError) as exc:
+                found = exc.errors if isinstance(exc, SignalPayloadError) else exc.errors()
+                errors = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg"))} for e in found]
                 rejected.append(events.signal_rejected(who, signal_id, errors, now))
                 continue
             taken = events.signal_taken(who, signal_id, stored, schema, type_ref, now)
