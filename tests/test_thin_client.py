@@ -7,6 +7,7 @@ import json
 import math
 import sys
 import textwrap
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -198,6 +199,41 @@ def test_a_schema_that_is_not_json_schema_checks_nothing(
     with thin.engine.begin() as conn:
         conn.execute(sa.update(workflows_table).values(input_schema={"type": "no-such-type"}))
     assert thin.status(thin.start("echo", 2).execution_id) == "running"
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"$ref": "#"},
+        {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+    ],
+    ids=["self", "cycle"],
+)
+def test_a_schema_whose_references_never_end_checks_nothing(
+    runtime: wp.Runtime, thin: wp.Client, schema: dict[str, Any]
+) -> None:
+    """A schema that references itself forever is no JSON Schema to check by (not a raw
+    RecursionError from the thin client)."""
+    runtime.register(w.echo_wf)
+    with thin.engine.begin() as conn:
+        conn.execute(sa.update(workflows_table).values(input_schema=schema))
+    assert thin.status(thin.start("echo", 2).execution_id) == "running"
+
+
+def test_a_pattern_is_matched_in_linear_time(runtime: wp.Runtime, thin: wp.Client) -> None:
+    """pydantic matches ``pattern`` with a linear-time engine; so must the thin client, or a
+    hostile payload hangs it (Python's ``re`` takes exponential time on ``^(a+)+$``)."""
+    runtime.register(w.echo_wf)
+    with thin.engine.begin() as conn:
+        conn.execute(
+            sa.update(workflows_table).values(input_schema={"type": "string", "pattern": "^(a+)+$"})
+        )
+    started = time.monotonic()
+    with pytest.raises(wp.InvalidPayloadError, match="does not match"):
+        thin.start("echo", "a" * 26 + "!")
+    assert time.monotonic() - started < 2
+    assert _runs(thin.engine) == 0
+    assert thin.status(thin.start("echo", "aaa").execution_id) == "running"
 
 
 def test_a_client_on_a_host_engine_leaves_the_engine_open(

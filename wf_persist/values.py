@@ -8,16 +8,20 @@ on every retry.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sys
+from collections.abc import Iterator
 from dataclasses import is_dataclass
 from typing import Any, Final, Literal
 
-from jsonschema import Draft202012Validator
+import pydantic_core
+from jsonschema import Draft202012Validator, validators
+from jsonschema import ValidationError as SchemaViolation
 from jsonschema.exceptions import SchemaError, UnknownType
 from pydantic import BaseModel, PydanticUserError, TypeAdapter, ValidationError
-from pydantic_core import PydanticSerializationError
+from pydantic_core import PydanticSerializationError, core_schema
 from referencing.exceptions import Unresolvable
 
 from .errors import InvalidPayloadError, NotSerializableError
@@ -170,13 +174,39 @@ def json_schema_of(
     return None if unstorable(schema) is not None else schema
 
 
+@functools.lru_cache(maxsize=256)
+def _pattern_matcher(pattern: str) -> pydantic_core.SchemaValidator:
+    """A matcher for ``pattern`` with pydantic's linear-time engine (Python's ``re`` only
+    for what that engine lacks, as pydantic itself would need)."""
+    try:
+        return pydantic_core.SchemaValidator(core_schema.str_schema(pattern=pattern))
+    except pydantic_core.SchemaError:
+        return pydantic_core.SchemaValidator(
+            core_schema.str_schema(pattern=pattern, regex_engine="python-re")
+        )
+
+
+def _pattern(
+    validator: Any, pattern: str, instance: Any, schema: dict[str, Any]
+) -> Iterator[SchemaViolation]:
+    """The ``pattern`` keyword matched as pydantic matches it: jsonschema's ``re.search``
+    takes exponential time on patterns such as ``^(a+)+$``, which a hostile value exploits."""
+    if validator.is_type(instance, "string") and not _pattern_matcher(pattern).isinstance_python(
+        instance
+    ):
+        yield SchemaViolation(f"{instance!r} does not match {pattern!r}")
+
+
+_Validator: Any = validators.extend(Draft202012Validator, {"pattern": _pattern})  # type: ignore[no-untyped-call]
+
+
 def schema_errors(schema: dict[str, Any], doc: Any) -> list[dict[str, Any]]:
     """Where a JSON document breaks a JSON Schema (2020-12), in pydantic's error shape; a
-    schema that is not valid JSON Schema checks nothing."""
+    schema that is not valid JSON Schema (or references itself forever) checks nothing."""
     try:
-        Draft202012Validator.check_schema(schema)
-        validator = Draft202012Validator(schema)
+        _Validator.check_schema(schema)
+        validator = _Validator(schema)
         found = sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
-    except (SchemaError, UnknownType, Unresolvable, TypeError, ValueError):  # made by hand
+    except (SchemaError, UnknownType, Unresolvable, TypeError, ValueError, RecursionError):
         return []
     return [{"loc": tuple(e.absolute_path), "msg": e.message} for e in found]
