@@ -144,3 +144,23 @@ def test_the_json_log_format_is_one_object_per_line(capsys: pytest.CaptureFixtur
         "attempt": 2,
     }
     assert "RuntimeError: boom" in line["exception"] and line["time"].endswith("+00:00")
+
+
+def test_a_secret_where_the_traceback_is_cut_leaves_no_part_of_it(
+    make_runtime: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The traceback is scrubbed before it is cut: a secret straddling the cut would
+    otherwise be stored as a fragment the redactor no longer recognises."""
+    secret = "sk_live_0123456789abcdef-very-secret"
+    monkeypatch.setenv("STRIPE_KEY", secret)
+    rt = make_runtime(secret_resolver=wp.env_secret_resolver())
+    rt.register(f.leaky_padded_wf)
+    client = rt.client()
+    pad = MAX_TRACEBACK - 1 - len(secret) // 2  # the last line ends with the pad and "\n"
+    handle = client.start(f.leaky_padded_wf, {"api_key": wp.secret("stripe-key"), "pad": pad})
+    outcome = client.result(handle.execution_id, timeout=10)
+    assert isinstance(outcome, wp.Failed) and outcome.error_type == "LeakyError"
+    stored = json.dumps([r.event for r in client.history(handle.execution_id)])
+    for text in (json.dumps(outcome.error), stored):
+        assert secret[len(secret) // 2 :] not in text
+        assert "secret:stripe-key" in text

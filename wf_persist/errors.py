@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Final
 
 
@@ -335,11 +336,15 @@ class LeaseLostError(WfPersistError):
         super().__init__(f"Lost the lease on execution {execution_id}")
 
 
-def error_document(exc: BaseException) -> dict[str, Any]:
+def error_document(
+    exc: BaseException, redact: Callable[[str], str] | None = None
+) -> dict[str, Any]:
     """A JSON document for a stored error: its type name, message and JSON-able fields.
 
     Keeping the type name and fields (not only the message) lets callers match failures by
     type after they crossed the database, even in a process that never saw the exception.
+    ``redact`` scrubs the traceback before it is cut (a secret cut in two would no longer
+    be recognised by whoever scrubs the document afterwards).
     """
     import json
 
@@ -372,7 +377,7 @@ def error_document(exc: BaseException) -> dict[str, Any]:
         except (TypeError, ValueError, RecursionError):
             continue  # not data (a connection, a callable): left out
         doc[key] = storable(value)
-    trace = traceback_text(exc)
+    trace = traceback_text(exc, redact)
     if trace is not None:
         doc["traceback"] = trace
     # An error must always be recordable: databases reject NUL and lone surrogates in text.
@@ -384,9 +389,10 @@ def error_document(exc: BaseException) -> dict[str, Any]:
 MAX_TRACEBACK: Final = 8000
 
 
-def traceback_text(exc: BaseException) -> str | None:
-    """The formatted traceback of a raised exception (with its causes), cut to its last
-    :data:`MAX_TRACEBACK` characters; ``None`` for one never raised."""
+def traceback_text(exc: BaseException, redact: Callable[[str], str] | None = None) -> str | None:
+    """The formatted traceback of a raised exception (with its causes), passed through
+    ``redact`` and then cut to its last :data:`MAX_TRACEBACK` characters; ``None`` for one
+    never raised."""
     import traceback
 
     if exc.__traceback__ is None:
@@ -395,6 +401,8 @@ def traceback_text(exc: BaseException) -> str | None:
         text = "".join(traceback.format_exception(exc))
     except Exception:  # a __str__ that raises: the frames are still worth keeping
         text = "".join(traceback.format_tb(exc.__traceback__))
+    if redact is not None:
+        text = redact(text)
     if len(text) > MAX_TRACEBACK:
         text = "...\n" + text[-MAX_TRACEBACK:]
     return text

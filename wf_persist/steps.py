@@ -179,7 +179,7 @@ class StepRunner:
 
     def error_document(self, exc: BaseException) -> dict[str, Any]:
         """The stored form of an error, with every resolved secret value scrubbed."""
-        doc: dict[str, Any] = self.redactor.scrub(error_document(exc))
+        doc: dict[str, Any] = self.redactor.scrub(error_document(exc, self.redactor.scrub))
         return doc
 
     def record(self, evs: Sequence[NewEvent]) -> None:
