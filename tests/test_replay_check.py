@@ -63,3 +63,33 @@ def test_runs_in_every_state_replay_and_a_changed_body_is_reported(
     assert check_replay(later, since=dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)) == []
     with pytest.raises(wp.InvalidArgumentError, match="aware datetime"):
         check_replay(later, since=dt.datetime(2026, 1, 1))
+
+
+def test_finished_runs_with_ctx_all_replay_without_a_false_divergence(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """``ctx.all`` records its start and end again on every replay (deduplicated by key);
+    the checker must not take that as a call the history lacks."""
+    rt = make_runtime()
+    rt.register(s.parallel_wf, s.parallel_fails_wf)
+    client = rt.client()
+    done = client.start(s.parallel_wf, 2).execution_id
+    failed = client.start(s.parallel_fails_wf).execution_id
+    for run in (done, failed):
+        client.result(run, timeout=10)
+    reports = check_replay(rt, [done, failed])
+    assert [(r.status, r.divergence) for r in reports] == [("completed", None), ("failed", None)]
+
+
+def test_a_code_block_never_runs_while_checking(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    rt = make_runtime()
+    rt.register(s.code_wf)
+    client = rt.client()
+    pending = client.start(s.code_wf, False).execution_id  # never driven: next is the block
+    [report] = check_replay(rt, [pending])
+    assert report.ok and s.CALLS["compute"] == 0
+    assert client.result(pending, timeout=10).unwrap() == 42
+    assert s.CALLS["compute"] == 1
+    assert check_replay(rt, [pending])[0].ok and s.CALLS["compute"] == 1

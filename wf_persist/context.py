@@ -249,7 +249,7 @@ class Context:
         try:
             what = f"result of code block {name}"
             with outside_body():
-                produced = fn()
+                produced = self._driver.code_function(name, fn)()
             stored = to_json(adapter, produced, what)
             self._driver.check_size(what, stored)
         except Exception as exc:

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import Connection, Float, literal, select
 
@@ -54,6 +54,8 @@ if TYPE_CHECKING:
     from .runtime import Runtime
 
 log = logging.getLogger("wf_persist.runtime")
+
+T = TypeVar("T")
 
 #: The longest a failed run waits before its next drive.
 MAX_FAILURE_BACKOFF = 60.0
@@ -205,6 +207,9 @@ class RunDriver:
 
     def step_function(self, step: Step[Any]) -> Callable[..., Any]:
         return self.runtime.step_overrides.get(step, step.fn)
+
+    def code_function(self, name: str, fn: Callable[[], T]) -> Callable[[], T]:
+        return fn
 
     @contextmanager
     def concurrency_slot(self, step: Step[Any], key: str) -> Iterator[None]:

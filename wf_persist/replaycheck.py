@@ -16,7 +16,7 @@ import contextlib
 import datetime as dt
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import lifecycle
 from .authoring import Step, Workflow, inside_body
@@ -30,6 +30,8 @@ from .values import to_json
 
 if TYPE_CHECKING:
     from .runtime import Runtime
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -63,16 +65,21 @@ class _DryDriver:
     record_start_after: float | None = None
     news = False
 
-    def __init__(self, workflow: str, now: dt.datetime, recorded: set[str]) -> None:
+    def __init__(self, workflow: str, now: dt.datetime, recorded: set[str], keys: set[str]) -> None:
         self.workflow = workflow
         self._now = now
         self._recorded = recorded
+        self._keys = keys
 
     def clock(self) -> dt.datetime:
         return self._now
 
     def record(self, events: Sequence[NewEvent]) -> None:
-        raise _Frontier(f"would record {', '.join(e.type for e in events)}")
+        # A keyed event the history holds is appended as nothing (a replay of ``ctx.all``
+        # records its start and end again): only the others are new.
+        fresh = [e for e in events if e.dedupe_key is None or e.dedupe_key not in self._keys]
+        if fresh:
+            raise _Frontier(f"would record {', '.join(e.type for e in fresh)}")
 
     def record_checked(self, events: Sequence[NewEvent]) -> None:
         if (
@@ -111,13 +118,22 @@ class _DryDriver:
 
         return never
 
+    def code_function(self, name: str, fn: Callable[[], T]) -> Callable[[], T]:
+        def never() -> T:
+            raise _Frontier(f"would run code block {name}")
 
-def replay_run(wf: Workflow[Any, Any], row: Any, events: Sequence[dict[str, Any]]) -> str | None:
-    """Replay one stored run against ``wf``; how it diverges, or ``None``."""
+        return never
+
+
+def replay_run(
+    wf: Workflow[Any, Any], row: Any, events: Sequence[dict[str, Any]], keys: set[str]
+) -> str | None:
+    """Replay one stored run (its events and their dedupe ``keys``) against ``wf``; how it
+    diverges, or ``None``."""
     journal = Journal.from_events(events)
     recorded = {str(e["type"]) for e in events}
     finished = row.status in lifecycle.TERMINAL
-    driver = _DryDriver(wf.name, row.updated_at, recorded)
+    driver = _DryDriver(wf.name, row.updated_at, recorded, keys)
     ctx = Context(row.id, journal, driver)
     try:
         value = wf.input_adapter.validate_python(row.input)
@@ -171,6 +187,7 @@ def check_replay(
             if row is None:
                 continue
             events = [dict(r.event) for r in history.load(conn, execution_id)]
+            keys = history.dedupe_keys(conn, execution_id)
         key = (row.workflow_name, int(row.workflow_version))
         try:
             wf = runtime.definition(*key)
@@ -178,7 +195,7 @@ def check_replay(
             if row.status not in lifecycle.TERMINAL:
                 reports.append(ReplayReport(row.id, *key, row.status, str(exc)))
             continue
-        divergence = replay_run(wf, row, events)
+        divergence = replay_run(wf, row, events, keys)
         reports.append(ReplayReport(row.id, *key, row.status, divergence))
     return reports
 

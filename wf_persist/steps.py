@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from pydantic import ValidationError
 
@@ -36,6 +36,8 @@ INLINE_BACKOFF_SECONDS = 1.0
 
 
 log = logging.getLogger("wf_persist.steps")
+
+T = TypeVar("T")
 
 
 class Driver(Protocol):
@@ -80,6 +82,9 @@ class Driver(Protocol):
 
     def step_function(self, step: Step[Any]) -> Callable[..., Any]:
         """The function an attempt of ``step`` calls (the test kit may stand in for it)."""
+
+    def code_function(self, name: str, fn: Callable[[], T]) -> Callable[[], T]:
+        """The function code block ``name`` calls (the replay checker runs none)."""
 
 
 @dataclass(slots=True)

@@ -141,6 +141,17 @@ def load(conn: Executor, execution_id: str) -> Sequence[Row[Any, Any, Any]]:
     return connection_of(conn).execute(_LOAD, {"p_id": execution_id}).all()
 
 
+def dedupe_keys(conn: Executor, execution_id: str) -> set[str]:
+    """The dedupe keys of a run's events: a keyed event whose key is among them would be
+    appended as nothing."""
+    rows = connection_of(conn).execute(
+        select(hist.c.dedupe_key).where(
+            hist.c.execution_id == execution_id, hist.c.dedupe_key.is_not(None)
+        )
+    )
+    return {str(r.dedupe_key) for r in rows}
+
+
 def events_set(conn: Executor, execution_id: str) -> dict[str, Any]:
     """The values a run published with ``ctx.set_event``, the latest per key."""
     rows = connection_of(conn).execute(
