@@ -93,3 +93,17 @@ def test_a_code_block_never_runs_while_checking(
     assert client.result(pending, timeout=10).unwrap() == 42
     assert s.CALLS["compute"] == 1
     assert check_replay(rt, [pending])[0].ok and s.CALLS["compute"] == 1
+
+
+def test_a_result_a_backend_stored_as_another_number_is_no_divergence(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """JSONB keeps 1e23 as the decimal 100000000000000000000000 (read back as an int, not
+    the float the run returned): the same number, so no divergence."""
+    rt = make_runtime()
+    rt.register(w.numbers_wf)
+    client = rt.client()
+    run = client.start(w.numbers_wf, 1e23).execution_id
+    client.result(run, timeout=10)
+    [report] = check_replay(rt, [run])
+    assert report.ok, report.divergence
