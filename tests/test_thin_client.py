@@ -104,6 +104,31 @@ def test_values_too_deep_for_any_backend_are_refused(runtime: wp.Runtime, thin: 
     assert _runs(thin.engine) == 0
 
 
+def _deep_tuple() -> Any:
+    deep: Any = 1
+    for _ in range(40):
+        deep = (deep,)
+    return deep
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [("nul\x00",), (2**64,), {"k": ("\ud800",)}, _deep_tuple()],
+    ids=["nul", "bigint", "surrogate", "deep"],
+)
+def test_unstorable_values_inside_tuples_are_refused_too(
+    runtime: wp.Runtime, thin: wp.Client, payload: Any
+) -> None:
+    """A tuple becomes a JSON list: what it holds is checked like a list's items (with no
+    cataloged schema to refuse the shape, a NUL reached PostgreSQL as a raw DataError)."""
+    runtime.register(w.echo_wf)
+    with thin.engine.begin() as conn:
+        conn.execute(sa.update(workflows_table).values(input_schema=None))
+    with pytest.raises(wp.NotSerializableError):
+        thin.start("echo", payload)
+    assert _runs(thin.engine) == 0
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [

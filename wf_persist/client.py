@@ -455,7 +455,9 @@ def _cataloged_document(what: str, payload: Any, schema: Mapping[str, Any] | Non
             doc = json.loads(json.dumps(payload, allow_nan=False))
         except (TypeError, ValueError, RecursionError) as exc:
             raise NotSerializableError(what, f"it is not JSON: {exc}") from None
-    else:
+        # Checked again as JSON: a tuple (which the first look passes over) became a list.
+        problem = unstorable(doc)
+    if problem is not None:
         raise NotSerializableError(what, problem)
     if schema:
         errors = schema_errors(dict(schema), doc)
