@@ -257,3 +257,20 @@ def test_a_buffered_signal_the_waits_type_refuses_is_rejected_not_failing_the_ru
     assert outcome.unwrap() == ["2026-01-02T03:04:05+00:00"]
     [rejected] = events_of(client, handle.execution_id, "signal.rejected")
     assert rejected["errors"]
+
+
+def test_a_payload_too_deep_to_encode_is_a_signal_payload_error(rt: wp.Runtime) -> None:
+    """Nested past what JSON encoding can recurse into: a typed error, nothing recorded."""
+    client = rt.client()
+    handle = client.start(m.pings_wf, 1)
+    deep: Any = 1
+    for _ in range(100_000):
+        deep = [deep]
+    before = kinds(client, handle.execution_id)
+    with pytest.raises(wp.SignalPayloadError):
+        client.signal(handle.execution_id, "ping", deep, buffer=True)
+    assert rt.drive(handle.execution_id)  # now waiting: the delivery path checks it too
+    parked = kinds(client, handle.execution_id)
+    with pytest.raises(wp.SignalPayloadError):
+        client.signal(handle.execution_id, "ping", deep)
+    assert kinds(client, handle.execution_id) == parked and len(parked) > len(before)

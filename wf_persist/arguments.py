@@ -34,11 +34,12 @@ def signal_document(execution_id: str, name: str, wait: Mapping[str, Any], paylo
     if tp is not None and isinstance(payload, tp):
         try:
             return adapter_for(tp).dump_python(payload, mode="json")
-        except (PydanticSerializationError, UnicodeDecodeError) as exc:  # bytes not UTF-8
+        # bytes not UTF-8; ValueError: pydantic's "Maximum serialization depth exceeded"
+        except (PydanticSerializationError, UnicodeDecodeError, ValueError) as exc:
             raise SignalPayloadError(execution_id, name, [{"loc": (), "msg": str(exc)}]) from exc
     try:
         text = json.dumps(payload, allow_nan=False)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
         raise SignalPayloadError(execution_id, name, [{"loc": (), "msg": str(exc)}]) from exc
     if tp is not None:
         # Strict JSON validation: the payload must already have the declared shape ("yes" is
