@@ -107,3 +107,13 @@ def test_a_result_a_backend_stored_as_another_number_is_no_divergence(
     client.result(run, timeout=10)
     [report] = check_replay(rt, [run])
     assert report.ok, report.divergence
+
+
+@pytest.mark.parametrize("runs", ["one-execution-id", 5, [5], ["x" * 37], [None]])
+def test_bad_run_ids_are_typed_errors(
+    make_runtime: Callable[..., wp.Runtime], runs: object
+) -> None:
+    """Not a silent empty report (a string is not a list of ids), nor a raw driver error."""
+    rt = make_runtime()
+    with pytest.raises(wp.InvalidArgumentError):
+        check_replay(rt, runs)  # type: ignore[arg-type]

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import lifecycle
+from .arguments import check_id
 from .authoring import Step, Workflow, inside_body
 from .context import Context
 from .errors import Cancelled, InvalidArgumentError, NonDeterminismError, WfPersistError
@@ -202,7 +203,10 @@ def check_replay(
     """
     if since is not None and (not isinstance(since, dt.datetime) or since.tzinfo is None):
         raise InvalidArgumentError(f"since must be an aware datetime, got {since!r:.80}")
-    ids = list(runs) if runs is not None else _runs_of(runtime, since)
+    # One id would be read as a list of characters.
+    if runs is not None and (isinstance(runs, str | bytes) or not isinstance(runs, Iterable)):
+        raise InvalidArgumentError(f"runs must be a list of execution ids, got {runs!r:.80}")
+    ids = [check_id(r) for r in runs] if runs is not None else _runs_of(runtime, since)
     reports: list[ReplayReport] = []
     for execution_id in ids:
         with runtime.backend.read() as conn:
