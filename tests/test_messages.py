@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -274,3 +275,16 @@ def test_a_payload_too_deep_to_encode_is_a_signal_payload_error(rt: wp.Runtime) 
     with pytest.raises(wp.SignalPayloadError):
         client.signal(handle.execution_id, "ping", deep)
     assert kinds(client, handle.execution_id) == parked and len(parked) > len(before)
+
+
+def test_a_rejection_does_not_repeat_a_large_payload(rt: wp.Runtime) -> None:
+    """A JSON Schema error message quotes the whole value: a rejection keeps a bounded
+    message, or a few large misfits make the write that records them too large for
+    MariaDB's packet (the run could never record its wait or take)."""
+    client = rt.client()
+    handle = client.start(m.dates_wf, None)
+    client.signal(handle.execution_id, "dates", [["x" * 200_000]], buffer=True)
+    client.signal(handle.execution_id, "dates", ["2026-01-02T03:04:05+00:00"], buffer=True)
+    assert client.result(handle.execution_id, timeout=5).unwrap() == ["2026-01-02T03:04:05+00:00"]
+    [rejected] = events_of(client, handle.execution_id, "signal.rejected")
+    assert len(json.dumps(rejected)) < 5_000

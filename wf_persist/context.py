@@ -390,7 +390,9 @@ class Context:
                 adapter.validate_python(stored)
             except (SignalPayloadError, ValidationError) as exc:
                 found = exc.errors if isinstance(exc, SignalPayloadError) else exc.errors()
-                errors = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg"))} for e in found]
+                errors = [
+                    {"loc": list(e.get("loc", ())), "msg": _brief(e.get("msg"))} for e in found
+                ]
                 rejected.append(events.signal_rejected(who, signal_id, errors, now))
                 continue
             taken = events.signal_taken(who, signal_id, stored, schema, type_ref, now)
@@ -411,3 +413,16 @@ class Context:
         self._driver.check_size(f"value of event {key}", stored)
         who = self._who(key, invocation, activity)
         self._steps.record([events.event_set(who, key, stored, self._driver.clock())])
+
+
+#: The longest message a ``signal.rejected`` error keeps.
+MAX_REJECTION_MESSAGE = 500
+
+
+def _brief(msg: object) -> str:
+    """A rejection's message, cut: a JSON Schema message quotes the whole value, and a few
+    large misfits recorded in one write would not fit MariaDB's packet."""
+    text = str(msg)
+    if len(text) <= MAX_REJECTION_MESSAGE:
+        return text
+    return text[:MAX_REJECTION_MESSAGE] + "..."
