@@ -261,6 +261,27 @@ def test_a_pattern_is_matched_in_linear_time(runtime: wp.Runtime, thin: wp.Clien
     assert thin.status(thin.start("echo", "aaa").execution_id) == "running"
 
 
+@pytest.mark.parametrize(
+    ("schema", "accepted"),
+    [(True, True), (False, False), (["x"], True), ("abc", True), (5, True)],
+    ids=["true", "false", "list", "string", "number"],
+)
+def test_a_cataloged_schema_that_is_no_object_is_judged_not_crashed_on(
+    runtime: wp.Runtime, thin: wp.Client, schema: Any, accepted: bool
+) -> None:
+    """``true`` and ``false`` are JSON Schemas (accept all, refuse all); any other
+    non-object checks nothing, as a schema that is not JSON Schema does."""
+    runtime.register(w.echo_wf)
+    with thin.engine.begin() as conn:
+        conn.execute(sa.update(workflows_table).values(input_schema=schema))
+    if accepted:
+        assert thin.status(thin.start("echo", 2).execution_id) == "running"
+    else:
+        with pytest.raises(wp.InvalidPayloadError):
+            thin.start("echo", 2)
+        assert _runs(thin.engine) == 0
+
+
 def test_a_client_on_a_host_engine_leaves_the_engine_open(
     db_url: str, make_engine: Callable[..., Engine], runtime: wp.Runtime
 ) -> None:

@@ -446,9 +446,10 @@ class WorkflowClient(Client):
         """Nothing to do: the runtime owns the engine."""
 
 
-def _cataloged_document(what: str, payload: Any, schema: Mapping[str, Any] | None) -> Any:
+def _cataloged_document(what: str, payload: Any, schema: Any) -> Any:
     """The payload's stored JSON form, checked against a cataloged JSON Schema (strictly: a
-    value must already have the declared shape; ``"5"`` is not an integer)."""
+    value must already have the declared shape; ``"5"`` is not an integer). The catalog
+    column holds any JSON: ``true`` and ``false`` are schemas too."""
     problem = unstorable(payload)
     if problem is None:
         try:
@@ -459,8 +460,8 @@ def _cataloged_document(what: str, payload: Any, schema: Mapping[str, Any] | Non
         problem = unstorable(doc)
     if problem is not None:
         raise NotSerializableError(what, problem)
-    if schema:
-        errors = schema_errors(dict(schema), doc)
+    if schema is not None:
+        errors = schema_errors(schema, doc)
         if errors:
             raise InvalidPayloadError(what, errors)
     return doc

@@ -200,9 +200,10 @@ def _pattern(
 _Validator: Any = validators.extend(Draft202012Validator, {"pattern": _pattern})  # type: ignore[no-untyped-call]
 
 
-def schema_errors(schema: dict[str, Any], doc: Any) -> list[dict[str, Any]]:
-    """Where a JSON document breaks a JSON Schema (2020-12), in pydantic's error shape; a
-    schema that is not valid JSON Schema (or references itself forever) checks nothing."""
+def schema_errors(schema: Any, doc: Any) -> list[dict[str, Any]]:
+    """Where a JSON document breaks a JSON Schema (2020-12: an object, ``true`` or
+    ``false``), in pydantic's error shape; a schema that is not valid JSON Schema (or
+    references itself forever) checks nothing."""
     try:
         _Validator.check_schema(schema)
         validator = _Validator(schema)
