@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 import wf_persist as wp
 from wf_persist import lifecycle, migrate
 from wf_persist.models import executions_table as ex
+from wf_persist.replaycheck import check_replay
 
 from .fixtures import fencing as f
 from .fixtures.workflows import SimulatedCrash
@@ -110,6 +111,9 @@ def test_a_run_failing_the_same_way_every_drive_ends(refusing_db: str) -> None:
                 select(ex.c.id, ex.c.drive_failures).where(ex.c.drive_failures > 0)
             ).all()
         assert [tuple(r) for r in stuck] == [(handle.execution_id, 3)]
+        # The runtime gave the run up, not its body: replaying it shows no divergence.
+        [report] = check_replay(rt, [handle.execution_id])
+        assert report.ok, report
     finally:
         rt.close()
 

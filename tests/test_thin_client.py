@@ -370,3 +370,28 @@ def test_runs_of_every_workflow_are_listed_in_pages(runtime: wp.Runtime, thin: w
     assert (info.input, info.result, info.error, info.drive_failures) == (2, None, None, 0)
     with pytest.raises(wp.InvalidArgumentError, match="version filters the runs of one workflow"):
         thin.list(version=1)
+
+
+def test_filling_missing_schemas_never_erases_a_recorded_one(
+    runtime: wp.Runtime, thin: wp.Client
+) -> None:
+    """A process that could make only the output schema fills that one in and leaves the
+    input schema another process recorded."""
+    from wf_persist.store import catalog
+
+    runtime.register(w.echo_wf)
+    with thin.engine.begin() as conn:
+        conn.execute(sa.update(workflows_table).values(output_schema=None))
+    with runtime.backend.begin() as conn:
+        found = catalog.catalog_version(
+            conn,
+            runtime.backend,
+            "echo",
+            1,
+            w.echo_wf.source_hash,
+            runtime.clock(),
+            (None, {"type": "array"}),
+        )
+    assert found == w.echo_wf.source_hash
+    [entry] = thin.workflows()
+    assert (entry.input_schema, entry.output_schema) == ({"type": "integer"}, {"type": "array"})

@@ -143,7 +143,9 @@ def replay_run(
         ctx._ended()
         ending: tuple[str, Any] = ("completed", to_json(wf.output_adapter, out, "output"))
     except _Frontier as stop:
-        return f"{stop.what}, but the run has finished" if finished else None
+        if not finished or (row.error or {}).get("name") == "DriveFailedError":
+            return None  # where it stands, or where the runtime gave it up (not its body)
+        return f"{stop.what}, but the run has finished"
     except NonDeterminismError as exc:
         return str(exc)
     except (Exception, Cancelled) as exc:

@@ -49,16 +49,17 @@ def catalog_version(
         ),
         execution_options=options,
     ).one()
-    if found.source_hash == source_hash and (
-        (found.input_schema is None and schemas[0] is not None)
-        or (found.output_schema is None and schemas[1] is not None)
-    ):
-        core.execute(
-            update(wf)
-            .where(wf.c.name == name, wf.c.version == version, wf.c.source_hash == source_hash)
-            .values(input_schema=schemas[0], output_schema=schemas[1]),
-            execution_options=options,
-        )
+    if found.source_hash == source_hash:
+        # Only what is missing (versions cataloged before schemas were recorded): a process
+        # that could not make a schema never erases the one another process recorded.
+        for column, schema in ((wf.c.input_schema, schemas[0]), (wf.c.output_schema, schemas[1])):
+            if schema is not None and found._mapping[column.name] is None:
+                core.execute(
+                    update(wf)
+                    .where(wf.c.name == name, wf.c.version == version, column.is_(None))
+                    .values({column.name: schema}),
+                    execution_options=options,
+                )
     return str(found.source_hash)
 
 
