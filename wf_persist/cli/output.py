@@ -18,6 +18,7 @@ from typing import Any
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from .. import backends
 from ..records import ExecutionInfo, HistoryRecord, Outcome, PendingSignal, WorkflowEntry
@@ -58,8 +59,14 @@ def compact(value: Any, limit: int | None = None) -> str:
     return text
 
 
+def add_row(table: Table, *cells: str | None) -> None:
+    """Add cells as plain text: values are data, never read as rich markup."""
+    table.add_row(*(Text(cell or "") for cell in cells))
+
+
 def when(value: dt.datetime | None) -> str:
-    return "" if value is None else value.isoformat(timespec="seconds")
+    """A time to the second, in UTC (``--json`` keeps the full ISO-8601 value)."""
+    return "" if value is None else value.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 # the catalog ------------------------------------------------------------------------------
@@ -74,15 +81,56 @@ def workflows_table(entries: Iterable[WorkflowEntry]) -> Table:
     table.add_column("input schema")
     table.add_column("output schema")
     for e in entries:
-        table.add_row(
+        add_row(
+            table,
             e.name,
             str(e.version),
             e.source_hash[:12],
             when(e.registered_at),
-            compact(e.input_schema, 60),
-            compact(e.output_schema, 60),
+            schema_summary(e.input_schema),
+            schema_summary(e.output_schema),
         )
     return table
+
+
+def schema_summary(schema: Any, root: Mapping[str, Any] | None = None, depth: int = 0) -> str:
+    """A JSON Schema in a few words (``{employee: string, amount_cents: integer}``) for a
+    table cell; ``--json`` has the schema whole."""
+    if not isinstance(schema, Mapping):
+        return "" if schema is None else "any"
+    root = schema if root is None else root
+    if depth > 3:
+        return "…"
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/"):
+        target: Any = root
+        for part in ref[2:].split("/"):
+            target = target.get(part) if isinstance(target, Mapping) else None
+        return schema_summary(target, root, depth + 1)
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list):
+            return " | ".join(schema_summary(o, root, depth + 1) for o in schema[key])
+    kind = schema.get("type")
+    if kind == "object" or (kind is None and "properties" in schema):
+        properties = schema.get("properties") or {}
+        if not properties:
+            extra = schema.get("additionalProperties")
+            return f"object[{schema_summary(extra, root, depth + 1)}]" if extra else "object"
+        required = set(schema.get("required") or [])
+        return (
+            "{"
+            + ", ".join(
+                f"{name}{'' if name in required else '?'}: {schema_summary(value, root, depth + 1)}"
+                for name, value in properties.items()
+            )
+            + "}"
+        )
+    if kind == "array":
+        items = schema.get("items")
+        return f"array[{schema_summary(items, root, depth + 1)}]" if items else "array"
+    if isinstance(kind, list):
+        return " | ".join(str(k) for k in kind)
+    return str(kind) if kind else "any"
 
 
 # runs -------------------------------------------------------------------------------------
@@ -90,22 +138,19 @@ def workflows_table(entries: Iterable[WorkflowEntry]) -> Table:
 
 def runs_table(items: Iterable[ExecutionInfo]) -> Table:
     table = Table()
-    table.add_column("id", no_wrap=True)
-    table.add_column("workflow", no_wrap=True)
-    table.add_column("version", justify="right")
-    table.add_column("status", no_wrap=True)
+    table.add_column("id", no_wrap=True, min_width=36)
+    table.add_column("workflow")
+    table.add_column("status", no_wrap=True, min_width=9)
     table.add_column("actor")
-    table.add_column("created at", no_wrap=True)
-    table.add_column("finished at", no_wrap=True)
+    table.add_column("created at", no_wrap=True, min_width=20)
     for r in items:
-        table.add_row(
+        add_row(
+            table,
             r.execution_id,
-            r.workflow_name,
-            str(r.version),
+            f"{r.workflow_name} v{r.version}",
             r.status,
             r.actor or "",
             when(r.created_at),
-            when(r.finished_at),
         )
     return table
 
@@ -134,7 +179,7 @@ def run_table(info: ExecutionInfo) -> Table:
         rows.append(("result", compact(info.result)))
     for label, value in rows:
         if value:
-            table.add_row(label, value)
+            add_row(table, label, value)
     return table
 
 
@@ -165,11 +210,11 @@ def outcome_document(outcome: Outcome) -> dict[str, Any]:
 def history_table(records: Iterable[HistoryRecord]) -> Table:
     table = Table()
     table.add_column("#", justify="right")
-    table.add_column("at", no_wrap=True)
-    table.add_column("event", no_wrap=True)
+    table.add_column("at", no_wrap=True, min_width=20)
+    table.add_column("event", no_wrap=True, min_width=18)
     table.add_column("detail")
     for r in records:
-        table.add_row(str(r.sequence), when(r.created_at), r.event.get("type", "?"), detail(r))
+        add_row(table, str(r.sequence), when(r.created_at), r.event.get("type", "?"), detail(r))
     return table
 
 
@@ -190,7 +235,7 @@ def events_table(events: Mapping[str, Any]) -> Table:
     table.add_column("key", no_wrap=True)
     table.add_column("value")
     for key, value in events.items():
-        table.add_row(key, compact(value))
+        add_row(table, key, compact(value))
     return table
 
 
@@ -257,7 +302,8 @@ def pending_table(waits: Iterable[PendingSignal]) -> Table:
     table.add_column("timeout", justify="right")
     table.add_column("payload schema")
     for wait in waits:
-        table.add_row(
+        add_row(
+            table,
             wait.name,
             wait.activity_name,
             "" if wait.timeout is None else f"{wait.timeout:g}s",
