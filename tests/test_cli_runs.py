@@ -67,6 +67,12 @@ def test_the_full_loop_against_a_worker(db_url: str, procs: Processes) -> None:
 
     pinned = wf_json(procs, db_url, "runs", "start", "echo@1", "--input", "2", "--actor", "ann")
     assert (pinned["workflow_name"], pinned["version"], pinned["created"]) == ("echo", 1, True)
+    again = wf(procs, db_url, "runs", "start", "echo@1", "--input", "2", "--follow", "--json")
+    streamed = [json.loads(line) for line in again.stdout.splitlines()]  # JSON Lines
+    assert streamed[0]["event"]["type"] == "execution.started"
+    assert streamed[0]["event"]["version"] == 1
+    assert streamed[-2]["event"]["type"] == "workflow.completed"
+    assert streamed[-1]["status"] == "completed" and streamed[-1]["value"] == [1, 2]
     outcome = wf_json(procs, db_url, "runs", "result", pinned["execution_id"], "--timeout", "30")
     assert outcome["value"] == [1, 2]
     one_error_line(

@@ -248,19 +248,23 @@ def _finish(client: Client, execution_id: str, timeout: float | None, json_: boo
     _print_outcome(outcome, json_)
 
 
-def _timed_out(client: Client, execution_id: str, timeout: float | None, json_: bool) -> NoReturn:
+def _timed_out(
+    client: Client, execution_id: str, timeout: float | None, json_: bool, *, lines: bool = False
+) -> NoReturn:
     status = client.status(execution_id)
     if json_:
-        emit_json({"execution_id": execution_id, "status": status, "timed_out": True})
+        document = {"execution_id": execution_id, "status": status, "timed_out": True}
+        emit_json(document, indent=None if lines else 2)
     err.print(
         f"timeout: run {execution_id} is still {status} after {timeout or 0:g}s", markup=False
     )
     raise typer.Exit(EXIT_TIMEOUT)
 
 
-def _print_outcome(outcome: Any, json_: bool) -> None:
+def _print_outcome(outcome: Any, json_: bool, *, lines: bool = False) -> None:
+    """The value on stdout, or the error on stderr and exit 3 (``lines``: as JSON Lines)."""
     if json_:
-        emit_json(outcome_document(outcome))
+        emit_json(outcome_document(outcome), indent=None if lines else 2)
     elif outcome.status == "completed":
         typer.echo(compact(outcome.value))
     if outcome.status == "failed":
@@ -270,7 +274,11 @@ def _print_outcome(outcome: Any, json_: bool) -> None:
         raise typer.Exit(EXIT_FAILED)
 
 
-@app.command(epilog=OUTCOME_EPILOG.replace("0 the run completed", "0 started (or completed)"))
+@app.command(
+    epilog=OUTCOME_EPILOG.replace(
+        "0 the run completed", "0 started (with --wait or --follow: the run completed)"
+    )
+)
 def start(
     workflow: Annotated[
         str, typer.Argument(help="A cataloged workflow: 'name' or 'name@version'.")
@@ -287,7 +295,9 @@ def start(
         typer.Option(help="The same key for the same workflow returns the same run."),
     ] = None,
     actor: ActorOption = None,
-    wait: Annotated[bool, typer.Option("--wait", help="Wait for the run and print it.")] = False,
+    wait: Annotated[
+        bool, typer.Option("--wait", help="Wait for the run to end and print its outcome.")
+    ] = False,
     follow: Annotated[
         bool, typer.Option("--follow", help="Print events as they land, then the outcome.")
     ] = False,
@@ -321,8 +331,8 @@ def start(
         )
         if follow:
             if not _follow(client, handle.execution_id, _streamer(json_), timeout):
-                _timed_out(client, handle.execution_id, timeout, json_)
-            _print_outcome(client.result(handle.execution_id), json_)
+                _timed_out(client, handle.execution_id, timeout, json_, lines=True)
+            _print_outcome(client.result(handle.execution_id), json_, lines=True)
         elif wait:
             _finish(client, handle.execution_id, timeout, json_)
         elif json_:
