@@ -10,7 +10,7 @@ import datetime as dt
 import json
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from sqlalchemy import Connection, Engine, Row
@@ -336,6 +336,7 @@ class Client(RunReader):
         older_than: dt.timedelta | dt.datetime,
         statuses: Sequence[str] = ("completed", "failed"),
         batch_size: int = 1000,
+        on_batch: Callable[[int], None] | None = None,
     ) -> int:
         """Delete finished runs (and their history) that finished before a cutoff.
 
@@ -345,6 +346,8 @@ class Client(RunReader):
         Args:
             older_than: an age (``timedelta``) or an aware cutoff time.
             statuses: which finished runs to delete (``completed``, ``failed``).
+            on_batch: called with the number of runs each committed batch deleted (a
+                progress display, for a purge that takes long).
 
         Returns:
             How many runs were deleted.
@@ -376,6 +379,8 @@ class Client(RunReader):
                     conn, finished_before=cutoff, statuses=statuses, limit=batch_size
                 )
             total += deleted
+            if on_batch is not None:
+                on_batch(deleted)
             if deleted < batch_size:
                 return total
 

@@ -1,0 +1,252 @@
+"""``wf-persist workflows`` and ``wf-persist runs ...`` as a person or a script runs them:
+real subprocesses on a real database of every backend, a ``wf-persist worker`` process
+executing the runs, exit statuses asserted and ``--json`` parsed."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import wf_persist as wp
+
+from .helpers import Finished, Processes, wait_until
+
+
+def wf(procs: Processes, db_url: str, *args: str, code: int = 0) -> Finished:
+    """``wf-persist ARGS`` on the test database; its exit status must be ``code``."""
+    done = procs.cli(*args, check=False, env={"WF_PERSIST_DATABASE_URL": db_url})
+    assert done.returncode == code, (args, done.returncode, done.stdout, done.stderr)
+    return done
+
+
+def wf_json(procs: Processes, db_url: str, *args: str, code: int = 0) -> Any:
+    return json.loads(wf(procs, db_url, *args, "--json", code=code).stdout)
+
+
+def one_error_line(done: Finished, *says: str) -> str:
+    """A refusal: exit status 1, nothing on stdout, one line 'error: ...' on stderr."""
+    assert done.returncode == 1, (done.returncode, done.stderr)
+    assert done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
+    for text in says:
+        assert text in lines[0], (text, lines[0])
+    return lines[0]
+
+
+def start_worker(procs: Processes, db_url: str) -> None:
+    procs.worker(db_url).wait_for_stderr("serving")
+
+
+def test_the_full_loop_against_a_worker(db_url: str, procs: Processes) -> None:
+    start_worker(procs, db_url)
+    assert wf(procs, db_url, "runs", "start", "echo", "--input", "3", "--wait").stdout == (
+        "[1, 2, 3]\n"
+    )
+
+    run_id = wf(procs, db_url, "runs", "start", "approval", "--input", "null").stdout.strip()
+    with wp.Client(db_url) as client:
+        wait_until(lambda: client.pending_signals(run_id), 30, "the approval wait")
+    shown = wf(procs, db_url, "runs", "show", run_id).stdout
+    assert run_id in shown and "suspended" in shown and '"approved"' in shown
+    (command,) = [
+        line.strip() for line in shown.splitlines() if line.strip().startswith("wf-persist ")
+    ]
+    words = shlex.split(command)
+    assert words[:5] == ["wf-persist", "runs", "signal", run_id, "approval"]
+    assert json.loads(words[5]) == {"approved": False}
+    assert wf(procs, db_url, *words[1:]).stdout == "delivered\n"  # the printed command, as is
+    assert wf(procs, db_url, "runs", "result", run_id, "--timeout", "30").stdout == '"rejected"\n'
+    shown_json = wf_json(procs, db_url, "runs", "show", run_id)
+    assert shown_json["status"] == "completed" and shown_json["pending_signals"] == []
+    assert shown_json["result"] == "rejected" and shown_json["input"] is None
+
+    pinned = wf_json(procs, db_url, "runs", "start", "echo@1", "--input", "2", "--actor", "ann")
+    assert (pinned["workflow_name"], pinned["version"], pinned["created"]) == ("echo", 1, True)
+    again = wf(procs, db_url, "runs", "start", "echo@1", "--input", "2", "--follow", "--json")
+    streamed = [json.loads(line) for line in again.stdout.splitlines()]  # JSON Lines
+    assert streamed[0]["event"]["type"] == "execution.started"
+    assert streamed[0]["event"]["version"] == 1
+    assert streamed[-2]["event"]["type"] == "workflow.completed"
+    assert streamed[-1]["status"] == "completed" and streamed[-1]["value"] == [1, 2]
+    outcome = wf_json(procs, db_url, "runs", "result", pinned["execution_id"], "--timeout", "30")
+    assert outcome["value"] == [1, 2]
+    one_error_line(
+        wf(procs, db_url, "runs", "start", "echo@7", "--input", "2", code=1), "echo", "7"
+    )
+
+    failed_json = wf_json(
+        procs, db_url, "runs", "start", "boom", "--input", "false", "--wait", code=3
+    )
+    assert failed_json["status"] == "failed" and failed_json["error"]["name"] == "Boom"
+    shown = wf(procs, db_url, "runs", "show", failed_json["execution_id"]).stdout
+    assert "Boom" in shown and "failed" in shown
+
+
+def test_follow_timeout_cancel_and_events(db_url: str, procs: Processes) -> None:
+    start_worker(procs, db_url)
+    followed = wf(procs, db_url, "runs", "start", "echo", "--input", "4", "--follow")
+    lines = followed.stdout.splitlines()
+    assert lines[-1] == "[1, 2, 3, 4]"
+    assert "execution.started" in lines[0] and "workflow.completed" in lines[-2]
+
+    run_id = wf(procs, db_url, "runs", "start", "inbox", "--input", '{"count": 1}').stdout.strip()
+    follower = procs.spawn(
+        [sys.executable, "-m", "wf_persist.cli", "runs", "history", run_id, "--follow"],
+        env={"WF_PERSIST_DATABASE_URL": db_url},
+        name="history --follow",
+    )
+    wait_until(lambda: "signal.waiting" in follower.stdout(), 30, "the wait streamed")
+    assert follower.popen.poll() is None, "a suspended run is followed, not left"
+    wf(procs, db_url, "runs", "signal", run_id, "approval", '{"approved": true}', "--actor", "kim")
+    streamed = procs.finish(follower, timeout=60).stdout.splitlines()
+    sequences = [int(line.split()[0]) for line in streamed]
+    assert sequences == list(range(1, len(sequences) + 1)), "each event once, in order"
+    assert "workflow.completed" in streamed[-1]
+    history = wf_json(procs, db_url, "runs", "history", run_id)
+    assert [r["sequence"] for r in history] == sequences
+    assert history[-1]["event"]["type"] == "workflow.completed"
+    assert wf_json(procs, db_url, "runs", "show", run_id)["events"] == {
+        "stage": "done",
+        "received": 1,
+    }
+
+    nap = wf(procs, db_url, "runs", "start", "napper", "--input", "60").stdout.strip()
+    late = wf(procs, db_url, "runs", "result", nap, "--timeout", "0.3", code=4)
+    assert late.stdout == "" and "timeout" in late.stderr
+    waited = wf_json(
+        procs,
+        db_url,
+        "runs",
+        "start",
+        "napper",
+        "--input",
+        "60",
+        "--wait",
+        "--timeout",
+        "0.2",
+        code=4,
+    )
+    gone = waited["execution_id"]
+    assert waited == {"execution_id": gone, "status": "suspended", "timed_out": True}
+    cancelled = wf_json(procs, db_url, "runs", "cancel", nap, "--actor", "ops")
+    assert cancelled["execution_id"] == nap
+    assert cancelled["status"] in ("compensating", "failed")
+    ended = wf(procs, db_url, "runs", "result", nap, "--timeout", "30", code=3)
+    assert "Cancelled" in ended.stderr
+    one_error_line(wf(procs, db_url, "runs", "cancel", nap, code=1), "Cannot cancel")
+    assert wf(procs, db_url, "runs", "cancel", gone, "--no-compensate").stdout == "failed\n"
+    streamed = wf(procs, db_url, "runs", "history", gone, "--follow").stdout.splitlines()
+    assert "execution.cancelled" in streamed[-1]
+
+
+def test_catalog_and_pages_as_json(db_url: str, procs: Processes, runtime: wp.Runtime) -> None:
+    from .fixtures import workflows as w
+
+    runtime.register(w.echo_wf, w.approval_wf)  # cataloged; no worker runs anything here
+    catalog = wf_json(procs, db_url, "workflows")
+    assert {e["name"] for e in catalog} == {"echo", "approval"}
+    (echo,) = wf_json(procs, db_url, "workflows", "echo")
+    assert (echo["version"], echo["input_schema"]) == (1, {"type": "integer"})
+    assert echo["output_schema"] == {"items": {"type": "integer"}, "type": "array"}
+    assert len(echo["source_hash"]) == 64 and "T" in echo["registered_at"]
+
+    ids = [
+        wf(procs, db_url, "runs", "start", "echo", "--input", str(n), "--actor", "ann").stdout
+        for n in (1, 2, 3)
+    ]
+    ids.append(wf(procs, db_url, "runs", "start", "approval", "--actor", "bob").stdout)
+    ids = [i.strip() for i in ids]
+    first = wf_json(procs, db_url, "runs", "list", "--limit", "3")
+    assert [r["execution_id"] for r in first["items"]] == ids[:3]
+    assert first["next_cursor"]
+    rest = wf_json(procs, db_url, "runs", "list", "--limit", "3", "--cursor", first["next_cursor"])
+    assert [r["execution_id"] for r in rest["items"]] == ids[3:]
+    assert rest["next_cursor"] is None
+    assert rest["items"][0]["workflow_name"] == "approval" and rest["items"][0]["actor"] == "bob"
+
+    def listed(*args: str) -> list[str]:
+        return [r["execution_id"] for r in wf_json(procs, db_url, "runs", "list", *args)["items"]]
+
+    assert listed("echo", "--actor", "ann", "--version", "1") == ids[:3]
+    assert listed("--status", "running", "--since", "1h") == ids
+    assert listed("--since", "2999-01-01T00:00:00+00:00") == []
+    human = wf(procs, db_url, "runs", "list", "--limit", "2")
+    assert ids[0] in human.stdout and ids[2] not in human.stdout
+    assert "--cursor" in human.stderr
+
+
+def test_bad_input_is_one_line_and_writes_nothing(
+    db_url: str, procs: Processes, runtime: wp.Runtime, tmp_path: Path
+) -> None:
+    from .fixtures import workflows as w
+
+    runtime.register(w.echo_wf, w.approval_wf)
+    bad = [
+        (("runs", "start", "echo", "--input", '"3"'), "input of workflow echo"),
+        (("runs", "start", "nope", "--input", "1"), "nope"),
+        (("runs", "list", "--status", "asleep"), "unknown status"),
+        (("runs", "list", "--limit", "0"), "limit"),
+        (("runs", "list", "--cursor", "garbage"), "cursor"),
+        (("runs", "show", "4b1c3c2e-0000-4000-8000-000000000000"), "4b1c3c2e"),
+    ]
+    for args, says in bad:
+        one_error_line(wf(procs, db_url, *args, code=1), says)
+
+    payload = tmp_path / "input.json"
+    payload.write_text("2")
+    run_id = wf(procs, db_url, "runs", "start", "echo", "--input", f"@{payload}").stdout.strip()
+    listed = wf_json(procs, db_url, "runs", "list")["items"]
+    assert [r["execution_id"] for r in listed] == [run_id], "no refused start wrote a run"
+    assert listed[0]["input"] == 2
+    one_error_line(
+        wf(procs, db_url, "runs", "signal", run_id, "approval", '{"approved": true}', code=1),
+        "approval",
+    )
+    buffered = wf_json(
+        procs, db_url, "runs", "signal", run_id, "approval", '{"approved": true}', "--buffer"
+    )
+    assert buffered == {"execution_id": run_id, "signal": "approval", "outcome": "buffered"}
+    usage = wf(procs, db_url, "runs", "list", "--limit", "many", code=2)
+    assert usage.stdout == "" and "--limit" in usage.stderr
+
+
+def test_an_unmigrated_database_is_refused_without_writing(
+    blank_db_url: str, procs: Processes
+) -> None:
+    for args in (("runs", "list"), ("runs", "start", "echo")):
+        one_error_line(wf(procs, blank_db_url, *args, code=1), "not migrated", "db upgrade")
+    assert wf(procs, blank_db_url, "db", "current", code=3).stdout == "none\n"
+
+
+def test_version_help_arguments_and_connection_failures(procs: Processes, tmp_path: Path) -> None:
+    """What fails before a database is opened, or because it cannot be (once: no backend)."""
+    assert procs.cli("--version").stdout == f"wf-persist {metadata.version('wf-persist')}\n"
+    text = " ".join(procs.cli("runs", "result", "--help", env={"COLUMNS": "200"}).stdout.split())
+    assert "Exit status: 0 the run completed; 3 the run failed; 4 --timeout passed" in text
+
+    url = "postgresql://postgres:secret@127.0.0.1:1/x"
+    for args in (("runs", "list"), ("db", "upgrade")):
+        done = procs.cli(*args, "--url", url, check=False)
+        line = one_error_line(done, "postgresql+psycopg://postgres:***@127.0.0.1:1/x")
+        assert "secret" not in done.stderr + done.stdout and "refused" in line.lower()
+
+    missing = tmp_path / "missing.sqlite3"
+    refused: list[tuple[tuple[str, ...], str]] = [
+        (("runs", "list"), "not migrated"),
+        (("runs", "start", "echo", "--input", "{"), "not JSON"),
+        (("runs", "start", "echo", "--input", f"@{tmp_path / 'nope.json'}"), "cannot read"),
+        (("runs", "start", "echo@x"), "name@version"),
+        (("runs", "start", "echo@1", "--version", "2"), "two versions"),
+        (("runs", "list", "--since", "yesterday"), "--since"),
+        (("runs", "signal", "id", "approval", f"@{tmp_path / 'nope.json'}"), "cannot read"),
+    ]
+    for words, says in refused:
+        one_error_line(procs.cli(*words, "--url", f"sqlite:///{missing}", check=False), says)
+    usage = procs.cli("runs", "show", check=False)
+    assert usage.returncode == 2 and "Missing argument" in usage.stderr and usage.stdout == ""
+    assert not missing.exists()

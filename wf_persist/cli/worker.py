@@ -1,0 +1,70 @@
+"""``wf-persist worker``: the one command that runs workflow code, imported from ``--app``."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import sys
+from typing import Annotated
+
+import typer
+
+from ..errors import InvalidArgumentError
+from ..runtime import Runtime
+from ..worker import Worker
+from .common import err
+
+
+def load_runtime(reference: str) -> Runtime:
+    """Import ``module:attribute`` (a Runtime, or a callable returning one)."""
+    module_name, _, attribute = reference.partition(":")
+    if not module_name or not attribute:
+        raise InvalidArgumentError(
+            f"--app must look like 'package.module:runtime', got {reference!r}"
+        )
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        target: object = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise InvalidArgumentError(f"cannot import {module_name!r}: {exc}") from exc
+    for part in attribute.split("."):
+        target = getattr(target, part, None)
+    if callable(target) and not isinstance(target, Runtime):
+        target = target()
+    if not isinstance(target, Runtime):
+        raise InvalidArgumentError(f"{reference} is not a wf_persist Runtime")
+    return target
+
+
+def worker(
+    app_ref: Annotated[
+        str, typer.Option("--app", help="The runtime to serve, as 'package.module:runtime'.")
+    ],
+    concurrency: Annotated[int, typer.Option(help="Runs driven at once.")] = 4,
+    poll_interval: Annotated[
+        float | None, typer.Option(help="Seconds between looks for due work (default 0.25).")
+    ] = None,
+) -> None:
+    """Claim and drive due runs of the runtime's workflows until SIGINT/SIGTERM."""
+    runtime = load_runtime(app_ref)
+    loop = Worker(runtime, concurrency=concurrency, poll_interval=poll_interval)
+
+    def stop(signum: int, _frame: object) -> None:
+        err.print(f"worker {runtime.owner}: stopping ({signal.Signals(signum).name})")
+        # As close() does first: runs in flight stop before their next step and are handed
+        # over, rather than driven to their end while the loop waits for them.
+        runtime.closing = True
+        loop.stop(timeout=0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    err.print(
+        f"worker {runtime.owner}: serving {len(runtime.runnable_workflows())} workflow "
+        f"version(s), concurrency {concurrency}"
+    )
+    try:
+        loop.run()
+    finally:
+        runtime.close()
