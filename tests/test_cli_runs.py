@@ -250,3 +250,45 @@ def test_version_help_arguments_and_connection_failures(procs: Processes, tmp_pa
     usage = procs.cli("runs", "show", check=False)
     assert usage.returncode == 2 and "Missing argument" in usage.stderr and usage.stdout == ""
     assert not missing.exists()
+
+
+def test_replay_check_gates_a_deploy_and_the_worker_logs_json(
+    db_url: str, procs: Processes, runtime: wp.Runtime
+) -> None:
+    from .fixtures import workflows as w
+
+    runtime.register(w.determinism_wf, w.explode_wf)
+    client = runtime.client()
+    done = client.start(w.determinism_wf).execution_id
+    client.result(done, timeout=10)
+    app = ("replay-check", "--app", "tests.fixtures.app:runtime")
+    env = {"WF_PERSIST_DATABASE_URL": db_url}
+    ok = procs.cli(*app, "--json", check=False, env=env)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout) == {"checked": 1, "diverged": []}
+    # The same runs read through --url, checked against code whose body changed.
+    bad = procs.cli(
+        *app, "--url", db_url, "--json", check=False, env={**env, "WF_TEST_DIVERGE": "1"}
+    )
+    assert bad.returncode == 3, bad.stderr
+    [report] = json.loads(bad.stdout)["diverged"]
+    assert report["execution_id"] == done and "saw step:second#1" in report["divergence"]
+    table = procs.cli(*app, check=False, env={**env, "WF_TEST_DIVERGE": "1"})
+    assert table.returncode == 3 and done in table.stdout and "1 diverge" in table.stderr
+    assert procs.cli(*app, "--since", "1d", check=False, env=env).returncode == 0
+
+    worker = procs.worker(db_url, "--log-format", "json")
+    worker.wait_for_stderr("serving")
+    failing = client.start(w.explode_wf, "kaboom").execution_id
+    wait_until(lambda: client.status(failing) == "failed", 30, "the run to fail")
+    wait_until(lambda: f'"execution_id": "{failing}"' in worker.stderr(), 30, "its log line")
+    lines = [json.loads(line) for line in worker.stderr().splitlines() if line.startswith("{")]
+    mine = [line for line in lines if line.get("execution_id") == failing]
+    steps = [line for line in mine if line["logger"] == "wf_persist.steps"]
+    assert steps and all(s["workflow"] == "explode" and s["step"] == "explode" for s in steps)
+    assert steps[-1]["level"] == "ERROR" and steps[-1]["attempt"] >= 1
+    assert any(line["logger"] == "wf_persist.runtime" for line in mine)
+    bad_level = procs.cli(
+        "worker", "--app", "tests.fixtures.app:runtime", "--log-level", "LOUD", check=False, env=env
+    )
+    one_error_line(bad_level, "--log-level")

@@ -30,6 +30,7 @@ from .store import executions, history
 from .values import to_json
 
 if TYPE_CHECKING:
+    from .client import Client
     from .runtime import Runtime
 
 T = TypeVar("T")
@@ -191,12 +192,15 @@ def check_replay(
     runs: Iterable[str] | None = None,
     *,
     since: dt.datetime | None = None,
+    database: Client | None = None,
 ) -> list[ReplayReport]:
     """Replay stored runs against ``runtime``'s registered definitions.
 
     Args:
         runs: execution ids; default every run of the workflows the runtime registered
             (created at or after ``since``, an aware datetime, if given).
+        database: where the runs are read (default: the runtime's own database), e.g. a
+            thin client on production checked against the code about to be deployed.
 
     Returns:
         One report per run, oldest first. A run whose pinned version is not registered
@@ -208,10 +212,11 @@ def check_replay(
     # One id would be read as a list of characters.
     if runs is not None and (isinstance(runs, str | bytes) or not isinstance(runs, Iterable)):
         raise InvalidArgumentError(f"runs must be a list of execution ids, got {runs!r:.80}")
-    ids = [check_id(r) for r in runs] if runs is not None else _runs_of(runtime, since)
+    reader = database if database is not None else runtime.client()
+    ids = [check_id(r) for r in runs] if runs is not None else _runs_of(runtime, reader, since)
     reports: list[ReplayReport] = []
     for execution_id in ids:
-        with runtime.backend.read() as conn:
+        with reader.backend.read() as conn:
             row = executions.get(conn, execution_id)
             if row is None:
                 continue
@@ -229,8 +234,7 @@ def check_replay(
     return reports
 
 
-def _runs_of(runtime: Runtime, since: dt.datetime | None) -> list[str]:
-    client = runtime.client()
+def _runs_of(runtime: Runtime, client: Client, since: dt.datetime | None) -> list[str]:
     ids: list[str] = []
     for name in sorted({name for name, _ in runtime.runnable_workflows()}):
         cursor = None

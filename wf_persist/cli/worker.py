@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import enum
 import importlib
+import logging
 import os
 import signal
 import sys
@@ -10,10 +12,18 @@ from typing import Annotated
 
 import typer
 
+from .. import logs
 from ..errors import InvalidArgumentError
 from ..runtime import Runtime
 from ..worker import Worker
 from .common import err
+
+
+class LogFormat(enum.StrEnum):
+    """How ``worker`` writes its log lines."""
+
+    text = "text"
+    json = "json"
 
 
 def load_runtime(reference: str) -> Runtime:
@@ -46,8 +56,28 @@ def worker(
     poll_interval: Annotated[
         float | None, typer.Option(help="Seconds between looks for due work (default 0.25).")
     ] = None,
+    log_format: Annotated[
+        LogFormat,
+        typer.Option(
+            "--log-format",
+            help="Log lines on stderr: text, or json (one object per line, with execution_id, "
+            "workflow, step, attempt).",
+        ),
+    ] = LogFormat.text,
+    log_level: Annotated[
+        str, typer.Option("--log-level", help="DEBUG, INFO, WARNING or ERROR.")
+    ] = "INFO",
 ) -> None:
-    """Claim and drive due runs of the runtime's workflows until SIGINT/SIGTERM."""
+    """Claim and drive due runs of the runtime's workflows until SIGINT/SIGTERM.
+
+    Logs go to stderr through the 'wf_persist' loggers (runtime, steps, leases, worker).
+    """
+    level = logging.getLevelName(log_level.upper())
+    if not isinstance(level, int):
+        raise InvalidArgumentError(
+            f"--log-level takes DEBUG, INFO, WARNING or ERROR, got {log_level!r}"
+        )
+    logs.configure(log_format.value, level)
     runtime = load_runtime(app_ref)
     loop = Worker(runtime, concurrency=concurrency, poll_interval=poll_interval)
 
