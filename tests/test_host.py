@@ -125,7 +125,7 @@ def test_tables_in_a_named_schema(blank_db_url: str, make_engine: Callable[..., 
         with wp.Client(engine, schema="wf", poll_interval=0.02) as thin:  # no code, same schema
             assert {e.name for e in thin.workflows()} >= {"echo", "approval"}
             echoed = thin.start("echo", 3).execution_id
-            assert thin.result(echoed, timeout=10).value == [1, 2, 3]
+            assert thin.result(echoed, timeout=10).unwrap() == [1, 2, 3]
             assert thin.list("echo").items[0].execution_id == echoed
     with engine.connect() as conn:
         n = conn.execute(text("SELECT count(*) FROM wf.wf_history")).scalar()
