@@ -399,17 +399,26 @@ def cancel_then_sleep_wf(ctx: wp.Context) -> str:
 def test_a_cancellation_seen_mid_drive_replays_from_fresh_history(runtime: wp.Runtime) -> None:
     """A client event after the history a drive read (here a cancellation recorded while a
     step ran) makes the next call replay the body from fresh history in the same drive:
-    the run unwinds and fails as cancelled, with no failed drive counted. Kills the
-    ``load_journal`` mutants (each turns the reload into a failed drive)."""
+    the run unwinds and fails as cancelled, with no failed drive counted, and records the
+    request it saw (``cancellation.received``: run, ``compensate``, actor). Kills the
+    ``load_journal`` mutants (each turns the reload into a failed drive) and the
+    ``Context._before_new_call`` mutants that drop a field of that event."""
     runtime.register(cancel_then_sleep_wf)
     client = runtime.client()
     CANCELLER["client"] = client
     execution_id = client.start(cancel_then_sleep_wf).execution_id
     outcome = client.result(execution_id, timeout=30)
     assert isinstance(outcome, wp.Failed) and outcome.error_type == "Cancelled"
-    types = [r.event["type"] for r in client.history(execution_id)]
+    events = [r.event for r in client.history(execution_id)]
+    types = [e["type"] for e in events]
     assert "drive.failed" not in types and "sleep.started" not in types
     assert _row(runtime, execution_id)["drive_failures"] == 0
+    received = next(e for e in events if e["type"] == "cancellation.received")
+    assert (received["executionId"], received["compensate"], received["actor"]) == (
+        execution_id,
+        True,
+        "itself",
+    ), "the driver's record of the request it saw"
 
 
 # cancellation fences the run -------------------------------------------------------------
@@ -1057,9 +1066,11 @@ def test_a_run_woken_before_its_time_parks_again_until_then(runtime: wp.Runtime)
     resumed when due". A run made due before then (``store.executions.wake``, as a
     delivered signal does) replays to the same call and parks again with the same wake
     time (NULL for a wait without a timeout), recording nothing and counting no failed
-    drive; the sleep and the timeout still end at their time. Kills the ``Context.sleep``
-    and ``Context.wait_for_signal`` mutants that re-park without events, without the wake
-    time, or read a missing deadline."""
+    drive; the sleep and the timeout still end at their time, and every event names the
+    run (``sleep.completed``: name, invocation, activity, duration). Kills the
+    ``Context.sleep`` and ``Context.wait_for_signal`` mutants that re-park without events,
+    without the wake time, or read a missing deadline, and those that drop a field of the
+    sleep's events or the run id of every call's events (``Context._who``)."""
     runtime.register(woken_early_wf)
     client = runtime.client()
     execution_id = client.start(woken_early_wf).execution_id
@@ -1075,6 +1086,13 @@ def test_a_run_woken_before_its_time_parks_again_until_then(runtime: wp.Runtime)
     assert waiting["wake_at"] is not None
     _drive_when_due(runtime, execution_id)
     assert client.result(execution_id, timeout=5).unwrap() == "timed out"
+    events = [r.event for r in client.history(execution_id)]
+    assert all(e["executionId"] == execution_id for e in events)
+    slept = next(e for e in events if e["type"] == "sleep.completed")
+    expected = ("sleep:1s", 1, "sleep:1s#1", 1.0)
+    assert (slept["name"], slept["invocation"], slept["activityName"], slept["duration"]) == (
+        expected
+    )
 
 
 # store.history.append and the park/wake writes ------------------------------------------
@@ -1462,3 +1480,27 @@ def _row_of(url: object, execution_id: str) -> dict[str, object]:
             return dict(conn.execute(select(ex).where(ex.c.id == execution_id)).mappings().one())
     finally:
         engine.dispose()
+
+
+def test_claims_take_only_the_pinned_workflows_and_keep_the_first_start_time(
+    runtime: wp.Runtime,
+) -> None:
+    """``claim_due`` claims only runs of the ``(name, version)`` pairs it is given (a
+    worker never takes a run it has no code for); a run's ``started_at`` is set by its
+    first claim and kept by later ones. Kills the ``pinned`` mutants that match on the
+    version or the name alone and the ``claim_values`` mutants of ``started_at``."""
+    execution_id = _started(runtime)  # echo, version 1
+    backend = runtime.backend
+    with runtime.transaction() as conn:
+        assert backend.claim_due(conn, runtime.owner, 30, 10, [("other-name", 1)], ()) == []
+        assert backend.claim_due(conn, runtime.owner, 30, 10, [(w.echo_wf.name, 99)], ()) == []
+        claims = backend.claim_due(conn, runtime.owner, 30, 10, [(w.echo_wf.name, 1)], ())
+    assert [c.execution_id for c in claims] == [execution_id]
+    first = _row(runtime, execution_id)["started_at"]
+    assert first is not None
+    with runtime.transaction() as conn:
+        assert backend.release(conn, {execution_id: claims[0].epoch}) == 1
+    time.sleep(0.05)
+    with runtime.transaction() as conn:
+        assert backend.claim(conn, execution_id, "another", 30) is not None
+    assert _row(runtime, execution_id)["started_at"] == first
