@@ -12,21 +12,26 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Annotated, Any
 
 import pytest
+from pydantic import StringConstraints
 from sqlalchemy import Engine, create_engine, select
 from sqlalchemy.engine import make_url
+from sqlalchemy.pool import QueuePool
 
 import wf_persist as wp
 from wf_persist import migrate
 from wf_persist.backends.sqlite import SQLiteBackend
+from wf_persist.context import MAX_DURATION_SECONDS
+from wf_persist.errors import StaleHistoryError
 from wf_persist.events import NewEvent
 from wf_persist.leases import Outage
 from wf_persist.models import executions_table as ex
 from wf_persist.models import history_table as hist
-from wf_persist.store import executions, signals
+from wf_persist.store import executions, history, signals
 from wf_persist.worker import Worker
 
 from .fixtures import saga as s
@@ -35,6 +40,7 @@ from .helpers import history_types, wait_status, wait_until
 from .test_limits_secrets import holder_and_queued
 
 T0 = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
+TOKYO = dt.timezone(dt.timedelta(hours=9))
 
 
 def _started(runtime: wp.Runtime) -> str:
@@ -393,17 +399,26 @@ def cancel_then_sleep_wf(ctx: wp.Context) -> str:
 def test_a_cancellation_seen_mid_drive_replays_from_fresh_history(runtime: wp.Runtime) -> None:
     """A client event after the history a drive read (here a cancellation recorded while a
     step ran) makes the next call replay the body from fresh history in the same drive:
-    the run unwinds and fails as cancelled, with no failed drive counted. Kills the
-    ``load_journal`` mutants (each turns the reload into a failed drive)."""
+    the run unwinds and fails as cancelled, with no failed drive counted, and records the
+    request it saw (``cancellation.received``: run, ``compensate``, actor). Kills the
+    ``load_journal`` mutants (each turns the reload into a failed drive) and the
+    ``Context._before_new_call`` mutants that drop a field of that event."""
     runtime.register(cancel_then_sleep_wf)
     client = runtime.client()
     CANCELLER["client"] = client
     execution_id = client.start(cancel_then_sleep_wf).execution_id
     outcome = client.result(execution_id, timeout=30)
     assert isinstance(outcome, wp.Failed) and outcome.error_type == "Cancelled"
-    types = [r.event["type"] for r in client.history(execution_id)]
+    events = [r.event for r in client.history(execution_id)]
+    types = [e["type"] for e in events]
     assert "drive.failed" not in types and "sleep.started" not in types
     assert _row(runtime, execution_id)["drive_failures"] == 0
+    received = next(e for e in events if e["type"] == "cancellation.received")
+    assert (received["executionId"], received["compensate"], received["actor"]) == (
+        execution_id,
+        True,
+        "itself",
+    ), "the driver's record of the request it saw"
 
 
 # cancellation fences the run -------------------------------------------------------------
@@ -540,7 +555,9 @@ def test_a_worker_claims_no_more_runs_than_it_drives_at_once(runtime: wp.Runtime
 def test_worker_arguments_are_checked_and_default_to_four_runs(runtime: wp.Runtime) -> None:
     """A worker drives 4 runs at once unless told otherwise and polls at the runtime's
     interval; ``concurrency`` must be a positive integer (not a bool, not a float). Kills
-    the ``Worker.__init__`` mutants of the default and of the type check."""
+    the ``Worker.__init__`` mutants of the default and of the type check, and the
+    ``Runtime.start_worker`` mutants of its default and its poll interval (README:
+    ``runtime.start_worker(concurrency=4)``)."""
     worker = Worker(runtime)
     assert worker.concurrency == 4 and worker.poll_interval == runtime.poll_interval
     for bad in (True, 2.0, 0, -1):
@@ -550,6 +567,8 @@ def test_worker_arguments_are_checked_and_default_to_four_runs(runtime: wp.Runti
         with pytest.raises(wp.InvalidArgumentError, match="poll_interval"):
             Worker(runtime, poll_interval=interval)  # type: ignore[arg-type]
     assert Worker(runtime, poll_interval=2).poll_interval == 2.0
+    started = runtime.start_worker(poll_interval=0.4)
+    assert started.concurrency == 4 and started.poll_interval == 0.4
 
 
 @wp.workflow(name="mutation-short-sleep", version=1)
@@ -821,7 +840,8 @@ def test_code_block_misuse_names_the_code_block(runtime: wp.Runtime) -> None:
     runtime.register(code_misuse_wf)
     client = runtime.client()
     bad_name = client.result(client.start(code_misuse_wf, "name").execution_id, timeout=30)
-    assert isinstance(bad_name, wp.Failed) and "code block name" in bad_name.message
+    assert isinstance(bad_name, wp.Failed)
+    assert "code block name must be a non-empty string" in bad_name.message
     nan = client.result(client.start(code_misuse_wf, "nan").execution_id, timeout=30)
     assert isinstance(nan, wp.Failed) and nan.error_type == "CodeExecutionError"
     assert "result of code block nan" in nan.message
@@ -1009,3 +1029,478 @@ def test_the_journal_reads_attempts_failures_and_retry_times_from_step_events() 
     assert (again.last_attempt, again.failures) == (3, 1)
     assert again.retry_at == dt.datetime(2026, 12, 1, 10, 0, 0, 250000, tzinfo=dt.UTC)
     assert "retried#1" not in journal.outcomes and "again#1" not in journal.outcomes
+
+
+# woken before its time: a sleep or a signal wait parks again ----------------------------
+
+
+@wp.workflow(name="mutation-woken-early", version=1)
+def woken_early_wf(ctx: wp.Context) -> str:
+    ctx.sleep(1.0)
+    ctx.wait_for_signal("go")
+    late = ctx.wait_for_signal("late", timeout=1.0)
+    return "timed out" if isinstance(late, wp.TimedOut) else "received"
+
+
+def _woken_early_reparks(runtime: wp.Runtime, execution_id: str) -> dict[str, object]:
+    """Make the parked run due now, drive it, check it parked again unchanged."""
+    before = _row(runtime, execution_id)
+    events_before = history_types(runtime.client(), execution_id)
+    with runtime.transaction() as conn:
+        executions.wake(conn, runtime.backend, execution_id)
+    assert runtime.drive(execution_id)
+    after = _row(runtime, execution_id)
+    assert after["status"] == "suspended" and after["drive_failures"] == 0
+    assert after["lease_owner"] is None and after["lease_expires_at"] is None
+    assert after["wake_at"] == before["wake_at"], "parked again until the same time"
+    assert history_types(runtime.client(), execution_id) == events_before
+    return after
+
+
+def _drive_when_due(runtime: wp.Runtime, execution_id: str) -> None:
+    wait_until(lambda: runtime.drive(execution_id), timeout=10, what="the wake time")
+
+
+def test_a_run_woken_before_its_time_parks_again_until_then(runtime: wp.Runtime) -> None:
+    """README: a sleep or a timed signal wait parks the run "until" its time, and it "is
+    resumed when due". A run made due before then (``store.executions.wake``, as a
+    delivered signal does) replays to the same call and parks again with the same wake
+    time (NULL for a wait without a timeout), recording nothing and counting no failed
+    drive; the sleep and the timeout still end at their time, and every event names the
+    run (``sleep.completed``: name, invocation, activity, duration). Kills the
+    ``Context.sleep`` and ``Context.wait_for_signal`` mutants that re-park without events,
+    without the wake time, or read a missing deadline, and those that drop a field of the
+    sleep's events or the run id of every call's events (``Context._who``)."""
+    runtime.register(woken_early_wf)
+    client = runtime.client()
+    execution_id = client.start(woken_early_wf).execution_id
+    assert runtime.drive(execution_id)
+    asleep = _woken_early_reparks(runtime, execution_id)
+    assert asleep["wake_at"] is not None
+    _drive_when_due(runtime, execution_id)
+    assert history_types(client, execution_id)[-2:] == ["sleep.completed", "signal.waiting"]
+    assert _woken_early_reparks(runtime, execution_id)["wake_at"] is None
+    client.signal(execution_id, "go", None)
+    assert runtime.drive(execution_id)
+    waiting = _woken_early_reparks(runtime, execution_id)
+    assert waiting["wake_at"] is not None
+    _drive_when_due(runtime, execution_id)
+    assert client.result(execution_id, timeout=5).unwrap() == "timed out"
+    events = [r.event for r in client.history(execution_id)]
+    assert all(e["executionId"] == execution_id for e in events)
+    slept = next(e for e in events if e["type"] == "sleep.completed")
+    expected = ("sleep:1s", 1, "sleep:1s#1", 1.0)
+    assert (slept["name"], slept["invocation"], slept["activityName"], slept["duration"]) == (
+        expected
+    )
+
+
+# store.history.append and the park/wake writes ------------------------------------------
+
+
+def test_append_raises_naming_the_run_and_stores_mixed_batches_in_order(
+    runtime: wp.Runtime,
+) -> None:
+    """``history.append`` (its docstring): an unknown run raises ``UnknownExecutionError``,
+    a stale ``epoch`` ``LeaseLostError``, a client event after ``seen_through``
+    ``StaleHistoryError``, the first two naming the run; a batch mixing plain events and events with
+    a dedupe key is stored whole, in order, on consecutive sequences. Kills the
+    ``history.append`` mutants that drop the run id of an error, the news check, or the
+    plain events written before a keyed one."""
+    execution_id = _started(runtime)
+    backend = runtime.backend
+    now = runtime.clock()
+    with runtime.transaction() as conn:
+        claim = backend.claim(conn, execution_id, runtime.owner, 30)
+    assert claim is not None
+
+    def event(kind: str, key: str | None = None) -> NewEvent:
+        return NewEvent({"type": kind, "executionId": execution_id}, now, key)
+
+    missing = str(uuid.uuid4())
+    with pytest.raises(wp.UnknownExecutionError) as unknown, runtime.transaction() as conn:
+        history.append(conn, backend, missing, [event("step.completed")], now=now)
+    assert unknown.value.execution_id == missing
+    with pytest.raises(wp.LeaseLostError) as lost, runtime.transaction() as conn:
+        history.append(conn, backend, execution_id, [], now=now, epoch=claim.epoch + 1)
+    assert lost.value.execution_id == execution_id
+    batch = [event("step.started"), event("step.completed", "k1"), event("step.failed")]
+    with runtime.transaction() as conn:
+        done = history.append(
+            conn, backend, execution_id, batch, now=now, epoch=claim.epoch, seen_through=1
+        )
+    assert done.sequences == [2, 3, 4]
+    types = history_types(runtime.client(), execution_id)
+    assert types[-3:] == ["step.started", "step.completed", "step.failed"]
+    with runtime.transaction() as conn:  # a client's event after sequence 4
+        history.append(conn, backend, execution_id, [event("signal.buffered")], now=now)
+    with pytest.raises(StaleHistoryError), runtime.transaction() as conn:
+        history.append(conn, backend, execution_id, [], now=now, seen_through=4)
+
+
+def test_park_and_wake_touch_only_their_run(runtime: wp.Runtime) -> None:
+    """``executions.park`` gives up the lease of its run only, and only at the current
+    epoch, setting the wake time; ``executions.wake`` makes its parked run due now and
+    leaves a leased run (and every other run) alone (their docstrings; docs/sql.md:
+    ``wake_at`` is a leased run's lease expiry). Kills the ``park`` and ``wake`` mutants
+    that drop the run, the epoch or the lease condition of their WHERE, or keep the lease
+    owner."""
+    first, second, third = _started(runtime), _started(runtime), _started(runtime)
+    backend = runtime.backend
+    with runtime.transaction() as conn:
+        claims = [backend.claim(conn, i, runtime.owner, 3600) for i in (first, second, third)]
+    epochs = {c.epoch for c in claims if c is not None}
+    assert len(claims) == 3 and len(epochs) == 1, "three runs held at one epoch"
+    (epoch,) = epochs
+    later = runtime.clock() + dt.timedelta(hours=2)
+    held_second = _row(runtime, second)
+    with runtime.transaction() as conn:
+        executions.park(conn, first, epoch + 1, later)
+    assert _row(runtime, first)["lease_owner"] == runtime.owner, "a stale epoch parks nothing"
+    with runtime.transaction() as conn:
+        executions.park(conn, first, epoch, later)
+    parked = _row(runtime, first)
+    assert parked["lease_owner"] is None and parked["lease_expires_at"] is None
+    assert _seconds(parked["wake_at"], held_second["wake_at"]) > 3600
+    assert _row(runtime, second) == held_second, "another run keeps its lease"
+    with runtime.transaction() as conn:
+        executions.park(conn, third, epoch, None)
+    asleep = _row(runtime, third)
+    assert asleep["lease_owner"] is None and asleep["wake_at"] is None
+    with runtime.transaction() as conn:
+        executions.wake(conn, backend, second)
+    assert _row(runtime, second) == held_second, "a leased run is left alone"
+    with runtime.transaction() as conn:
+        executions.wake(conn, backend, third)
+    assert _row(runtime, third)["wake_at"] is not None
+    assert _row(runtime, first) == parked, "another parked run is not woken"
+
+
+@pytest.fixture
+def local_time_zone(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The process's local time zone is not UTC for the test."""
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+def test_a_write_of_its_own_is_fenced_guarded_and_returns_its_sequences(
+    runtime: wp.Runtime, local_time_zone: None
+) -> None:
+    """``Backend.write`` is ``fenced`` as a write of its own (its docstring; SQLite sends it
+    straight to the driver): it appends the events on the next sequences and returns them
+    with the status, writes time columns as the other writes do, and a stale epoch or a
+    status outside the guard raises ``LeaseLostError`` naming the run and writes nothing.
+    Times are stored as the same instant whatever their time zone or the process's. Kills
+    the ``SQLiteBackend.write`` mutants that lose the guard, the time conversion, the run id
+    of the error or the returned sequences, and the ``_ts`` mutant that converts to local
+    time."""
+    execution_id = _started(runtime)
+    backend = runtime.backend
+    now = runtime.clock()
+    with runtime.transaction() as conn:
+        claim = backend.claim(conn, execution_id, runtime.owner, 30)
+    assert claim is not None
+
+    def event(name: str) -> NewEvent:
+        doc = {"type": "step.completed", "executionId": execution_id, "activityName": name}
+        return NewEvent(doc, now)
+
+    with backend.connection() as conn:
+        done = backend.write(conn, execution_id, claim.epoch, [event("a#1"), event("b#1")], now=now)
+        assert (done.sequences, done.status) == ([2, 3], "running")
+        with pytest.raises(wp.LeaseLostError) as lost:
+            backend.write(conn, execution_id, claim.epoch + 1, [event("c#1")], now=now)
+        assert lost.value.execution_id == execution_id
+        with pytest.raises(wp.LeaseLostError):
+            backend.write(
+                conn,
+                execution_id,
+                claim.epoch,
+                [event("c#1")],
+                now=now,
+                values={"status": "completed"},
+                guard=("suspended",),
+            )
+        assert _row(runtime, execution_id)["status"] == "running", "refused: nothing written"
+        done = backend.write(
+            conn,
+            execution_id,
+            claim.epoch,
+            [event("c#1")],
+            now=now,
+            values={"status": "completed", "finished_at": T0.astimezone(TOKYO)},
+            guard=("running",),
+        )
+    assert (done.sequences, done.status) == ([4], "completed")
+    row = _row(runtime, execution_id)
+    assert row["finished_at"] == T0
+    assert history_types(runtime.client(), execution_id).count("step.completed") == 3
+
+
+# secrets: arguments rejected once resolved -------------------------------------------------
+
+LONG_SECRET = "resolved-secret-value-0123456789"
+
+
+@wp.step
+def reference_only(key: Annotated[str, StringConstraints(pattern=r"^secret:")]) -> int:
+    return len(key)  # a type only a reference passes: the resolved value is refused
+
+
+@wp.workflow(name="mutation-rejected-secret", version=1)
+def rejected_secret_wf(ctx: wp.Context, key: str) -> int:
+    return ctx.run(reference_only, key)
+
+
+def test_arguments_rejected_after_resolving_secrets_say_where_without_the_secret(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """README: step arguments are "validated again" once their secrets are resolved, and a
+    resolved secret never reaches the database. A resolved value the step's type refuses
+    fails the step with ``InvalidPayloadError`` for "arguments of step ..." whose ``errors``
+    give each problem's ``loc`` and ``type`` (its docstring) and say only that it was
+    "rejected after resolving secrets": the value is in no stored error or event (the
+    ``loc`` is relative to the argument, validated on its own). Kills the
+    ``StepRunner._resolved`` mutants that drop or rename those fields or the error's
+    arguments."""
+    runtime = make_runtime(secret_resolver=lambda name: LONG_SECRET)
+    runtime.register(rejected_secret_wf)
+    client = runtime.client()
+    execution_id = client.start(rejected_secret_wf, wp.secret("api-key")).execution_id
+    outcome = client.result(execution_id, timeout=20)
+    assert isinstance(outcome, wp.Failed)
+    cause = outcome.error["cause"]
+    assert cause["name"] == "InvalidPayloadError"
+    assert cause["what"] == "arguments of step reference_only"
+    assert cause["errors"] == [
+        {"loc": [], "type": "string_pattern_mismatch", "msg": "rejected after resolving secrets"}
+    ]
+    stored = repr([r.event for r in client.history(execution_id)]) + repr(outcome.error)
+    assert LONG_SECRET not in stored
+
+
+@wp.step
+def add(a: int, b: int = 0) -> int:
+    return a + b
+
+
+@wp.workflow(name="mutation-step-arguments", version=1)
+def step_arguments_wf(ctx: wp.Context) -> dict[str, Any]:
+    total = ctx.run(add, 1, b=2)
+    try:
+        ctx.run(add, 1, 2, 3)
+    except wp.InvalidPayloadError as exc:
+        return {"total": total, "what": exc.what, "errors": exc.errors}
+    return {"total": total}
+
+
+def test_step_arguments_bind_by_keyword_and_misfits_name_the_step(runtime: wp.Runtime) -> None:
+    """``ctx.run(step, *args, **kwargs)`` binds keyword arguments as Python does; arguments
+    that do not fit the step's signature raise ``InvalidPayloadError`` for "arguments of
+    step ..." whose ``errors`` hold the problem's ``loc`` and ``msg`` (its docstring).
+    Kills the ``StepRunner.bind`` mutants that drop the keyword arguments or change the
+    error."""
+    runtime.register(step_arguments_wf)
+    client = runtime.client()
+    done = client.result(client.start(step_arguments_wf).execution_id, timeout=20).unwrap()
+    assert done == {
+        "total": 3,
+        "what": "arguments of step add",
+        "errors": [{"loc": [], "msg": "too many positional arguments"}],
+    }
+
+
+# misuse of the context: errors say what was wrong ------------------------------------------
+
+
+@wp.step(name="mutation-twin")
+def twin_a() -> int:
+    return 1
+
+
+@wp.step(name="mutation-twin")
+def twin_b() -> int:
+    return 2
+
+
+MISUSES: dict[str, Callable[[wp.Context], object]] = {
+    "sleep-bool": lambda ctx: ctx.sleep(True),
+    "sleep-too-long": lambda ctx: ctx.sleep(MAX_DURATION_SECONDS * 2),
+    "sleep-name": lambda ctx: ctx.sleep(1, name=""),
+    "signal-name": lambda ctx: ctx.wait_for_signal(""),
+    "signal-timeout": lambda ctx: ctx.wait_for_signal("go", timeout=-1),
+    "all-name": lambda ctx: ctx.all([], name=""),
+    "run-not-a-step": lambda ctx: ctx.run(len),  # type: ignore[arg-type]
+    "twin-steps": lambda ctx: (ctx.run(twin_a), ctx.run(twin_b)),
+}
+
+
+@wp.workflow(name="mutation-context-misuse", version=1)
+def context_misuse_wf(ctx: wp.Context, case: str) -> None:
+    MISUSES[case](ctx)
+
+
+@pytest.mark.parametrize(
+    ("case", "error", "says"),
+    [
+        ("sleep-bool", "InvalidArgumentError", "sleep duration must be a non-negative duration"),
+        ("sleep-too-long", "InvalidArgumentError", "sleep duration must be finite and at most"),
+        ("sleep-name", "InvalidArgumentError", "sleep name must be a non-empty string"),
+        ("signal-name", "InvalidArgumentError", "signal name must be a non-empty string"),
+        ("signal-timeout", "InvalidArgumentError", "signal timeout must be a non-negative"),
+        ("all-name", "InvalidArgumentError", "ctx.all name must be a non-empty string"),
+        ("run-not-a-step", "WorkflowDefinitionError", "ctx.run needs a step declared with"),
+        ("twin-steps", "WorkflowDefinitionError", "two different steps are named"),
+    ],
+)
+def test_context_misuse_fails_the_run_saying_what_is_wrong(
+    runtime: wp.Runtime, case: str, error: str, says: str
+) -> None:
+    """A duration that is not a non-negative number of seconds (a bool is not one) or is
+    over 1000 years, an empty call name, a function that is not a step, or two steps of one
+    name fail the run with an error that names the argument and what is wrong with it.
+    Kills the mutants of ``_seconds``, ``Context.sleep``, ``wait_for_signal``, ``all``,
+    ``run`` and ``_check_step`` that accept a bool or drop or change what the message
+    names."""
+    runtime.register(context_misuse_wf)
+    client = runtime.client()
+    outcome = client.result(client.start(context_misuse_wf, case).execution_id, timeout=30)
+    assert isinstance(outcome, wp.Failed) and outcome.error_type == error
+    assert says in outcome.message, outcome.message
+    if case == "twin-steps":
+        assert "; their results would be recorded under one activity name: rename one" in (
+            outcome.message
+        )
+
+
+@wp.workflow(name="mutation-longest-sleep", version=1)
+def longest_sleep_wf(ctx: wp.Context) -> None:
+    ctx.sleep(dt.timedelta(seconds=MAX_DURATION_SECONDS))
+
+
+def test_a_sleep_of_exactly_1000_years_is_accepted(runtime: wp.Runtime) -> None:
+    """Durations are "at most" 1000 years: exactly that parks the run. Kills
+    ``_seconds__mutmut_12`` (``<`` for ``<=``)."""
+    runtime.register(longest_sleep_wf)
+    execution_id = runtime.client().start(longest_sleep_wf).execution_id
+    assert runtime.drive(execution_id)
+    assert _row(runtime, execution_id)["status"] == "suspended"
+
+
+# a drive's lease, and close() ---------------------------------------------------------------
+
+LONG_STEP = threading.Event()
+
+
+@wp.step
+def longer_than_the_lease(seconds: float) -> float:
+    LONG_STEP.set()
+    time.sleep(seconds)
+    return seconds
+
+
+@wp.workflow(name="mutation-longer-than-the-lease", version=1)
+def longer_than_the_lease_wf(ctx: wp.Context, seconds: float) -> float:
+    return ctx.run(longer_than_the_lease, seconds)
+
+
+def test_a_run_driven_past_its_ttl_keeps_its_lease(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """A drive's lease is renewed while it runs (README: leases are renewed every quarter
+    of the TTL): a step longer than the TTL is never taken over by another runtime, and the
+    run is held under this runtime's name meanwhile (docs/sql.md: ``lease_owner``). Kills
+    the ``Runtime._drive`` and ``drive_for_outcome`` mutants that hold the lease under
+    another id or claim it under no owner."""
+    LONG_STEP.clear()
+    driving, other = make_runtime(lease_ttl=1.0), make_runtime(lease_ttl=1.0)
+    driving.register(longer_than_the_lease_wf)
+    other.register(longer_than_the_lease_wf)
+    execution_id = driving.client().start(longer_than_the_lease_wf, 2.5).execution_id
+    thread = threading.Thread(target=driving.drive, args=(execution_id,))
+    thread.start()
+    try:
+        assert LONG_STEP.wait(10)
+        assert _row(driving, execution_id)["lease_owner"] == driving.owner
+        deadline = time.monotonic() + 2.4
+        while time.monotonic() < deadline:
+            assert other.drive(execution_id) is False, "a live lease was taken over"
+            time.sleep(0.05)
+    finally:
+        thread.join(20)
+    outcome = driving.client().result(execution_id, timeout=10)
+    assert outcome.unwrap() == 2.5
+    assert history_types(driving.client(), execution_id).count("step.started") == 1
+
+
+def test_close_waits_for_runs_in_flight_then_disposes_of_its_engine(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """``Runtime.close(timeout)`` lets runs in flight stop at their next step, waiting up to
+    ``timeout`` seconds, then disposes of the engine it created (its docstring): when it
+    returns, the drive has stopped, the run is due again for others, and no pooled
+    connection is left open. Kills the ``Runtime.close`` mutants that do not wait without a
+    worker or skip the disposal."""
+    LONG_STEP.clear()
+    runtime = make_runtime()
+    runtime.register(longer_than_the_lease_wf)
+    execution_id = runtime.client().start(longer_than_the_lease_wf, 0.8).execution_id
+    thread = threading.Thread(target=runtime.drive, args=(execution_id,))
+    thread.start()
+    assert LONG_STEP.wait(10)
+    runtime.close(timeout=20)
+    alive = thread.is_alive()
+    thread.join(20)
+    assert not alive, "close returned while a run was still being driven"
+    assert _pooled(runtime.engine) == 0, "the engine was not disposed of"
+    row = _row_of(runtime.engine.url, execution_id)
+    assert row["lease_owner"] is None and row["status"] == "running"
+    idle = make_runtime()  # nothing in flight: close disposes of the engine itself
+    idle.register(longer_than_the_lease_wf)
+    assert idle.client().result(execution_id, timeout=20).unwrap() == 0.8
+    assert _pooled(idle.engine) > 0
+    idle.close()
+    assert _pooled(idle.engine) == 0, "the engine was not disposed of"
+
+
+def _pooled(engine: Engine) -> int:
+    """Connections idle in the engine's pool (a QueuePool on every test backend)."""
+    pool = engine.pool
+    assert isinstance(pool, QueuePool)
+    return pool.checkedin()
+
+
+def _row_of(url: object, execution_id: str) -> dict[str, object]:
+    engine = create_engine(url)  # type: ignore[call-overload]
+    try:
+        with engine.connect() as conn:
+            return dict(conn.execute(select(ex).where(ex.c.id == execution_id)).mappings().one())
+    finally:
+        engine.dispose()
+
+
+def test_claims_take_only_the_pinned_workflows_and_keep_the_first_start_time(
+    runtime: wp.Runtime,
+) -> None:
+    """``claim_due`` claims only runs of the ``(name, version)`` pairs it is given (a
+    worker never takes a run it has no code for); a run's ``started_at`` is set by its
+    first claim and kept by later ones. Kills the ``pinned`` mutants that match on the
+    version or the name alone and the ``claim_values`` mutants of ``started_at``."""
+    execution_id = _started(runtime)  # echo, version 1
+    backend = runtime.backend
+    with runtime.transaction() as conn:
+        assert backend.claim_due(conn, runtime.owner, 30, 10, [("other-name", 1)], ()) == []
+        assert backend.claim_due(conn, runtime.owner, 30, 10, [(w.echo_wf.name, 99)], ()) == []
+        claims = backend.claim_due(conn, runtime.owner, 30, 10, [(w.echo_wf.name, 1)], ())
+    assert [c.execution_id for c in claims] == [execution_id]
+    first = _row(runtime, execution_id)["started_at"]
+    assert first is not None
+    with runtime.transaction() as conn:
+        assert backend.release(conn, {execution_id: claims[0].epoch}) == 1
+    time.sleep(0.05)
+    with runtime.transaction() as conn:
+        assert backend.claim(conn, execution_id, "another", 30) is not None
+    assert _row(runtime, execution_id)["started_at"] == first
