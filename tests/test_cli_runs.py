@@ -4,6 +4,7 @@ executing the runs, exit statuses asserted and ``--json`` parsed."""
 
 from __future__ import annotations
 
+import base64
 import json
 import shlex
 import sys
@@ -11,7 +12,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import make_url
+
 import wf_persist as wp
+from wf_persist import migrate
 
 from .helpers import Finished, Processes, wait_until
 
@@ -292,3 +296,58 @@ def test_replay_check_gates_a_deploy_and_the_worker_logs_json(
         "worker", "--app", "tests.fixtures.app:runtime", "--log-level", "LOUD", check=False, env=env
     )
     one_error_line(bad_level, "--log-level")
+
+
+def test_hostile_arguments_are_one_line_errors_that_write_nothing(
+    db_url: str, procs: Processes, runtime: wp.Runtime, tmp_path: Path
+) -> None:
+    """Arguments past what the parser, the database integer or the arguments check takes:
+    each is refused in one line, no traceback, and no run is left behind."""
+    from .fixtures import workflows as w
+
+    runtime.register(w.echo_wf)
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    forged = base64.urlsafe_b64encode(b"[" * 3000).decode()
+    refused: list[tuple[tuple[str, ...], str]] = [
+        (("runs", "start", "echo", "--input", "[" * 3000 + "]" * 3000), "nested too deeply"),
+        (("runs", "start", "echo", "--input", f"@{deep}"), "nested too deeply"),
+        (("runs", "start", "echo@²"), "name@version"),
+        (("runs", "start", "echo", "--input", "3", "--wait", "--timeout", "-1"), "timeout"),
+        (("runs", "start", "echo", "--input", "3", "--follow", "--timeout", "nan"), "timeout"),
+        (("runs", "list", "--limit", str(2**64)), "limit"),
+        (("runs", "list", "--cursor", forged), "cursor"),
+        (("purge", "--older-than", "1d", "--batch-size", str(2**64)), "batch_size"),
+        (("db", "upgrade", "nonsense"), "nonsense"),
+        (("db", "downgrade", "nonsense"), "nonsense"),
+    ]
+    for args, says in refused:
+        one_error_line(wf(procs, db_url, *args, code=1), says)
+    assert wf_json(procs, db_url, "runs", "list")["items"] == []
+    assert wf(procs, db_url, "db", "current").stdout.strip() == migrate.SCHEMA_HEAD
+
+
+def test_unparseable_urls_broken_apps_and_uri_filenames(procs: Processes, tmp_path: Path) -> None:
+    """Failures before a database is used (once: no backend)."""
+    done = procs.cli("runs", "list", "--url", "postgresql://u:s3cret@127.0.0.1:port/x", check=False)
+    one_error_line(done, "not a database URL", "u:***@")
+    assert "s3cret" not in done.stderr + done.stdout
+
+    (tmp_path / "raises_app.py").write_text("raise RuntimeError('broken at import')\n")
+    (tmp_path / "factory_app.py").write_text("def make():\n    raise ValueError('no db')\n")
+    for app, says in (("raises_app:runtime", "broken at import"), ("factory_app:make", "no db")):
+        for command in ("replay-check", "worker"):
+            done = procs.cli(command, "--app", app, check=False, cwd=tmp_path)
+            one_error_line(done, says)
+
+    # A URI filename names a file too: reading commands must not create it.
+    missing = tmp_path / "missing.sqlite3"
+    done = procs.cli("workflows", "--url", f"sqlite:///file:{missing}?uri=true", check=False)
+    one_error_line(done, "not migrated")
+    assert not missing.exists()
+
+
+def test_the_upgrade_command_quotes_the_schema() -> None:
+    command = migrate.upgrade_command(make_url("postgresql://u:pw@h/db"), "a;b c")
+    assert shlex.split(command)[-2:] == ["--schema", "a;b c"]
+    assert "pw" not in command

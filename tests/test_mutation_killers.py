@@ -261,9 +261,10 @@ def test_purge_batch_deletes_history_whatever_the_foreign_key_setting(
 
 def test_schema_state_of_sqlite_urls_never_creates_a_file(tmp_path: Path) -> None:
     """``migrate.state`` never creates anything: a missing SQLite file reads as
-    ``missing`` and is not created, while in-memory databases (``sqlite://``,
-    ``:memory:``) and URI filenames (``file:...``), whose meaning SQLite decides, are read
-    as they are. Kills every ``SQLiteBackend.database_missing`` mutant."""
+    ``missing`` and is not created, also when named by a URI filename (``file:PATH``, which
+    SQLite would create too), while in-memory databases (``sqlite://``, ``:memory:``,
+    ``mode=memory``) are read as they are. Kills every ``SQLiteBackend.database_missing``
+    mutant."""
     missing = tmp_path / "missing.sqlite3"
     state = migrate.state(f"sqlite:///{missing}")
     assert state.missing and state.revision is None and not missing.exists()
@@ -273,7 +274,9 @@ def test_schema_state_of_sqlite_urls_never_creates_a_file(tmp_path: Path) -> Non
     assert SQLiteBackend.database_missing(make_url(f"sqlite:///{missing}"))
     assert not SQLiteBackend.database_missing(make_url("sqlite://"))
     assert not SQLiteBackend.database_missing(make_url("sqlite:///:memory:"))
-    assert not SQLiteBackend.database_missing(make_url(f"sqlite:///file:{missing}?uri=true"))
+    assert SQLiteBackend.database_missing(make_url(f"sqlite:///file:{missing}?uri=true"))
+    in_memory = f"sqlite:///file:{missing}?uri=true&mode=memory"
+    assert not SQLiteBackend.database_missing(make_url(in_memory))
     made = tmp_path / "made.sqlite3"
     migrate.upgrade(f"sqlite:///{made}")
     assert not SQLiteBackend.database_missing(make_url(f"sqlite:///{made}"))

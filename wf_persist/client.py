@@ -370,7 +370,12 @@ class Client(RunReader):
             raise InvalidArgumentError(
                 f"purge deletes finished runs only (completed, failed); got {statuses!r:.80}"
             )
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        # Below 2**31: the batch size is bound as a database integer.
+        if (
+            isinstance(batch_size, bool)
+            or not isinstance(batch_size, int)
+            or not 1 <= batch_size < 2**31
+        ):
             raise InvalidArgumentError(f"batch_size must be a positive integer, got {batch_size!r}")
         total = 0
         while True:

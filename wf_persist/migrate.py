@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import shlex
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -23,6 +24,7 @@ from sqlalchemy.engine import URL
 
 from . import backends
 from .errors import (
+    InvalidArgumentError,
     MergedSchemaVersionError,
     SchemaTooNewError,
     SchemaVersionConflictError,
@@ -134,6 +136,18 @@ def _url_of(bind: Bind) -> URL:
     return backends.resolve_url(bind)
 
 
+@contextlib.contextmanager
+def _revision_errors() -> Iterator[None]:
+    """Alembic's refusal of a revision (unknown, ambiguous, not reachable) as the typed
+    :class:`InvalidArgumentError` that callers (the CLI) report in one line."""
+    from alembic.util import CommandError
+
+    try:
+        yield
+    except CommandError as exc:
+        raise InvalidArgumentError(f"revision: {exc}") from exc
+
+
 def upgrade(
     bind: Bind, revision: str = "heads", *, sql: bool = False, schema: str | None = None
 ) -> str | None:
@@ -157,7 +171,7 @@ def upgrade(
     from alembic import command
 
     schema = _schema_of(bind, schema)
-    with _alembic_lock:
+    with _alembic_lock, _revision_errors():
         if sql:
             buf = io.StringIO()
             command.upgrade(_config(None, _url_of(bind), buf, schema), revision, sql=True)
@@ -182,7 +196,7 @@ def downgrade(
     from alembic import command
 
     schema = _schema_of(bind, schema)
-    with _alembic_lock:
+    with _alembic_lock, _revision_errors():
         if sql:
             buf = io.StringIO()
             rng = revision if ":" in revision else f"{SCHEMA_HEAD}:{revision}"
@@ -361,7 +375,8 @@ def _refuse_foreign(found: SchemaState, host_command: str) -> None:
 
 def upgrade_command(url: URL, schema: str | None = None) -> str:
     """The command a person runs to bring the database at ``url`` to head."""
-    extra = "" if schema is None else f" --schema {schema}"
+    # The schema quoted as a shell needs it ('a;b'), so the command pastes as it reads.
+    extra = "" if schema is None else f" --schema {shlex.quote(schema)}"
     return f"wf-persist db upgrade --url '{backends.describe_url(url)}'{extra}"
 
 

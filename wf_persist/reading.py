@@ -144,7 +144,8 @@ class RunReader:
                 f"unknown status {status!r}; expected one of {lifecycle.STATUSES}"
             )
         if limit is not None and (
-            isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0
+            # Below 2**31: the page size (plus one) is bound as a database integer.
+            isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit < 2**31
         ):
             raise InvalidArgumentError(f"limit must be a positive integer, got {limit!r}")
         after = None if cursor is None else decode_cursor(cursor)

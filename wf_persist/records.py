@@ -157,7 +157,15 @@ def decode_cursor(cursor: str) -> tuple[dt.datetime, str]:
         if when.tzinfo is None or not isinstance(execution_id, str) or unstorable(execution_id):
             raise ValueError(cursor)
         return when.astimezone(dt.UTC), execution_id
-    except (binascii.Error, ValueError, TypeError, UnicodeDecodeError, OverflowError) as exc:
+    # RecursionError: a forged cursor nesting JSON too deep to parse
+    except (
+        binascii.Error,
+        ValueError,
+        TypeError,
+        UnicodeDecodeError,
+        OverflowError,
+        RecursionError,
+    ) as exc:
         raise InvalidCursorError(cursor) from exc
 
 

@@ -4,6 +4,7 @@ SQLite, PostgreSQL and MySQL/MariaDB apart (see :mod:`.base` for what a backend 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import weakref
 from typing import Any, Final
@@ -68,12 +69,19 @@ def normalize_url(url: str | URL) -> URL:
     try:
         parsed = make_url(url)
     except Exception as exc:  # ArgumentError, ValueError: not a URL at all
-        raise UnsupportedDatabaseError(f"not a database URL: {url!r} ({exc})") from None
+        message = f"not a database URL: {url!r} ({exc})"
+        raise UnsupportedDatabaseError(_mask_password(message)) from None
     driver = _DEFAULT_DRIVERS.get(parsed.drivername)
     if driver is not None:
         parsed = parsed.set(drivername=driver)
     backend_type(parsed.get_backend_name())
     return parsed
+
+
+def _mask_password(text: str) -> str:
+    """``text`` with the password of any ``scheme://user:password@`` in it as ``***``: a URL
+    that does not parse cannot be rendered with its password hidden, yet is still quoted."""
+    return re.sub(r"(://[^:/?#@\s]*:)[^\s]*@", r"\1***@", text)
 
 
 def resolve_url(url: str | URL | None) -> URL:

@@ -19,6 +19,7 @@ import json
 import os
 import sqlite3
 import tempfile
+import urllib.parse
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Final
 
@@ -177,8 +178,15 @@ class SQLiteBackend(Backend):
     @classmethod
     def database_missing(cls, url: URL) -> bool:
         database = url.database or ""
+        if database.startswith("file:") and url.query.get("uri") == "true":
+            # A URI filename (file:PATH?mode=...): SQLite creates PATH unless told otherwise.
+            parts = urllib.parse.urlsplit(database)
+            modes = [*urllib.parse.parse_qs(parts.query).get("mode", ()), url.query.get("mode")]
+            if "memory" in modes:
+                return False
+            database = urllib.parse.unquote(parts.path)
         if database in ("", ":memory:") or database.startswith("file:"):
-            return False  # in memory, or a URI filename whose meaning SQLite decides
+            return False  # in memory, or a filename SQLite reads as it decides
         return not os.path.exists(database)
 
     # checks ------------------------------------------------------------------------

@@ -119,6 +119,8 @@ def read_json(text: str, what: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise InvalidArgumentError(f"{source} is not JSON ({exc}): {text!r:.80}") from None
+    except RecursionError:  # valid JSON nested deeper than the parser's recursion limit
+        raise InvalidArgumentError(f"{source} is nested too deeply: {text!r:.80}") from None
 
 
 def parse_age(text: str, option: str = "--older-than") -> dt.timedelta | dt.datetime:

@@ -12,7 +12,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
-from .. import lifecycle
+from .. import arguments, lifecycle
 from ..client import Client
 from ..errors import InvalidArgumentError, ResultTimeoutError
 from ..records import HistoryRecord
@@ -232,7 +232,7 @@ def _workflow_and_version(workflow: str, version: int | None) -> tuple[str, int 
     name, at, pinned = workflow.rpartition("@")
     if not at or not name:
         return workflow, version
-    if not pinned.isdigit():
+    if not (pinned.isascii() and pinned.isdigit()):  # isdigit alone takes '²', int() does not
         raise InvalidArgumentError(f"WORKFLOW is 'name' or 'name@version', got {workflow!r}")
     if version is not None and version != int(pinned):
         raise InvalidArgumentError(f"{workflow!r} and --version {version} name two versions")
@@ -320,6 +320,8 @@ def start(
     """
     name, pinned = _workflow_and_version(workflow, version)
     payload = read_json(input_, "--input")
+    # Before the run is written: a bad --timeout must not leave a started run behind.
+    arguments.check_timeout(timeout)
     with open_client(url, schema) as client:
         handle = client.start(
             name, payload, idempotency_key=idempotency_key, actor=actor, version=pinned

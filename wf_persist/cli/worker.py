@@ -39,10 +39,19 @@ def load_runtime(reference: str) -> Runtime:
         target: object = importlib.import_module(module_name)
     except ImportError as exc:
         raise InvalidArgumentError(f"cannot import {module_name!r}: {exc}") from exc
+    except Exception as exc:  # the app's own code failed as it was imported: one line
+        raise InvalidArgumentError(
+            f"importing {module_name!r} failed: {type(exc).__name__}: {exc}"
+        ) from exc
     for part in attribute.split("."):
         target = getattr(target, part, None)
     if callable(target) and not isinstance(target, Runtime):
-        target = target()
+        try:
+            target = target()
+        except Exception as exc:  # a factory that raised, or one that needs arguments
+            raise InvalidArgumentError(
+                f"calling {reference} failed: {type(exc).__name__}: {exc}"
+            ) from exc
     if not isinstance(target, Runtime):
         raise InvalidArgumentError(f"{reference} is not a wf_persist Runtime")
     return target
