@@ -1507,3 +1507,47 @@ def test_claims_take_only_the_pinned_workflows_and_keep_the_first_start_time(
     with runtime.transaction() as conn:
         assert backend.claim(conn, execution_id, "another", 30) is not None
     assert _row(runtime, execution_id)["started_at"] == first
+
+
+def test_history_events_carry_their_documented_fields(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """What ``client.history`` shows of a run's start, its recorded values, a ``ctx.all``
+    and a failed code block: the fields people read (and docs/sql.md queries)."""
+    s.reset()
+    rt = make_runtime()
+    rt.register(w.determinism_wf, s.parallel_wf, s.code_wf)
+    client = rt.client()
+
+    def events(execution_id: str) -> dict[str, dict[str, Any]]:
+        client.result(execution_id, timeout=10)
+        return {r.event["type"]: r.event for r in client.history(execution_id)}
+
+    run = client.start(w.determinism_wf).execution_id
+    seen = events(run)
+    assert seen["workflow.started"] == {
+        "type": "workflow.started",
+        "executionId": run,
+        "workflowName": "determinism",
+        "version": 1,
+    }
+    for kind in ("now", "random", "uuid"):
+        recorded = seen[f"{kind}.recorded"]
+        assert (recorded["name"], recorded["invocation"], recorded["activityName"]) == (
+            kind,
+            1,
+            f"{kind}#1",
+        )
+        assert recorded["executionId"] == run
+    parallel = client.start(s.parallel_wf, 3).execution_id
+    finished = events(parallel)["all.completed"]
+    assert (finished["name"], finished["invocation"], finished["branches"]) == ("parallel", 1, 2)
+    assert finished["activityName"] == "parallel#1" and finished["executionId"] == parallel
+    failing = client.start(s.code_wf, True).execution_id
+    failed = events(failing)["code.failed"]
+    assert (failed["name"], failed["invocation"], failed["activityName"]) == (
+        "build-value",
+        1,
+        "build-value#1",
+    )
+    assert failed["error"]["message"] == "callback failed" and "result" not in failed
