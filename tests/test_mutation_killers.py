@@ -1455,9 +1455,12 @@ def test_close_waits_for_runs_in_flight_then_disposes_of_its_engine(
     thread.start()
     assert LONG_STEP.wait(10)
     runtime.close(timeout=20)
-    alive = thread.is_alive()
+    # Read as close returns: the drive had recorded its step and stopped (the thread
+    # itself may take a moment longer to return from ``drive``).
+    recorded = _types_of(runtime.engine.url, execution_id)
     thread.join(20)
-    assert not alive, "close returned while a run was still being driven"
+    assert not thread.is_alive()
+    assert "step.completed" in recorded, "close returned while a run was still being driven"
     assert _pooled(runtime.engine) == 0, "the engine was not disposed of"
     row = _row_of(runtime.engine.url, execution_id)
     assert row["lease_owner"] is None and row["status"] == "running"
@@ -1481,6 +1484,20 @@ def _row_of(url: object, execution_id: str) -> dict[str, object]:
     try:
         with engine.connect() as conn:
             return dict(conn.execute(select(ex).where(ex.c.id == execution_id)).mappings().one())
+    finally:
+        engine.dispose()
+
+
+def _types_of(url: object, execution_id: str) -> list[str]:
+    engine = create_engine(url)  # type: ignore[call-overload]
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                select(hist.c.type)
+                .where(hist.c.execution_id == execution_id)
+                .order_by(hist.c.sequence)
+            )
+            return [str(t) for (t,) in rows]
     finally:
         engine.dispose()
 
