@@ -581,20 +581,13 @@ def test_sqlite_uri_filenames_are_read_as_sqlite_reads_them(tmp_path: Path) -> N
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a SQLite URL whose filename starts with 'file:' but has no uri=true is read "
-    "as 'SQLite decides' and never as missing, so migrate.state() creates the file",
-)
 def test_a_plain_filename_starting_with_file_is_not_created_by_reading(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``migrate.state`` "never creates anything" and commands that only read never create
     a database file (README). Without ``uri=true`` SQLAlchemy hands SQLite the absolute
     path of a filename like ``file:x.sqlite3`` (SQLite then creates ``./file:x.sqlite3``),
-    but ``SQLiteBackend.database_missing`` returns False for every name starting with
-    ``file:``. ``database_missing`` mutants 39 and 40 (which break that check) make this
-    test pass."""
+    so ``SQLiteBackend.database_missing`` reads such a name as a path, not as a URI."""
     monkeypatch.chdir(tmp_path)
     state = migrate.state("sqlite:///file:x.sqlite3")
     assert state.missing

@@ -479,20 +479,14 @@ def mutated_argument_wf(ctx: wp.Context) -> None:
     ctx.run(mutation_stop)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a step that changes an untyped (Any) argument in place changes its recorded "
-    "step.started input and its compensation's argument, unless a replay came between",
-)
 def test_a_step_changing_its_argument_in_place_records_and_compensates_what_it_was_given(
     runtime: wp.Runtime,
 ) -> None:
     """``StepCall.inputs``: a step's arguments are stored as validated JSON at the call,
-    and a compensation's arguments are the step's. For an ``Any`` argument the attempt is
-    handed the very object ``step.started`` and the compensation hold, so a step that
-    changes it in place rewrites its recorded input (written after the attempt, with its
-    outcome) and hands its compensation the changed value, while a replay hands it the
-    value the workflow passed (``_register`` serializes the call again)."""
+    and a compensation's arguments are the step's. An ``Any`` argument validates to the
+    very object stored, so the attempt gets a copy (``values.fresh``): a step that changes
+    it in place changes neither its recorded input (written after the attempt, with its
+    outcome) nor its compensation's argument."""
     UNDONE.clear()
     runtime.register(mutated_argument_wf)
     client = runtime.client()

@@ -29,7 +29,7 @@ from .events import Activity, NewEvent
 from .logs import run_fields
 from .replay import Journal
 from .secrets import Redactor, SecretResolver, contains_reference, resolve_references
-from .values import from_json, resolve_type_reference, to_json
+from .values import fresh, from_json, resolve_type_reference, to_json
 
 #: Retry delays up to this long are waited in the driving thread; longer ones park the run.
 INLINE_BACKOFF_SECONDS = 1.0
@@ -281,7 +281,8 @@ class StepRunner:
     def _resolved(self, step: Step[Any], inputs: dict[str, Any]) -> dict[str, Any]:
         """The step's arguments with secrets resolved, validated again."""
         if not contains_reference(inputs):
-            return {p: step.param_adapters[p].validate_python(v) for p, v in inputs.items()}
+            adapters = step.param_adapters
+            return {p: adapters[p].validate_python(fresh(v)) for p, v in inputs.items()}
         resolved = resolve_references(inputs, self.driver.secret_resolver(), self.redactor)
         try:
             return {p: step.param_adapters[p].validate_python(v) for p, v in resolved.items()}

@@ -127,6 +127,17 @@ def to_json(adapter: TypeAdapter[Any], value: Any, what: str) -> Any:
     return doc
 
 
+def fresh(doc: Any) -> Any:
+    """A copy of a JSON document's containers: a step given an untyped (``Any``) argument
+    gets its own, so changing it in place cannot rewrite what is recorded for the call or
+    handed to its compensation."""
+    if isinstance(doc, dict):
+        return {k: fresh(v) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [fresh(v) for v in doc]
+    return doc
+
+
 def from_json(adapter: TypeAdapter[Any], value: Any, what: str) -> Any:
     """Decode a recorded value; a value that no longer fits its type is a typed error."""
     try:

@@ -185,8 +185,10 @@ class SQLiteBackend(Backend):
             if "memory" in modes:
                 return False
             database = urllib.parse.unquote(parts.path)
-        if database in ("", ":memory:") or database.startswith("file:"):
-            return False  # in memory, or a filename SQLite reads as it decides
+        if database in ("", ":memory:"):
+            return False
+        # Anything else is a path, "file:x" included when it is no URI (SQLAlchemy hands
+        # SQLite its absolute path, a plain file named "file:x").
         return not os.path.exists(database)
 
     # checks ------------------------------------------------------------------------
