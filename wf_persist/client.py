@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -46,6 +47,7 @@ from .records import (
 from .runtime import NOT_DRIVEN, Clock, positive, utc_now
 from .store import Executor, catalog, executions, signals
 from .values import schema_errors, unstorable
+from .wakeups import Wakeups
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -100,6 +102,8 @@ class Client(RunReader):
         self.engine = self._database.engine
         self._clock = clock
         self._poll_interval = poll_interval
+        self._ended = threading.Condition()
+        self._wakeups: Wakeups | None = None
 
     # hooks the embedded client overrides ------------------------------------------------
 
@@ -135,13 +139,48 @@ class Client(RunReader):
         to look at the run again at once, ``_WAIT`` to wait. A thin client only waits."""
         return _WAIT
 
+    def _lease(self) -> tuple[str, float] | None:
+        """``(owner, ttl)`` to create a new run claimed by, when this process drives it
+        itself at once (the embedded client with a worker); ``None`` to create it due."""
+        return None
+
+    def _started(self, created: executions.Created, leased: bool, asked: float) -> None:
+        """A start of this client's own committed (not one in a host's transaction)."""
+        self._notify()
+
+    def _known(self, execution_id: str) -> Outcome | None:
+        """An outcome known without reading the database (a run finished here)."""
+        return None
+
+    def _busy(self, execution_id: str) -> bool:
+        """Whether this process drives the run now: wait for it without reading."""
+        return False
+
     def _outcome(self, row: Row[Any]) -> Outcome:
         if row.status == "failed":
             return Failed(row.id, dict(row.error or {}))
         return Completed(row.id, row.result)
 
+    def _listen(self) -> None:
+        """Hear of runs ending at once where the database notifies (started on the first
+        wait for a result)."""
+        if self._wakeups is None and self.backend.can_listen:
+            self._wakeups = Wakeups(self.backend)
+            self._wakeups.on_end(lambda _id: self._wake_waiters())
+            self._wakeups.start()
+
+    def _wake_waiters(self) -> None:
+        with self._ended:
+            self._ended.notify_all()
+
+    def _wait(self, seconds: float) -> None:
+        with self._ended:
+            self._ended.wait(seconds)
+
     def close(self) -> None:
         """Dispose of the engine if this client created it. Idempotent."""
+        if self._wakeups is not None:
+            self._wakeups.stop()
         database, self._database = self._database, None
         if database is not None:
             database.dispose()
@@ -190,7 +229,7 @@ class Client(RunReader):
         execution_id = str(uuid.uuid4())
         started = events.execution_started(execution_id, name, pinned, stored, actor, now)
 
-        def write(conn: Executor) -> tuple[str, int, bool]:
+        def write(conn: Executor, lease: tuple[str, float] | None = None) -> executions.Created:
             return executions.create(
                 conn,
                 self.backend,
@@ -202,15 +241,23 @@ class Client(RunReader):
                 actor=actor,
                 started=started,
                 now=now,
+                lease=lease,
             )
 
         if session is not None:
             found = write(session)
         else:
-            with self.backend.begin() as conn:
-                found = write(conn)
-            self._notify()
-        return ExecutionHandle(found[0], name, found[1], created=found[2])
+            lease = self._lease()
+            asked = time.monotonic()  # before the claim: see Lease.confirmed
+            try:
+                with self.backend.atomic() as conn:
+                    found = write(conn, lease)
+            except BaseException:
+                if lease is not None:
+                    self._started(executions.Created(execution_id, pinned, False), True, asked)
+                raise
+            self._started(found, lease is not None, asked)
+        return ExecutionHandle(found.execution_id, name, found.version, created=found.created)
 
     def result(self, execution_id: str, timeout: float | None = None) -> Outcome:
         """Wait for the run to finish and return its outcome.
@@ -227,7 +274,20 @@ class Client(RunReader):
         arguments.check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.002
+        self._listen()
         while True:
+            known = self._known(execution_id)
+            if known is not None:
+                return known
+            if self._busy(execution_id):
+                # Driven in this process, which says when that drive ends; another process
+                # may end the run meanwhile (a cancellation): it is read every poll interval.
+                remaining = None if deadline is None else deadline - time.monotonic()
+                wait = self._poll()
+                self._wait(wait if remaining is None else max(0.0, min(wait, remaining)))
+                known = self._known(execution_id)
+                if known is not None:
+                    return known
             with self._reading() as conn:
                 row = self._row(conn, execution_id)
             if row.status in lifecycle.TERMINAL:
@@ -400,6 +460,10 @@ class WorkflowClient(Client):
         self._database = None  # the runtime's: closed with it
         self.backend = runtime.backend
         self.engine = runtime.engine
+        self._wakeups = None
+
+    def _listen(self) -> None:
+        self.runtime.wakeups()
 
     def _now(self) -> dt.datetime:
         return self.runtime.clock()
@@ -435,6 +499,45 @@ class WorkflowClient(Client):
         if isinstance(outcome, Completed) and definition is not None:
             return Completed(row.id, definition.output_adapter.validate_python(outcome.value))
         return outcome
+
+    def _lease(self) -> tuple[str, float] | None:
+        rt = self.runtime
+        return (rt.owner, rt.lease_ttl.total_seconds()) if rt.reserve_drive() else None
+
+    def _started(self, created: executions.Created, leased: bool, asked: float) -> None:
+        if leased:
+            self.runtime.dispatch(created.claim, asked)
+        else:
+            self._notify()
+
+    def _known(self, execution_id: str) -> Outcome | None:
+        found = self.runtime.finished_here(execution_id)
+        if found is None:
+            return None
+        name, version, ok, value = found
+        if not ok:
+            return Failed(execution_id, dict(value or {}))
+        definition = self.runtime._registry.get((name, version))
+        if definition is not None:
+            value = definition.output_adapter.validate_python(value)
+        return Completed(execution_id, value)
+
+    def _busy(self, execution_id: str) -> bool:
+        return self.runtime.busy_here(execution_id)
+
+    def result(self, execution_id: str, timeout: float | None = None) -> Outcome:
+        """Wait for the run to finish and return its outcome, driving it in this thread
+        when it is due and nobody drives it: first by claiming it outright (a run just
+        started needs no read before), else as :meth:`Client.result` does."""
+        arguments.check_timeout(timeout)
+        rt = self.runtime
+        if self._known(execution_id) is None and not self._busy(execution_id):
+            drove = rt.drive_for_outcome(arguments.check_id(execution_id))
+            if isinstance(drove, tuple):
+                known = self._known(execution_id)
+                if known is not None:
+                    return known
+        return super().result(execution_id, timeout)
 
     def _try_drive(self, row: Row[Any]) -> Outcome | bool:
         """A due run nobody holds is driven in this thread; a run whose pinned version is

@@ -93,8 +93,12 @@ class Context:
     def _who(self, name: str, invocation: int, activity: str) -> Activity:
         return Activity(self._execution_id, name, invocation, activity)
 
-    def _before_new_call(self) -> None:
-        """Checked before anything new runs: the lease, then a cancellation."""
+    def _before_new_call(self, *, ending: bool = False) -> None:
+        """Checked before anything new runs: a finished step's deferred events are written
+        (when the body ended they go out with the outcome instead), the lease is checked,
+        then a cancellation."""
+        if not ending:
+            self._driver.flush()
         self._driver.check_lease()
         cancelled = self._journal.cancelled
         if cancelled is not None:

@@ -37,6 +37,7 @@ from .errors import (
     LeaseLostError,
     NonDeterminismError,
     StaleHistoryError,
+    ValueTooLargeError,
     brief,
     driver_error,
     error_document,
@@ -49,6 +50,7 @@ from .replay import Journal
 from .secrets import SecretResolver
 from .store import executions, history
 from .values import to_json
+from .wakeups import END, NOTIFIED_POLL_INTERVAL, WAKE
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -80,7 +82,14 @@ def load_journal(conn: Connection, execution_id: str) -> tuple[Journal, int]:
 
 
 class RunDriver:
-    """Writes for one replay of one run, on the drive's connection, fenced by its epoch.
+    """Writes for one replay of one run, fenced by its epoch.
+
+    Each write borrows a pooled connection and gives it back at once: a run holds none
+    while its steps (or the workflow's own code) run, so one process drives hundreds of runs
+    on a small pool. A step's outcome is not written on its own when nothing else is new: it
+    goes out with the next write (the next call's, the park or the run's outcome), and always
+    before anything else starts (:meth:`flush`), so a 3-step run ends with one write holding
+    its last step and its outcome.
 
     ``seen`` is the last sequence read; a client event after it (a signal, a cancellation)
     makes parking or deciding a race stale, so the body replays from fresh history. Database
@@ -90,7 +99,6 @@ class RunDriver:
     def __init__(
         self,
         runtime: Runtime,
-        conn: Connection,
         claim: Claim,
         lease: Lease,
         clock: DriveClock,
@@ -99,18 +107,22 @@ class RunDriver:
     ) -> None:
         self.runtime = runtime
         self.backend = runtime.backend
-        self.conn = conn
         self.execution_id = claim.execution_id
         self.workflow = claim.workflow_name
         self.epoch = claim.epoch
+        #: Whether the outcome is announced to callers waiting in other processes (a run
+        #: started here is awaited here: no notification needed).
+        self._announce_end = self.backend.can_listen and not claim.started_here
         self.lease = lease
         self.clock = clock
         self.seen = seen
         self._cancel_known = cancel_known
         self.record_start_after = runtime.record_start_after
         self.news = False
-        #: One connection, used by the body, ctx.all branches and the start-record timer.
+        #: Serializes the writes of the body, ctx.all branches and the start-record timer.
         self.conn_lock = threading.RLock()
+        #: Events written with the next write (a finished step's), see :meth:`defer`.
+        self._deferred: list[NewEvent] = []
         #: Columns the first write also resets (a run that made progress is not failing).
         self._reset: dict[str, Any] = {"drive_failures": 0} if claim.drive_failures else {}
         #: ``(ok, stored value)`` once this driver recorded the run's outcome.
@@ -123,17 +135,42 @@ class RunDriver:
         evs: Sequence[NewEvent],
         values: dict[str, Any] | None = None,
         guard: tuple[str, ...] | None = None,
+        note: str | None = None,
+    ) -> Fenced:
+        with self.conn_lock:
+            deferred = self._deferred
+            if deferred:
+                try:
+                    fenced = self._send([*deferred, *evs], values, guard, note)
+                except Halt as halt:
+                    if not isinstance(halt.cause, ValueTooLargeError):
+                        raise
+                    # Too large as one statement (MySQL's packet): the deferred events alone.
+                    self._send(deferred, None, None)
+                    deferred.clear()
+                    return self._send(evs, values, guard, note)
+                deferred.clear()
+                return fenced
+            return self._send(evs, values, guard, note)
+
+    def _send(
+        self,
+        evs: Sequence[NewEvent],
+        values: dict[str, Any] | None,
+        guard: tuple[str, ...] | None,
+        note: str | None = None,
     ) -> Fenced:
         try:
-            with self.conn_lock:
+            with self.backend.connection() as conn:
                 fenced = self.backend.write(
-                    self.conn,
+                    conn,
                     self.execution_id,
                     self.epoch,
                     evs,
                     now=self.clock(),
                     values={**self._reset, **(values or {})} or None,
                     guard=guard,
+                    note=note,
                 )
         except Exception as exc:
             raise Halt(exc) from exc
@@ -145,26 +182,49 @@ class RunDriver:
     def record(self, evs: Sequence[NewEvent]) -> None:
         self._write(evs)
 
+    def _near(self, wake_at: dt.datetime) -> bool:
+        """Whether a timer is due before a listening worker's safety-net poll would see it
+        (only then is it worth a notification)."""
+        if not self.backend.can_listen:
+            return False
+        return (wake_at - self.clock()).total_seconds() <= NOTIFIED_POLL_INTERVAL
+
+    def defer(self, evs: Sequence[NewEvent]) -> None:
+        """Write ``evs`` with the next write, at the latest by :meth:`flush`."""
+        with self.conn_lock:
+            self._deferred.extend(evs)
+
+    def flush(self) -> None:
+        """Write the deferred events now (before something new starts)."""
+        with self.conn_lock:
+            if self._deferred:
+                self._write([])
+
     def _locked(self, evs: Sequence[NewEvent], park: bool, wake_at: dt.datetime | None) -> None:
-        try:
-            with self.conn_lock, self.backend.begin(self.conn):
-                history.append(
-                    self.conn,
-                    self.backend,
-                    self.execution_id,
-                    evs,
-                    now=self.clock(),
-                    epoch=self.epoch,
-                    seen_through=self.seen,
-                    values=self._reset or None,
-                )
-                if park:
-                    executions.park(self.conn, self.execution_id, self.epoch, wake_at)
-        except StaleHistoryError:
-            raise Reload from None
-        except Exception as exc:
-            raise Halt(exc) from exc
-        self._reset = {}
+        with self.conn_lock:
+            evs = [*self._deferred, *evs]
+            try:
+                with self.backend.begin() as conn:
+                    history.append(
+                        conn,
+                        self.backend,
+                        self.execution_id,
+                        evs,
+                        now=self.clock(),
+                        epoch=self.epoch,
+                        seen_through=self.seen,
+                        values=self._reset or None,
+                    )
+                    if park:
+                        executions.park(conn, self.execution_id, self.epoch, wake_at)
+                        if wake_at is not None and self._near(wake_at):
+                            self.backend.announce(conn, WAKE + wake_at.isoformat())
+            except StaleHistoryError:
+                raise Reload from None
+            except Exception as exc:
+                raise Halt(exc) from exc
+            self._deferred.clear()
+            self._reset = {}
 
     def record_checked(self, evs: Sequence[NewEvent]) -> None:
         self._locked(evs, False, None)
@@ -177,15 +237,18 @@ class RunDriver:
         quarter of the TTL; if its word is older than half the TTL (the keeper lags, or this
         process was paused), ask the database now, fenced by the epoch."""
         lease = self.lease
-        if lease.lost or self.runtime.closing:
+        if lease.lost:
+            raise Halt(LeaseLostError(self.execution_id))
+        if self.runtime.closing:
+            self.flush()  # what finished is kept; the run is handed over from there
             raise Halt(LeaseLostError(self.execution_id))
         ttl = self.runtime.lease_ttl.total_seconds()
         if time.monotonic() - lease.confirmed <= ttl / 2:
             return
         asked = time.monotonic()
         try:
-            with self.conn_lock, self.backend.begin(self.conn):
-                still = self.backend.renew(self.conn, {self.execution_id: self.epoch}, ttl)
+            with self.backend.begin() as conn:
+                still = self.backend.renew(conn, {self.execution_id: self.epoch}, ttl)
         except Exception as exc:
             raise Halt(exc) from exc
         if self.execution_id not in still:
@@ -259,8 +322,9 @@ class RunDriver:
         }
         guard = lifecycle.COMPLETABLE if ok else lifecycle.FAILABLE
         event = events.workflow_finished(self.execution_id, wf.name, ok, value, now)
+        note = END + self.execution_id if self._announce_end else None
         try:
-            self._write([event], values, tuple(sorted(guard)))
+            self._write([event], values, tuple(sorted(guard)), note)
         except Halt as halt:
             # A cancellation can land between the last call and the outcome: the guard then
             # refuses a completion. Replay from the fresh history to unwind instead.
@@ -288,7 +352,7 @@ def run_body(driver: RunDriver, wf: Workflow[Any, Any], payload: Any, journal: J
             out = wf.fn(ctx, value) if wf.takes_input else wf.fn(ctx)
         ctx._ended()
         # Cancelled after its last durable call: the cancellation still wins.
-        ctx._before_new_call()
+        ctx._before_new_call(ending=True)
         what = f"output of workflow {wf.name}"
         stored = to_json(wf.output_adapter, out, what)
         driver.check_size(what, stored)
@@ -317,21 +381,14 @@ def run_body(driver: RunDriver, wf: Workflow[Any, Any], payload: Any, journal: J
     driver.finish(wf, ok=True, value=stored)
 
 
-def start_drive(runtime: Runtime, conn: Connection, claim: Claim) -> tuple[Journal, int]:
-    """After a claim: read the whole history and record ``workflow.started`` the first time,
-    in one transaction (the claim's own, when the caller passes a connection inside it).
-    Reading after the claim means every write of a previous holder is visible, so a
-    recorded step is never run again."""
-    if conn.in_transaction():
-        return _start(runtime, conn, claim)
-    with runtime.backend.begin(conn):
-        return _start(runtime, conn, claim)
-
-
-def _start(runtime: Runtime, conn: Connection, claim: Claim) -> tuple[Journal, int]:
-    rows = history.load(conn, claim.execution_id)
-    begun = any(r.event["type"] == "workflow.started" for r in rows)
-    if begun and _left_in_flight(claim, rows[-1].event):
+def start_drive(runtime: Runtime, claim: Claim) -> tuple[Journal, int]:
+    """The journal of a claimed run and the last sequence read, its history read (and
+    ``workflow.started`` recorded) by the claim itself or now (:meth:`Backend.open_claim`)."""
+    if claim.history is None:
+        with runtime.backend.begin() as conn:
+            claim = runtime.backend.open_claim(conn, claim)
+    history = claim.history or ()
+    if history and _left_in_flight(claim, history[-1][1]):
         log.info(
             "run %s (%s): resuming a run an earlier driver left in flight (claim %d)",
             claim.execution_id,
@@ -339,15 +396,7 @@ def _start(runtime: Runtime, conn: Connection, claim: Claim) -> tuple[Journal, i
             claim.epoch,
             extra=run_fields(claim.execution_id, claim.workflow_name),
         )
-    if not begun:
-        started = events.workflow_started(
-            claim.execution_id, claim.workflow_name, claim.workflow_version, claim.db_now
-        )
-        # The claim just fenced the run at this epoch: the fenced write (no row lock
-        # and re-read first) is enough, in the claim's transaction.
-        runtime.backend.fenced(conn, claim.execution_id, claim.epoch, [started], now=claim.db_now)
-    journal = Journal.from_events([r.event for r in rows])
-    return journal, int(rows[-1].sequence) if rows else 0
+    return Journal.from_events([e for _, e in history]), claim.next_seq - 1
 
 
 def _left_in_flight(claim: Claim, last: Mapping[str, Any]) -> bool:
@@ -356,31 +405,31 @@ def _left_in_flight(claim: Claim, last: Mapping[str, Any]) -> bool:
     neither a client's (a signal, a cancellation) nor a retry parked for later."""
     if claim.status != lifecycle.RUNNING.value or claim.drive_failures:
         return False
+    if last["type"] == "execution.started":  # never driven before
+        return False
     if last["type"] in events.CLIENT_EVENT_TYPES:
         return False
     return not (last["type"] == "step.failed" and not last.get("final", True))
 
 
-def drive(
-    runtime: Runtime, conn: Connection, claim: Claim, lease: Lease, loaded: tuple[Journal, int]
-) -> Any:
+def drive(runtime: Runtime, claim: Claim, lease: Lease, loaded: tuple[Journal, int]) -> Any:
     """Drive a claimed run until it finishes, parks or loses its lease.
 
     Returns ``(ok, stored value)`` if it finished here, else ``None``.
     """
     wf = runtime.definition(claim.workflow_name, claim.workflow_version)
     clock = DriveClock(claim.db_now, runtime.time_shift)
+    driver: RunDriver | None = None
     try:
         while True:
             journal, seen = loaded
-            driver = RunDriver(
-                runtime, conn, claim, lease, clock, seen, journal.cancelled is not None
-            )
+            driver = RunDriver(runtime, claim, lease, clock, seen, journal.cancelled is not None)
             try:
                 run_body(driver, wf, claim.input, journal)
             except Reload:
+                driver.flush()  # a finished step's events, before the history is read again
                 try:
-                    with runtime.backend.read(conn):
+                    with runtime.backend.read() as conn:
                         loaded = load_journal(conn, claim.execution_id)
                 except Exception as exc:
                     raise Halt(exc) from exc
@@ -406,7 +455,10 @@ def drive(
     except Exception as exc:  # a defect in replay itself: count it like any failed drive
         failed(runtime, claim, exc)
     except BaseException:
-        release(runtime, claim)  # interrupted (shutdown): due again at once elsewhere
+        if driver is not None:  # interrupted (shutdown): keep what finished, if we still can
+            with contextlib.suppress(Exception, Halt):
+                driver.flush()
+        release(runtime, claim)  # due again at once elsewhere
         raise
     finally:
         runtime.keeper().forget(lease)

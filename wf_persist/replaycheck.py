@@ -83,6 +83,12 @@ class _DryDriver:
         if fresh:
             raise _Frontier(f"would record {', '.join(e.type for e in fresh)}")
 
+    def defer(self, events: Sequence[NewEvent]) -> None:
+        self.record(events)
+
+    def flush(self) -> None:
+        return None
+
     def record_checked(self, events: Sequence[NewEvent]) -> None:
         if (
             events

@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -38,11 +39,11 @@ from .errors import (
     WorkflowVersionConflictError,
 )
 from .leases import LeaseKeeper
-from .replay import Journal
 from .secrets import SecretResolver
 from .store import Executor, catalog
 from .timers import Timers
 from .values import to_json
+from .wakeups import Wakeups
 
 if TYPE_CHECKING:
     from .client import WorkflowClient
@@ -54,6 +55,8 @@ Clock = Callable[[], dt.datetime]
 
 #: Returned by :meth:`Runtime.drive_for_outcome` when the run could not be claimed.
 NOT_DRIVEN: Any = object()
+#: How many outcomes of runs finished here a runtime keeps for its waiters.
+FINISHED_KEPT = 4096
 
 
 def utc_now() -> dt.datetime:
@@ -144,7 +147,11 @@ class Runtime:
         self.secret_resolver = secret_resolver
         self.record_start_after = record_start_after
         self.max_drive_failures = max_drive_failures
-        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._base_owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        #: The name this runtime's claims carry (``lease_owner``); it ends with the
+        #: backend's mark once the runtime holds its presence lock (see :mod:`.wakeups`).
+        self.owner = self._base_owner
+        self._wakeups: Wakeups | None = None
         self.timers = Timers()
         #: Set by :meth:`close`: drivers stop before their next step.
         self.closing = False
@@ -152,6 +159,10 @@ class Runtime:
         self._latest: dict[str, int] = {}
         self._lock = threading.Lock()
         self._driving: set[str] = set()
+        #: Runs started claimed here and handed to the worker, not yet being driven.
+        self._dispatched: set[str] = set()
+        #: Outcomes of runs finished here lately: ``(name, version, ok, stored value)``.
+        self._finished: OrderedDict[str, tuple[str, int, bool, Any]] = OrderedDict()
         self._keeper: LeaseKeeper | None = None
         self._worker: Worker | None = None
         self._changed = threading.Condition()
@@ -309,60 +320,99 @@ class Runtime:
         with self._driving_run(execution_id, 0.5) as ours:
             if not ours:
                 return NOT_DRIVEN
-            backend = self.backend
-            with backend.connection() as conn:
-                loaded = None
-                asked = time.monotonic()  # before the claim: see Lease.confirmed
-                with backend.begin(conn):  # the claim, the history read, workflow.started
-                    claim = backend.claim(conn, execution_id, self.owner, self._ttl())
-                    if claim is not None:  # a missing definition undoes the claim
-                        self.definition(claim.workflow_name, claim.workflow_version)
-                        loaded = driver.start_drive(self, conn, claim)
-                if claim is None:
-                    return NOT_DRIVEN
-                return self._drive(conn, claim, loaded, asked)
+            workflows = self.runnable_workflows()
+            if not workflows:
+                return NOT_DRIVEN
+            self.wakeups()
+            asked = time.monotonic()  # before the claim: see Lease.confirmed
+            claim = self.backend.claim_to_drive(execution_id, self.owner, self._ttl(), workflows)
+            if claim is None:
+                return NOT_DRIVEN
+            return self._drive(claim, asked)
 
     def drive_claim(self, claim: Claim) -> Any:
         """Drive a run a worker claimed (see :meth:`claim_due`)."""
         with self._driving_run(claim.execution_id, 0.0) as ours:
+            with self._lock:
+                self._dispatched.discard(claim.execution_id)
             if not ours:  # cannot happen: claims exclude runs this process drives
                 driver.release(self, claim)
                 return NOT_DRIVEN
-            with self.backend.connection() as conn:
-                return self._drive(conn, claim)
+            return self._drive(claim)
 
-    def _drive(
-        self,
-        conn: Connection,
-        claim: Claim,
-        loaded: tuple[Journal, int] | None = None,
-        asked: float | None = None,
-    ) -> Any:
+    def _drive(self, claim: Claim, asked: float | None = None) -> Any:
         keeper = self.keeper()
         lease = keeper.hold(claim.execution_id, claim.epoch, asked)
         try:
-            if loaded is None:
-                self.definition(claim.workflow_name, claim.workflow_version)
-                loaded = driver.start_drive(self, conn, claim)
+            self.definition(claim.workflow_name, claim.workflow_version)
+            loaded = driver.start_drive(self, claim)
         except Exception as exc:
             keeper.forget(lease)
             driver.failed(self, claim, exc)
             return None
-        return driver.drive(self, conn, claim, lease, loaded)
+        finished = driver.drive(self, claim, lease, loaded)
+        if finished is not None:
+            with self._lock:
+                self._finished[claim.execution_id] = (
+                    claim.workflow_name,
+                    claim.workflow_version,
+                    *finished,
+                )
+                while len(self._finished) > FINISHED_KEPT:
+                    self._finished.popitem(last=False)
+        return finished
+
+    def finished_here(self, execution_id: str) -> tuple[str, int, bool, Any] | None:
+        """The outcome of a run this runtime finished lately (a finished run never changes:
+        a waiter here needs no read)."""
+        with self._lock:
+            return self._finished.get(execution_id)
+
+    def busy_here(self, execution_id: str) -> bool:
+        """Whether this process drives the run now (or is about to)."""
+        with self._lock:
+            return execution_id in self._driving or execution_id in self._dispatched
+
+    # runs started claimed -------------------------------------------------------------
+
+    def reserve_drive(self) -> bool:
+        """Whether a run about to be started here can be started claimed and driven by this
+        runtime's worker at once (a slot is then promised to it: :meth:`dispatch`)."""
+        worker = self._worker
+        if worker is None or self.closing:
+            return False
+        self.wakeups()
+        return worker.reserve()
+
+    def dispatch(self, claim: Claim | None, asked: float) -> None:
+        """Hand a run started claimed (``claim``; ``None``: nothing was created) to the
+        worker slot :meth:`reserve_drive` promised."""
+        worker = self._worker
+        assert worker is not None
+        if claim is None:
+            worker.unreserve()
+            return
+        keeper = self.keeper()
+        lease = keeper.hold(claim.execution_id, claim.epoch, asked)
+        with self._lock:
+            self._dispatched.add(claim.execution_id)
+        if not worker.submit(claim):  # stopping meanwhile: due again at once elsewhere
+            with self._lock:
+                self._dispatched.discard(claim.execution_id)
+            keeper.forget(lease)
+            driver.release(self, claim)
 
     def claim_due(self, limit: int) -> list[Claim]:
         """Claim up to ``limit`` due runs this runtime can drive (for workers)."""
         workflows = self.runnable_workflows()
         if not workflows or limit <= 0 or self.closing:
             return []
+        self.wakeups()
         with self._lock:
             exclude = sorted(self._driving)
         asked = time.monotonic()  # before the claim: see Lease.confirmed
         try:
-            with self.backend.begin() as conn:
-                claims = self.backend.claim_due(
-                    conn, self.owner, self._ttl(), limit, workflows, exclude
-                )
+            claims = self.backend.claim_batch(self.owner, self._ttl(), limit, workflows, exclude)
         except Exception as exc:
             if not self.backend.contention(exc):
                 raise
@@ -393,6 +443,40 @@ class Runtime:
                 self._keeper = LeaseKeeper(self.backend, self._ttl())
                 self._keeper.start()
             return self._keeper
+
+    def reap(self) -> list[str]:
+        """Make runs whose owner's process is gone due now (see :meth:`Backend.reap`)."""
+        return self.backend.reap(self.owner)
+
+    # wake-ups ---------------------------------------------------------------------------
+
+    def wakeups(self) -> Wakeups:
+        """This runtime's listener (started on first use, before its first claim: it holds
+        the presence lock its claims are named after, where the database has one)."""
+        with self._lock:
+            found = self._wakeups
+            if found is None:
+                mark = self.backend.owner_mark()
+                found = Wakeups(self.backend, self._base_owner + mark if mark else None)
+                found.on_due(lambda _at: self._wake_worker())
+                found.on_end(lambda _id: self._notify())
+                self._wakeups = found
+                fresh = True
+            else:
+                fresh = False
+        if fresh and found.start() and found.present and found.presence is not None:
+            self.owner = found.presence
+        return found
+
+    def listening(self) -> bool:
+        """Whether notifications reach this runtime now (else its worker polls)."""
+        found = self._wakeups
+        return found is not None and found.listening
+
+    def _wake_worker(self) -> None:
+        worker = self._worker
+        if worker is not None:
+            worker.wake()
 
     # time ---------------------------------------------------------------------------
 
@@ -444,6 +528,13 @@ class Runtime:
                 comfortable,
             )
 
+    def attach(self, worker: Worker) -> None:
+        """Make ``worker`` this runtime's (a worker loop run directly, as the CLI does): it is
+        then woken by this process's starts, finished runs and notifications."""
+        with self._lock:
+            if self._worker is None:
+                self._worker = worker
+
     def start_worker(self, *, concurrency: int = 4, poll_interval: float | None = None) -> Worker:
         """Run a worker in background threads of this process (embedded mode)."""
         from .worker import Worker
@@ -486,6 +577,8 @@ class Runtime:
             keeper.release_all()
             keeper.stop()
         self.timers.stop()
+        if self._wakeups is not None:
+            self._wakeups.stop()
         with self._lock:
             in_flight = bool(self._driving)
         if not in_flight:  # else the last drive to stop disposes of it

@@ -56,6 +56,13 @@ class Driver(Protocol):
     def record(self, events: Sequence[NewEvent]) -> None:
         """Append events in one fenced write (the hot path)."""
 
+    def defer(self, events: Sequence[NewEvent]) -> None:
+        """Append events with the next write (a finished step's: the next call's write, the
+        park or the outcome), at the latest when :meth:`flush` is called."""
+
+    def flush(self) -> None:
+        """Write the deferred events now: something new is about to start."""
+
     def record_checked(self, events: Sequence[NewEvent]) -> None:
         """Append under the row lock; :class:`Reload` if news arrived first."""
 
@@ -271,10 +278,14 @@ class StepRunner:
                 self.wait_until(retry_at, inline)
                 attempt += 1
                 continue
-            pending = watch.finish()
-            self.record(
-                [*pending, events.step_completed(who, attempt, stored, self.driver.clock())]
-            )
+            done = [
+                *watch.finish(),
+                events.step_completed(who, attempt, stored, self.driver.clock()),
+            ]
+            if inline:  # a branch of ctx.all: its siblings write meanwhile
+                self.record(done)
+            else:
+                self.driver.defer(done)
             self._register(call, result, stored, inputs)
             return result
 
@@ -350,6 +361,7 @@ class StepRunner:
             started = events.compensation_started(
                 who, comp.stored_result, comp.inputs, reason, self.driver.clock()
             )
+            self.driver.flush()  # the last step's outcome is recorded before an undo runs
             try:
                 self._call_compensation(comp, reason)
             except Exception as exc:

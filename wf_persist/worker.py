@@ -15,16 +15,22 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidArgumentError
 from .leases import Outage
+from .wakeups import NOTIFIED_POLL_INTERVAL
 
 if TYPE_CHECKING:
+    from .backends import Claim
     from .runtime import Runtime
 
 log = logging.getLogger("wf_persist.worker")
+
+#: How often a worker looks for runs of workers whose process is gone (presence locks).
+REAP_INTERVAL = 0.1
 
 
 class Worker:
@@ -60,7 +66,10 @@ class Worker:
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._pool: ThreadPoolExecutor | None = None
         self._inflight: set[Future[Any]] = set()
+        #: Slots promised to runs this process starts claimed (see :meth:`reserve`).
+        self._reserved = 0
         self._lock = threading.Lock()
         self._outage = Outage(log, "claiming due runs", self.poll_interval)
 
@@ -82,6 +91,33 @@ class Worker:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
+    def reserve(self) -> bool:
+        """Promise a slot to a run about to be started claimed by this process (its drive
+        then begins at once, without a claim or a poll); False when every slot is busy."""
+        with self._lock:
+            if self._pool is None or self._stopping.is_set():
+                return False
+            if self.concurrency - len(self._inflight) - self._reserved <= 0:
+                return False
+            self._reserved += 1
+            return True
+
+    def unreserve(self) -> None:
+        with self._lock:
+            self._reserved -= 1
+
+    def submit(self, claim: Claim) -> bool:
+        """Drive a claimed run in a reserved slot; False if the worker is stopping."""
+        with self._lock:
+            self._reserved -= 1
+            pool = self._pool
+            if pool is None or self._stopping.is_set():
+                return False
+            fut = pool.submit(self.runtime.drive_claim, claim)
+            self._inflight.add(fut)
+        fut.add_done_callback(self._done)
+        return True
+
     def _done(self, fut: Future[Any]) -> None:
         with self._lock:
             self._inflight.discard(fut)
@@ -91,37 +127,77 @@ class Worker:
         self._wake.set()
 
     def run(self) -> None:
-        """Claim and drive due runs until :meth:`stop` is called."""
+        """Claim and drive due runs until :meth:`stop` is called.
+
+        The loop looks for due runs when told (a notification, a run ending here, a start
+        or signal from this process) or when its idle wait ends (the next known timer, at
+        most one poll interval); where presence locks exist it also looks, every
+        :data:`REAP_INTERVAL`, for runs whose worker is gone (one small query).
+        """
         rt = self.runtime
+        rt.attach(self)
         rt.keeper().warm()
+        rt.wakeups()
         with ThreadPoolExecutor(self.concurrency, thread_name_prefix="wf-persist-run") as pool:
+            with self._lock:
+                self._pool = pool
+            look_at = reap_at = 0.0
             while not self._stopping.is_set():
+                told = self._wake.is_set()
                 self._wake.clear()
-                with self._lock:
-                    free = self.concurrency - len(self._inflight)
-                claimed = []
-                if free > 0:
-                    try:
-                        claimed = rt.claim_due(free)
-                    except Exception as exc:
-                        self._wake.wait(self._outage.failed(exc))
-                        continue
-                    self._outage.succeeded()
-                for claim in claimed:
-                    fut = pool.submit(rt.drive_claim, claim)
-                    with self._lock:
-                        self._inflight.add(fut)
-                    fut.add_done_callback(self._done)
-                if claimed and len(claimed) == free:
-                    continue  # maybe more is due
-                self._wake.wait(self._idle_wait())
+                try:
+                    if self._reaping() and time.monotonic() >= reap_at:
+                        reap_at = time.monotonic() + REAP_INTERVAL
+                        found = rt.reap()
+                        if found:
+                            told = True
+                            log.warning(
+                                "taking over %d run(s) whose worker is gone: %s", len(found), found
+                            )
+                    if told or time.monotonic() >= look_at:
+                        if self._claim(pool):
+                            continue  # every free slot filled: maybe more is due
+                        look_at = time.monotonic() + self._idle_wait()
+                except Exception as exc:
+                    self._wake.wait(self._outage.failed(exc))
+                    look_at = 0.0
+                    continue
+                self._outage.succeeded()
+                until = look_at if not self._reaping() else min(look_at, reap_at)
+                self._wake.wait(max(0.0, until - time.monotonic()))
+            with self._lock:
+                self._pool = None
             self._wake.set()
 
+    def _claim(self, pool: ThreadPoolExecutor) -> bool:
+        """Claim due runs for the free slots and start them; whether every slot is taken."""
+        with self._lock:
+            free = self.concurrency - len(self._inflight) - self._reserved
+        if free <= 0:
+            return False
+        claimed = self.runtime.claim_due(free)
+        for claim in claimed:
+            with self._lock:
+                fut = pool.submit(self.runtime.drive_claim, claim)
+                self._inflight.add(fut)
+            fut.add_done_callback(self._done)
+        return bool(claimed) and len(claimed) == free
+
+    def _reaping(self) -> bool:
+        mark = self.runtime.backend.owner_mark()
+        return bool(mark) and self.runtime.owner.endswith(mark)
+
     def _idle_wait(self) -> float:
+        """Until the next known timer, at most one poll interval (a longer one while
+        notifications arrive: polling is then only the safety net)."""
+        rt = self.runtime
+        interval = self.poll_interval
+        if rt.listening():
+            interval = max(interval, NOTIFIED_POLL_INTERVAL)
         try:
-            until = self.runtime.seconds_to_next_wake()
+            until = rt.seconds_to_next_wake()
         except Exception:
             return self.poll_interval
         if until is None:
-            return self.poll_interval
-        return max(0.005, min(self.poll_interval, until))
+            return interval
+        return max(0.005, min(interval, until))

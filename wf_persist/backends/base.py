@@ -34,6 +34,7 @@ from sqlalchemy import (
     String,
     and_,
     bindparam,
+    false,
     func,
     insert,
     literal_column,
@@ -45,12 +46,14 @@ from sqlalchemy import (
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 
+from .. import events
 from ..errors import LeaseLostError, UnsupportedDatabaseError, ValueTooLargeError
 from ..events import NewEvent
 from ..lifecycle import ACTIVE
-from ..models import UTC_DATETIME, JSONDoc, UniqueKey
+from ..models import IDEMPOTENCY_KEY, UTC_DATETIME, JSONDoc, UniqueKey
 from ..models import executions_table as ex
 from ..models import history_table as hist
+from ..wakeups import DUE, NOT_AVAILABLE, Listener
 from .clock import db_later, db_now
 from .slots import Slots
 
@@ -66,7 +69,15 @@ class Claim(NamedTuple):
     input: Any
     status: str
     drive_failures: int
+    #: The run's next sequence number after the claim: 2 means its history holds only its
+    #: ``execution.started`` (nothing to read before driving it).
+    next_seq: int
     db_now: dt.datetime
+    #: The run's history as ``(sequence, event)`` pairs when the claim read it too (then
+    #: ``workflow.started`` is recorded as well); ``None``: the driver reads it.
+    history: tuple[tuple[int, dict[str, Any]], ...] | None = None
+    #: Created claimed by the process that drives it (its starter waits for it there).
+    started_here: bool = False
 
 
 class Fenced(NamedTuple):
@@ -83,6 +94,8 @@ class WriteShape:
     n: int
     columns: tuple[str, ...]
     guard: tuple[str, ...] | None
+    #: Whether the write also sends a notification (:meth:`Backend.announce`).
+    note: bool = False
 
 
 #: Row columns a claim hands back.
@@ -94,6 +107,7 @@ CLAIM_COLUMNS = (
     ex.c.input,
     ex.c.status,
     ex.c.drive_failures,
+    ex.c.next_seq,
 )
 HOT_COLUMNS = (
     "execution_id",
@@ -105,6 +119,7 @@ HOT_COLUMNS = (
     "event",
 )
 INSERT_HISTORY = insert(hist)
+_CREATE = insert(ex).values(wake_at=db_now())
 P_TTL = bindparam("p_ttl", type_=Float())
 
 
@@ -117,7 +132,10 @@ def due() -> Any:
 
 
 def pinned(workflows: Sequence[tuple[str, int]]) -> Any:
-    return or_(*(and_(ex.c.workflow_name == n, ex.c.workflow_version == v) for n, v in workflows))
+    """Runs of these (name, version) pairs (none: no run)."""
+    return or_(
+        false(), *(and_(ex.c.workflow_name == n, ex.c.workflow_version == v) for n, v in workflows)
+    )
 
 
 #: A claim's parameters: the run (single claims), the claiming runtime.
@@ -177,15 +195,21 @@ _LOCK_RUN = (
 )
 
 
-@functools.cache
-def _claim_one() -> Any:
-    """Built once: a statement object reused keeps its cache key (no rebuild per claim)."""
-    return (
-        update(ex)
-        .where(ex.c.id == P_ID, due())
-        .values(claim_values())
-        .returning(*CLAIM_COLUMNS, db_now())
-    )
+@functools.lru_cache(maxsize=64)
+def _claim_one(workflows: tuple[tuple[str, int], ...] | None) -> Any:
+    """Built once per set of workflows: a statement object reused keeps its cache key."""
+    stmt = update(ex).where(ex.c.id == P_ID, due())
+    if workflows is not None:
+        stmt = stmt.where(pinned(workflows))
+    return stmt.values(claim_values()).returning(*CLAIM_COLUMNS, db_now())
+
+
+#: A run's history as ``(sequence, event)`` pairs, in order.
+LOAD_HISTORY = (
+    select(hist.c.sequence, hist.c.event)
+    .where(hist.c.execution_id == P_ID)
+    .order_by(hist.c.sequence)
+)
 
 
 class Backend:
@@ -206,6 +230,9 @@ class Backend:
     #: An embedded database (a file this process opens): a runtime that created its engine
     #: migrates it itself.
     embedded: ClassVar[bool] = False
+    #: Whether the database may notify listeners (confirmed when one connects:
+    #: :meth:`listener`); without, workers poll.
+    can_listen: ClassVar[bool] = False
 
     def __init__(self, engine: Engine, *, owned: bool, schema: str | None = None) -> None:
         if schema is not None and not self.supports_schemas:
@@ -258,6 +285,13 @@ class Backend:
                 yield fresh
             return
         with conn.begin():
+            yield conn
+
+    @contextlib.contextmanager
+    def atomic(self) -> Iterator[Connection]:
+        """A connection for one store call the backend makes atomic on its own: a
+        transaction, or where the call is one statement (PostgreSQL's start), autocommit."""
+        with self.begin() as conn:
             yield conn
 
     @contextlib.contextmanager
@@ -337,6 +371,26 @@ class Backend:
             return None
         return int(size()) + int(overflow)
 
+    # wake-ups and presence (see :mod:`wf_persist.wakeups`) ------------------------------
+
+    def listener(self, presence: str | None) -> Listener:
+        """A listening connection of this process's own, holding the presence lock of
+        ``presence`` (an owner) if the database has such locks."""
+        return NOT_AVAILABLE
+
+    def announce(self, conn: Connection, payload: str) -> None:
+        """Notify listeners when ``conn``'s transaction commits (nothing where nobody can
+        listen: workers poll)."""
+
+    def reap(self, owner: str) -> list[str]:
+        """Make the runs of owners whose process is gone due now (their presence lock is
+        free); the ids. Where there are no presence locks, leases lapse instead."""
+        return []
+
+    def owner_mark(self) -> str:
+        """What a runtime holding its presence lock appends to its owner name."""
+        return ""
+
     # dedupe ------------------------------------------------------------------------
 
     #: The dialect's INSERT with ``ON CONFLICT (...) DO NOTHING`` (PostgreSQL, SQLite), which
@@ -362,13 +416,95 @@ class Backend:
         result = conn.execute(stmt, dict(row), execution_options=self.statement_options)
         return int(result.rowcount) == 1
 
+    # runs --------------------------------------------------------------------------
+
+    def insert_run(
+        self,
+        conn: Connection,
+        row: Mapping[str, Any],
+        started: NewEvent,
+        *,
+        lease: tuple[str, float] | None = None,
+    ) -> Claim | bool:
+        """Insert a run due now and its ``execution.started`` (sequence 1), in the caller's
+        transaction. ``False``: its (workflow, idempotency key) is taken (that conflict and
+        no other is ignored). With ``lease=(owner, ttl)`` the run is claimed by ``owner``
+        and opened (:meth:`open_claim`) in the same transaction: the :class:`Claim`."""
+        options = self.statement_options
+        if row["idempotency_key"] is None:
+            conn.execute(_CREATE, dict(row), execution_options=options)
+        elif not self.insert_once(conn, ex, row, IDEMPOTENCY_KEY, {"wake_at": db_now()}):
+            return False
+        conn.execute(INSERT_HISTORY, history_row(row["id"], 1, started), execution_options=options)
+        if lease is None:
+            self.announce(conn, DUE)
+            return True
+        owner, ttl = lease
+        claim = self.claim(conn, row["id"], owner, ttl)
+        assert claim is not None  # created due, in this transaction
+        return self.open_claim(conn, claim)._replace(started_here=True)
+
     # claims ------------------------------------------------------------------------
 
-    def claim(self, conn: Connection, execution_id: str, owner: str, ttl: float) -> Claim | None:
-        """Claim one run if it is due: one compare-and-set."""
+    def claim(
+        self,
+        conn: Connection,
+        execution_id: str,
+        owner: str,
+        ttl: float,
+        workflows: Sequence[tuple[str, int]] | None = None,
+    ) -> Claim | None:
+        """Claim one run if it is due (and of one of ``workflows``, if given): one
+        compare-and-set."""
         params = {"p_id": execution_id, "p_owner": owner, "p_ttl": ttl}
-        row = conn.execute(_claim_one(), params).one_or_none()
+        pins = None if workflows is None else tuple(workflows)
+        row = conn.execute(_claim_one(pins), params).one_or_none()
         return None if row is None else Claim(*row)
+
+    def open_claim(self, conn: Connection, claim: Claim) -> Claim:
+        """The claim with its run's history read, after recording ``workflow.started`` the
+        first time (in ``conn``'s transaction, which must be one). Reading after the claim
+        means every write of a previous holder is visible, so a recorded step is never run
+        again. A run whose history holds only its ``execution.started`` (``next_seq`` 2) has
+        nothing to read."""
+        if claim.history is not None:
+            return claim
+        found = (
+            ()
+            if claim.next_seq <= 2
+            else conn.execute(LOAD_HISTORY, {"p_id": claim.execution_id}).all()
+        )
+        history = tuple((int(r[0]), r[1]) for r in found)
+        if any(e["type"] == "workflow.started" for _, e in history):
+            return claim._replace(history=history)
+        started = events.workflow_started(
+            claim.execution_id, claim.workflow_name, claim.workflow_version, claim.db_now
+        )
+        # The claim just fenced the run at this epoch: the fenced write (no row lock and
+        # re-read first) is enough, in the claim's transaction.
+        fenced = self.fenced(conn, claim.execution_id, claim.epoch, [started], now=claim.db_now)
+        return claim._replace(history=history, next_seq=fenced.sequences[-1] + 1)
+
+    def claim_to_drive(
+        self, execution_id: str, owner: str, ttl: float, workflows: Sequence[tuple[str, int]]
+    ) -> Claim | None:
+        """Claim one run of ``workflows`` if it is due and open it (:meth:`open_claim`),
+        in one transaction of its own."""
+        with self.begin() as conn:
+            claim = self.claim(conn, execution_id, owner, ttl, workflows)
+            return None if claim is None else self.open_claim(conn, claim)
+
+    def claim_batch(
+        self,
+        owner: str,
+        ttl: float,
+        limit: int,
+        workflows: Sequence[tuple[str, int]],
+        exclude: Sequence[str],
+    ) -> list[Claim]:
+        """:meth:`claim_due` in a transaction of its own."""
+        with self.begin() as conn:
+            return self.claim_due(conn, owner, ttl, limit, workflows, exclude)
 
     def claim_due(
         self,
@@ -427,7 +563,10 @@ class Backend:
             .where(held_at(held))
             .values(lease_owner=None, lease_expires_at=None, wake_at=db_later(P_TTL))
         )
-        return int(conn.execute(stmt, {"p_ttl": delay}).rowcount)
+        released = int(conn.execute(stmt, {"p_ttl": delay}).rowcount)
+        if released and delay == 0:
+            self.announce(conn, DUE)
+        return released
 
     def next_wake(
         self, conn: Connection, workflows: Sequence[tuple[str, int]]
@@ -457,9 +596,11 @@ class Backend:
         now: dt.datetime,
         values: Mapping[str, Any] | None = None,
         guard: tuple[str, ...] | None = None,
+        note: str | None = None,
     ) -> Fenced:
         """Append events and update the run if ``epoch`` is current, in the caller's
-        transaction: an UPDATE ... RETURNING (the compare-and-set) and one INSERT."""
+        transaction: an UPDATE ... RETURNING (the compare-and-set) and one INSERT; ``note``
+        is announced (:meth:`announce`) with the commit."""
         shape = WriteShape(len(events), tuple(sorted(values or ())), guard)
         params = self._params(execution_id, epoch, now, values)
         top = conn.execute(_bump_returning(shape), params).one_or_none()
@@ -471,6 +612,8 @@ class Backend:
                 INSERT_HISTORY,
                 [history_row(execution_id, base + i, e) for i, e in enumerate(events)],
             )
+        if note is not None:
+            self.announce(conn, note)
         return Fenced([base + i for i in range(shape.n)], str(top[1]))
 
     def write(
@@ -483,11 +626,12 @@ class Backend:
         now: dt.datetime,
         values: Mapping[str, Any] | None = None,
         guard: tuple[str, ...] | None = None,
+        note: str | None = None,
     ) -> Fenced:
         """:meth:`fenced` as a write of its own, committed when it returns (the hot path)."""
         with self.begin(conn):
             return self.fenced(
-                conn, execution_id, epoch, events, now=now, values=values, guard=guard
+                conn, execution_id, epoch, events, now=now, values=values, guard=guard, note=note
             )
 
     @staticmethod

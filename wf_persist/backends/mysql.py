@@ -57,6 +57,8 @@ _STRICT = ("STRICT_TRANS_TABLES", "STRICT_ALL_TABLES")
 _DUPLICATE_KEY: Final = 1062
 _DEADLOCK: Final = 1213
 _LOCK_WAIT_TIMEOUT: Final = 1205
+#: The server's status flag "a transaction is open" (PyMySQL keeps the last one it saw).
+_SERVER_STATUS_IN_TRANS: Final = 1
 
 
 def _code(exc: BaseException) -> Any:
@@ -78,12 +80,15 @@ class NamedLockSlots(SessionLockSlots):
         conn.execute(text("SELECT RELEASE_LOCK(:n)"), {"n": self._name(k1, slot)})
 
 
-@functools.cache
-def _cas_statement() -> Any:
+@functools.lru_cache(maxsize=64)
+def _cas_statement(workflows: tuple[tuple[str, int], ...] | None = None) -> Any:
     """A claim's compare-and-set, its new epoch handed back through ``LAST_INSERT_ID``."""
     values = claim_values()
     values["claim_epoch"] = func.last_insert_id(ex.c.claim_epoch + 1)
-    return update(ex).where(ex.c.id == P_ID, due()).values(values)
+    stmt = update(ex).where(ex.c.id == P_ID, due())
+    if workflows is not None:
+        stmt = stmt.where(pinned(workflows))
+    return stmt.values(values)
 
 
 class MySQLBackend(Backend):
@@ -112,6 +117,10 @@ class MySQLBackend(Backend):
     def configure_engine(cls, url: URL, kwargs: dict[str, Any]) -> tuple[URL, dict[str, Any]]:
         # What PostgreSQL does by default: each statement sees what committed before it.
         kwargs.setdefault("isolation_level", "READ COMMITTED")
+        # A driver borrows a connection per write: the pool's ROLLBACK on every return would
+        # be a round trip each time (PyMySQL always sends it). Our own engines roll back
+        # only a connection the server says is inside a transaction (see on_own_engine).
+        kwargs.setdefault("pool_reset_on_return", None)
         return url, kwargs
 
     def view_options(self) -> dict[str, Any]:
@@ -128,6 +137,11 @@ class MySQLBackend(Backend):
 
     @classmethod
     def on_own_engine(cls, engine: Engine) -> None:
+        @event.listens_for(engine, "reset")
+        def _reset(dbapi_connection: Any, _record: ConnectionPoolEntry, _state: Any) -> None:
+            if getattr(dbapi_connection, "server_status", 1) & _SERVER_STATUS_IN_TRANS:
+                dbapi_connection.rollback()
+
         @event.listens_for(engine, "connect")
         def _strict(dbapi_connection: Any, _record: ConnectionPoolEntry) -> None:
             cursor = dbapi_connection.cursor()
@@ -190,9 +204,17 @@ class MySQLBackend(Backend):
 
     # claims ------------------------------------------------------------------------
 
-    def _cas(self, conn: Connection, execution_id: str, owner: str, ttl: float) -> int | None:
+    def _cas(
+        self,
+        conn: Connection,
+        execution_id: str,
+        owner: str,
+        ttl: float,
+        workflows: Sequence[tuple[str, int]] | None = None,
+    ) -> int | None:
         params = {"p_id": execution_id, "p_owner": owner, "p_ttl": ttl}
-        result = conn.execute(_cas_statement(), params)
+        pins = None if workflows is None else tuple(workflows)
+        result = conn.execute(_cas_statement(pins), params)
         return int(result.lastrowid) if result.rowcount == 1 else None
 
     def _claimed(self, conn: Connection, pairs: Sequence[tuple[str, int]]) -> list[Claim]:
@@ -201,8 +223,15 @@ class MySQLBackend(Backend):
         rows = conn.execute(select(*CLAIM_COLUMNS, db_now()).where(held_at(dict(pairs)))).all()
         return [Claim(*row) for row in rows]
 
-    def claim(self, conn: Connection, execution_id: str, owner: str, ttl: float) -> Claim | None:
-        epoch = self._cas(conn, execution_id, owner, ttl)
+    def claim(
+        self,
+        conn: Connection,
+        execution_id: str,
+        owner: str,
+        ttl: float,
+        workflows: Sequence[tuple[str, int]] | None = None,
+    ) -> Claim | None:
+        epoch = self._cas(conn, execution_id, owner, ttl, workflows)
         if epoch is None:
             return None
         found = self._claimed(conn, [(execution_id, epoch)])
@@ -257,6 +286,7 @@ class MySQLBackend(Backend):
         now: dt.datetime,
         values: Mapping[str, Any] | None = None,
         guard: tuple[str, ...] | None = None,
+        note: str | None = None,
     ) -> Fenced:
         """Lock the row at the driver's epoch, bump it and insert: three statements in the
         caller's transaction (the lock makes the read of ``next_seq`` and the bump atomic)."""

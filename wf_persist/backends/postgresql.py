@@ -11,23 +11,31 @@ serialization failures instead).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import functools
 import json
-from collections.abc import Mapping, Sequence
+import logging
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Final
 
 from sqlalchemy import (
     Connection,
     Engine,
+    Integer,
     String,
     bindparam,
+    case,
+    exists,
     func,
     insert,
     literal_column,
+    null,
     select,
     text,
     tuple_,
     union_all,
+    update,
 )
 from sqlalchemy.dialects import postgresql
 
@@ -36,8 +44,28 @@ from ..events import NewEvent
 from ..models import UTC_DATETIME, JSONDoc
 from ..models import executions_table as ex
 from ..models import history_table as hist
-from .base import HOT_COLUMNS, Backend, Fenced, WriteShape, bump
+from ..wakeups import DUE, NOT_AVAILABLE, Listener
+from .base import (
+    CLAIM_COLUMNS,
+    HOT_COLUMNS,
+    P_ID,
+    P_TTL,
+    Backend,
+    Claim,
+    Fenced,
+    WriteShape,
+    bump,
+    claim_values,
+    due,
+    pinned,
+)
+from .clock import db_later, db_now
+from .pg_presence import PRESENT_MARK, REAP, PGListener, advisory_locks_work
 from .slots import SessionLockSlots
+
+log = logging.getLogger("wf_persist.worker")
+#: SQLSTATEs of a feature the database does not have (CockroachDB answers LISTEN so).
+_UNSUPPORTED: Final = ("0A000", "42883")
 
 #: Key of the advisory lock that serializes concurrent migrations.
 MIGRATION_LOCK_KEY: Final = 0x77665F70657273  # "wf_pers"
@@ -52,7 +80,198 @@ class AdvisorySlots(SessionLockSlots):
         conn.execute(select(func.pg_advisory_unlock(k1, slot)))
 
 
+P_LIMIT = bindparam("p_limit", type_=Integer())
+P_EXCLUDE: Any = bindparam("p_exclude", expanding=True)
+
+
+def _text(value: str) -> Any:
+    return literal_column(f"'{value}'", String())
+
+
+@functools.lru_cache(maxsize=64)
+def claim_statement(
+    workflows: tuple[tuple[str, int], ...] | None, batch: bool, exclude: bool
+) -> Any:
+    """Claims that also make their runs ready to drive, in ONE statement: the
+    compare-and-set (one run, or a batch locked with ``SKIP LOCKED``), ``workflow.started``
+    for runs never driven, and each run's history as ``(sequence, event)`` pairs.
+
+    ``workflow.started`` takes the next sequence only where ``started_at`` was NULL: the
+    INSERT aims at sequence ``next_seq - 1`` (after the claim's bump) and does nothing on a
+    conflict there, which is exactly the case of a run already started (that sequence is
+    its last event's). The history is read in the statement's snapshot, which may predate a
+    write the claim waited for: :func:`_claims` checks that every sequence is there.
+    """
+    values = {
+        **claim_values(),
+        "next_seq": ex.c.next_seq + case((ex.c.started_at.is_(None), 1), else_=0),
+    }
+    stmt = update(ex)
+    if batch:
+        candidates = select(ex.c.id).where(due())
+        if workflows is not None:
+            candidates = candidates.where(pinned(workflows))
+        if exclude:
+            candidates = candidates.where(ex.c.id.not_in(P_EXCLUDE))
+        chosen = (
+            candidates.order_by(ex.c.wake_at)
+            .limit(P_LIMIT)
+            .with_for_update(skip_locked=True)
+            .cte("wf_claimable")
+            .prefix_with("MATERIALIZED")
+        )
+        stmt = stmt.where(ex.c.id == chosen.c.id, due())
+    else:
+        stmt = stmt.where(ex.c.id == P_ID, due())
+        if workflows is not None:
+            stmt = stmt.where(pinned(workflows))
+    claimed = stmt.values(values).returning(*CLAIM_COLUMNS).cte("wf_claimed")
+    c = claimed.c
+    event = _started_event(c)
+    started = (
+        postgresql.insert(hist)
+        .from_select(
+            list(HOT_COLUMNS),
+            select(
+                c.id,
+                c.next_seq - 1,
+                _text("workflow.started"),
+                null(),
+                _text("workflow.started"),
+                db_now(),
+                event,
+            ),
+        )
+        .on_conflict_do_nothing(index_elements=[hist.c.execution_id, hist.c.sequence])
+        .returning(hist.c.execution_id)
+        .cte("wf_started")
+    )
+    began = exists().where(started.c.execution_id == c.id)
+    h = hist.alias("h")
+    pairs = func.json_agg(
+        postgresql.aggregate_order_by(func.json_build_array(h.c.sequence, h.c.event), h.c.sequence)
+    )
+    read = select(pairs).where(h.c.execution_id == c.id).scalar_subquery()
+    before = c.next_seq - case((began, 1), else_=0)  # the run's next_seq before the claim
+    return select(
+        *(c[col.name] for col in CLAIM_COLUMNS),
+        db_now(),
+        began.label("began"),
+        case((before > 2, read), else_=None).label("history"),
+    ).add_cte(started)
+
+
+#: The columns of a new run a start binds (the rest are SQL or defaults).
+_RUN_COLUMNS = (
+    "id",
+    "workflow_name",
+    "workflow_version",
+    "status",
+    "input",
+    "idempotency_key",
+    "actor",
+    "created_at",
+    "updated_at",
+)
+P_CHANNEL = bindparam("p_channel", type_=String())
+P_PAYLOAD = bindparam("p_payload", type_=String())
+
+
+def _started_event(c: Any) -> Any:
+    """``workflow.started`` as :func:`wf_persist.events.workflow_started` writes it."""
+    return func.jsonb_build_object(
+        _text("type"),
+        _text("workflow.started"),
+        _text("executionId"),
+        c.id,
+        _text("workflowName"),
+        c.workflow_name,
+        _text("version"),
+        c.workflow_version,
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def start_statement(idempotent: bool, leased: bool, notify: bool) -> Any:
+    """A start in ONE statement: the run, its ``execution.started`` and, for a run its
+    starter drives (``leased``), the claim and ``workflow.started``; ``notify`` tells
+    listening workers a run is due. An idempotency key already taken inserts nothing and
+    returns no row."""
+    values: dict[str, Any] = {c: bindparam(f"r_{c}", type_=ex.c[c].type) for c in _RUN_COLUMNS}
+    if leased:
+        values.update(
+            claim_epoch=literal_column("1"),
+            lease_owner=bindparam("p_owner", type_=String()),
+            lease_expires_at=db_later(P_TTL),
+            wake_at=db_later(P_TTL),
+            started_at=db_now(),
+            next_seq=literal_column("3"),
+        )
+    else:
+        values.update(wake_at=db_now(), next_seq=literal_column("2"))
+    created = postgresql.insert(ex).values(values)
+    if idempotent:
+        created = created.on_conflict_do_nothing(
+            index_elements=[ex.c.workflow_name, ex.c.idempotency_key]
+        )
+    run = created.returning(*CLAIM_COLUMNS).cte("wf_created")
+    c = run.c
+    source: Any = select(
+        c.id,
+        literal_column("1"),
+        _text("execution.started"),
+        null(),
+        null(),
+        bindparam("p_at", type_=UTC_DATETIME),
+        bindparam("p_event", type_=JSONDoc),
+    )
+    if leased:
+        source = union_all(
+            source,
+            select(
+                c.id,
+                literal_column("2"),
+                _text("workflow.started"),
+                null(),
+                _text("workflow.started"),
+                db_now(),
+                _started_event(c),
+            ),
+        )
+    begun = (
+        insert(hist)
+        .from_select(list(HOT_COLUMNS), source)
+        .returning(hist.c.sequence)
+        .cte("wf_begun")
+    )
+    columns: list[Any] = [
+        *(c[col.name] for col in CLAIM_COLUMNS),
+        db_now(),
+        literal_column("true").label("began"),
+        null().label("history"),
+    ]
+    if notify:
+        columns.append(func.pg_notify(P_CHANNEL, P_PAYLOAD))
+    return select(*columns).add_cte(begun)
+
+
+def _claims(rows: Sequence[Any]) -> list[Claim]:
+    claims = []
+    n = len(CLAIM_COLUMNS) + 1  # and the database's time
+    for row in rows:
+        claim, began, found = Claim(*row[:n]), row[n], row[n + 1]
+        pairs = () if found is None else tuple((int(q), e) for q, e in found)
+        # Complete: sequences 1 .. next_seq - 1, less the workflow.started just recorded
+        # (invisible to the statement) and the execution.started of a run never driven
+        # (not read).
+        expected = claim.next_seq - 1 - (1 if began else 0) - (1 if found is None else 0)
+        complete = len(pairs) == expected and all(q == i + 1 for i, (q, _) in enumerate(pairs))
+        claims.append(claim._replace(history=pairs) if complete else claim)
+    return claims
+
+
 class PostgreSQLBackend(Backend):
+    can_listen: ClassVar[bool] = True
     names: ClassVar[tuple[str, ...]] = ("postgresql",)
     extra: ClassVar[str | None] = "postgresql"
     insert_ignoring: ClassVar[Any] = staticmethod(postgresql.insert)
@@ -70,6 +289,9 @@ class PostgreSQLBackend(Backend):
         with engine.connect() as conn:
             default = conn.exec_driver_sql("SHOW default_transaction_isolation").scalar()
         self.autocommit_writes = default == "read committed"
+        #: Capabilities, known once the first listener connected (None: not known yet).
+        self._listen_ok: bool | None = None
+        self._presence_ok: bool | None = None
 
     def view_options(self) -> dict[str, Any]:
         return {**super().view_options(), "isolation_level": "READ COMMITTED"}
@@ -78,6 +300,162 @@ class PostgreSQLBackend(Backend):
         if version is not None and version < (12,):
             return "PostgreSQL >= 12 is needed; found " + ".".join(str(p) for p in version)
         return None
+
+    # wake-ups and presence ----------------------------------------------------------
+
+    def listener(self, presence: str | None) -> Listener:
+        if self._listen_ok is False:
+            return NOT_AVAILABLE
+        try:
+            found = PGListener(self, presence)
+        except Exception as exc:
+            orig = getattr(exc, "orig", exc)
+            if getattr(orig, "sqlstate", None) not in _UNSUPPORTED:
+                raise
+            self._listen_ok = False
+            log.warning("this database cannot LISTEN (%s): workers poll", orig)
+            return NOT_AVAILABLE
+        self._listen_ok = True
+        return found
+
+    def presence_ok(self, engine: Engine) -> bool:
+        """Whether presence locks work here (probed once, on ``engine``: a listener's own,
+        never the runs' pool)."""
+        if self._presence_ok is None:
+            self._presence_ok = advisory_locks_work(engine)
+            if not self._presence_ok:
+                log.warning(
+                    "advisory locks do not lock here: the runs of a worker that died are "
+                    "taken over when their leases lapse"
+                )
+        return self._presence_ok
+
+    def announce(self, conn: Connection, payload: str) -> None:
+        if self._listen_ok is not False:
+            conn.execute(
+                select(func.pg_notify(P_CHANNEL, P_PAYLOAD)),
+                {"p_channel": self.channel(), "p_payload": payload},
+            )
+
+    def reap(self, owner: str) -> list[str]:
+        if not self._presence_ok:
+            return []
+        table = ex.name if not self.schema_map else f'"{self.schema_map.get(None)}".{ex.name}'
+        with self.atomic() as conn:
+            found = conn.exec_driver_sql(REAP.format(table=table), {"me": owner})
+            return [str(i) for i in found.scalars()]
+
+    def owner_mark(self) -> str:
+        return PRESENT_MARK
+
+    # runs and claims ---------------------------------------------------------------
+
+    def channel(self) -> str:
+        """The channel of this database's wake-up notifications."""
+        return "wf_persist" if self.schema is None else f"wf_persist.{self.schema}"
+
+    def insert_run(
+        self,
+        conn: Connection,
+        row: Mapping[str, Any],
+        started: NewEvent,
+        *,
+        lease: tuple[str, float] | None = None,
+    ) -> Claim | bool:
+        """One statement (see :func:`start_statement`): atomic in autocommit too."""
+        notify = lease is None and self._listen_ok is not False
+        stmt = start_statement(row["idempotency_key"] is not None, lease is not None, notify)
+        params: dict[str, Any] = {f"r_{c}": row[c] for c in _RUN_COLUMNS}
+        params["p_at"] = started.created_at
+        params["p_event"] = started.event
+        if notify:
+            params["p_channel"] = self.channel()
+            params["p_payload"] = DUE
+        if lease is not None:
+            params["p_owner"], params["p_ttl"] = lease
+        found = conn.execute(stmt, params, execution_options=self.statement_options).all()
+        if not found:
+            return False
+        return True if lease is None else _claims(found)[0]._replace(started_here=True)
+
+    @contextlib.contextmanager
+    def atomic(self) -> Iterator[Connection]:
+        with self.engine.connect() as conn:
+            yield conn.execution_options(isolation_level="AUTOCOMMIT")
+
+    @contextlib.contextmanager
+    def read(self, conn: Connection | None = None) -> Iterator[Connection]:
+        """At READ COMMITTED (wf_persist's level here) every statement reads its own
+        snapshot, in a transaction or not: a read of our own needs no BEGIN/COMMIT."""
+        if conn is not None:
+            with conn.begin():
+                yield conn
+            return
+        with self.atomic() as auto:
+            yield auto
+
+    def _auto(self, stmt: Any, params: dict[str, Any], conn: Connection | None) -> list[Claim]:
+        if conn is not None:
+            return _claims(conn.execute(stmt, params).all())
+        with self.atomic() as auto:
+            return _claims(auto.execute(stmt, params).all())
+
+    def claim(
+        self,
+        conn: Connection,
+        execution_id: str,
+        owner: str,
+        ttl: float,
+        workflows: Sequence[tuple[str, int]] | None = None,
+    ) -> Claim | None:
+        pins = None if workflows is None else tuple(workflows)
+        params = {"p_id": execution_id, "p_owner": owner, "p_ttl": ttl}
+        found = self._auto(claim_statement(pins, False, False), params, conn)
+        return found[0] if found else None
+
+    def claim_to_drive(
+        self, execution_id: str, owner: str, ttl: float, workflows: Sequence[tuple[str, int]]
+    ) -> Claim | None:
+        """One round trip: the claim, ``workflow.started`` and the history read."""
+        params = {"p_id": execution_id, "p_owner": owner, "p_ttl": ttl}
+        found = self._auto(claim_statement(tuple(workflows), False, False), params, None)
+        return found[0] if found else None
+
+    def claim_due(
+        self,
+        conn: Connection,
+        owner: str,
+        ttl: float,
+        limit: int,
+        workflows: Sequence[tuple[str, int]],
+        exclude: Sequence[str],
+    ) -> list[Claim]:
+        return self._batch(conn, owner, ttl, limit, workflows, exclude)
+
+    def claim_batch(
+        self,
+        owner: str,
+        ttl: float,
+        limit: int,
+        workflows: Sequence[tuple[str, int]],
+        exclude: Sequence[str],
+    ) -> list[Claim]:
+        return self._batch(None, owner, ttl, limit, workflows, exclude)
+
+    def _batch(
+        self,
+        conn: Connection | None,
+        owner: str,
+        ttl: float,
+        limit: int,
+        workflows: Sequence[tuple[str, int]],
+        exclude: Sequence[str],
+    ) -> list[Claim]:
+        stmt = claim_statement(tuple(workflows), True, bool(exclude))
+        params: dict[str, Any] = {"p_owner": owner, "p_ttl": ttl, "p_limit": limit}
+        if exclude:
+            params["p_exclude"] = list(exclude)
+        return self._auto(stmt, params, conn)
 
     def keyset_after(self, created_at: dt.datetime, execution_id: str) -> Any:
         # A row comparison is one index range condition.
@@ -112,11 +490,14 @@ class PostgreSQLBackend(Backend):
                 for i in range(shape.n)
             ]
             source = selects[0] if shape.n == 1 else union_all(*selects)
+            returned: list[Any] = [hist.c.sequence, select(top.c.status).scalar_subquery()]
+            if shape.note:  # one per returned row: identical notifications are sent once
+                returned.append(func.pg_notify(P_CHANNEL, bindparam("p_note", type_=String())))
             stmt = (
                 insert(hist)
                 .from_select(list(HOT_COLUMNS), source)
                 .add_cte(top)
-                .returning(hist.c.sequence, select(top.c.status).scalar_subquery())
+                .returning(*returned)
             )
             schema_map = self.schema_map
             translate: dict[str, Any] = (
@@ -139,17 +520,21 @@ class PostgreSQLBackend(Backend):
         now: dt.datetime,
         values: Mapping[str, Any] | None = None,
         guard: tuple[str, ...] | None = None,
+        note: str | None = None,
     ) -> Fenced:
         """The one-statement write, straight to psycopg in autocommit with SQL rendered
-        once by SQLAlchemy (psycopg prepares it server-side after a few runs)."""
+        once by SQLAlchemy (psycopg prepares it server-side after a few runs); a ``note``
+        is sent by the same statement."""
         if not events or conn.in_transaction() or not self.autocommit_writes:
             return super().write(
-                conn, execution_id, epoch, events, now=now, values=values, guard=guard
+                conn, execution_id, epoch, events, now=now, values=values, guard=guard, note=note
             )
         n = len(events)
-        shape = WriteShape(n, tuple(sorted(values or ())), guard)
+        shape = WriteShape(n, tuple(sorted(values or ())), guard, note is not None)
         sql = self._statement(shape)
         params: dict[str, Any] = {"p_eid": execution_id, "p_epoch": epoch, "p_now": now}
+        if note is not None:
+            params["p_channel"], params["p_note"] = self.channel(), note
         for column, value in (values or {}).items():
             params[f"v_{column}"] = (
                 json.dumps(value) if column in _JSON_COLUMNS and value is not None else value

@@ -231,6 +231,7 @@ class SQLiteBackend(Backend):
         now: dt.datetime,
         values: Mapping[str, Any] | None = None,
         guard: tuple[str, ...] | None = None,
+        note: str | None = None,
     ) -> Fenced:
         """BEGIN IMMEDIATE, the compare-and-set UPDATE ... RETURNING, one INSERT, COMMIT,
         sent straight to the driver with SQL rendered once by SQLAlchemy: skipping
@@ -238,7 +239,7 @@ class SQLiteBackend(Backend):
         commit. Errors are handled as SQLAlchemy would (a dead connection is invalidated)."""
         if conn.in_transaction() or self.schema_map:
             return super().write(
-                conn, execution_id, epoch, events, now=now, values=values, guard=guard
+                conn, execution_id, epoch, events, now=now, values=values, guard=guard, note=note
             )
         n = len(events)
         shape = WriteShape(n, tuple(sorted(values or ())), guard)

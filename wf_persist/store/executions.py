@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sqlalchemy import Row, delete, select, update
 
 from .. import lifecycle
-from ..backends.base import P_ID
+from ..backends.base import P_ID, Claim
 from ..backends.clock import db_now
 from ..errors import CannotCancelError, IdempotencyConflictError, UnknownExecutionError
 from ..events import NewEvent
-from ..models import IDEMPOTENCY_KEY
 from ..models import executions_table as ex
 from ..models import history_table as hist
 from . import Executor, connection_of, history
@@ -28,9 +27,18 @@ if TYPE_CHECKING:
 
 
 #: Built once: a reused statement keeps its cache key.
-_CREATE = ex.insert().values(wake_at=db_now())
-_insert_history = hist.insert()
 _GET = select(ex, (ex.c.wake_at <= db_now()).label("due")).where(ex.c.id == P_ID)
+
+
+class Created(NamedTuple):
+    """What :func:`create` did: the run's id and version (an existing run's, for a start
+    with an idempotency key already used), whether it is new, and the claim of a run created
+    claimed (``lease``)."""
+
+    execution_id: str
+    version: int
+    created: bool
+    claim: Claim | None = None
 
 
 def create(
@@ -45,19 +53,17 @@ def create(
     actor: str | None,
     started: NewEvent,
     now: dt.datetime,
-) -> tuple[str, int, bool]:
+    lease: tuple[str, float] | None = None,
+) -> Created:
     """Insert a run and its ``execution.started`` event (sequence 1) atomically.
 
     With an idempotency key the insert ignores a conflict on (workflow_name, key) and only
     that, so 20 threads or two processes starting with one key create exactly one run; the
     losers get the winner's id and record nothing. The run is due at once by the database's
-    clock.
-
-    Returns:
-        ``(execution_id, version, created)`` where ``created`` is false for an existing run.
+    clock, or with ``lease=(owner, ttl)`` created claimed by ``owner`` and ready to drive
+    (``workflow.started`` recorded: the starting process drives it itself).
     """
     core = connection_of(conn)
-    options = backend.statement_options
     row = {
         "id": execution_id,
         "workflow_name": workflow_name,
@@ -70,33 +76,19 @@ def create(
         "created_at": now,
         "updated_at": now,
     }
-    due_now = {"wake_at": db_now()}
-    if idempotency_key is None:
-        core.execute(_CREATE, row, execution_options=options)
-    elif not backend.insert_once(core, ex, row, IDEMPOTENCY_KEY, due_now):
+    inserted = backend.insert_run(core, row, started, lease=lease)
+    if inserted is False:
+        assert idempotency_key is not None  # the only conflict an insert ignores
         found = core.execute(
             select(ex.c.id, ex.c.workflow_version).where(
                 ex.c.workflow_name == workflow_name, ex.c.idempotency_key == idempotency_key
             ),
-            execution_options=options,
+            execution_options=backend.statement_options,
         ).one_or_none()
         if found is None:  # the winner is not visible to this transaction's snapshot
             raise IdempotencyConflictError(workflow_name, idempotency_key)
-        return str(found.id), int(found.workflow_version), False
-    core.execute(
-        _insert_history,
-        {
-            "execution_id": execution_id,
-            "sequence": 1,
-            "type": started.type,
-            "activity_name": None,
-            "dedupe_key": None,
-            "created_at": started.created_at,
-            "event": started.event,
-        },
-        execution_options=options,
-    )
-    return execution_id, workflow_version, True
+        return Created(str(found.id), int(found.workflow_version), False)
+    return Created(execution_id, workflow_version, True, None if inserted is True else inserted)
 
 
 def cancel(

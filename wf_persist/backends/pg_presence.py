@@ -1,0 +1,98 @@
+"""PostgreSQL's listening connection: LISTEN for wake-ups, and the presence lock.
+
+The presence lock is a session-level advisory lock keyed by ``hashtextextended(owner, 0)``,
+held by the listening connection of a runtime that claims runs. The server drops it the
+moment that connection dies (the process was killed, the machine went away), which is what
+lets another worker take the runs over at once (:data:`REAP`) rather than after the lease.
+A runtime whose lock is held shows in ``lease_owner`` with :data:`PRESENT_MARK` at the end:
+only such owners are ever reaped (a runtime without the lock, e.g. one that could not take
+it, is recovered by lease expiry as before).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Final
+
+from sqlalchemy import Engine
+
+if TYPE_CHECKING:
+    from .postgresql import PostgreSQLBackend
+
+log = logging.getLogger("wf_persist.worker")
+
+#: The end of an owner whose presence lock is held (``host:pid:id!``).
+PRESENT_MARK: Final = "!"
+_KEY: Final = "hashtextextended(%s, 0)"
+
+#: Runs leased by owners whose presence lock is free: their process is gone. The lock is
+#: tried at transaction level, so it is released when this statement (in autocommit) ends.
+REAP: Final = """
+WITH owners AS (
+    SELECT DISTINCT lease_owner FROM {table}
+    WHERE lease_owner IS NOT NULL AND status IN ('running', 'suspended', 'compensating')
+),
+dead AS (
+    SELECT lease_owner FROM owners
+    WHERE lease_owner LIKE '%%!' AND lease_owner <> %(me)s
+      AND pg_try_advisory_xact_lock(hashtextextended(lease_owner, 0))
+)
+UPDATE {table}
+SET wake_at = clock_timestamp(), lease_expires_at = clock_timestamp()
+WHERE lease_owner IN (SELECT lease_owner FROM dead)
+  AND status IN ('running', 'suspended', 'compensating')
+  AND lease_expires_at > clock_timestamp()
+RETURNING id
+"""
+
+
+class PGListener:
+    """One connection of the process's own, in autocommit: LISTEN, and the presence lock."""
+
+    def __init__(self, backend: PostgreSQLBackend, owner: str | None) -> None:
+        self._engine: Engine = backend.side_engine()
+        try:
+            fairy = self._engine.raw_connection()
+            raw: Any = fairy.driver_connection
+            fairy.detach()  # this process's for good: not a pool connection any more
+            self._raw = raw
+            raw.autocommit = True
+            raw.execute(f'LISTEN "{backend.channel()}"')
+            self.present = (
+                owner is not None and backend.presence_ok(self._engine) and self._lock(owner)
+            )
+        except BaseException:
+            self.close()
+            raise
+
+    def _lock(self, owner: str) -> bool:
+        cursor = self._raw.execute(f"SELECT pg_try_advisory_lock({_KEY})", [owner])
+        return bool(cursor.fetchone()[0])
+
+    def wait(self, timeout: float) -> list[str]:
+        return [n.payload for n in self._raw.notifies(timeout=timeout, stop_after=1)]
+
+    def close(self) -> None:
+        raw = getattr(self, "_raw", None)
+        if raw is not None and not raw.closed:
+            try:
+                raw.close()
+            except Exception as exc:  # closing a broken connection
+                log.debug("closing the listening connection: %s", exc)
+        self._engine.dispose()
+
+
+def advisory_locks_work(engine: Engine) -> bool:
+    """Whether session advisory locks really exclude each other here (some
+    PostgreSQL-compatible databases accept the functions but lock nothing)."""
+    key = "wf_persist capability probe"
+    with engine.connect() as one, engine.connect() as two:
+        first = one.exec_driver_sql(f"SELECT pg_try_advisory_lock({_KEY})", (key,)).scalar()
+        second = two.exec_driver_sql(f"SELECT pg_try_advisory_lock({_KEY})", (key,)).scalar()
+        if first:
+            one.exec_driver_sql(f"SELECT pg_advisory_unlock({_KEY})", (key,))
+        if second:
+            two.exec_driver_sql(f"SELECT pg_advisory_unlock({_KEY})", (key,))
+        one.rollback()
+        two.rollback()
+    return bool(first) and not second

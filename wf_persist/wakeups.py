@@ -1,0 +1,182 @@
+"""Wake-ups without polling, and a process's presence, where the database offers them.
+
+On PostgreSQL a process keeps ONE connection of its own that ``LISTEN``s: a start, a
+signal, a cancellation, a released lease or a near timer notifies workers at once, and a
+finished run wakes the callers waiting for its result (their backend writes the
+notifications in the same transaction, so nothing is announced that did not commit). The
+same connection holds a session-level advisory lock named after the runtime's owner: the
+server releases it when the process dies, so other workers take its runs over at once
+instead of waiting for the leases to lapse (:meth:`Backend.reap`).
+
+Both are capabilities the backend detects when the listener connects (PostgreSQL-compatible
+distributed databases lack them): without them, or while the connection is down, polling
+and lease expiry keep every guarantee. After an outage every subscriber is woken once,
+since notifications sent meanwhile are lost.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Final, Protocol
+
+from .leases import Outage
+
+if TYPE_CHECKING:
+    from .backends import Backend
+
+log = logging.getLogger("wf_persist.worker")
+
+#: Notification payloads: a run is due now; a run will be due at a time; a run ended.
+DUE: Final = "due"
+WAKE: Final = "wake "
+END: Final = "end "
+#: How long one wait for notifications lasts (the listener looks at its stop flag between).
+LISTEN_TICK: Final = 1.0
+#: The safety-net poll of a worker that notifications reach (seconds): it looks for due
+#: runs this often in case a notification was lost; a timer nearer than this is announced.
+NOTIFIED_POLL_INTERVAL: Final = 5.0
+
+
+class Listener(Protocol):
+    """A backend's listening connection (see :meth:`Backend.listener`)."""
+
+    #: Whether this connection holds the runtime's presence lock.
+    present: bool
+
+    def wait(self, timeout: float) -> list[str]:
+        """Payloads received within ``timeout`` seconds (at once if some are pending)."""
+
+    def close(self) -> None:
+        """Close the connection (the presence lock goes with it)."""
+
+
+class Wakeups:
+    """The listening thread of one runtime or client.
+
+    Subscribers are called on the listening thread and must be quick (set an event, notify a
+    condition). ``on_due`` hears of runs due now or soon (a worker's claim loop), ``on_end``
+    of runs that ended (callers waiting for results).
+    """
+
+    def __init__(self, backend: Backend, presence: str | None = None) -> None:
+        self.backend = backend
+        self.presence = presence
+        self._due: list[Callable[[dt.datetime | None], None]] = []
+        self._end: list[Callable[[str], None]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._listener: Listener | None = None
+        #: Whether notifications arrive now (else subscribers must poll).
+        self.listening = False
+        #: Whether the presence lock is held now.
+        self.present = False
+        self._outage = Outage(log, "listening for wake-ups", 0.1)
+
+    def on_due(self, fn: Callable[[dt.datetime | None], None]) -> None:
+        with self._lock:
+            self._due.append(fn)
+
+    def on_end(self, fn: Callable[[str], None]) -> None:
+        with self._lock:
+            self._end.append(fn)
+
+    def start(self, wait: float = 5.0) -> bool:
+        """Start listening (once) and wait up to ``wait`` seconds for the first connection;
+        returns whether notifications (and presence, if asked for) are in place."""
+        with self._lock:
+            if self._thread is None and self.backend.can_listen:
+                self._thread = threading.Thread(
+                    target=self._run, name="wf-persist-wakeups", daemon=True
+                )
+                self._thread.start()
+            thread = self._thread
+        if thread is None:
+            return False
+        self._ready.wait(wait)
+        return self.listening
+
+    def stop(self) -> None:
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=LISTEN_TICK + 5)
+
+    # the thread ------------------------------------------------------------------------
+
+    def _connect(self) -> Listener | None:
+        try:
+            listener = self.backend.listener(self.presence)
+        except Exception as exc:
+            time.sleep(self._outage.failed(exc))
+            return None
+        self._outage.succeeded()
+        return listener
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            listener = self._connect()
+            if listener is None:
+                self._ready.set()  # callers go on polling meanwhile
+                continue
+            if listener is NOT_AVAILABLE:
+                self._ready.set()
+                return
+            self._listener = listener
+            self.present = listener.present
+            self.listening = True
+            self._ready.set()
+            self._announce_due(None)  # whatever was sent before (or during an outage)
+            try:
+                while not self._stop.is_set():
+                    for payload in listener.wait(LISTEN_TICK):
+                        self._dispatch(payload)
+            except Exception as exc:
+                time.sleep(self._outage.failed(exc))
+            finally:
+                self.listening = False
+                self.present = False
+                self._listener = None
+                listener.close()
+
+    def _dispatch(self, payload: str) -> None:
+        if payload == DUE:
+            self._announce_due(None)
+        elif payload.startswith(WAKE):
+            try:
+                at = dt.datetime.fromisoformat(payload[len(WAKE) :])
+            except ValueError:
+                at = None
+            self._announce_due(at)
+        elif payload.startswith(END):
+            with self._lock:
+                subscribers = list(self._end)
+            for fn in subscribers:
+                fn(payload[len(END) :])
+
+    def _announce_due(self, at: dt.datetime | None) -> None:
+        with self._lock:
+            subscribers = list(self._due)
+        for fn in subscribers:
+            fn(at)
+
+
+class _NotAvailable:
+    """What :meth:`Backend.listener` returns for a database without notifications."""
+
+    present = False
+
+    def wait(self, timeout: float) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        return None
+
+
+#: The listener of a database that cannot notify (the thread then ends at once).
+NOT_AVAILABLE: Final[Listener] = _NotAvailable()
