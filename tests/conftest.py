@@ -11,8 +11,9 @@ capability is tested for it::
     @pytest.mark.lacks("schemas")        # every listed backend without named schemas
 
 The capabilities (:data:`CAPABILITIES`) are read from the backend objects themselves:
-``skip_locked``, ``schemas`` (``supports_schemas``), ``embedded``, ``server`` (not embedded)
-and ``shared_slots`` (``backend.slots.shared``: step limits that hold database-wide).
+``skip_locked``, ``schemas`` (``supports_schemas``), ``embedded``, ``server`` (not embedded),
+``shared_slots`` (``backend.slots.shared``: step limits that hold database-wide), ``notify``
+(``can_listen``: LISTEN/NOTIFY wake-ups) and ``presence`` (presence locks).
 ``tests/test_backends.py`` pins which backend has which, so a capability lost by accident
 fails there instead of quietly dropping a backend from the tests that need it. A test whose
 parameter set comes out empty (no listed backend has what it needs) fails; it is not skipped.
@@ -67,7 +68,17 @@ ADMIN_URLS = {
 TABLES = ("wf_history", "wf_executions", "wf_workflows")
 #: The capabilities a ``needs``/``lacks`` marker may name.
 CAPABILITY_NAMES = frozenset(
-    {"skip_locked", "schemas", "embedded", "server", "shared_slots", "sql_mode", "initdb"}
+    {
+        "skip_locked",
+        "schemas",
+        "embedded",
+        "server",
+        "shared_slots",
+        "sql_mode",
+        "initdb",
+        "notify",
+        "presence",
+    }
 )
 #: Capabilities of each listed backend, read from its backend object at session start.
 CAPABILITIES: dict[str, frozenset[str]] = {}
@@ -89,6 +100,10 @@ def capabilities_of(backend: Backend) -> frozenset[str]:
         found.add("sql_mode")  # a session sql_mode that could truncate values (MySQL)
     if "postgresql" in kind.names:
         found.add("initdb")  # a private server of it can be started (and restarted) by a test
+    if kind.can_listen:
+        found.add("notify")  # LISTEN/NOTIFY wake-ups
+    if backend.owner_mark():
+        found.add("presence")  # presence locks: a dead worker's runs are taken over at once
     return frozenset(found)
 
 

@@ -21,7 +21,15 @@ from .helpers import Processes
 #: pinned here instead.
 EXPECTED_CAPABILITIES = {
     "sqlite": {"embedded"},
-    "postgresql": {"server", "skip_locked", "schemas", "shared_slots", "initdb"},
+    "postgresql": {
+        "server",
+        "skip_locked",
+        "schemas",
+        "shared_slots",
+        "initdb",
+        "notify",
+        "presence",
+    },
     "mysql": {"server", "skip_locked", "shared_slots", "sql_mode"},
 }
 

@@ -238,17 +238,22 @@ def test_leases_are_renewed_on_a_connection_of_their_own(db_url: str) -> None:
 
 
 def test_a_pool_too_small_for_the_worker_is_refused(db_url: str) -> None:
-    engine = create_engine(db_url, pool_size=2, max_overflow=1)
-    rt = wp.Runtime(engine)
-    try:
-        with pytest.raises(wp.PoolTooSmallError) as caught:
-            rt.start_worker(concurrency=3)
-        assert (caught.value.capacity, caught.value.needed) == (3, 4)
-        assert "concurrency 3" in str(caught.value)
-        rt.start_worker(concurrency=2).stop()
-    finally:
-        rt.close()
-        engine.dispose()
+    """Runs borrow a connection per write: two connections serve any concurrency (the claim
+    loop and one write at a time); one cannot."""
+    for size, works in ((1, False), (2, True)):
+        engine = create_engine(db_url, pool_size=size, max_overflow=0)
+        rt = wp.Runtime(engine)
+        try:
+            if works:
+                rt.start_worker(concurrency=50).stop()
+                continue
+            with pytest.raises(wp.PoolTooSmallError) as caught:
+                rt.start_worker(concurrency=3)
+            assert (caught.value.capacity, caught.value.needed) == (1, 2)
+            assert "concurrency 3" in str(caught.value)
+        finally:
+            rt.close()
+            engine.dispose()
 
 
 def test_a_pause_between_a_claim_and_its_lease_record_is_not_trusted(

@@ -983,24 +983,29 @@ def test_claimed_runs_are_held_from_before_the_claim_and_never_twice(
     assert [c.execution_id for c in rt.claim_due(10)] == [first.execution_id]
 
 
-def test_a_pool_is_comfortable_from_twice_the_concurrency_plus_two(
+def test_a_pool_is_comfortable_from_the_concurrency_plus_one_up_to_ten(
     db_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """README: ``start_worker`` warns below ``2 * concurrency + 2`` connections."""
+    """README: ``start_worker`` warns below ``concurrency + 1`` connections, at most 10."""
     engine = create_engine(db_url, pool_size=5, max_overflow=5)  # 10 connections
-    rt = wp.Runtime(engine)
+    small = create_engine(db_url, pool_size=5, max_overflow=0)
+    rt, tight = wp.Runtime(engine), wp.Runtime(small)
     try:
         with caplog.at_level(logging.WARNING, logger="wf_persist.runtime"):
-            rt.check_pool(4)  # needs 5, comfortable at 10: quiet
+            rt.check_pool(500)  # 10 serve any concurrency: quiet
+            tight.check_pool(4)  # 5 for concurrency 4: quiet
             assert not caplog.records
-            rt.check_pool(5)  # comfortable at 12: says so, with the numbers
+            tight.check_pool(5)  # wants 6: says so, with the numbers
         assert [r.getMessage() for r in caplog.records] == [
-            "the engine's pool gives 10 connections; a worker with concurrency 5 needs 6, "
-            "up to 12 when steps wait for concurrency slots"
+            "the engine's pool gives 5 connections; a worker with concurrency 5 runs best "
+            "with 6 (runs wait for a connection at each write, and steps under a "
+            "database-wide concurrency limit hold one while they run)"
         ]
     finally:
         rt.close()
+        tight.close()
         engine.dispose()
+        small.dispose()
 
 
 def test_the_journal_reads_attempts_failures_and_retry_times_from_step_events() -> None:

@@ -121,9 +121,9 @@ class PoolTooSmallError(InvalidArgumentError):
         self.needed = needed
         self.concurrency = concurrency
         super().__init__(
-            f"a worker with concurrency {concurrency} needs {needed} connections at once, but "
+            f"a worker (concurrency {concurrency}) needs {needed} connections at once, but "
             f"the engine's pool gives at most {capacity} (pool_size + max_overflow): raise "
-            "max_overflow or pool_size, or lower the concurrency"
+            "max_overflow or pool_size"
         )
 
 

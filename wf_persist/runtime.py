@@ -57,6 +57,8 @@ Clock = Callable[[], dt.datetime]
 NOT_DRIVEN: Any = object()
 #: How many outcomes of runs finished here a runtime keeps for its waiters.
 FINISHED_KEPT = 4096
+#: A pool this large serves a worker of any concurrency without runs queueing for long.
+COMFORTABLE_POOL = 10
 
 
 def utc_now() -> dt.datetime:
@@ -506,25 +508,28 @@ class Runtime:
     # workers ----------------------------------------------------------------------------
 
     def check_pool(self, concurrency: int) -> None:
-        """Refuse a worker the engine's pool cannot serve; warn when it is tight.
+        """Refuse a worker the engine's pool cannot serve; warn when runs would queue.
 
-        A driven run holds one connection; the claim loop takes one; a step under a
-        database-wide concurrency limit holds one more while it runs.
+        A run being driven borrows a connection for each write and gives it back while its
+        steps run, so any number of runs shares a small pool; the claim loop takes one, and
+        a step under a database-wide concurrency limit holds one while it runs. Two is the
+        least that works; below :data:`COMFORTABLE_POOL` (or ``concurrency + 1``) runs wait
+        for a connection at their writes.
         """
         capacity = self.backend.capacity()
         if capacity is None:
             return
-        needed = concurrency + 1
+        needed = 2
         if capacity < needed:
             raise PoolTooSmallError(capacity, needed, concurrency)
-        comfortable = 2 * concurrency + 2
+        comfortable = min(concurrency + 1, COMFORTABLE_POOL)
         if capacity < comfortable:
             log.warning(
-                "the engine's pool gives %d connections; a worker with concurrency %d needs "
-                "%d, up to %d when steps wait for concurrency slots",
+                "the engine's pool gives %d connections; a worker with concurrency %d runs "
+                "best with %d (runs wait for a connection at each write, and steps under a "
+                "database-wide concurrency limit hold one while they run)",
                 capacity,
                 concurrency,
-                needed,
                 comfortable,
             )
 

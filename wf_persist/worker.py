@@ -14,6 +14,7 @@ loop backs off and says so once, and once more when it is back.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,11 +39,15 @@ class Worker:
 
     Args:
         runtime: the runtime whose registered workflow versions this worker runs.
-        concurrency: runs driven at once (threads). The engine's pool must give at least
-            ``concurrency + 1`` connections (:class:`~wf_persist.errors.PoolTooSmallError`).
-        poll_interval: seconds between looks for due work when nothing in this process
-            announced any. Timers known to this worker fire on time; others within one
-            interval. Defaults to the runtime's ``poll_interval`` (0.25 s).
+        concurrency: runs driven at once (threads). They borrow connections only for their
+            writes: the engine's pool must give at least 2
+            (:class:`~wf_persist.errors.PoolTooSmallError`), ``concurrency + 1`` (at most
+            10) to never make runs wait for one.
+        poll_interval: seconds between looks for due work when nothing announced any.
+            Timers known to this worker fire on time; others within one interval. Where
+            notifications reach the worker (PostgreSQL) it looks at most every
+            :data:`~wf_persist.wakeups.NOTIFIED_POLL_INTERVAL` seconds as a safety net.
+            Defaults to the runtime's ``poll_interval`` (0.25 s).
     """
 
     def __init__(
@@ -70,6 +75,8 @@ class Worker:
         self._inflight: set[Future[Any]] = set()
         #: Slots promised to runs this process starts claimed (see :meth:`reserve`).
         self._reserved = 0
+        #: When the next timer known at the last look is due (monotonic).
+        self._timer_at = 0.0
         self._lock = threading.Lock()
         self._outage = Outage(log, "claiming due runs", self.poll_interval)
 
@@ -142,6 +149,7 @@ class Worker:
             with self._lock:
                 self._pool = pool
             look_at = reap_at = 0.0
+            changes = rt.backend.changes()
             while not self._stopping.is_set():
                 told = self._wake.is_set()
                 self._wake.clear()
@@ -154,10 +162,22 @@ class Worker:
                             log.warning(
                                 "taking over %d run(s) whose worker is gone: %s", len(found), found
                             )
-                    if told or time.monotonic() >= look_at:
-                        if self._claim(pool):
-                            continue  # every free slot filled: maybe more is due
-                        look_at = time.monotonic() + self._idle_wait()
+                    now = time.monotonic()
+                    if told or now >= look_at:
+                        # Nothing committed since the last look and no known timer due:
+                        # the look would find what it found then (SQLite's data_version).
+                        quiet = (
+                            not told
+                            and changes is not None
+                            and now < self._timer_at
+                            and not changes.changed()
+                        )
+                        if not quiet:
+                            if changes is not None:
+                                changes.changed()  # what this look is about to see
+                            if self._claim(pool):
+                                continue  # every free slot filled: maybe more is due
+                        look_at = time.monotonic() + self._idle_wait(quiet)
                 except Exception as exc:
                     self._wake.wait(self._outage.failed(exc))
                     look_at = 0.0
@@ -167,6 +187,8 @@ class Worker:
                 self._wake.wait(max(0.0, until - time.monotonic()))
             with self._lock:
                 self._pool = None
+            if changes is not None:
+                changes.close()
             self._wake.set()
 
     def _claim(self, pool: ThreadPoolExecutor) -> bool:
@@ -187,17 +209,23 @@ class Worker:
         mark = self.runtime.backend.owner_mark()
         return bool(mark) and self.runtime.owner.endswith(mark)
 
-    def _idle_wait(self) -> float:
+    def _idle_wait(self, quiet: bool = False) -> float:
         """Until the next known timer, at most one poll interval (a longer one while
-        notifications arrive: polling is then only the safety net)."""
+        notifications arrive: polling is then only the safety net). ``quiet``: nothing
+        changed since the last look, whose timer still holds."""
         rt = self.runtime
         interval = self.poll_interval
         if rt.listening():
             interval = max(interval, NOTIFIED_POLL_INTERVAL)
+        now = time.monotonic()
+        if quiet:
+            return max(0.005, min(interval, self._timer_at - now))
         try:
             until = rt.seconds_to_next_wake()
         except Exception:
+            self._timer_at = now
             return self.poll_interval
+        self._timer_at = math.inf if until is None else now + until
         if until is None:
             return interval
         return max(0.005, min(interval, until))

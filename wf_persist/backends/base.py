@@ -212,6 +212,16 @@ LOAD_HISTORY = (
 )
 
 
+class Changes:
+    """Tells whether the database changed since the last look (see :meth:`Backend.changes`)."""
+
+    def changed(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        return None
+
+
 class Backend:
     """The generic implementation (UPDATE ... RETURNING); subclasses override what differs."""
 
@@ -390,6 +400,11 @@ class Backend:
     def owner_mark(self) -> str:
         """What a runtime holding its presence lock appends to its owner name."""
         return ""
+
+    def changes(self) -> Changes | None:
+        """A cheap way to tell that another connection committed something (a worker's
+        poll then skips its queries when nothing changed); ``None`` where there is none."""
+        return None
 
     # dedupe ------------------------------------------------------------------------
 

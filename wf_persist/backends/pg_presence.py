@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("wf_persist.worker")
 
+#: How the listening connection shows in ``pg_stat_activity.application_name``.
+APPLICATION_NAME: Final = "wf_persist listener"
 #: The end of an owner whose presence lock is held (``host:pid:id!``).
 PRESENT_MARK: Final = "!"
 _KEY: Final = "hashtextextended(%s, 0)"
@@ -57,6 +59,7 @@ class PGListener:
             fairy.detach()  # this process's for good: not a pool connection any more
             self._raw = raw
             raw.autocommit = True
+            raw.execute(f"SET application_name = '{APPLICATION_NAME}'")  # for operators
             raw.execute(f'LISTEN "{backend.channel()}"')
             self.present = (
                 owner is not None and backend.presence_ok(self._engine) and self._lock(owner)

@@ -31,7 +31,16 @@ from sqlalchemy.pool import ConnectionPoolEntry
 from ..errors import LeaseLostError
 from ..events import NewEvent
 from ..models import executions_table as ex
-from .base import HOT_COLUMNS, INSERT_HISTORY, Backend, Fenced, WriteShape, bump, history_row
+from .base import (
+    HOT_COLUMNS,
+    INSERT_HISTORY,
+    Backend,
+    Changes,
+    Fenced,
+    WriteShape,
+    bump,
+    history_row,
+)
 
 #: How long a SQLite writer waits for the lock before failing (milliseconds).
 BUSY_TIMEOUT_MS: Final = 30_000
@@ -73,6 +82,40 @@ def _ts(value: dt.datetime | None) -> str | None:
     if value is None:
         return None
     return value.astimezone(dt.UTC).replace(tzinfo=None).strftime("%Y-%m-%d %H:%M:%S.%f")
+
+
+class DataVersion(Changes):
+    """``PRAGMA data_version`` on a connection of its own that never writes: it moves when
+    any other connection (any process) commits, and costs no disk access to read. The
+    connection is the driver's, out of the pool and without transactions (a transaction
+    left open would hold a snapshot, or on a host engine a lock)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._raw: Any = None
+        self._last: int | None = None
+
+    def changed(self) -> bool:
+        if self._raw is None:
+            fairy = self._engine.raw_connection()
+            raw = fairy.driver_connection
+            fairy.detach()
+            _take_control(raw)
+            self._raw = raw
+        try:
+            version = int(self._raw.execute("PRAGMA data_version").fetchone()[0])
+        except Exception:
+            self.close()
+            raise
+        moved = version != self._last
+        self._last = version
+        return moved
+
+    def close(self) -> None:
+        if self._raw is not None:
+            self._raw.close()
+            self._raw = None
+        self._engine.dispose()
 
 
 class SQLiteBackend(Backend):
@@ -174,6 +217,9 @@ class SQLiteBackend(Backend):
     def contention(self, exc: BaseException) -> bool:
         orig = getattr(exc, "orig", exc)
         return isinstance(orig, sqlite3.OperationalError) and "locked" in str(orig)
+
+    def changes(self) -> Changes | None:
+        return DataVersion(self.side_engine())
 
     @classmethod
     def database_missing(cls, url: URL) -> bool:

@@ -20,7 +20,8 @@ from ..errors import CannotCancelError, IdempotencyConflictError, UnknownExecuti
 from ..events import NewEvent
 from ..models import executions_table as ex
 from ..models import history_table as hist
-from . import Executor, connection_of, history
+from ..wakeups import DUE
+from . import Executor, connection_of, history, rowcount
 
 if TYPE_CHECKING:
     from ..backends import Backend
@@ -166,14 +167,17 @@ def park(conn: Executor, execution_id: str, epoch: int, wake_at: dt.datetime | N
 
 
 def wake(conn: Executor, backend: Backend, execution_id: str) -> None:
-    """Make a parked run due now (a delivered signal); a leased run's driver sees the news
-    at its next write, so it is left alone."""
-    connection_of(conn).execute(
+    """Make a parked run due now (a delivered signal) and tell listening workers; a leased
+    run's driver sees the news at its next write, so it is left alone."""
+    core = connection_of(conn)
+    woken = core.execute(
         update(ex)
         .where(ex.c.id == execution_id, ex.c.lease_expires_at.is_(None))
         .values(wake_at=db_now()),
         execution_options=backend.statement_options,
     )
+    if rowcount(woken):
+        backend.announce(core, DUE)
 
 
 def list_page(

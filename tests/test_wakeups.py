@@ -1,0 +1,246 @@
+"""Fewer round trips per run, wake-ups without polling, presence locks, borrowed connections.
+
+Counts come from :mod:`tests.dbcount` (what the database itself executed). Latencies are
+asserted against poll intervals set far longer than the assertion, so only a notification
+(or the in-process hand-over) can explain them; the benchmark (``bench/``) measures the real
+figures.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, select, text
+
+import wf_persist as wp
+from wf_persist.models import executions_table as ex
+
+from .dbcount import counting
+from .fixtures import fencing as f
+from .fixtures import workflows as w
+from .helpers import Processes, wait_until
+
+
+def _epoch(rt: wp.Runtime, execution_id: str) -> int:
+    with rt.backend.read() as conn:
+        found = conn.execute(select(ex.c.claim_epoch).where(ex.c.id == execution_id)).scalar()
+    assert found is not None
+    return int(found)
+
+
+# round trips ------------------------------------------------------------------------------
+
+
+def test_a_three_step_run_started_and_awaited_here_is_five_writes_at_most(
+    make_runtime: Callable[..., wp.Runtime], tmp_path: Path
+) -> None:
+    """Start, claim (with ``workflow.started`` and the history read), the first two steps,
+    and the last step with the outcome: five transactions; on PostgreSQL each is one
+    statement, so the whole run is at most 6 round trips (``result`` claims without reading
+    the run first). The history is exactly what a run writes one event at a time."""
+    rt = make_runtime(lease_ttl=300)
+    rt.register(w.echo_wf)
+    client = rt.client()
+    client.result(client.start(w.echo_wf, 3).execution_id)  # warm: catalog, prepared SQL
+    with counting(rt.backend.base_engine, tmp_path / "run") as counter:
+        handle = client.start(w.echo_wf, 3)
+        assert client.result(handle.execution_id).unwrap() == [1, 2, 3]
+        counts = counter.counts()
+    assert counts.transactions <= 5, counts
+    assert counts.rollbacks == 0, counts
+    if rt.backend.can_listen:  # PostgreSQL: one statement per transaction
+        assert counts.statements <= 6, counts
+    types = [r.event["type"] for r in client.history(handle.execution_id)]
+    assert types == [
+        "execution.started",
+        "workflow.started",
+        *["step.started", "step.completed"] * 3,
+        "workflow.completed",
+    ]
+
+
+def test_a_run_started_beside_a_worker_is_driven_without_a_claim(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """With an embedded worker, a start creates the run already claimed (claim epoch 1)
+    and hands it to the worker at once; ``result`` learns the outcome in this process."""
+    rt = make_runtime(lease_ttl=300)
+    rt.register(w.echo_wf)
+    rt.start_worker(concurrency=2, poll_interval=30)
+    client = rt.client()
+    began = time.monotonic()
+    for n in range(3, 8):
+        handle = client.start(w.echo_wf, n)
+        assert client.result(handle.execution_id, timeout=10).unwrap() == list(range(1, n + 1))
+        assert _epoch(rt, handle.execution_id) == 1, "claimed by its start, never again"
+    assert time.monotonic() - began < 5, "handed over, not found by a 30 s poll"
+
+
+def test_a_start_with_a_taken_idempotency_key_claims_nothing(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """A start that returns an existing run (its key is taken) gives the slot it reserved
+    back and records nothing: the worker keeps its full concurrency."""
+    rt = make_runtime(lease_ttl=300)
+    rt.register(w.echo_wf)
+    worker = rt.start_worker(concurrency=1, poll_interval=30)
+    client = rt.client()
+    first = client.start(w.echo_wf, 3, idempotency_key="k")
+    assert client.result(first.execution_id, timeout=10).unwrap() == [1, 2, 3]
+    again = client.start(w.echo_wf, 3, idempotency_key="k")
+    assert again.execution_id == first.execution_id and not again.created
+    other = client.start(w.echo_wf, 4)
+    assert client.result(other.execution_id, timeout=10).unwrap() == [1, 2, 3, 4]
+    wait_until(worker.reserve, what="the slot back", timeout=10)
+    worker.unreserve()
+
+
+# borrowed connections -------------------------------------------------------------------
+
+
+def test_runs_share_a_pool_smaller_than_their_number(db_url: str) -> None:
+    """Forty runs whose step takes half a second, driven at once on a pool of three: a run
+    holds no connection while its step runs, so they all run together."""
+    engine = create_engine(db_url, pool_size=3, max_overflow=0, pool_timeout=10)
+    rt = wp.Runtime(engine, lease_ttl=30)
+    try:
+        rt.register(f.slow_wf)
+        rt.start_worker(concurrency=40, poll_interval=0.05)
+        client = rt.client()
+        began = time.monotonic()
+        handles = [client.start(f.slow_wf, 0.5) for _ in range(40)]
+        for handle in handles:
+            assert client.result(handle.execution_id, timeout=30).unwrap() == 0.5
+        elapsed = time.monotonic() - began
+        # Holding a connection per run, three at a time: 40 / 3 * 0.5 s = 6.7 s at least.
+        assert elapsed < 5, f"{elapsed:.1f}s: runs waited for connections"
+    finally:
+        rt.close()
+        engine.dispose()
+
+
+# notifications ----------------------------------------------------------------------------
+
+
+@pytest.mark.needs("notify")
+def test_a_start_wakes_a_worker_in_another_process_at_once(db_url: str, procs: Processes) -> None:
+    """The worker process polls every 30 s; a start from this process reaches it at once."""
+    procs.worker(db_url, app_poll_interval=30).wait_for_stderr("serving")
+    with wp.Client(db_url, poll_interval=30) as client:
+        for _ in range(3):
+            began = time.time()
+            handle = client.start("stamped")
+            stamp = client.result(handle.execution_id, timeout=20).unwrap()
+            assert stamp - began < 2.0, f"picked up after {stamp - began:.2f}s"
+
+
+@pytest.mark.needs("notify")
+def test_a_run_ending_elsewhere_wakes_its_waiting_client(
+    db_url: str, procs: Processes, make_runtime: Callable[..., wp.Runtime]
+) -> None:
+    """A thin client waiting for a run has backed off to long pauses (its poll interval is
+    30 s); the run's end in a worker process wakes it at once."""
+    procs.worker(db_url, app_poll_interval=30).wait_for_stderr("serving")
+    signaller = make_runtime()
+    with wp.Client(db_url, poll_interval=30) as client:
+        handle = client.start("approval", None)
+        wait_until(
+            lambda: bool(client.pending_signals(handle.execution_id)), what="the wait", timeout=20
+        )
+        outcome: list[wp.Outcome] = []
+        waiter = threading.Thread(
+            target=lambda: outcome.append(client.result(handle.execution_id, timeout=60))
+        )
+        waiter.start()
+        time.sleep(5)  # the client's pauses between looks have grown to seconds
+        sent = time.monotonic()
+        signaller.client().signal(handle.execution_id, "approval", {"approved": True})
+        waiter.join(20)
+        assert outcome and outcome[0].status == "completed"
+        assert time.monotonic() - sent < 1.5, "woken by the run's end, not by its next look"
+
+
+@pytest.mark.needs("notify")
+def test_the_listener_reconnects_after_its_connection_is_killed(
+    make_runtime: Callable[..., wp.Runtime], db_url: str
+) -> None:
+    """The listening connection is terminated by the server: the runtime connects again,
+    takes its presence lock again, and a start from elsewhere still wakes its worker."""
+    rt = make_runtime(lease_ttl=30)
+    rt.register(*f.ALL)
+    rt.start_worker(concurrency=2, poll_interval=30)
+    wait_until(rt.listening, what="listening")
+    admin = create_engine(db_url)
+    try:
+        with admin.begin() as conn:
+            killed = conn.execute(
+                text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE application_name = 'wf_persist listener' "
+                    "AND datname = current_database()"
+                )
+            ).all()
+        assert killed, "found the listening connection"
+        wait_until(lambda: not rt.listening(), what="the outage seen", timeout=10)
+        wait_until(rt.listening, what="listening again", timeout=20)
+        with wp.Client(db_url, poll_interval=30) as client:
+            began = time.time()
+            stamp = client.result(client.start("stamped").execution_id, timeout=20).unwrap()
+            assert stamp - began < 2.0
+    finally:
+        admin.dispose()
+
+
+# presence ---------------------------------------------------------------------------------
+
+
+@pytest.mark.needs("presence")
+def test_a_killed_workers_runs_are_taken_over_before_their_lease_ends(
+    db_url: str, procs: Processes, make_runtime: Callable[..., wp.Runtime], tmp_path: Path
+) -> None:
+    """A worker process holding a run inside its first step is SIGKILLed with 30 s left on
+    its lease; a worker here takes the run over at once (its presence lock went with its
+    connection), and the run completes with its step run twice (at-least-once: it was in
+    flight) and the later steps once."""
+    marks, release = tmp_path / "marks", tmp_path / "release"
+    victim = procs.worker(db_url, lease_ttl=30, app_poll_interval=0.05)
+    victim.wait_for_stderr("serving")
+    rt = make_runtime(lease_ttl=30)
+    rt.register(*f.ALL)
+    client = rt.client()
+    handle = client.start(f.fenced_wf, {"marks": str(marks), "release": str(release)})
+    wait_until(lambda: w.marks(marks).count("hold-start") == 1, what="the first attempt")
+    row = client.describe(handle.execution_id)
+    assert row.lease_owner is not None and row.lease_owner.endswith("!"), "a present owner"
+    victim.send(signal.SIGKILL)
+    victim.wait(10)
+    killed = time.monotonic()
+    release.touch()
+    rt.start_worker(concurrency=2, poll_interval=30)
+    wait_until(lambda: w.marks(marks).count("hold-start") == 2, what="the takeover", timeout=20)
+    assert time.monotonic() - killed < 3.0, "taken over long before the 30 s lease"
+    assert client.result(handle.execution_id, timeout=20).unwrap() == ["held", "one", "two"]
+    assert w.marks(marks).count("one") == 1
+
+
+@pytest.mark.needs("presence")
+def test_a_live_runtime_is_never_reaped(make_runtime: Callable[..., wp.Runtime]) -> None:
+    """Reaping takes over only owners whose presence lock is free: a run held by a live
+    runtime (another one in this process, with its own listening connection) stays held."""
+    holder, other = make_runtime(lease_ttl=30), make_runtime(lease_ttl=30)
+    holder.register(*f.ALL)
+    other.register(*f.ALL)
+    holder.wakeups()
+    other.wakeups()
+    assert holder.owner.endswith("!") and other.owner.endswith("!")
+    handle = holder.client().start(f.nap_wf, 3600)
+    with holder.backend.begin() as conn:
+        claim = holder.backend.claim(conn, handle.execution_id, holder.owner, 30)
+    assert claim is not None
+    assert other.reap() == [] and holder.reap() == []
+    assert other.drive(handle.execution_id) is False
