@@ -15,12 +15,16 @@ import logging
 from typing import TYPE_CHECKING, Any, Final
 
 from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError
 
 if TYPE_CHECKING:
     from .postgresql import PostgreSQLBackend
 
 log = logging.getLogger("wf_persist.worker")
 
+#: SQLSTATEs of a feature the database does not have (feature not supported, undefined
+#: function): the capability is off, the guarantees stay (polling, lease expiry).
+UNSUPPORTED: Final = ("0A000", "42883")
 #: How the listening connection shows in ``pg_stat_activity.application_name``.
 APPLICATION_NAME: Final = "wf_persist listener"
 #: The end of an owner whose presence lock is held (``host:pid:id!``).
@@ -87,7 +91,17 @@ class PGListener:
 
 def advisory_locks_work(engine: Engine) -> bool:
     """Whether session advisory locks really exclude each other here (some
-    PostgreSQL-compatible databases accept the functions but lock nothing)."""
+    PostgreSQL-compatible databases refuse the functions, others accept them but lock
+    nothing)."""
+    try:
+        return _exclusive(engine)
+    except DBAPIError as exc:
+        if getattr(exc.orig, "sqlstate", None) in UNSUPPORTED:
+            return False
+        raise
+
+
+def _exclusive(engine: Engine) -> bool:
     key = "wf_persist capability probe"
     with engine.connect() as one, engine.connect() as two:
         first = one.exec_driver_sql(f"SELECT pg_try_advisory_lock({_KEY})", (key,)).scalar()

@@ -60,12 +60,10 @@ from .base import (
     pinned,
 )
 from .clock import db_later, db_now
-from .pg_presence import PRESENT_MARK, REAP, PGListener, advisory_locks_work
+from .pg_presence import PRESENT_MARK, REAP, UNSUPPORTED, PGListener, advisory_locks_work
 from .slots import SessionLockSlots
 
 log = logging.getLogger("wf_persist.worker")
-#: SQLSTATEs of a feature the database does not have (CockroachDB answers LISTEN so).
-_UNSUPPORTED: Final = ("0A000", "42883")
 
 #: Key of the advisory lock that serializes concurrent migrations.
 MIGRATION_LOCK_KEY: Final = 0x77665F70657273  # "wf_pers"
@@ -310,7 +308,7 @@ class PostgreSQLBackend(Backend):
             found = PGListener(self, presence)
         except Exception as exc:
             orig = getattr(exc, "orig", exc)
-            if getattr(orig, "sqlstate", None) not in _UNSUPPORTED:
+            if getattr(orig, "sqlstate", None) not in UNSUPPORTED:
                 raise
             self._listen_ok = False
             log.warning("this database cannot LISTEN (%s): workers poll", orig)
