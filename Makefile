@@ -1,5 +1,6 @@
 # Two entry points: `make demo` runs the example workflow on the embedded SQLite default,
-# `make test` runs ruff, mypy --strict and the test suite on every backend.
+# `make test` runs ruff, mypy --strict and the test suite on every backend. `make bench` runs
+# the benchmark suite.
 # `make mutation` (not part of `make test` or CI) runs mutmut over the core modules; see
 # docs/mutation.md.
 VENV ?= .venv
@@ -39,8 +40,17 @@ mutation: $(VENV)/.installed
 		--max-children $(MUTATION_CHILDREN) $(if $(MUTANTS),"$(MUTANTS)") || test $$? -eq 124
 	$(PY) -m tests.mutation_report
 
-bench: $(VENV)/.installed
-	$(PY) bench/bench_steps.py
+# The benchmark suite (bench/suite.py; README, "Performance"): SQLite and PostgreSQL
+# ($WF_PERSIST_BENCH_POSTGRES_URL), against raw-SQL floors, DBOS and Absurd. BENCH_ARGS passes
+# options, e.g. BENCH_ARGS='--quick' or BENCH_ARGS='--backend postgresql --write-readme'.
+BENCH_ARGS ?=
+$(VENV)/.bench-installed: $(VENV)/.installed pyproject.toml
+	$(PY) -m pip install -q -e '.[dev,bench]'
+	touch $@
+
+bench: $(VENV)/.bench-installed
+	$(PY) -m bench.suite $(BENCH_ARGS)
+	@if [ -f bench/bench_scale.py ]; then $(PY) bench/bench_scale.py; fi
 
 clean:
 	rm -rf $(VENV) mutants wf_persist.sqlite3 wf_persist.sqlite3-wal wf_persist.sqlite3-shm

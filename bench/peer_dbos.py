@@ -1,9 +1,23 @@
-"""DBOS running the same two workloads as ``bench_steps.py``, for a peer comparison.
+"""DBOS running the suite's workloads, for a peer comparison (``python -m bench.peer_dbos``).
 
-Runs in its own process (``bench_steps.py`` starts it once per repetition) so DBOS's global
-state and background threads never run beside our own measurement. Prints one JSON line:
-``{"steps_per_s": ..., "wf_per_s": ...}``; on a missing ``dbos`` package it prints
-``{"error": "dbos not installed"}`` and exits with status 3.
+Runs in its own process (the suite starts it once per measurement) so DBOS's global state and
+background threads never run beside our own measurement. Prints one JSON line, the last line
+starting with ``{``: the metrics of :mod:`bench.workloads` (``per_s``, ``cpu_us``,
+``server_cpu_us``, ...); on a missing ``dbos`` package it prints ``{"error": "dbos not
+installed"}`` and exits with status 3.
+
+Workloads (``--workload``):
+
+* ``steps``: one workflow of ``--steps`` steps, called in this thread;
+* ``sequential``: ``--workflows`` 3-step workflows, each ``DBOS.start_workflow`` then
+  ``get_result()`` (``pickup_ms``: from just before the start to the first step's function);
+* ``concurrent``: ``--runs`` ``start_workflow`` calls, then every ``get_result()``;
+* ``recovery``: ``--runs`` workflows blocked inside step 2 (step 1 recorded) in child process A;
+  SIGKILL A and start child B right after, whose ``DBOS.launch()`` recovers them (DBOS
+  recovers the pending workflows of its executor id at launch; there is no lease). Times are
+  from the kill to the workflows' ``updated_at``.
+* without ``--workload``: the two figures ``bench/bench_steps.py`` reads (``steps_per_s``,
+  ``wf_per_s``).
 
 The timed part is only the workload: import, ``DBOS.launch()`` (which migrates the system
 database on first use) and a warm-up run come before the clock starts.
@@ -12,78 +26,257 @@ database on first use) and a warm-up run come before the clock starts.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import os
+import signal
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
+import uuid
+from pathlib import Path
 from typing import Any
 
+if __package__ in (None, ""):  # run as a script (bench_steps.py does): find the bench package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.measure import ServerCpu, append_line, count_lines, timed, wait_until
+
 EXIT_NOT_INSTALLED = 3
+WORKLOADS = ("steps", "sequential", "concurrent", "recovery", "recovery-child")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--backend", choices=("sqlite", "postgresql"), required=True)
-    parser.add_argument("--url", required=True, help="DBOS system database URL")
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--workflows", type=int, default=200)
-    args = parser.parse_args(argv)
+class Peer:
+    """DBOS with the benchmark's workflows registered (decorators applied as calls: without
+    dbos's types an untyped decorator is an error under mypy --strict)."""
 
-    try:
-        # dbos is an optional extra: type-check the same with or without it installed.
-        from dbos import DBOS, DBOSConfig  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        print(json.dumps({"error": "dbos not installed"}), flush=True)
-        return EXIT_NOT_INSTALLED
+    def __init__(self, dbos: Any, url: str) -> None:
+        self.DBOS = dbos.DBOS
 
-    # Decorators applied as calls: without dbos's types an untyped decorator is an error
-    # under mypy --strict.
-    def bench_step(i: int) -> dict[str, Any]:
-        return {"i": i, "ok": True, "msg": "hello"}
+        def bench_step(i: int) -> dict[str, Any]:
+            return {"i": i, "ok": True, "at": time.time()}
 
-    step = DBOS.step()(bench_step)
+        step = self.DBOS.step()(bench_step)
 
-    def many_steps(n: int) -> int:
-        for i in range(n):
-            step(i)
-        return n
+        def many_steps(n: int) -> int:
+            for i in range(n):
+                step(i)
+            return n
 
-    def three_steps(n: int) -> int:
-        for i in range(3):
-            step(i)
-        return n
+        def three_steps(n: int) -> float:
+            first = step(n)
+            step(n + 1)
+            step(n + 2)
+            return float(first["at"])
 
-    many = DBOS.workflow()(many_steps)
-    wf3 = DBOS.workflow()(three_steps)
+        def recover_first(key: str) -> str:
+            marks = os.environ.get("BENCH_MARKS")
+            if marks:
+                append_line(marks, key)
+            return key
 
-    config: DBOSConfig = {
-        "name": "wf-bench",
-        "system_database_url": args.url,
-        "application_version": "bench-v1",
-        "log_level": "WARNING",
-    }
-    DBOS(config=config)
-    DBOS.launch()
-    try:
-        many(3)  # warm-up: connection pool, statement caches
-        wf3(0)
+        def recover_second(key: str) -> str:
+            blocked = os.environ.get("BENCH_BLOCKED")
+            if blocked:
+                append_line(blocked, key)
+                while True:  # until SIGKILL
+                    time.sleep(3600)
+            return key
 
-        began = time.perf_counter()
-        out = many(args.steps)
-        steps_elapsed = time.perf_counter() - began
-        assert out == args.steps
+        first = self.DBOS.step()(recover_first)
+        second = self.DBOS.step()(recover_second)
 
-        began = time.perf_counter()
+        def recover(key: str) -> str:
+            first(key)
+            return str(second(key))
+
+        self.many = self.DBOS.workflow()(many_steps)
+        self.three = self.DBOS.workflow()(three_steps)
+        self.recover = self.DBOS.workflow()(recover)
+        config = {
+            "name": "wf-bench",
+            "system_database_url": url,
+            "application_version": "bench-v1",
+            "log_level": "WARNING",
+        }
+        self.DBOS(config=config)
+
+    def launch(self) -> None:
+        self.DBOS.launch()
+
+    def destroy(self) -> None:
+        self.DBOS.destroy()
+
+    def warm_up(self) -> None:
+        self.many(3)  # connection pool, statement caches
+        self.DBOS.start_workflow(self.three, 0).get_result()
+
+
+def metrics(rate: Any) -> dict[str, float]:
+    out = {"per_s": rate.per_s, "cpu_us": rate.cpu_us}
+    if rate.server_cpu_us is not None:
+        out["server_cpu_us"] = rate.server_cpu_us
+    return out
+
+
+def run_steps(peer: Peer, args: argparse.Namespace, server: ServerCpu) -> dict[str, float]:
+    def work() -> None:
+        assert peer.many(args.steps) == args.steps
+
+    return metrics(timed(args.steps, work, server))
+
+
+def run_sequential(peer: Peer, args: argparse.Namespace, server: ServerCpu) -> dict[str, float]:
+    pickups: list[float] = []
+
+    def work() -> None:
         for n in range(args.workflows):
-            assert wf3(n) == n
-        wf_elapsed = time.perf_counter() - began
-    finally:
-        DBOS.destroy()
+            began = time.time()
+            first = peer.DBOS.start_workflow(peer.three, n).get_result()
+            pickups.append(float(first) - began)
 
-    result = {
+    out = metrics(timed(args.workflows, work, server))
+    out["pickup_ms"] = statistics.median(pickups) * 1e3
+    return out
+
+
+def run_concurrent(peer: Peer, args: argparse.Namespace, server: ServerCpu) -> dict[str, float]:
+    def work() -> None:
+        handles = [peer.DBOS.start_workflow(peer.three, n) for n in range(args.runs)]
+        for handle in handles:
+            handle.get_result()
+
+    return metrics(timed(args.runs, work, server))
+
+
+def run_recovery_child(peer: Peer, args: argparse.Namespace) -> dict[str, float]:
+    """Child A (``BENCH_BLOCKED`` set): start the runs, write their ids, wait to be killed.
+    Child B: launch (which recovers them), await them, report their ``updated_at``."""
+    if os.environ.get("BENCH_BLOCKED"):
+        tag = uuid.uuid4().hex[:8]
+        ids = [
+            peer.DBOS.start_workflow(peer.recover, f"{tag}-{i}").workflow_id
+            for i in range(args.runs)
+        ]
+        Path(args.ids_file).write_text("\n".join(ids))
+        print("started", flush=True)
+        while True:
+            time.sleep(3600)
+    ready_at = time.time()  # launch() returned: recovery is under way
+    ids = Path(args.ids_file).read_text().split()
+    finished: list[float] = []
+    for workflow_id in ids:
+        handle = peer.DBOS.retrieve_workflow(workflow_id)
+        handle.get_result()
+        status = peer.DBOS.get_workflow_status(workflow_id)
+        finished.append(status.updated_at / 1e3)
+    return {"ready_at": ready_at, "first": min(finished), "last": max(finished)}
+
+
+def run_recovery(args: argparse.Namespace) -> dict[str, float]:
+    """The orchestrator: children A and B are this script with ``--workload recovery-child``."""
+    with tempfile.TemporaryDirectory(prefix="wf-persist-bench-dbos-") as tmp:
+        marks, blocked, ids_file = f"{tmp}/marks", f"{tmp}/blocked", f"{tmp}/ids"
+        command = [sys.executable, "-m", "bench.peer_dbos", "--backend", args.backend]
+        command += ["--url", args.url, "--workload", "recovery-child"]
+        command += ["--runs", str(args.runs), "--ids-file", ids_file]
+        env = {**os.environ, "BENCH_MARKS": marks}
+        first = subprocess.Popen(
+            command,
+            env={**env, "BENCH_BLOCKED": blocked},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            if not wait_until(lambda: count_lines(blocked) >= args.runs, 180):
+                first.kill()
+                err = first.communicate()[1].strip().splitlines()[-3:]
+                raise RuntimeError(
+                    f"only {count_lines(blocked)} of {args.runs} workflows reached step 2: "
+                    + " | ".join(err)
+                )
+            killed_at = time.time()
+            first.send_signal(signal.SIGKILL)
+            spawned_at = time.time()
+            second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        finally:
+            if first.poll() is None:
+                first.kill()
+            first.wait()
+        lines = [ln for ln in second.stdout.splitlines() if ln.startswith("{")]
+        if second.returncode != 0 or not lines:
+            tail = second.stderr.strip().splitlines()[-3:]
+            raise RuntimeError(f"recovering process failed (exit {second.returncode}): {tail}")
+        found = json.loads(lines[-1])
+        counts = collections.Counter(Path(marks).read_text().split())
+        ready_at = float(found["ready_at"])
+        return {
+            "first_done_s": float(found["first"]) - killed_at,
+            "all_done_s": float(found["last"]) - killed_at,
+            "after_ready_s": float(found["last"]) - max(killed_at, ready_at),
+            "startup_s": ready_at - spawned_at,
+            "step1_twice": float(sum(1 for n in counts.values() if n > 1)),
+        }
+
+
+def legacy(peer: Peer, args: argparse.Namespace) -> dict[str, Any]:
+    """What ``bench_steps.py`` reads."""
+    began = time.perf_counter()
+    assert peer.many(args.steps) == args.steps
+    steps_elapsed = time.perf_counter() - began
+    began = time.perf_counter()
+    for n in range(args.workflows):
+        peer.three(n)
+    wf_elapsed = time.perf_counter() - began
+    return {
         "backend": args.backend,
         "steps_per_s": args.steps / steps_elapsed,
         "wf_per_s": args.workflows / wf_elapsed,
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=("sqlite", "postgresql"), required=True)
+    parser.add_argument("--url", required=True, help="DBOS system database URL")
+    parser.add_argument("--workload", choices=WORKLOADS)
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--workflows", type=int, default=200)
+    parser.add_argument("--runs", type=int, default=500)
+    parser.add_argument("--ids-file", help="recovery: where child A writes the workflow ids")
+    args = parser.parse_args(argv)
+
+    try:
+        # dbos is an optional extra: type-check the same with or without it installed.
+        import dbos  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        print(json.dumps({"error": "dbos not installed"}), flush=True)
+        return EXIT_NOT_INSTALLED
+
+    if args.workload == "recovery":
+        print(json.dumps(run_recovery(args)), flush=True)
+        return 0
+    server = ServerCpu(args.backend == "postgresql")
+    peer = Peer(dbos, args.url)
+    peer.launch()
+    try:
+        if args.workload == "recovery-child":
+            result: dict[str, Any] = run_recovery_child(peer, args)
+        else:
+            peer.warm_up()
+            if args.workload == "steps":
+                result = run_steps(peer, args, server)
+            elif args.workload == "sequential":
+                result = run_sequential(peer, args, server)
+            elif args.workload == "concurrent":
+                result = run_concurrent(peer, args, server)
+            else:
+                result = legacy(peer, args)
+    finally:
+        peer.destroy()
     print(json.dumps(result), flush=True)
     return 0
 
