@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Final
 
+_ERROR: Final = re.compile(r"\w*(Error|Exception)\b:")
 _TICKS: Final = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 PROC: Final = Path("/proc")
 
@@ -172,9 +174,11 @@ class Child:
             raise RuntimeError(f"child process did not start: {self.describe()}")
 
     def describe(self) -> str:
+        """Whether it runs, and its last error line (else its last lines)."""
         code = self.proc.poll()
         state = "still running" if code is None else f"exit {code}"
-        return f"{state}; output: " + " | ".join(self.tail)
+        errors = [ln.strip() for ln in self.tail if _ERROR.search(ln)]
+        return f"{state}; " + (errors[-1] if errors else " | ".join(self.tail))
 
     def cpu_seconds(self) -> float:
         return process_cpu_seconds(self.proc.pid) or 0.0
@@ -192,3 +196,23 @@ class Child:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
+
+
+def wait_for_count(
+    read: Callable[[], int],
+    target: int,
+    *,
+    stall: float = 30.0,
+    alive: Callable[[], bool] = lambda: True,
+) -> bool:
+    """Poll ``read()`` until it reaches ``target``; give up (False) when it has not moved for
+    ``stall`` seconds or ``alive()`` turns false."""
+    last, moved = read(), time.monotonic()
+    while last < target:
+        if not alive() or time.monotonic() - moved > stall:
+            return False
+        time.sleep(0.01)
+        now = read()
+        if now != last:
+            last, moved = now, time.monotonic()
+    return True

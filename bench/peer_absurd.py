@@ -54,7 +54,7 @@ from bench.measure import (
     append_line,
     count_lines,
     timed,
-    wait_until,
+    wait_for_count,
 )
 
 EXIT_NOT_INSTALLED: Final = 3
@@ -353,7 +353,9 @@ def run_recovery(sdk: Any, args: argparse.Namespace) -> dict[str, float]:
         try:
             first.wait_ready()
             ids = [app.spawn("recover", {"key": f"{tag}-{i}"})["task_id"] for i in range(args.runs)]
-            if not wait_until(lambda: count_lines(blocked) >= args.runs, 180):
+            if not wait_for_count(
+                lambda: count_lines(blocked), args.runs, alive=lambda: first.proc.poll() is None
+            ):
                 raise RuntimeError(
                     f"only {count_lines(blocked)} of {args.runs} tasks reached step 2: "
                     + first.describe()

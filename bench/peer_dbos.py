@@ -42,7 +42,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script (bench_steps.py does): find the bench package
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.measure import ServerCpu, append_line, count_lines, timed, wait_until
+from bench.measure import ServerCpu, append_line, count_lines, timed, wait_for_count
 
 EXIT_NOT_INSTALLED = 3
 WORKLOADS = ("steps", "sequential", "concurrent", "recovery", "recovery-child")
@@ -191,7 +191,9 @@ def run_recovery(args: argparse.Namespace) -> dict[str, float]:
             text=True,
         )
         try:
-            if not wait_until(lambda: count_lines(blocked) >= args.runs, 180):
+            if not wait_for_count(
+                lambda: count_lines(blocked), args.runs, alive=lambda: first.poll() is None
+            ):
                 first.kill()
                 err = first.communicate()[1].strip().splitlines()[-3:]
                 raise RuntimeError(

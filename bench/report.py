@@ -163,8 +163,8 @@ def markdown_table(res: Results, rows: Iterable[Row]) -> list[str]:
         target = row.target.text if row.target else ""
         verdict = f"**{cell.verdict}**" if cell.verdict.startswith("FAIL") else cell.verdict
         notes = cell.notes.replace("|", "/").replace("\n", " ")
-        if len(notes) > 160:
-            notes = notes[:157] + "..."
+        if len(notes) > 240:
+            notes = notes[:237] + "..."
         lines.append(
             f"| {row.workload} | {row.label} | {fmt(cell.median, row.spec)} | {spread} | "
             f"{cell.cpu} | {target} | {verdict} | {notes} |"

@@ -167,6 +167,11 @@ def w_seq(run: Run) -> None:
             ("absurd_inline", run.peer(run.absurd, "sequential-inline", "--workflows", n))
         )
     run.interleave("seq", measures)
+    best = {
+        "ours_caller": "in-process: caller drives",
+        "ours_worker": "in-process: embedded worker",
+    }
+    run.res.pick_best("seq", best, "ours_best")
 
 
 def w_proc(run: Run) -> None:
@@ -366,20 +371,11 @@ def rows_for(backend: str, args: argparse.Namespace) -> list[Row]:
     rows.append(
         Row(
             "3",
-            "ours: worker process ÷ in-process (embedded worker)",
+            "ours: worker process ÷ in-process (the better of 2a and 2b)",
             "proc.ours.per_s",
-            "seq.ours_worker.per_s",
+            "seq.ours_best.per_s",
             ".2f",
             on_pg(">=", 0.8, "≥ 0.8"),
-        )
-    )
-    rows.append(
-        Row(
-            "3",
-            "ours: worker process ÷ in-process (caller drives)",
-            "proc.ours.per_s",
-            "seq.ours_caller.per_s",
-            ".2f",
         )
     )
     if pg:
@@ -705,7 +701,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = rows_for(backend, args)
         passed, failed = verdicts(res, rows)
         failed_total += failed
-        title = "SQLite (WAL, synchronous=FULL)" if backend == "sqlite" else f"PostgreSQL {version}"
+        title = (
+            "SQLite (WAL, synchronous=FULL; Absurd runs on PostgreSQL only)"
+            if backend == "sqlite"
+            else f"PostgreSQL {version}"
+        )
         sections.append(
             "\n".join(
                 [

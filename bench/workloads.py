@@ -36,7 +36,7 @@ from bench.measure import (
     count_lines,
     peak_rss_kib,
     timed,
-    wait_until,
+    wait_for_count,
 )
 
 REPO: Final = Path(__file__).resolve().parent.parent
@@ -228,7 +228,9 @@ def recovery(url: str, runs: int, lease_ttl: float) -> Metrics:
                 ids = [
                     client.start("bench_recover", f"{tag}-{i}").execution_id for i in range(runs)
                 ]
-                if not wait_until(lambda: count_lines(blocked) >= runs, 120):
+                if not wait_for_count(
+                    lambda: count_lines(blocked), runs, alive=lambda: first.proc.poll() is None
+                ):
                     raise RuntimeError(
                         f"only {count_lines(blocked)} of {runs} runs reached step 2 in worker A: "
                         + first.describe()
