@@ -38,6 +38,13 @@ class Rate:
     server_cpu_us: float | None = None
     elapsed: float = 0.0
 
+    def metrics(self) -> dict[str, float]:
+        """The fields every measurement reports (``server_cpu_us`` where it was read)."""
+        out = {"per_s": self.per_s, "cpu_us": self.cpu_us}
+        if self.server_cpu_us is not None:
+            out["server_cpu_us"] = self.server_cpu_us
+        return out
+
 
 def timed(count: int, work: Callable[[], object], server: ServerCpu | None = None) -> Rate:
     """Run ``work`` (which does ``count`` operations) and measure it."""

@@ -178,13 +178,6 @@ def await_result(app: Any, task_id: str) -> Any:
     return snapshot.result
 
 
-def metrics(rate: Any) -> dict[str, float]:
-    out = {"per_s": rate.per_s, "cpu_us": rate.cpu_us}
-    if rate.server_cpu_us is not None:
-        out["server_cpu_us"] = rate.server_cpu_us
-    return out
-
-
 class Worker(Child):
     """This script as ``--workload worker``: prints ``ready`` once its client is up, then
     runs the SDK's worker loop until killed."""
@@ -259,7 +252,7 @@ def run_steps(sdk: Any, args: argparse.Namespace, server: ServerCpu) -> dict[str
         app.work_batch(worker_id="inline")
         assert result_of(app, spawned["task_id"]) == args.steps
 
-    out = metrics(timed(args.steps, work, server))
+    out = timed(args.steps, work, server).metrics()
     app.close()
     return out
 
@@ -292,7 +285,7 @@ def run_sequential(
             for n in range(args.workflows):
                 one(n)
 
-        out = metrics(timed(args.workflows, work, server))
+        out = timed(args.workflows, work, server).metrics()
         out["pickup_ms"] = statistics.median(pickups) * 1e3
         if worker is not None:
             out["worker_cpu_us"] = (worker.cpu_seconds() - cpu_before) / args.workflows * 1e6
@@ -322,7 +315,7 @@ def run_concurrent(sdk: Any, args: argparse.Namespace, server: ServerCpu) -> dic
             for task_id in ids:
                 poll_result(app, task_id)
 
-        out = metrics(timed(args.runs, work, server))
+        out = timed(args.runs, work, server).metrics()
         out["worker_cpu_us"] = (
             (sum(w.cpu_seconds() for w in workers) - cpu_before) / args.runs * 1e6
         )

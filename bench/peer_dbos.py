@@ -114,18 +114,11 @@ class Peer:
         self.DBOS.start_workflow(self.three, 0).get_result()
 
 
-def metrics(rate: Any) -> dict[str, float]:
-    out = {"per_s": rate.per_s, "cpu_us": rate.cpu_us}
-    if rate.server_cpu_us is not None:
-        out["server_cpu_us"] = rate.server_cpu_us
-    return out
-
-
 def run_steps(peer: Peer, args: argparse.Namespace, server: ServerCpu) -> dict[str, float]:
     def work() -> None:
         assert peer.many(args.steps) == args.steps
 
-    return metrics(timed(args.steps, work, server))
+    return timed(args.steps, work, server).metrics()
 
 
 def run_sequential(peer: Peer, args: argparse.Namespace, server: ServerCpu) -> dict[str, float]:
@@ -137,7 +130,7 @@ def run_sequential(peer: Peer, args: argparse.Namespace, server: ServerCpu) -> d
             first = peer.DBOS.start_workflow(peer.three, n).get_result()
             pickups.append(float(first) - began)
 
-    out = metrics(timed(args.workflows, work, server))
+    out = timed(args.workflows, work, server).metrics()
     out["pickup_ms"] = statistics.median(pickups) * 1e3
     return out
 
@@ -148,7 +141,7 @@ def run_concurrent(peer: Peer, args: argparse.Namespace, server: ServerCpu) -> d
         for handle in handles:
             handle.get_result()
 
-    return metrics(timed(args.runs, work, server))
+    return timed(args.runs, work, server).metrics()
 
 
 def run_recovery_child(peer: Peer, args: argparse.Namespace) -> dict[str, float]:

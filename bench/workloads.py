@@ -74,7 +74,7 @@ def steps(client: wp.WorkflowClient, count: int, server: ServerCpu) -> Metrics:
         _check(client.result(handle.execution_id).unwrap(), count, "many_steps")
 
     rate = timed(count, work, server)
-    return _metrics(rate)
+    return rate.metrics()
 
 
 def sequential(client: wp.WorkflowClient | wp.Client, count: int, server: ServerCpu) -> Metrics:
@@ -90,14 +90,15 @@ def sequential(client: wp.WorkflowClient | wp.Client, count: int, server: Server
             pickups.append(float(first) - began)
 
     rate = timed(count, work, server)
-    return {**_metrics(rate), "pickup_ms": statistics.median(pickups) * 1e3}
+    return {**rate.metrics(), "pickup_ms": statistics.median(pickups) * 1e3}
 
 
-def sequential_embedded(url: str, count: int, server: ServerCpu, concurrency: int = 4) -> Metrics:
-    """As :func:`sequential`, with an embedded worker (``runtime.start_worker()``) running."""
+def sequential_embedded(url: str, count: int, server: ServerCpu) -> Metrics:
+    """As :func:`sequential`, with an embedded worker (``runtime.start_worker()``, its
+    defaults) running."""
     runtime = open_runtime(url)
     try:
-        runtime.start_worker(concurrency=concurrency)
+        runtime.start_worker()
         client = runtime.client()
         warm_up(client)
         return sequential(client, count, server)
@@ -118,7 +119,7 @@ def concurrent(url: str, runs: int, concurrency: int, server: ServerCpu) -> Metr
             for execution_id in ids:
                 client.result(execution_id, timeout=300).unwrap()
 
-        return _metrics(timed(runs, work, server))
+        return timed(runs, work, server).metrics()
     finally:
         runtime.close()
 
@@ -142,13 +143,6 @@ def round_trips(runtime: wp.Runtime) -> Metrics | None:
             counts = counter.stop()
     out = {"statements": float(counts.statements), "transactions": float(counts.transactions)}
     out.update({verb: float(n) for verb, n in counts.verbs.items() if n and verb in VERBS})
-    return out
-
-
-def _metrics(rate: Any) -> Metrics:
-    out: Metrics = {"per_s": rate.per_s, "cpu_us": rate.cpu_us}
-    if rate.server_cpu_us is not None:
-        out["server_cpu_us"] = rate.server_cpu_us
     return out
 
 
