@@ -18,7 +18,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Final
@@ -107,6 +107,13 @@ def peak_rss_kib() -> int | None:
     return None
 
 
+def last_error(lines: Iterable[str]) -> str:
+    """The last line naming an exception (``...Error: ...``), else the last lines."""
+    kept = [ln.strip() for ln in lines if ln.strip()]
+    errors = [ln for ln in kept if _ERROR.search(ln)]
+    return errors[-1] if errors else " | ".join(kept[-4:])
+
+
 def append_line(path: str, text: str) -> None:
     """Append one line atomically (one O_APPEND write), from any thread or process."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -184,8 +191,7 @@ class Child:
         """Whether it runs, and its last error line (else its last lines)."""
         code = self.proc.poll()
         state = "still running" if code is None else f"exit {code}"
-        errors = [ln.strip() for ln in self.tail if _ERROR.search(ln)]
-        return f"{state}; " + (errors[-1] if errors else " | ".join(self.tail))
+        return f"{state}; {last_error(self.tail)}"
 
     def cpu_seconds(self) -> float:
         return process_cpu_seconds(self.proc.pid) or 0.0

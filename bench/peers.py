@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Final
 
+from bench.measure import last_error
+
 REPO: Final = Path(__file__).resolve().parent.parent
 NOT_INSTALLED_EXIT: Final = 3
 
@@ -41,8 +43,8 @@ class PeerScript:
             print(f"peer {self.module}: {self.disabled}", file=sys.stderr, flush=True)
             return None
         if proc.returncode != 0 or not lines:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-4:]
-            raise PeerError(f"exit {proc.returncode}: " + " | ".join(tail))
+            output = (proc.stderr or proc.stdout).splitlines()
+            raise PeerError(f"exit {proc.returncode}: {last_error(output)}")
         return {k: float(v) for k, v in found.items() if isinstance(v, int | float)}
 
     def run(self, workload: str, *args: str) -> dict[str, float] | None:

@@ -34,6 +34,7 @@ from bench.measure import (
     Child,
     ServerCpu,
     count_lines,
+    last_error,
     peak_rss_kib,
     timed,
     wait_for_count,
@@ -260,11 +261,10 @@ def pool_workload(
     command = [sys.executable, "-m", "bench.workloads", "pool", "--url", url]
     command += ["--runs", str(runs), "--pool-size", str(pool_size)]
     command += ["--concurrency", str(concurrency), "--seconds", str(seconds)]
-    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-        return f"exit {proc.returncode}: " + " | ".join(tail)
+        return f"exit {proc.returncode}: {last_error((proc.stderr or proc.stdout).splitlines())}"
     found = json.loads(lines[-1])
     if "error" in found:
         return str(found["error"])
@@ -288,7 +288,7 @@ def pool_main(args: argparse.Namespace) -> int:
             print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
             return 0
         for execution_id in ids:
-            client.result(execution_id, timeout=600).unwrap()
+            client.result(execution_id, timeout=120).unwrap()  # ~1 s expected
         wall = time.perf_counter() - began
     finally:
         runtime.close()
