@@ -155,8 +155,12 @@ def markdown_table(res: Results, rows: Iterable[Row]) -> list[str]:
         "| # | measurement | median | per-rep range | CPU µs/op | target | result | notes |",
         "|---|---|---:|---:|---:|---|---|---|",
     ]
+    shown: set[str] = set()
     for row in rows:
         cell = compute(res, row)
+        if cell.notes and cell.notes in shown and cell.median is None:
+            cell.notes = "not measured (see above)"
+        shown.add(cell.notes)
         spread = (
             f"{fmt(cell.low, row.spec)}-{fmt(cell.high, row.spec)}" if cell.low is not None else ""
         )
