@@ -8,10 +8,9 @@ in its own process. Everything a worker process needs to know comes from the env
 * ``BENCH_DATABASE_URL`` (required), ``BENCH_LEASE_TTL`` (seconds, default 30);
 * ``BENCH_POOL``: ``"size,overflow"`` for an engine of that pool (default: the runtime's own
   engine);
-* ``BENCH_MARKS``: a file every first step of a recovery run appends its key to, so the
-  suite can tell whether a step 1 ran twice;
-* ``BENCH_BLOCKED``: when set, the second step of a recovery run appends its key there and
-  then blocks until the process is killed.
+* ``BENCH_MARKS``, ``BENCH_BLOCKED``, ``BENCH_RESUMED``: the files the steps of a recovery run
+  write (see :func:`bench.measure.recovery_second_step`); with ``BENCH_BLOCKED`` set, step 2
+  blocks until the process is killed.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import time
 from typing import Any
 
 import wf_persist as wp
-from bench.measure import append_line
+from bench.measure import recovery_first_step, recovery_second_step
 
 
 @wp.step
@@ -49,19 +48,13 @@ def three_steps(ctx: wp.Context, n: int) -> float:
 
 @wp.step
 def recover_first(key: str) -> str:
-    marks = os.environ.get("BENCH_MARKS")
-    if marks:
-        append_line(marks, key)
+    recovery_first_step(key)
     return key
 
 
 @wp.step
 def recover_second(key: str) -> str:
-    blocked = os.environ.get("BENCH_BLOCKED")
-    if blocked:
-        append_line(blocked, key)
-        while True:  # until SIGKILL
-            time.sleep(3600)
+    recovery_second_step(key)  # blocks in worker A
     return key
 
 

@@ -143,14 +143,14 @@ def wait_until(check: Callable[[], bool], timeout: float, interval: float = 0.01
 
 class Child:
     """A child process whose ``stream`` ("stdout" or "stderr") is read in a thread: the first
-    line containing ``marker`` marks it ready (``ready_at``, by ``time.time()``); the last
-    lines are kept for error messages. The other stream goes to /dev/null."""
+    line containing ``marker`` (if given) marks it ready (``ready_at``, by ``time.time()``);
+    the last lines are kept for error messages. The other stream goes to /dev/null."""
 
     def __init__(
         self,
         command: Sequence[str],
         *,
-        marker: str,
+        marker: str | None = None,
         stream: str = "stdout",
         env: Mapping[str, str] | None = None,
         cwd: str | Path | None = None,
@@ -177,7 +177,7 @@ class Child:
     def _read(self, source: IO[str] | None) -> None:
         assert source is not None
         for line in source:
-            if self.ready_at is None and self.marker in line:
+            if self.ready_at is None and self.marker is not None and self.marker in line:
                 self.ready_at = time.time()
                 self._ready.set()
             self.tail.append(line.rstrip())
@@ -229,3 +229,73 @@ def wait_for_count(
         if now != last:
             last, moved = now, time.monotonic()
     return True
+
+
+# the recovery workload's traces, the same for ours and the peers ---------------------------
+
+
+def recovery_first_step(key: str) -> None:
+    """Step 1 of a recovery run: append ``key`` to ``$BENCH_MARKS`` (a second line for the
+    same key means step 1 ran twice)."""
+    marks = os.environ.get("BENCH_MARKS")
+    if marks:
+        append_line(marks, key)
+
+
+def recovery_second_step(
+    key: str, keep_alive: Callable[[], None] | None = None, interval: float = 3600.0
+) -> None:
+    """Step 2 of a recovery run. In worker A (``$BENCH_BLOCKED`` set): append ``key`` there,
+    then block until killed, calling ``keep_alive`` every ``interval`` seconds. In worker B
+    (``$BENCH_RESUMED`` set): append ``key`` and the time it began there."""
+    blocked = os.environ.get("BENCH_BLOCKED")
+    if blocked:
+        append_line(blocked, key)
+        while True:
+            if keep_alive is not None:
+                keep_alive()
+            time.sleep(interval)
+    resumed = os.environ.get("BENCH_RESUMED")
+    if resumed:
+        append_line(resumed, f"{key} {time.time()!r}")
+
+
+class RecoveryTrace:
+    """The files a recovery measurement's steps write, in ``directory``."""
+
+    def __init__(self, directory: str) -> None:
+        self.marks = f"{directory}/marks"
+        self.blocked_path = f"{directory}/blocked"
+        self.resumed = f"{directory}/resumed"
+
+    def env_a(self) -> dict[str, str]:
+        return {"BENCH_MARKS": self.marks, "BENCH_BLOCKED": self.blocked_path}
+
+    def env_b(self) -> dict[str, str]:
+        return {"BENCH_MARKS": self.marks, "BENCH_RESUMED": self.resumed}
+
+    def blocked(self) -> int:
+        return count_lines(self.blocked_path)
+
+    def metrics(
+        self, killed_at: float, spawned_at: float, ready_at: float | None, done: list[float]
+    ) -> dict[str, float]:
+        """From the kill (``killed_at``), B's start (``spawned_at``) and readiness, and the
+        runs' finish times: ``first_done_s`` and ``all_done_s`` after the kill;
+        ``taken_over_s``: the first step 2 beginning in B, counted from B being ready or the
+        kill, whichever is later; ``after_ready_s``: all done, counted the same way;
+        ``startup_s`` of B; ``step1_twice``: runs whose step 1 ran more than once."""
+        ready = ready_at if ready_at is not None else killed_at
+        since = max(killed_at, ready)
+        with open(self.marks) as f:
+            counts = collections.Counter(f.read().split())
+        with open(self.resumed) as f:
+            began = [float(line.split()[1]) for line in f if line.strip()]
+        return {
+            "first_done_s": min(done) - killed_at,
+            "all_done_s": max(done) - killed_at,
+            "taken_over_s": min(began) - since,
+            "after_ready_s": max(done) - since,
+            "startup_s": ready - spawned_at,
+            "step1_twice": float(sum(1 for n in counts.values() if n > 1)),
+        }

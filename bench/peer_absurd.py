@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import json
 import os
 import shutil
@@ -50,9 +49,10 @@ if __package__ in (None, ""):  # run as a script: find the bench package
 
 from bench.measure import (
     Child,
+    RecoveryTrace,
     ServerCpu,
-    append_line,
-    count_lines,
+    recovery_first_step,
+    recovery_second_step,
     timed,
     wait_for_count,
 )
@@ -99,18 +99,12 @@ def register_sync(app: Any, lease: int) -> None:
         key = str(params["key"])
 
         def first() -> str:
-            marks = os.environ.get("BENCH_MARKS")
-            if marks:
-                append_line(marks, key)
+            recovery_first_step(key)
             return key
 
         def second() -> str:
-            blocked = os.environ.get("BENCH_BLOCKED")
-            if blocked:
-                append_line(blocked, key)
-                while True:  # until SIGKILL, keeping the claim alive as a live worker does
-                    ctx.heartbeat(lease)
-                    time.sleep(lease / 3)
+            # Blocks in worker A, heartbeating its claim as a live worker's task does.
+            recovery_second_step(key, keep_alive=lambda: ctx.heartbeat(lease), interval=lease / 3)
             return key
 
         ctx.step("first", first)
@@ -333,29 +327,22 @@ def run_recovery(sdk: Any, args: argparse.Namespace) -> dict[str, float]:
     app = client(sdk, args.url, "recovery", lease)
     tag = uuid.uuid4().hex[:8]
     with tempfile.TemporaryDirectory(prefix="wf-persist-bench-absurd-") as tmp:
-        marks, blocked = f"{tmp}/marks", f"{tmp}/blocked"
-        env = {"BENCH_MARKS": marks}
-        first = Worker(
-            args.url,
-            "recovery",
-            concurrency=args.runs,
-            lease=lease,
-            env={**env, "BENCH_BLOCKED": blocked},
-        )
+        trace = RecoveryTrace(tmp)
+        first = Worker(args.url, "recovery", concurrency=args.runs, lease=lease, env=trace.env_a())
         second: Worker | None = None
         try:
             first.wait_ready()
             ids = [app.spawn("recover", {"key": f"{tag}-{i}"})["task_id"] for i in range(args.runs)]
             if not wait_for_count(
-                lambda: count_lines(blocked), args.runs, alive=lambda: first.proc.poll() is None
+                trace.blocked, args.runs, alive=lambda: first.proc.poll() is None
             ):
                 raise RuntimeError(
-                    f"only {count_lines(blocked)} of {args.runs} tasks reached step 2: "
+                    f"only {trace.blocked()} of {args.runs} tasks reached step 2: "
                     + first.describe()
                 )
             killed_at = time.time()
             first.kill()
-            second = Worker(args.url, "recovery", concurrency=4, lease=lease, env=env)
+            second = Worker(args.url, "recovery", concurrency=4, lease=lease, env=trace.env_b())
             for task_id in ids:
                 poll_result(app, task_id, interval=0.01, timeout=lease * 2 + 120)
             second.wait_ready()
@@ -364,24 +351,15 @@ def run_recovery(sdk: Any, args: argparse.Namespace) -> dict[str, float]:
             if second is not None:
                 second.kill()
             app.close()
+        # The SDK does not expose when a task completed; its run table does.
         with psycopg.connect(args.url) as conn:
-            row = conn.execute(
-                "SELECT extract(epoch FROM min(completed_at)),"
-                " extract(epoch FROM max(completed_at)) FROM absurd.r_recovery"
+            rows = conn.execute(
+                "SELECT extract(epoch FROM completed_at) FROM absurd.r_recovery"
                 " WHERE state = 'completed' AND task_id = ANY(%s::uuid[])",
                 (ids,),
-            ).fetchone()
-        assert row is not None
-        done_first, done_last = float(row[0]), float(row[1])
-        ready_at = second.ready_at or killed_at
-        counts = collections.Counter(Path(marks).read_text().split())
-        return {
-            "first_done_s": done_first - killed_at,
-            "all_done_s": done_last - killed_at,
-            "after_ready_s": done_last - max(killed_at, ready_at),
-            "startup_s": ready_at - second.spawned_at,
-            "step1_twice": float(sum(1 for n in counts.values() if n > 1)),
-        }
+            ).fetchall()
+        done = [float(row[0]) for row in rows]
+        return trace.metrics(killed_at, second.spawned_at, second.ready_at, done)
 
 
 def main(argv: list[str] | None = None) -> int:

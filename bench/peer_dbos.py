@@ -26,10 +26,8 @@ database on first use) and a warm-up run come before the clock starts.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -42,7 +40,16 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script (bench_steps.py does): find the bench package
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.measure import ServerCpu, append_line, count_lines, timed, wait_for_count
+from bench.measure import (
+    Child,
+    RecoveryTrace,
+    ServerCpu,
+    last_error,
+    recovery_first_step,
+    recovery_second_step,
+    timed,
+    wait_for_count,
+)
 
 EXIT_NOT_INSTALLED = 3
 WORKLOADS = ("steps", "sequential", "concurrent", "recovery", "recovery-child")
@@ -72,17 +79,11 @@ class Peer:
             return float(first["at"])
 
         def recover_first(key: str) -> str:
-            marks = os.environ.get("BENCH_MARKS")
-            if marks:
-                append_line(marks, key)
+            recovery_first_step(key)
             return key
 
         def recover_second(key: str) -> str:
-            blocked = os.environ.get("BENCH_BLOCKED")
-            if blocked:
-                append_line(blocked, key)
-                while True:  # until SIGKILL
-                    time.sleep(3600)
+            recovery_second_step(key)  # blocks in child A
             return key
 
         first = self.DBOS.step()(recover_first)
@@ -144,9 +145,10 @@ def run_concurrent(peer: Peer, args: argparse.Namespace, server: ServerCpu) -> d
     return timed(args.runs, work, server).metrics()
 
 
-def run_recovery_child(peer: Peer, args: argparse.Namespace) -> dict[str, float]:
+def run_recovery_child(peer: Peer, args: argparse.Namespace, ready_at: float) -> dict[str, Any]:
     """Child A (``BENCH_BLOCKED`` set): start the runs, write their ids, wait to be killed.
-    Child B: launch (which recovers them), await them, report their ``updated_at``."""
+    Child B: its launch (which began at ``ready_at``) recovers them; await them and report
+    their ``updated_at``."""
     if os.environ.get("BENCH_BLOCKED"):
         tag = uuid.uuid4().hex[:8]
         ids = [
@@ -154,67 +156,48 @@ def run_recovery_child(peer: Peer, args: argparse.Namespace) -> dict[str, float]
             for i in range(args.runs)
         ]
         Path(args.ids_file).write_text("\n".join(ids))
-        print("started", flush=True)
         while True:
             time.sleep(3600)
-    ready_at = time.time()  # launch() returned: recovery is under way
-    ids = Path(args.ids_file).read_text().split()
     finished: list[float] = []
-    for workflow_id in ids:
-        handle = peer.DBOS.retrieve_workflow(workflow_id)
-        handle.get_result()
+    for workflow_id in Path(args.ids_file).read_text().split():
+        peer.DBOS.retrieve_workflow(workflow_id).get_result()
         status = peer.DBOS.get_workflow_status(workflow_id)
         finished.append(status.updated_at / 1e3)
-    return {"ready_at": ready_at, "first": min(finished), "last": max(finished)}
+    return {"ready_at": ready_at, "finished": finished}
 
 
 def run_recovery(args: argparse.Namespace) -> dict[str, float]:
-    """The orchestrator: children A and B are this script with ``--workload recovery-child``."""
+    """The orchestrator: children A and B are this script with ``--workload recovery-child``.
+    B counts as ready when its ``DBOS.launch()`` begins (DBOS recovers inside it)."""
     with tempfile.TemporaryDirectory(prefix="wf-persist-bench-dbos-") as tmp:
-        marks, blocked, ids_file = f"{tmp}/marks", f"{tmp}/blocked", f"{tmp}/ids"
+        trace = RecoveryTrace(tmp)
         command = [sys.executable, "-m", "bench.peer_dbos", "--backend", args.backend]
         command += ["--url", args.url, "--workload", "recovery-child"]
-        command += ["--runs", str(args.runs), "--ids-file", ids_file]
-        env = {**os.environ, "BENCH_MARKS": marks}
-        first = subprocess.Popen(
-            command,
-            env={**env, "BENCH_BLOCKED": blocked},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        command += ["--runs", str(args.runs), "--ids-file", f"{tmp}/ids"]
+        first = Child(command, marker="\0", stream="stderr", env={**os.environ, **trace.env_a()})
         try:
             if not wait_for_count(
-                lambda: count_lines(blocked), args.runs, alive=lambda: first.poll() is None
+                trace.blocked, args.runs, alive=lambda: first.proc.poll() is None
             ):
-                first.kill()
-                err = first.communicate()[1].strip().splitlines()[-3:]
                 raise RuntimeError(
-                    f"only {count_lines(blocked)} of {args.runs} workflows reached step 2: "
-                    + " | ".join(err)
+                    f"only {trace.blocked()} of {args.runs} workflows reached step 2: "
+                    + first.describe()
                 )
             killed_at = time.time()
-            first.send_signal(signal.SIGKILL)
+            first.kill()
             spawned_at = time.time()
+            env = {**os.environ, **trace.env_b()}
             second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
         finally:
-            if first.poll() is None:
-                first.kill()
-            first.wait()
+            first.kill()
         lines = [ln for ln in second.stdout.splitlines() if ln.startswith("{")]
         if second.returncode != 0 or not lines:
-            tail = second.stderr.strip().splitlines()[-3:]
-            raise RuntimeError(f"recovering process failed (exit {second.returncode}): {tail}")
+            raise RuntimeError(
+                f"recovering process failed (exit {second.returncode}): "
+                + last_error(second.stderr.splitlines())
+            )
         found = json.loads(lines[-1])
-        counts = collections.Counter(Path(marks).read_text().split())
-        ready_at = float(found["ready_at"])
-        return {
-            "first_done_s": float(found["first"]) - killed_at,
-            "all_done_s": float(found["last"]) - killed_at,
-            "after_ready_s": float(found["last"]) - max(killed_at, ready_at),
-            "startup_s": ready_at - spawned_at,
-            "step1_twice": float(sum(1 for n in counts.values() if n > 1)),
-        }
+        return trace.metrics(killed_at, spawned_at, float(found["ready_at"]), found["finished"])
 
 
 def legacy(peer: Peer, args: argparse.Namespace) -> dict[str, Any]:
@@ -256,10 +239,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     server = ServerCpu(args.backend == "postgresql")
     peer = Peer(dbos, args.url)
+    launched_at = time.time()
     peer.launch()
     try:
         if args.workload == "recovery-child":
-            result: dict[str, Any] = run_recovery_child(peer, args)
+            result: dict[str, Any] = run_recovery_child(peer, args, launched_at)
         else:
             peer.warm_up()
             if args.workload == "steps":

@@ -14,7 +14,6 @@ Run as a module for the pool workload, in a process of its own so its peak RSS i
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime as dt
 import json
 import os
@@ -32,8 +31,8 @@ import wf_persist as wp
 from bench.app import WORKFLOWS, many_steps, pool_engine, sleepy, three_steps
 from bench.measure import (
     Child,
+    RecoveryTrace,
     ServerCpu,
-    count_lines,
     last_error,
     peak_rss_kib,
     timed,
@@ -202,19 +201,18 @@ def _epoch(moment: dt.datetime | None) -> float:
 
 def recovery(url: str, runs: int, lease_ttl: float) -> Metrics:
     """``runs`` runs blocked inside step 2 (step 1 recorded) in worker process A; SIGKILL A
-    and start worker B right after. Times are from the kill, by the runs' ``finished_at``:
-    ``first_done_s``, ``all_done_s``, and ``after_ready_s`` (all done, counted from B being
-    ready or the kill, whichever is later). ``step1_twice``: runs whose step 1 ran again."""
+    and start worker B (defaults) right after; the runs' finish times are their recorded
+    ``finished_at``. The figures are :meth:`bench.measure.RecoveryTrace.metrics`'."""
     tag = uuid.uuid4().hex[:8]
     with tempfile.TemporaryDirectory(prefix="wf-persist-bench-recovery-") as tmp:
-        marks, blocked = f"{tmp}/marks", f"{tmp}/blocked"
-        # A drive holds a connection while its step runs (today): room for every run.
+        trace = RecoveryTrace(tmp)
+        # Room for every run should a drive hold a connection while its step runs.
         first = WorkerProcess(
             url,
             concurrency=runs,
             lease_ttl=lease_ttl,
             pool=f"{runs + 2},{runs}",
-            env={"BENCH_MARKS": marks, "BENCH_BLOCKED": blocked},
+            env=trace.env_a(),
         )
         second: WorkerProcess | None = None
         try:
@@ -223,28 +221,18 @@ def recovery(url: str, runs: int, lease_ttl: float) -> Metrics:
                 ids = [
                     client.start("bench_recover", f"{tag}-{i}").execution_id for i in range(runs)
                 ]
-                if not wait_for_count(
-                    lambda: count_lines(blocked), runs, alive=lambda: first.proc.poll() is None
-                ):
+                if not wait_for_count(trace.blocked, runs, alive=lambda: first.proc.poll() is None):
                     raise RuntimeError(
-                        f"only {count_lines(blocked)} of {runs} runs reached step 2 in worker A: "
+                        f"only {trace.blocked()} of {runs} runs reached step 2 in worker A: "
                         + first.describe()
                     )
                 killed_at = time.time()
                 first.kill()
-                second = WorkerProcess(url, lease_ttl=lease_ttl, env={"BENCH_MARKS": marks})
+                second = WorkerProcess(url, lease_ttl=lease_ttl, env=trace.env_b())
                 for execution_id in ids:
                     client.result(execution_id, timeout=lease_ttl * 2 + 120).unwrap()
                 finished = [_epoch(client.describe(i).finished_at) for i in ids]
-            ready_at = second.ready_at or killed_at
-            counts = collections.Counter(Path(marks).read_text().split())
-            return {
-                "first_done_s": min(finished) - killed_at,
-                "all_done_s": max(finished) - killed_at,
-                "after_ready_s": max(finished) - max(killed_at, ready_at),
-                "startup_s": ready_at - second.spawned_at,
-                "step1_twice": float(sum(1 for n in counts.values() if n > 1)),
-            }
+            return trace.metrics(killed_at, second.spawned_at, second.ready_at, finished)
         finally:
             first.kill()
             if second is not None:
