@@ -529,7 +529,18 @@ def rows_for(backend: str, args: argparse.Namespace) -> list[Row]:
         Row("6", "ours: peak RSS of that process, MiB", "pool.ours.peak_rss_mib", spec=",.0f")
     )
     workloads = {"1": "steps", "2": "seq", "3": "proc", "4": "conc", "5": "recov", "6": "pool"}
-    return [r for r in rows if workloads[r.workload] in args.workloads]
+    return [
+        r
+        for r in rows
+        if workloads[r.workload] in args.workloads
+        and all(_system_of(k) in args.systems for k in (r.key, r.den) if k)
+    ]
+
+
+def _system_of(key: str) -> str:
+    """The system a sample key belongs to: ``conc.absurd_p2.per_s`` is Absurd's."""
+    group = key.split(".")[1].split("_")[0]
+    return group if group in SYSTEMS else "ours"
 
 
 # machine and output ------------------------------------------------------------------------
