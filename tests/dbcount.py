@@ -27,8 +27,10 @@ database executed them (SQLite runs an ``executemany`` INSERT once per row).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import sqlite3
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -126,7 +128,8 @@ class DatabaseCounter:
         with self._lock:
             for raw, _path in self._traced.values():
                 if self.dialect == "sqlite":
-                    raw.set_trace_callback(None)
+                    with contextlib.suppress(sqlite3.ProgrammingError):  # closed meanwhile
+                        raw.set_trace_callback(None)
                 else:
                     self._pg_stop(raw)
         return counts

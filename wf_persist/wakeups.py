@@ -35,7 +35,7 @@ DUE: Final = "due"
 WAKE: Final = "wake "
 END: Final = "end "
 #: How long one wait for notifications lasts (the listener looks at its stop flag between).
-LISTEN_TICK: Final = 1.0
+LISTEN_TICK: Final = 0.2
 #: The safety-net poll of a worker that notifications reach (seconds): it looks for due
 #: runs this often in case a notification was lost; a timer nearer than this is announced.
 NOTIFIED_POLL_INTERVAL: Final = 5.0

@@ -38,6 +38,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects import postgresql
+from sqlalchemy.exc import DBAPIError
 
 from ..errors import LeaseLostError
 from ..events import NewEvent
@@ -392,43 +393,17 @@ class PostgreSQLBackend(Backend):
         with self.atomic() as auto:
             yield auto
 
-    def _auto(self, stmt: Any, params: dict[str, Any], conn: Connection | None) -> list[Claim]:
-        if conn is not None:
-            return _claims(conn.execute(stmt, params).all())
+    def _auto(self, stmt: Any, params: dict[str, Any]) -> list[Claim]:
         with self.atomic() as auto:
             return _claims(auto.execute(stmt, params).all())
-
-    def claim(
-        self,
-        conn: Connection,
-        execution_id: str,
-        owner: str,
-        ttl: float,
-        workflows: Sequence[tuple[str, int]] | None = None,
-    ) -> Claim | None:
-        pins = None if workflows is None else tuple(workflows)
-        params = {"p_id": execution_id, "p_owner": owner, "p_ttl": ttl}
-        found = self._auto(claim_statement(pins, False, False), params, conn)
-        return found[0] if found else None
 
     def claim_to_drive(
         self, execution_id: str, owner: str, ttl: float, workflows: Sequence[tuple[str, int]]
     ) -> Claim | None:
         """One round trip: the claim, ``workflow.started`` and the history read."""
         params = {"p_id": execution_id, "p_owner": owner, "p_ttl": ttl}
-        found = self._auto(claim_statement(tuple(workflows), False, False), params, None)
+        found = self._auto(claim_statement(tuple(workflows), False, False), params)
         return found[0] if found else None
-
-    def claim_due(
-        self,
-        conn: Connection,
-        owner: str,
-        ttl: float,
-        limit: int,
-        workflows: Sequence[tuple[str, int]],
-        exclude: Sequence[str],
-    ) -> list[Claim]:
-        return self._batch(conn, owner, ttl, limit, workflows, exclude)
 
     def claim_batch(
         self,
@@ -438,22 +413,23 @@ class PostgreSQLBackend(Backend):
         workflows: Sequence[tuple[str, int]],
         exclude: Sequence[str],
     ) -> list[Claim]:
-        return self._batch(None, owner, ttl, limit, workflows, exclude)
+        """One round trip: the claims, their ``workflow.started`` and history reads.
 
-    def _batch(
-        self,
-        conn: Connection | None,
-        owner: str,
-        ttl: float,
-        limit: int,
-        workflows: Sequence[tuple[str, int]],
-        exclude: Sequence[str],
-    ) -> list[Claim]:
+        One run whose ``workflow.started`` the database refuses would fail the whole
+        statement at every look: then the claims are made alone, and that run's own start
+        fails its drive (counted, and in the end failed) without holding up the others.
+        """
         stmt = claim_statement(tuple(workflows), True, bool(exclude))
         params: dict[str, Any] = {"p_owner": owner, "p_ttl": ttl, "p_limit": limit}
         if exclude:
             params["p_exclude"] = list(exclude)
-        return self._auto(stmt, params, conn)
+        try:
+            return self._auto(stmt, params)
+        except DBAPIError as exc:
+            if self.contention(exc):
+                raise
+            log.debug("claiming with the runs' start failed (%s); claiming alone", exc.orig)
+        return super().claim_batch(owner, ttl, limit, workflows, exclude)
 
     def keyset_after(self, created_at: dt.datetime, execution_id: str) -> Any:
         # A row comparison is one index range condition.
