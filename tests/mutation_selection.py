@@ -44,6 +44,17 @@ def _dropped(item: pytest.Item) -> bool:
     return "procs" in getattr(item, "fixturenames", ())
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """mutmut tests each mutant in a process forked from one that already ran the tests:
+    statements the backends build once per process (``functools`` caches) would still hold
+    the SQL of the unmutated code there, hiding mutants of the functions that build them
+    (``claim_values``, ``due``, ``pinned``). Build them again in every run."""
+    from wf_persist.backends import base
+
+    for built in (base._claim_one, base.bump, base._bump_returning):
+        built.cache_clear()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     dropped = [item for item in items if _dropped(item)]
     if dropped:
