@@ -12,6 +12,7 @@ from typing import Any
 from sqlalchemy import event
 
 import wf_persist as wp
+from wf_persist.backends import Backend
 from wf_persist.wakeups import NOTIFIED_POLL_INTERVAL
 from wf_persist.worker import REAP_INTERVAL
 
@@ -123,7 +124,8 @@ def test_an_idle_worker_never_busy_polls(
     once per poll interval: two short transactions (claim, next wake time) per look. Where
     notifications reach it (PostgreSQL) polling is only a safety net, once per
     NOTIFIED_POLL_INTERVAL; where presence locks exist it also runs one statement per
-    REAP_INTERVAL looking for runs whose worker is gone."""
+    REAP_INTERVAL looking for runs whose worker is gone; on SQLite a look when nothing was
+    committed since the last one is a ``PRAGMA data_version`` on a connection of its own."""
     poll_interval = 0.25
     rt = make_runtime(lease_ttl=300)
     rt.register(w.approval_wf, w.napper_wf)
@@ -157,4 +159,5 @@ def test_an_idle_worker_never_busy_polls(
     reaps = elapsed / REAP_INTERVAL + 1 if mark and rt.owner.endswith(mark) else 0
     assert counts.transactions <= 2 * looks + reaps, f"{counts} in {elapsed:.2f}s"
     assert counts.statements <= 7 * looks + reaps, f"{counts} in {elapsed:.2f}s"
-    assert counts.transactions >= 2, "the worker looked for work at all"
+    if type(rt.backend).changes is Backend.changes:  # no cheap probe (SQLite's): it polls
+        assert counts.transactions >= 2, "the worker looked for work at all"

@@ -244,3 +244,36 @@ def test_a_live_runtime_is_never_reaped(make_runtime: Callable[..., wp.Runtime])
     assert claim is not None
     assert other.reap() == [] and holder.reap() == []
     assert other.drive(handle.execution_id) is False
+
+
+# cheap polling ---------------------------------------------------------------------------
+
+
+@pytest.mark.needs("embedded")
+def test_an_idle_sqlite_worker_looks_only_when_something_was_committed(
+    make_runtime: Callable[..., wp.Runtime], tmp_path: Path
+) -> None:
+    """A worker polling every 20 ms runs no query while nothing is committed (its look is
+    a ``PRAGMA data_version`` on a connection of its own), and finds a run another runtime
+    (another connection, as another process would) starts within a poll or two."""
+    rt, other = make_runtime(lease_ttl=30), make_runtime(lease_ttl=30)
+    rt.register(f.nap_wf, f.stamped_wf)
+    other.register(f.stamped_wf)
+    parked = rt.client().start(f.nap_wf, 3600).execution_id
+    assert rt.drive(parked)
+    worker = wp.Worker(rt, concurrency=2, poll_interval=0.02)
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        time.sleep(0.3)  # its first looks
+        with counting(rt.backend.base_engine, tmp_path / "idle") as counter:
+            time.sleep(1.0)
+            counts = counter.counts()
+        assert counts.transactions <= 1, counts
+        began = time.time()
+        handle = other.client().start(f.stamped_wf)
+        stamp = wp.Client(other.engine).result(handle.execution_id, timeout=10).unwrap()
+        assert stamp - began < 1.0
+    finally:
+        worker.stop()
+        thread.join(10)

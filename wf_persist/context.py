@@ -252,7 +252,7 @@ class Context:
         started = events.code_started(who, reason, self._driver.clock())
         try:
             what = f"result of code block {name}"
-            with outside_body():
+            with outside_body(), self._driver.user_code():
                 produced = self._driver.code_function(name, fn)()
             stored = to_json(adapter, produced, what)
             self._driver.check_size(what, stored)

@@ -17,10 +17,9 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import Connection, Float, literal, select
@@ -44,6 +43,7 @@ from .errors import (
 )
 from .events import NewEvent
 from .leases import Lease
+from .lending import Lender
 from .logs import run_fields
 from .models import executions_table as ex
 from .replay import Journal
@@ -104,8 +104,10 @@ class RunDriver:
         clock: DriveClock,
         seen: int,
         cancel_known: bool,
+        lender: Lender,
     ) -> None:
         self.runtime = runtime
+        self.lender = lender
         self.backend = runtime.backend
         self.execution_id = claim.execution_id
         self.workflow = claim.workflow_name
@@ -120,7 +122,7 @@ class RunDriver:
         self.record_start_after = runtime.record_start_after
         self.news = False
         #: Serializes the writes of the body, ctx.all branches and the start-record timer.
-        self.conn_lock = threading.RLock()
+        self.conn_lock = lender.lock
         #: Events written with the next write (a finished step's), see :meth:`defer`.
         self._deferred: list[NewEvent] = []
         #: Columns the first write also resets (a run that made progress is not failing).
@@ -161,7 +163,7 @@ class RunDriver:
         note: str | None = None,
     ) -> Fenced:
         try:
-            with self.backend.connection() as conn:
+            with self.lender.connection() as conn:
                 fenced = self.backend.write(
                     conn,
                     self.execution_id,
@@ -204,7 +206,7 @@ class RunDriver:
         with self.conn_lock:
             evs = [*self._deferred, *evs]
             try:
-                with self.backend.begin() as conn:
+                with self.lender.connection() as conn, self.backend.begin(conn):
                     history.append(
                         conn,
                         self.backend,
@@ -266,7 +268,11 @@ class RunDriver:
         return self.runtime.timers.after(delay, fn)
 
     def pause(self, seconds: float) -> None:
-        self.runtime.pause(seconds)
+        with self.lender.lent():
+            self.runtime.pause(seconds)
+
+    def user_code(self) -> AbstractContextManager[None]:
+        return self.lender.lent()
 
     def step_function(self, step: Step[Any]) -> Callable[..., Any]:
         return self.runtime.step_overrides.get(step, step.fn)
@@ -419,11 +425,13 @@ def drive(runtime: Runtime, claim: Claim, lease: Lease, loaded: tuple[Journal, i
     """
     wf = runtime.definition(claim.workflow_name, claim.workflow_version)
     clock = DriveClock(claim.db_now, runtime.time_shift)
+    lender = Lender(runtime.backend, runtime.timers)
     driver: RunDriver | None = None
     try:
         while True:
             journal, seen = loaded
-            driver = RunDriver(runtime, claim, lease, clock, seen, journal.cancelled is not None)
+            cancel_known = journal.cancelled is not None
+            driver = RunDriver(runtime, claim, lease, clock, seen, cancel_known, lender)
             try:
                 run_body(driver, wf, claim.input, journal)
             except Reload:
@@ -461,6 +469,7 @@ def drive(runtime: Runtime, claim: Claim, lease: Lease, loaded: tuple[Journal, i
         release(runtime, claim)  # due again at once elsewhere
         raise
     finally:
+        lender.release()
         runtime.keeper().forget(lease)
     return None
 

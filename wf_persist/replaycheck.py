@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -119,6 +120,9 @@ class _DryDriver:
 
     def pause(self, seconds: float) -> None:
         return None
+
+    def user_code(self) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def step_function(self, step: Step[Any]) -> Callable[..., Any]:
         def never(**_: Any) -> Any:

@@ -334,10 +334,12 @@ class Runtime:
 
     def drive_claim(self, claim: Claim) -> Any:
         """Drive a run a worker claimed (see :meth:`claim_due`)."""
-        with self._driving_run(claim.execution_id, 0.0) as ours:
+        # Claims exclude runs this process drives, but a caller's ``result()`` may be just
+        # trying (and failing) to claim this one: it leaves within a moment.
+        with self._driving_run(claim.execution_id, 0.5) as ours:
             with self._lock:
                 self._dispatched.discard(claim.execution_id)
-            if not ours:  # cannot happen: claims exclude runs this process drives
+            if not ours:
                 driver.release(self, claim)
                 return NOT_DRIVEN
             return self._drive(claim)

@@ -87,6 +87,10 @@ class Driver(Protocol):
     def pause(self, seconds: float) -> None:
         """Wait in this thread (a short retry backoff); the test kit skips the time."""
 
+    def user_code(self) -> AbstractContextManager[None]:
+        """Around user code (a step, a code block, a compensation): the drive's
+        connection may go back to the pool meanwhile."""
+
     def step_function(self, step: Step[Any]) -> Callable[..., Any]:
         """The function an attempt of ``step`` calls (the test kit may stand in for it)."""
 
@@ -309,7 +313,7 @@ class StepRunner:
         """One attempt: resolve secrets, take a concurrency slot, run, validate the result."""
         values = self._resolved(step, inputs)
         limit = step.concurrency
-        with outside_body():
+        with outside_body(), self.driver.user_code():
             # The lease is checked as late as possible, right before the step's own code:
             # resolving secrets or waiting for a slot may take longer than the lease.
             if limit is None:
@@ -428,7 +432,7 @@ class StepRunner:
             params = {}  # type: ignore[assignment]
         if "reason" in params:
             kwargs["reason"] = reason
-        with outside_body():
+        with outside_body(), self.driver.user_code():
             # New work like a step: not started without the lease (checked as late).
             self.driver.check_lease()
             fn(comp.result, *bound.args, **kwargs)

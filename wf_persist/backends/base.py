@@ -372,6 +372,12 @@ class Backend:
         orig = getattr(exc, "orig", exc)
         return getattr(orig, "sqlstate", None) in ("40001", "40P01", "55P03")
 
+    def pool_full(self) -> bool:
+        """Whether every connection the runs' pool can give is out (a checkout would wait)."""
+        capacity = self.capacity()
+        checkedout = getattr(self.base_engine.pool, "checkedout", None)
+        return capacity is not None and callable(checkedout) and checkedout() >= capacity
+
     def capacity(self) -> int | None:
         """Connections the runs' pool can hand out at once (None: unbounded)."""
         pool = self.base_engine.pool

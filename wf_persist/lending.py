@@ -1,0 +1,84 @@
+"""A drive's connection: kept while the drive runs wf_persist's own code, lent back to the
+pool while user code runs.
+
+Taking a pooled connection for every write would cost a checkout and a reset each time,
+about as much CPU as the rest of a short step. Holding one for a whole drive would make a
+run that sleeps in a step (slow I/O, a rate-limited API) hold a connection for nothing, so
+one process could drive only as many runs as its pool has connections. So a drive keeps
+the connection it took for its last write while it goes on to its next one, and gives it
+back when user code (a step, a code block, a compensation, a retry's backoff) runs: at
+once if the pool has no idle connection left for others, else once that code has run for
+:data:`RELEASE_AFTER` seconds. A short step then costs no checkout at all, and hundreds of
+runs whose steps wait on I/O share a pool of 10 to 20.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from sqlalchemy import Connection
+
+if TYPE_CHECKING:
+    from .backends import Backend
+    from .timers import Timers
+
+#: How long user code may run before its drive's connection goes back to the pool.
+RELEASE_AFTER = 0.05
+
+
+class Lender:
+    """The connection of one drive (shared by its replays, ``ctx.all`` branches and its
+    start-record timer, one statement at a time under :attr:`lock`)."""
+
+    def __init__(self, backend: Backend, timers: Timers) -> None:
+        self.backend = backend
+        self.timers = timers
+        #: Held while a connection is in use (and while it is taken or given back).
+        self.lock = threading.RLock()
+        self._conn: Connection | None = None
+
+    @contextmanager
+    def connection(self) -> Iterator[Connection]:
+        """The drive's connection for one write (taken from the pool if it has none). A
+        write that fails gives it back: a connection the error left in doubt is not kept."""
+        with self.lock:
+            conn = self._conn
+            if conn is None or conn.closed or conn.invalidated:
+                conn = self._conn = self.backend.engine.connect()
+            try:
+                yield conn
+            except BaseException:
+                self.release()
+                raise
+
+    def release(self) -> None:
+        """Give the connection back to the pool (the next write takes one again)."""
+        with self.lock:
+            conn, self._conn = self._conn, None
+            if conn is not None:
+                conn.close()
+
+    def _release_unless_busy(self) -> None:
+        """The timer's release: a write in progress (of a ``ctx.all`` sibling, say) keeps
+        the connection, and the timer thread, which serves every timer, never waits."""
+        if self.lock.acquire(blocking=False):
+            try:
+                self.release()
+            finally:
+                self.lock.release()
+
+    @contextmanager
+    def lent(self) -> Iterator[None]:
+        """User code runs: the connection goes back to the pool at once if the pool is at
+        its capacity (others may be waiting), else if the code runs longer than
+        :data:`RELEASE_AFTER`."""
+        if self._conn is not None and self.backend.pool_full():
+            self._release_unless_busy()
+        cancel = self.timers.after(RELEASE_AFTER, self._release_unless_busy)
+        try:
+            yield
+        finally:
+            cancel()
