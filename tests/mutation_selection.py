@@ -49,9 +49,9 @@ def pytest_configure(config: pytest.Config) -> None:
     statements the backends build once per process (``functools`` caches) would still hold
     the SQL of the unmutated code there, hiding mutants of the functions that build them
     (``claim_values``, ``due``, ``pinned``). Build them again in every run."""
-    from wf_persist.backends import base
+    from wf_persist.backends import sql
 
-    for built in (base._claim_one, base.bump, base._bump_returning):
+    for built in (sql.claim_one, sql.bump, sql.bump_returning):
         built.cache_clear()
 
 

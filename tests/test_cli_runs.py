@@ -285,7 +285,14 @@ def test_replay_check_gates_a_deploy_and_the_worker_logs_json(
     worker.wait_for_stderr("serving")
     failing = client.start(w.explode_wf, "kaboom").execution_id
     wait_until(lambda: client.status(failing) == "failed", 30, "the run to fail")
-    wait_until(lambda: f'"execution_id": "{failing}"' in worker.stderr(), 30, "its log line")
+    wait_until(
+        lambda: any(
+            f'"execution_id": "{failing}"' in line and '"wf_persist.runtime"' in line
+            for line in worker.stderr().splitlines()
+        ),
+        30,
+        "its run's log line (written after its outcome)",
+    )
     lines = [json.loads(line) for line in worker.stderr().splitlines() if line.startswith("{")]
     mine = [line for line in lines if line.get("execution_id") == failing]
     steps = [line for line in mine if line["logger"] == "wf_persist.steps"]

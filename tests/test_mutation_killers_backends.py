@@ -29,8 +29,8 @@ from sqlalchemy.pool import NullPool
 
 import wf_persist as wp
 from wf_persist import migrate
-from wf_persist.backends.base import Claim, held_at
 from wf_persist.backends.mysql import MySQLBackend
+from wf_persist.backends.sql import Claim, held_at
 from wf_persist.backends.sqlite import SQLiteBackend
 from wf_persist.events import NewEvent
 from wf_persist.models import DEDUPE_KEY

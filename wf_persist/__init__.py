@@ -26,9 +26,9 @@ from .client import HistoryRecord as HistoryRecord
 from .client import Outcome as Outcome
 from .client import Page as Page
 from .client import PendingSignal as PendingSignal
-from .client import WorkflowClient as WorkflowClient
 from .client import WorkflowEntry as WorkflowEntry
 from .context import Context as Context
+from .embedded import WorkflowClient as WorkflowClient
 from .errors import Cancelled as Cancelled
 from .errors import CannotCancelError as CannotCancelError
 from .errors import CodeExecutionError as CodeExecutionError

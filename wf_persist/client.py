@@ -1,7 +1,6 @@
-"""The clients: :class:`Client` operates runs from any process without the workflows' code
-and never executes a step; :class:`WorkflowClient` (from :meth:`Runtime.client`) is the
-embedded one, which starts the runtime's own definitions and may drive a due run in the
-calling thread while it waits for a result.
+"""The thin client: :class:`Client` operates runs from any process without the workflows'
+code and never executes a step (the embedded one, which may drive runs, is
+:class:`~wf_persist.embedded.WorkflowClient`).
 """
 
 from __future__ import annotations
@@ -44,13 +43,13 @@ from .records import (
     PendingSignal,
     WorkflowEntry,
 )
-from .runtime import NOT_DRIVEN, Clock, positive, utc_now
+from .runtime import Clock, positive, utc_now
 from .store import Executor, catalog, executions, signals
 from .values import schema_errors, unstorable
 from .wakeups import Wakeups
 
 if TYPE_CHECKING:
-    from .runtime import Runtime
+    pass
 
 __all__ = [
     "Client",
@@ -62,7 +61,6 @@ __all__ = [
     "Outcome",
     "Page",
     "PendingSignal",
-    "WorkflowClient",
     "WorkflowEntry",
 ]
 
@@ -448,115 +446,6 @@ class Client(RunReader):
                 on_batch(deleted)
             if deleted < batch_size:
                 return total
-
-
-class WorkflowClient(Client):
-    """The embedded client of a :class:`~wf_persist.Runtime` (get one from
-    :meth:`Runtime.client`): starts the runtime's own definitions, validated with their
-    types, and may drive a due run in the calling thread while :meth:`result` waits."""
-
-    def __init__(self, runtime: Runtime) -> None:
-        self.runtime = runtime
-        self._database = None  # the runtime's: closed with it
-        self.backend = runtime.backend
-        self.engine = runtime.engine
-        self._wakeups = None
-
-    def _listen(self) -> None:
-        self.runtime.wakeups()
-
-    def _now(self) -> dt.datetime:
-        return self.runtime.clock()
-
-    def _poll(self) -> float:
-        return self.runtime.poll_interval
-
-    def _notify(self) -> None:
-        self.runtime._notify()
-
-    def _wait(self, seconds: float) -> None:
-        self.runtime.wait_for_change(seconds)
-
-    def _prepare_start(
-        self,
-        workflow: Workflow[Any, Any] | str,
-        version: int | None,
-        payload: Any,
-        session: Executor | None,
-    ) -> tuple[str, int, Any]:
-        rt = self.runtime
-        wf = rt.choose(workflow, version)
-        stored = rt.validate_input(wf, payload)  # before anything is written, the catalog too
-        if isinstance(workflow, Workflow):
-            # In a host transaction, even cataloging a new workflow goes into that
-            # transaction: a second write transaction of our own would wait on the host's lock.
-            rt.ensure_registered(workflow, session=session)
-        return wf.name, wf.version, stored
-
-    def _outcome(self, row: Row[Any]) -> Outcome:
-        outcome = super()._outcome(row)
-        definition = self.runtime._registry.get((row.workflow_name, row.workflow_version))
-        if isinstance(outcome, Completed) and definition is not None:
-            return Completed(row.id, definition.output_adapter.validate_python(outcome.value))
-        return outcome
-
-    def _lease(self) -> tuple[str, float] | None:
-        rt = self.runtime
-        return (rt.owner, rt.lease_ttl.total_seconds()) if rt.reserve_drive() else None
-
-    def _started(self, created: executions.Created, leased: bool, asked: float) -> None:
-        if leased:
-            self.runtime.dispatch(created.claim, asked)
-        else:
-            self._notify()
-
-    def _known(self, execution_id: str) -> Outcome | None:
-        found = self.runtime.finished_here(execution_id)
-        if found is None:
-            return None
-        name, version, ok, value = found
-        if not ok:
-            return Failed(execution_id, dict(value or {}))
-        definition = self.runtime._registry.get((name, version))
-        if definition is not None:
-            value = definition.output_adapter.validate_python(value)
-        return Completed(execution_id, value)
-
-    def _busy(self, execution_id: str) -> bool:
-        return self.runtime.busy_here(execution_id)
-
-    def result(self, execution_id: str, timeout: float | None = None) -> Outcome:
-        """Wait for the run to finish and return its outcome, driving it in this thread
-        when it is due and nobody drives it: first by claiming it outright (a run just
-        started needs no read before), else as :meth:`Client.result` does."""
-        arguments.check_timeout(timeout)
-        rt = self.runtime
-        if self._known(execution_id) is None and not self._busy(execution_id):
-            drove = rt.drive_for_outcome(arguments.check_id(execution_id))
-            if isinstance(drove, tuple):
-                known = self._known(execution_id)
-                if known is not None:
-                    return known
-        return super().result(execution_id, timeout)
-
-    def _try_drive(self, row: Row[Any]) -> Outcome | bool:
-        """A due run nobody holds is driven in this thread; a run whose pinned version is
-        not registered here raises :class:`MissingWorkflowVersionError` (use a
-        :class:`Client` to wait for runs this process cannot drive)."""
-        rt = self.runtime
-        definition = rt.definition(row.workflow_name, row.workflow_version)
-        if not row.due:
-            return _WAIT
-        drove = rt.drive_for_outcome(row.id)
-        if isinstance(drove, tuple):  # finished here: no need to read it back
-            ok, value = drove
-            if not ok:
-                return Failed(row.id, dict(value or {}))
-            return Completed(row.id, definition.output_adapter.validate_python(value))
-        return _WAIT if drove is NOT_DRIVEN else _AGAIN
-
-    def close(self) -> None:
-        """Nothing to do: the runtime owns the engine."""
 
 
 def _cataloged_document(what: str, payload: Any, schema: Any) -> Any:

@@ -1,15 +1,11 @@
-"""Driving one claimed run: replay its body against history, write what is new, finish.
+"""One replay of a claimed run: the body run against history, what is new written, the
+outcome recorded (the whole drive, its start and its failures are :mod:`.drives`').
 
 Every write is fenced by the claim's epoch (a fencing token): a driver whose run was claimed
 by someone else since (after a pause, a partition, a lost lease) writes nothing and stops.
 Time inside a drive is the database's: the claim reads it, and the drive measures from it
 with a monotonic clock, so a worker whose own clock is off neither wakes timers early nor
 takes over live runs.
-
-A drive that stops on an error other than a lost lease is counted on the run
-(``drive_failures``, a ``drive.failed`` event) and the run is retried after a backoff; after
-``max_drive_failures`` in a row it fails with :class:`DriveFailedError`, so a run that fails
-the same way every time ends instead of being re-driven forever.
 """
 
 from __future__ import annotations
@@ -18,28 +14,23 @@ import contextlib
 import datetime as dt
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from sqlalchemy import Connection, Float, literal, select
+from sqlalchemy import select
 
 from . import events, lifecycle
 from .authoring import Step, Workflow, inside_body
 from .backends import Claim, Fenced
-from .backends.clock import db_later, db_now
 from .context import Context
-from .control import Halt, Reload, Suspended
+from .control import Halt, Reload
 from .errors import (
     Cancelled,
-    DriveFailedError,
     LeaseLostError,
     NonDeterminismError,
     StaleHistoryError,
     ValueTooLargeError,
-    brief,
-    driver_error,
-    error_document,
 )
 from .events import NewEvent
 from .leases import Lease
@@ -59,9 +50,6 @@ log = logging.getLogger("wf_persist.runtime")
 
 T = TypeVar("T")
 
-#: The longest a failed run waits before its next drive.
-MAX_FAILURE_BACKOFF = 60.0
-
 
 class DriveClock:
     """The database's time at the claim, advanced by this process's monotonic clock (and by
@@ -74,11 +62,6 @@ class DriveClock:
 
     def __call__(self) -> dt.datetime:
         return self._base + dt.timedelta(seconds=time.monotonic() + self._shift() - self._t0)
-
-
-def load_journal(conn: Connection, execution_id: str) -> tuple[Journal, int]:
-    rows = history.load(conn, execution_id)
-    return Journal.from_events([r.event for r in rows]), int(rows[-1].sequence) if rows else 0
 
 
 class RunDriver:
@@ -385,175 +368,3 @@ def run_body(driver: RunDriver, wf: Workflow[Any, Any], payload: Any, journal: J
         )
         return
     driver.finish(wf, ok=True, value=stored)
-
-
-def start_drive(runtime: Runtime, claim: Claim) -> tuple[Journal, int]:
-    """The journal of a claimed run and the last sequence read, its history read (and
-    ``workflow.started`` recorded) by the claim itself or now (:meth:`Backend.open_claim`)."""
-    if claim.history is None:
-        with runtime.backend.begin() as conn:
-            claim = runtime.backend.open_claim(conn, claim)
-    history = claim.history or ()
-    if history and _left_in_flight(claim, history[-1][1]):
-        log.info(
-            "run %s (%s): resuming a run an earlier driver left in flight (claim %d)",
-            claim.execution_id,
-            claim.workflow_name,
-            claim.epoch,
-            extra=run_fields(claim.execution_id, claim.workflow_name),
-        )
-    return Journal.from_events([e for _, e in history]), claim.next_seq - 1
-
-
-def _left_in_flight(claim: Claim, last: Mapping[str, Any]) -> bool:
-    """Whether the run's last driver stopped mid-drive (it died, was paused past its lease
-    or handed the run over on shutdown): running, no failed drive, and the last event is
-    neither a client's (a signal, a cancellation) nor a retry parked for later."""
-    if claim.status != lifecycle.RUNNING.value or claim.drive_failures:
-        return False
-    if last["type"] == "execution.started":  # never driven before
-        return False
-    if last["type"] in events.CLIENT_EVENT_TYPES:
-        return False
-    return not (last["type"] == "step.failed" and not last.get("final", True))
-
-
-def drive(runtime: Runtime, claim: Claim, lease: Lease, loaded: tuple[Journal, int]) -> Any:
-    """Drive a claimed run until it finishes, parks or loses its lease.
-
-    Returns ``(ok, stored value)`` if it finished here, else ``None``.
-    """
-    wf = runtime.definition(claim.workflow_name, claim.workflow_version)
-    clock = DriveClock(claim.db_now, runtime.time_shift)
-    lender = Lender(runtime.backend, runtime.timers)
-    driver: RunDriver | None = None
-    try:
-        while True:
-            journal, seen = loaded
-            cancel_known = journal.cancelled is not None
-            driver = RunDriver(runtime, claim, lease, clock, seen, cancel_known, lender)
-            try:
-                run_body(driver, wf, claim.input, journal)
-            except Reload:
-                driver.flush()  # a finished step's events, before the history is read again
-                try:
-                    with runtime.backend.read() as conn:
-                        loaded = load_journal(conn, claim.execution_id)
-                except Exception as exc:
-                    raise Halt(exc) from exc
-                continue
-            except Suspended:
-                pass
-            return driver.finished
-    except Halt as halt:
-        if isinstance(halt.cause, LeaseLostError):
-            if runtime.closing and not lease.lost:
-                # Stopped by close(), not by a takeover: hand the run over now (its lease is
-                # forgotten below, so close() would not release it).
-                release(runtime, claim)
-            else:
-                log.warning(
-                    "run %s (%s): lease lost, stopped (another runtime may drive it)",
-                    claim.execution_id,
-                    claim.workflow_name,
-                    extra=run_fields(claim.execution_id, claim.workflow_name),
-                )
-        else:
-            failed(runtime, claim, halt.cause)
-    except Exception as exc:  # a defect in replay itself: count it like any failed drive
-        failed(runtime, claim, exc)
-    except BaseException:
-        if driver is not None:  # interrupted (shutdown): keep what finished, if we still can
-            with contextlib.suppress(Exception, Halt):
-                driver.flush()
-        release(runtime, claim)  # due again at once elsewhere
-        raise
-    finally:
-        lender.release()
-        runtime.keeper().forget(lease)
-    return None
-
-
-def failed(runtime: Runtime, claim: Claim, exc: BaseException) -> None:
-    """Count a failed drive on the run; past the limit, fail the run. Fenced by the epoch
-    (a run someone else claimed meanwhile is theirs), on a fresh connection."""
-    execution_id = claim.execution_id
-    doc = error_document(driver_error(exc))  # the driver's words, not the whole statement
-    backend = runtime.backend
-    try:
-        with backend.begin() as conn:
-            row = conn.execute(
-                select(ex.c.drive_failures, ex.c.claim_epoch, ex.c.status, db_now())
-                .where(ex.c.id == execution_id)
-                .with_for_update()
-            ).one_or_none()
-            if (
-                row is None
-                or int(row.claim_epoch) != claim.epoch
-                or row.status in lifecycle.TERMINAL
-            ):
-                return
-            count = int(row.drive_failures) + 1
-            now = row[3]
-            evs = [events.drive_failed(execution_id, doc, count, now)]
-            limit = runtime.max_drive_failures
-            if count >= limit:
-                error = error_document(DriveFailedError(count, doc))
-                evs.append(
-                    events.workflow_finished(execution_id, claim.workflow_name, False, error, now)
-                )
-                values = {
-                    "drive_failures": count,
-                    "status": lifecycle.FAILED.value,
-                    "error": error,
-                    "finished_at": now,
-                    "lease_owner": None,
-                    "lease_expires_at": None,
-                    "wake_at": None,
-                }
-            else:
-                backoff = min(MAX_FAILURE_BACKOFF, 2.0 ** (count - 1))
-                values = {
-                    "drive_failures": count,
-                    "lease_owner": None,
-                    "lease_expires_at": None,
-                    "wake_at": db_later(literal(backoff, Float())),
-                }
-            history.append(
-                conn, backend, execution_id, evs, now=now, epoch=claim.epoch, values=values
-            )
-        log.error(
-            "run %s (%s): drive %d of at most %d failed: %s%s",
-            execution_id,
-            claim.workflow_name,
-            count,
-            limit,
-            brief(exc),
-            "; the run is failed (DriveFailedError)" if count >= limit else "",
-            extra=run_fields(execution_id, claim.workflow_name),
-        )
-    except Exception as second:
-        log.error(
-            "run %s (%s): drive failed (%s) and recording that failed too (%s); it is retried "
-            "when its lease expires",
-            execution_id,
-            claim.workflow_name,
-            brief(exc),
-            brief(second),
-            extra=run_fields(execution_id, claim.workflow_name),
-        )
-
-
-def release(runtime: Runtime, claim: Claim) -> None:
-    """Give the run's lease up at once (best effort)."""
-    try:
-        with runtime.backend.begin() as conn:
-            runtime.backend.release(conn, {claim.execution_id: claim.epoch})
-    except Exception as exc:
-        log.warning(
-            "run %s (%s): could not release its lease: %s",
-            claim.execution_id,
-            claim.workflow_name,
-            brief(exc),
-            extra=run_fields(claim.execution_id, claim.workflow_name),
-        )

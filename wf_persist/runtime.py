@@ -24,29 +24,23 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import URL
 
-from . import driver
-from .arguments import check_version
-from .authoring import Step, Workflow
+from . import drives
+from .authoring import Step
 from .backends import Claim
 from .database import Database
 from .errors import (
     InvalidArgumentError,
-    InvalidPayloadError,
-    MissingWorkflowVersionError,
     PoolTooSmallError,
-    UnknownWorkflowError,
     WfPersistError,
-    WorkflowVersionConflictError,
 )
 from .leases import LeaseKeeper
+from .registry import Registry
 from .secrets import SecretResolver
-from .store import Executor, catalog
 from .timers import Timers
-from .values import to_json
 from .wakeups import Wakeups
 
 if TYPE_CHECKING:
-    from .client import WorkflowClient
+    from .embedded import WorkflowClient
     from .worker import Worker
 
 log = logging.getLogger("wf_persist.runtime")
@@ -77,7 +71,7 @@ def positive(value: object, what: str, *, allow_none: bool = False) -> None:
         raise InvalidArgumentError(f"{what} must be a positive number, got {value!r}")
 
 
-class Runtime:
+class Runtime(Registry):
     """Holds the database binding and the registered workflows; drives runs.
 
     Args:
@@ -157,8 +151,8 @@ class Runtime:
         self.timers = Timers()
         #: Set by :meth:`close`: drivers stop before their next step.
         self.closing = False
-        self._registry: dict[tuple[str, int], Workflow[Any, Any]] = {}
-        self._latest: dict[str, int] = {}
+        self._registry = {}
+        self._latest = {}
         self._lock = threading.Lock()
         self._driving: set[str] = set()
         #: Runs started claimed here and handed to the worker, not yet being driven.
@@ -173,111 +167,11 @@ class Runtime:
         #: Stand-ins for step functions, by step (the test kit's ``mock_step``).
         self.step_overrides: dict[Step[Any], Callable[..., Any]] = {}
 
-    # registry -------------------------------------------------------------------------
-
-    def register(self, *workflows: Workflow[Any, Any], session: Executor | None = None) -> None:
-        """Register workflows here and in the database catalog (first registration wins).
-
-        All or nothing: if any (name, version) is cataloged with a different source hash,
-        nothing is registered. With ``session`` the catalog rows are written in that (host)
-        transaction instead of one of wf_persist's own.
-
-        Raises:
-            WorkflowVersionConflictError: (name, version) exists with a different source.
-        """
-        self._check_open()
-        for wf in workflows:
-            if not isinstance(wf, Workflow):
-                raise InvalidArgumentError(f"register takes @wp.workflow definitions, got {wf!r}")
-            known = self._registry.get(wf.key)
-            if known is not None and known.source_hash != wf.source_hash:
-                raise WorkflowVersionConflictError(
-                    wf.name, wf.version, known.source_hash, wf.source_hash
-                )
-        now = self.clock()
-
-        def write(conn: Executor) -> None:
-            for wf in workflows:
-                found = catalog.catalog_version(
-                    conn, self.backend, wf.name, wf.version, wf.source_hash, now, wf.schemas
-                )
-                if found != wf.source_hash:
-                    raise WorkflowVersionConflictError(wf.name, wf.version, found, wf.source_hash)
-
-        if session is not None:
-            write(session)
-        else:
-            with self.backend.begin() as conn:
-                write(conn)
-        with self._lock:
-            for wf in workflows:
-                self._registry[wf.key] = wf
-                if wf.version > self._latest.get(wf.name, 0):
-                    self._latest[wf.name] = wf.version
-
-    def resolve(
-        self,
-        workflow: Workflow[Any, Any] | str,
-        version: int | None,
-        session: Executor | None = None,
-    ) -> Workflow[Any, Any]:
-        """The registered definition to start (see :meth:`choose`); a definition passed in
-        that is not registered yet is registered first."""
-        found = self.choose(workflow, version)
-        if isinstance(workflow, Workflow):
-            self.ensure_registered(workflow, session=session)
-        return found
-
-    def choose(self, workflow: Workflow[Any, Any] | str, version: int | None) -> Workflow[Any, Any]:
-        """The definition a start of ``workflow`` runs: ``version`` if given, else the highest
-        registered, a definition passed in counting as registered. Writes nothing."""
-        if not isinstance(workflow, Workflow | str):
-            raise InvalidArgumentError(f"expected a workflow or its name, got {workflow!r}")
-        check_version(version)
-        name = workflow if isinstance(workflow, str) else workflow.name
-        with self._lock:
-            known = {v: wf for (n, v), wf in self._registry.items() if n == name}
-        if isinstance(workflow, Workflow):
-            known[workflow.version] = workflow
-        if not known:
-            raise UnknownWorkflowError(name)
-        wanted = max(known) if version is None else version
-        found = known.get(wanted)
-        if found is None:
-            raise MissingWorkflowVersionError(name, wanted)
-        return found
-
-    def ensure_registered(self, wf: Workflow[Any, Any], session: Executor | None = None) -> None:
-        """Register ``wf`` unless this very definition is registered here already."""
-        if self._registry.get(wf.key) is not wf:
-            self.register(wf, session=session)
-
-    def definition(self, name: str, version: int) -> Workflow[Any, Any]:
-        """The exact pinned version, or :class:`MissingWorkflowVersionError`."""
-        found = self._registry.get((name, version))
-        if found is None:
-            raise MissingWorkflowVersionError(name, version)
-        return found
-
-    def validate_input(self, wf: Workflow[Any, Any], payload: Any) -> Any:
-        """The payload's stored JSON form; raises before anything is written."""
-        what = f"input of workflow {wf.name}"
-        if not wf.takes_input and payload is not None:
-            raise InvalidPayloadError(what, [{"loc": (), "msg": "this workflow takes no input"}])
-        stored = to_json(wf.input_adapter, payload, what)
-        self.backend.check_size(what, stored)
-        return stored
-
-    def runnable_workflows(self) -> list[tuple[str, int]]:
-        """The (name, version)s this runtime can drive."""
-        with self._lock:
-            return sorted(self._registry)
-
     # driving --------------------------------------------------------------------------
 
     def client(self) -> WorkflowClient:
         """A client bound to this runtime (it may drive runs in the calling thread)."""
-        from .client import WorkflowClient
+        from .embedded import WorkflowClient
 
         return WorkflowClient(self)
 
@@ -340,7 +234,7 @@ class Runtime:
             with self._lock:
                 self._dispatched.discard(claim.execution_id)
             if not ours:
-                driver.release(self, claim)
+                drives.release(self, claim)
                 return NOT_DRIVEN
             return self._drive(claim)
 
@@ -349,12 +243,12 @@ class Runtime:
         lease = keeper.hold(claim.execution_id, claim.epoch, asked)
         try:
             self.definition(claim.workflow_name, claim.workflow_version)
-            loaded = driver.start_drive(self, claim)
+            loaded = drives.start_drive(self, claim)
         except Exception as exc:
             keeper.forget(lease)
-            driver.failed(self, claim, exc)
+            drives.failed(self, claim, exc)
             return None
-        finished = driver.drive(self, claim, lease, loaded)
+        finished = drives.drive(self, claim, lease, loaded)
         if finished is not None:
             with self._lock:
                 self._finished[claim.execution_id] = (
@@ -404,7 +298,7 @@ class Runtime:
             with self._lock:
                 self._dispatched.discard(claim.execution_id)
             keeper.forget(lease)
-            driver.release(self, claim)
+            drives.release(self, claim)
 
     def claim_due(self, limit: int) -> list[Claim]:
         """Claim up to ``limit`` due runs this runtime can drive (for workers)."""

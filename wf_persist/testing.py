@@ -24,7 +24,8 @@ from sqlalchemy import select
 from . import backends
 from .authoring import Step, Workflow
 from .backends.clock import db_now, use_virtual_clock
-from .client import _AGAIN, _WAIT, Outcome, WorkflowClient
+from .client import _AGAIN, _WAIT, Outcome
+from .embedded import WorkflowClient
 from .errors import InvalidArgumentError, WfPersistError
 from .records import ExecutionHandle, HistoryRecord
 from .replaycheck import ReplayReport, check_replay

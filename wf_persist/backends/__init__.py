@@ -14,9 +14,10 @@ from sqlalchemy import create_engine as sa_create_engine
 from sqlalchemy.engine import URL
 
 from ..errors import UnsupportedDatabaseError
-from .base import Backend, Claim, Fenced
+from .base import Backend
 from .mysql import MySQLBackend
 from .postgresql import PostgreSQLBackend
+from .sql import Claim, Fenced
 from .sqlite import SQLiteBackend
 
 __all__ = [

@@ -21,26 +21,17 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import functools
 import json
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 from sqlalchemy import (
     Connection,
     Engine,
-    Float,
-    String,
     and_,
-    bindparam,
-    false,
     func,
-    insert,
-    literal_column,
     or_,
     select,
-    tuple_,
     update,
 )
 from sqlalchemy.engine import URL
@@ -50,165 +41,28 @@ from .. import events
 from ..errors import LeaseLostError, UnsupportedDatabaseError, ValueTooLargeError
 from ..events import NewEvent
 from ..lifecycle import ACTIVE
-from ..models import IDEMPOTENCY_KEY, UTC_DATETIME, JSONDoc, UniqueKey
+from ..models import IDEMPOTENCY_KEY, UniqueKey
 from ..models import executions_table as ex
-from ..models import history_table as hist
 from ..wakeups import DUE, NOT_AVAILABLE, Listener
 from .clock import db_later, db_now
 from .slots import Slots
-
-
-class Claim(NamedTuple):
-    """A run this runtime now drives, fenced by ``epoch``; ``db_now`` is the database's time
-    at the claim (drives measure time from it, not from the worker's clock)."""
-
-    execution_id: str
-    epoch: int
-    workflow_name: str
-    workflow_version: int
-    input: Any
-    status: str
-    drive_failures: int
-    #: The run's next sequence number after the claim: 2 means its history holds only its
-    #: ``execution.started`` (nothing to read before driving it).
-    next_seq: int
-    db_now: dt.datetime
-    #: The run's history as ``(sequence, event)`` pairs when the claim read it too (then
-    #: ``workflow.started`` is recorded as well); ``None``: the driver reads it.
-    history: tuple[tuple[int, dict[str, Any]], ...] | None = None
-    #: Created claimed by the process that drives it (its starter waits for it there).
-    started_here: bool = False
-
-
-class Fenced(NamedTuple):
-    """What a fenced write did: the new events' sequence numbers and the run's status."""
-
-    sequences: list[int]
-    status: str
-
-
-@dataclass(frozen=True)
-class WriteShape:
-    """One fenced write: ``n`` events, the execution columns it sets, the statuses it needs."""
-
-    n: int
-    columns: tuple[str, ...]
-    guard: tuple[str, ...] | None
-    #: Whether the write also sends a notification (:meth:`Backend.announce`).
-    note: bool = False
-
-
-#: Row columns a claim hands back.
-CLAIM_COLUMNS = (
-    ex.c.id,
-    ex.c.claim_epoch,
-    ex.c.workflow_name,
-    ex.c.workflow_version,
-    ex.c.input,
-    ex.c.status,
-    ex.c.drive_failures,
-    ex.c.next_seq,
-)
-HOT_COLUMNS = (
-    "execution_id",
-    "sequence",
-    "type",
-    "activity_name",
-    "dedupe_key",
-    "created_at",
-    "event",
-)
-INSERT_HISTORY = insert(hist)
-_CREATE = insert(ex).values(wake_at=db_now())
-P_TTL = bindparam("p_ttl", type_=Float())
-
-
-def due() -> Any:
-    """Active and due by the database's clock. ``wake_at`` is a parked run's timer, a leased
-    run's lease expiry, and NULL while it waits for a signal."""
-    return and_(
-        ex.c.status.in_(sorted(ACTIVE)), ex.c.wake_at.is_not(None), ex.c.wake_at <= db_now()
-    )
-
-
-def pinned(workflows: Sequence[tuple[str, int]]) -> Any:
-    """Runs of these (name, version) pairs (none: no run)."""
-    return or_(
-        false(), *(and_(ex.c.workflow_name == n, ex.c.workflow_version == v) for n, v in workflows)
-    )
-
-
-#: A claim's parameters: the run (single claims), the claiming runtime.
-P_ID = bindparam("p_id", type_=String(36))
-P_OWNER = bindparam("p_owner", type_=String(255))
-
-
-def claim_values() -> dict[str, Any]:
-    """The SET of a claim: a new epoch and a lease measured by the database's clock."""
-    return {
-        "claim_epoch": ex.c.claim_epoch + 1,
-        "lease_owner": P_OWNER,
-        "lease_expires_at": db_later(P_TTL),
-        "wake_at": db_later(P_TTL),
-        "updated_at": db_now(),
-        "started_at": func.coalesce(ex.c.started_at, db_now()),
-    }
-
-
-def history_row(execution_id: str, seq: int, ev: NewEvent) -> dict[str, Any]:
-    return {
-        "execution_id": execution_id,
-        "sequence": seq,
-        "type": ev.type,
-        "activity_name": ev.activity_name,
-        "dedupe_key": ev.dedupe_key,
-        "created_at": ev.created_at,
-        "event": ev.event,
-    }
-
-
-@functools.lru_cache(maxsize=256)
-def bump(shape: WriteShape) -> Any:
-    """UPDATE the run if the driver's epoch is current (and its status is in the guard)."""
-    stmt = update(ex).where(
-        ex.c.id == bindparam("p_eid", type_=String(36)), ex.c.claim_epoch == bindparam("p_epoch")
-    )
-    if shape.guard is not None:
-        stmt = stmt.where(ex.c.status.in_([literal_column(f"'{s}'") for s in shape.guard]))
-    values: dict[str, Any] = {
-        # Constants inline: one statement per shape, no anonymous parameters.
-        "next_seq": ex.c.next_seq + literal_column(str(int(shape.n))),
-        "updated_at": bindparam("p_now", type_=UTC_DATETIME),
-    }
-    for column in shape.columns:
-        values[column] = bindparam(f"v_{column}", type_=ex.c[column].type)
-    return stmt.values(values)
-
-
-@functools.lru_cache(maxsize=256)
-def _bump_returning(shape: WriteShape) -> Any:
-    return bump(shape).returning(ex.c.next_seq, ex.c.status)
-
-
-_LOCK_RUN = (
-    select(ex.c.next_seq, ex.c.status, ex.c.claim_epoch).where(ex.c.id == P_ID).with_for_update()
-)
-
-
-@functools.lru_cache(maxsize=64)
-def _claim_one(workflows: tuple[tuple[str, int], ...] | None) -> Any:
-    """Built once per set of workflows: a statement object reused keeps its cache key."""
-    stmt = update(ex).where(ex.c.id == P_ID, due())
-    if workflows is not None:
-        stmt = stmt.where(pinned(workflows))
-    return stmt.values(claim_values()).returning(*CLAIM_COLUMNS, db_now())
-
-
-#: A run's history as ``(sequence, event)`` pairs, in order.
-LOAD_HISTORY = (
-    select(hist.c.sequence, hist.c.event)
-    .where(hist.c.execution_id == P_ID)
-    .order_by(hist.c.sequence)
+from .sql import (
+    CLAIM_COLUMNS,
+    CREATE_RUN,
+    INSERT_HISTORY,
+    LOAD_HISTORY,
+    LOCK_RUN,
+    P_TTL,
+    Claim,
+    Fenced,
+    WriteShape,
+    bump_returning,
+    claim_one,
+    claim_values,
+    due,
+    held_at,
+    history_row,
+    pinned,
 )
 
 
@@ -453,7 +307,7 @@ class Backend:
         and opened (:meth:`open_claim`) in the same transaction: the :class:`Claim`."""
         options = self.statement_options
         if row["idempotency_key"] is None:
-            conn.execute(_CREATE, dict(row), execution_options=options)
+            conn.execute(CREATE_RUN, dict(row), execution_options=options)
         elif not self.insert_once(conn, ex, row, IDEMPOTENCY_KEY, {"wake_at": db_now()}):
             return False
         conn.execute(INSERT_HISTORY, history_row(row["id"], 1, started), execution_options=options)
@@ -479,7 +333,7 @@ class Backend:
         compare-and-set."""
         params = {"p_id": execution_id, "p_owner": owner, "p_ttl": ttl}
         pins = None if workflows is None else tuple(workflows)
-        row = conn.execute(_claim_one(pins), params).one_or_none()
+        row = conn.execute(claim_one(pins), params).one_or_none()
         return None if row is None else Claim(*row)
 
     def open_claim(self, conn: Connection, claim: Claim) -> Claim:
@@ -605,7 +459,7 @@ class Backend:
     def lock_run(self, conn: Connection, execution_id: str) -> Any:
         """Lock the run's row for the rest of the transaction; returns
         ``(next_seq, status, claim_epoch)`` or ``None``."""
-        return conn.execute(_LOCK_RUN, {"p_id": execution_id}).one_or_none()
+        return conn.execute(LOCK_RUN, {"p_id": execution_id}).one_or_none()
 
     def fenced(
         self,
@@ -624,7 +478,7 @@ class Backend:
         is announced (:meth:`announce`) with the commit."""
         shape = WriteShape(len(events), tuple(sorted(values or ())), guard)
         params = self._params(execution_id, epoch, now, values)
-        top = conn.execute(_bump_returning(shape), params).one_or_none()
+        top = conn.execute(bump_returning(shape), params).one_or_none()
         if top is None:
             raise LeaseLostError(execution_id)
         base = int(top[0]) - shape.n
@@ -717,15 +571,3 @@ class Backend:
             dialect=dialect,
             connection_invalidated=disconnect,
         )
-
-
-def held_at(held: Mapping[str, int]) -> Any:
-    """Runs still leased at the given epochs (a parked run is never renewed)."""
-    return and_(
-        tuple_(ex.c.id, ex.c.claim_epoch).in_(list(held.items())),
-        ex.c.lease_expires_at.is_not(None),
-    )
-
-
-#: JSON column type for raw statements rendered by SQLAlchemy.
-JSON_TYPE = JSONDoc

@@ -27,12 +27,14 @@ from ..errors import LeaseLostError, UnsupportedDatabaseError, ValueTooLargeErro
 from ..events import NewEvent
 from ..models import UniqueKey
 from ..models import executions_table as ex
-from .base import (
+from .base import Backend
+from .clock import db_later, db_now
+from .slots import SessionLockSlots
+from .sql import (
     CLAIM_COLUMNS,
     INSERT_HISTORY,
     P_ID,
     P_TTL,
-    Backend,
     Claim,
     Fenced,
     WriteShape,
@@ -43,8 +45,6 @@ from .base import (
     history_row,
     pinned,
 )
-from .clock import db_later, db_now
-from .slots import SessionLockSlots
 
 #: Name of the lock that serializes concurrent migrations.
 MIGRATION_LOCK: Final = "wf_persist_migrate"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import functools
 import json
 import logging
 from collections.abc import Iterator, Mapping, Sequence
@@ -22,47 +21,35 @@ from typing import Any, ClassVar, Final
 from sqlalchemy import (
     Connection,
     Engine,
-    Integer,
-    String,
-    bindparam,
-    case,
-    exists,
     func,
-    insert,
-    literal_column,
-    null,
     select,
     text,
     tuple_,
-    union_all,
-    update,
 )
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import DBAPIError
 
 from ..errors import LeaseLostError
 from ..events import NewEvent
-from ..models import UTC_DATETIME, JSONDoc
 from ..models import executions_table as ex
-from ..models import history_table as hist
 from ..wakeups import DUE, NOT_AVAILABLE, Listener
-from .base import (
-    CLAIM_COLUMNS,
-    HOT_COLUMNS,
-    P_ID,
-    P_TTL,
-    Backend,
+from .base import Backend
+from .pg_presence import PRESENT_MARK, REAP, UNSUPPORTED, PGListener, advisory_locks_work
+from .pg_sql import (
+    P_CHANNEL,
+    P_PAYLOAD,
+    RUN_COLUMNS,
+    claim_statement,
+    claims_of,
+    start_statement,
+    write_statement,
+)
+from .slots import SessionLockSlots
+from .sql import (
     Claim,
     Fenced,
     WriteShape,
-    bump,
-    claim_values,
-    due,
-    pinned,
 )
-from .clock import db_later, db_now
-from .pg_presence import PRESENT_MARK, REAP, UNSUPPORTED, PGListener, advisory_locks_work
-from .slots import SessionLockSlots
 
 log = logging.getLogger("wf_persist.worker")
 
@@ -77,196 +64,6 @@ class AdvisorySlots(SessionLockSlots):
 
     def unlock(self, conn: Connection, k1: int, slot: int) -> None:
         conn.execute(select(func.pg_advisory_unlock(k1, slot)))
-
-
-P_LIMIT = bindparam("p_limit", type_=Integer())
-P_EXCLUDE: Any = bindparam("p_exclude", expanding=True)
-
-
-def _text(value: str) -> Any:
-    return literal_column(f"'{value}'", String())
-
-
-@functools.lru_cache(maxsize=64)
-def claim_statement(
-    workflows: tuple[tuple[str, int], ...] | None, batch: bool, exclude: bool
-) -> Any:
-    """Claims that also make their runs ready to drive, in ONE statement: the
-    compare-and-set (one run, or a batch locked with ``SKIP LOCKED``), ``workflow.started``
-    for runs never driven, and each run's history as ``(sequence, event)`` pairs.
-
-    ``workflow.started`` takes the next sequence only where ``started_at`` was NULL: the
-    INSERT aims at sequence ``next_seq - 1`` (after the claim's bump) and does nothing on a
-    conflict there, which is exactly the case of a run already started (that sequence is
-    its last event's). The history is read in the statement's snapshot, which may predate a
-    write the claim waited for: :func:`_claims` checks that every sequence is there.
-    """
-    values = {
-        **claim_values(),
-        "next_seq": ex.c.next_seq + case((ex.c.started_at.is_(None), 1), else_=0),
-    }
-    stmt = update(ex)
-    if batch:
-        candidates = select(ex.c.id).where(due())
-        if workflows is not None:
-            candidates = candidates.where(pinned(workflows))
-        if exclude:
-            candidates = candidates.where(ex.c.id.not_in(P_EXCLUDE))
-        chosen = (
-            candidates.order_by(ex.c.wake_at)
-            .limit(P_LIMIT)
-            .with_for_update(skip_locked=True)
-            .cte("wf_claimable")
-            .prefix_with("MATERIALIZED")
-        )
-        stmt = stmt.where(ex.c.id == chosen.c.id, due())
-    else:
-        stmt = stmt.where(ex.c.id == P_ID, due())
-        if workflows is not None:
-            stmt = stmt.where(pinned(workflows))
-    claimed = stmt.values(values).returning(*CLAIM_COLUMNS).cte("wf_claimed")
-    c = claimed.c
-    event = _started_event(c)
-    started = (
-        postgresql.insert(hist)
-        .from_select(
-            list(HOT_COLUMNS),
-            select(
-                c.id,
-                c.next_seq - 1,
-                _text("workflow.started"),
-                null(),
-                _text("workflow.started"),
-                db_now(),
-                event,
-            ),
-        )
-        .on_conflict_do_nothing(index_elements=[hist.c.execution_id, hist.c.sequence])
-        .returning(hist.c.execution_id)
-        .cte("wf_started")
-    )
-    began = exists().where(started.c.execution_id == c.id)
-    h = hist.alias("h")
-    pairs = func.json_agg(
-        postgresql.aggregate_order_by(func.json_build_array(h.c.sequence, h.c.event), h.c.sequence)
-    )
-    read = select(pairs).where(h.c.execution_id == c.id).scalar_subquery()
-    before = c.next_seq - case((began, 1), else_=0)  # the run's next_seq before the claim
-    return select(
-        *(c[col.name] for col in CLAIM_COLUMNS),
-        db_now(),
-        began.label("began"),
-        case((before > 2, read), else_=None).label("history"),
-    ).add_cte(started)
-
-
-#: The columns of a new run a start binds (the rest are SQL or defaults).
-_RUN_COLUMNS = (
-    "id",
-    "workflow_name",
-    "workflow_version",
-    "status",
-    "input",
-    "idempotency_key",
-    "actor",
-    "created_at",
-    "updated_at",
-)
-P_CHANNEL = bindparam("p_channel", type_=String())
-P_PAYLOAD = bindparam("p_payload", type_=String())
-
-
-def _started_event(c: Any) -> Any:
-    """``workflow.started`` as :func:`wf_persist.events.workflow_started` writes it."""
-    return func.jsonb_build_object(
-        _text("type"),
-        _text("workflow.started"),
-        _text("executionId"),
-        c.id,
-        _text("workflowName"),
-        c.workflow_name,
-        _text("version"),
-        c.workflow_version,
-    )
-
-
-@functools.lru_cache(maxsize=16)
-def start_statement(idempotent: bool, leased: bool, notify: bool) -> Any:
-    """A start in ONE statement: the run, its ``execution.started`` and, for a run its
-    starter drives (``leased``), the claim and ``workflow.started``; ``notify`` tells
-    listening workers a run is due. An idempotency key already taken inserts nothing and
-    returns no row."""
-    values: dict[str, Any] = {c: bindparam(f"r_{c}", type_=ex.c[c].type) for c in _RUN_COLUMNS}
-    if leased:
-        values.update(
-            claim_epoch=literal_column("1"),
-            lease_owner=bindparam("p_owner", type_=String()),
-            lease_expires_at=db_later(P_TTL),
-            wake_at=db_later(P_TTL),
-            started_at=db_now(),
-            next_seq=literal_column("3"),
-        )
-    else:
-        values.update(wake_at=db_now(), next_seq=literal_column("2"))
-    created = postgresql.insert(ex).values(values)
-    if idempotent:
-        created = created.on_conflict_do_nothing(
-            index_elements=[ex.c.workflow_name, ex.c.idempotency_key]
-        )
-    run = created.returning(*CLAIM_COLUMNS).cte("wf_created")
-    c = run.c
-    source: Any = select(
-        c.id,
-        literal_column("1"),
-        _text("execution.started"),
-        null(),
-        null(),
-        bindparam("p_at", type_=UTC_DATETIME),
-        bindparam("p_event", type_=JSONDoc),
-    )
-    if leased:
-        source = union_all(
-            source,
-            select(
-                c.id,
-                literal_column("2"),
-                _text("workflow.started"),
-                null(),
-                _text("workflow.started"),
-                db_now(),
-                _started_event(c),
-            ),
-        )
-    begun = (
-        insert(hist)
-        .from_select(list(HOT_COLUMNS), source)
-        .returning(hist.c.sequence)
-        .cte("wf_begun")
-    )
-    columns: list[Any] = [
-        *(c[col.name] for col in CLAIM_COLUMNS),
-        db_now(),
-        literal_column("true").label("began"),
-        null().label("history"),
-    ]
-    if notify:
-        columns.append(func.pg_notify(P_CHANNEL, P_PAYLOAD))
-    return select(*columns).add_cte(begun)
-
-
-def _claims(rows: Sequence[Any]) -> list[Claim]:
-    claims = []
-    n = len(CLAIM_COLUMNS) + 1  # and the database's time
-    for row in rows:
-        claim, began, found = Claim(*row[:n]), row[n], row[n + 1]
-        pairs = () if found is None else tuple((int(q), e) for q, e in found)
-        # Complete: sequences 1 .. next_seq - 1, less the workflow.started just recorded
-        # (invisible to the statement) and the execution.started of a run never driven
-        # (not read).
-        expected = claim.next_seq - 1 - (1 if began else 0) - (1 if found is None else 0)
-        complete = len(pairs) == expected and all(q == i + 1 for i, (q, _) in enumerate(pairs))
-        claims.append(claim._replace(history=pairs) if complete else claim)
-    return claims
 
 
 class PostgreSQLBackend(Backend):
@@ -364,7 +161,7 @@ class PostgreSQLBackend(Backend):
         """One statement (see :func:`start_statement`): atomic in autocommit too."""
         notify = lease is None and self._listen_ok is not False
         stmt = start_statement(row["idempotency_key"] is not None, lease is not None, notify)
-        params: dict[str, Any] = {f"r_{c}": row[c] for c in _RUN_COLUMNS}
+        params: dict[str, Any] = {f"r_{c}": row[c] for c in RUN_COLUMNS}
         params["p_at"] = started.created_at
         params["p_event"] = started.event
         if notify:
@@ -375,7 +172,7 @@ class PostgreSQLBackend(Backend):
         found = conn.execute(stmt, params, execution_options=self.statement_options).all()
         if not found:
             return False
-        return True if lease is None else _claims(found)[0]._replace(started_here=True)
+        return True if lease is None else claims_of(found)[0]._replace(started_here=True)
 
     @contextlib.contextmanager
     def atomic(self) -> Iterator[Connection]:
@@ -395,7 +192,7 @@ class PostgreSQLBackend(Backend):
 
     def _auto(self, stmt: Any, params: dict[str, Any]) -> list[Claim]:
         with self.atomic() as auto:
-            return _claims(auto.execute(stmt, params).all())
+            return claims_of(auto.execute(stmt, params).all())
 
     def claim_to_drive(
         self, execution_id: str, owner: str, ttl: float, workflows: Sequence[tuple[str, int]]
@@ -450,38 +247,14 @@ class PostgreSQLBackend(Backend):
     def _statement(self, shape: WriteShape) -> str:
         found = self._sql.get(shape)
         if found is None:
-            top = bump(shape).returning(ex.c.next_seq.label("top"), ex.c.status).cte("bump")
-            selects = [
-                select(
-                    bindparam("p_eid", type_=String(36)),
-                    (top.c.top - literal_column(str(shape.n - i))).label("sequence"),
-                    bindparam(f"type{i}", type_=String(64)),
-                    bindparam(f"act{i}", type_=String(255)),
-                    bindparam(f"dk{i}", type_=String(255)),
-                    bindparam(f"at{i}", type_=UTC_DATETIME),
-                    bindparam(f"ev{i}", type_=JSONDoc),
-                ).select_from(top)
-                for i in range(shape.n)
-            ]
-            source = selects[0] if shape.n == 1 else union_all(*selects)
-            returned: list[Any] = [hist.c.sequence, select(top.c.status).scalar_subquery()]
-            if shape.note:  # one per returned row: identical notifications are sent once
-                returned.append(func.pg_notify(P_CHANNEL, bindparam("p_note", type_=String())))
-            stmt = (
-                insert(hist)
-                .from_select(list(HOT_COLUMNS), source)
-                .add_cte(top)
-                .returning(*returned)
-            )
             schema_map = self.schema_map
             translate: dict[str, Any] = (
                 {"schema_translate_map": schema_map, "render_schema_translate": True}
                 if schema_map
                 else {}
             )
-            compiled = stmt.compile(dialect=self.base_engine.dialect, **translate)
-            found = str(compiled)
-            self._sql[shape] = found
+            compiled = write_statement(shape).compile(dialect=self.base_engine.dialect, **translate)
+            found = self._sql[shape] = str(compiled)
         return found
 
     def write(

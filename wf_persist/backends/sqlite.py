@@ -31,16 +31,8 @@ from sqlalchemy.pool import ConnectionPoolEntry
 from ..errors import LeaseLostError
 from ..events import NewEvent
 from ..models import executions_table as ex
-from .base import (
-    HOT_COLUMNS,
-    INSERT_HISTORY,
-    Backend,
-    Changes,
-    Fenced,
-    WriteShape,
-    bump,
-    history_row,
-)
+from .base import Backend, Changes
+from .sql import HOT_COLUMNS, INSERT_HISTORY, Fenced, WriteShape, bump, history_row
 
 #: How long a SQLite writer waits for the lock before failing (milliseconds).
 BUSY_TIMEOUT_MS: Final = 30_000

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from sqlalchemy import Row, delete, select, update
 
 from .. import lifecycle
-from ..backends.base import P_ID, Claim
 from ..backends.clock import db_now
+from ..backends.sql import P_ID, Claim
 from ..errors import CannotCancelError, IdempotencyConflictError, UnknownExecutionError
 from ..events import NewEvent
 from ..models import executions_table as ex

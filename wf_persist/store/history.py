@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Row, insert, select, update
 
 from .. import lifecycle
-from ..backends.base import P_ID, history_row
+from ..backends.sql import P_ID, history_row
 from ..errors import LeaseLostError, StaleHistoryError, UnknownExecutionError
 from ..events import CLIENT_EVENT_TYPES, NewEvent
 from ..models import DEDUPE_KEY

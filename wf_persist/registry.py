@@ -1,0 +1,134 @@
+"""The registry of a runtime: the workflow definitions it can start and drive, each also
+cataloged in the database (name, version, source hash, schemas; first registration wins).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .arguments import check_version
+from .authoring import Workflow
+from .backends import Backend
+from .errors import (
+    InvalidArgumentError,
+    InvalidPayloadError,
+    MissingWorkflowVersionError,
+    UnknownWorkflowError,
+    WorkflowVersionConflictError,
+)
+from .store import Executor, catalog
+from .values import to_json
+
+
+class Registry:
+    """Registered definitions by ``(name, version)``; the runtime is one."""
+
+    backend: Backend
+    clock: Callable[[], dt.datetime]
+    _lock: threading.Lock
+    _registry: dict[tuple[str, int], Workflow[Any, Any]]
+    _latest: dict[str, int]
+
+    def _check_open(self) -> None:
+        raise NotImplementedError
+
+    def register(self, *workflows: Workflow[Any, Any], session: Executor | None = None) -> None:
+        """Register workflows here and in the database catalog (first registration wins).
+
+        All or nothing: if any (name, version) is cataloged with a different source hash,
+        nothing is registered. With ``session`` the catalog rows are written in that (host)
+        transaction instead of one of wf_persist's own.
+
+        Raises:
+            WorkflowVersionConflictError: (name, version) exists with a different source.
+        """
+        self._check_open()
+        for wf in workflows:
+            if not isinstance(wf, Workflow):
+                raise InvalidArgumentError(f"register takes @wp.workflow definitions, got {wf!r}")
+            known = self._registry.get(wf.key)
+            if known is not None and known.source_hash != wf.source_hash:
+                raise WorkflowVersionConflictError(
+                    wf.name, wf.version, known.source_hash, wf.source_hash
+                )
+        now = self.clock()
+
+        def write(conn: Executor) -> None:
+            for wf in workflows:
+                found = catalog.catalog_version(
+                    conn, self.backend, wf.name, wf.version, wf.source_hash, now, wf.schemas
+                )
+                if found != wf.source_hash:
+                    raise WorkflowVersionConflictError(wf.name, wf.version, found, wf.source_hash)
+
+        if session is not None:
+            write(session)
+        else:
+            with self.backend.begin() as conn:
+                write(conn)
+        with self._lock:
+            for wf in workflows:
+                self._registry[wf.key] = wf
+                if wf.version > self._latest.get(wf.name, 0):
+                    self._latest[wf.name] = wf.version
+
+    def resolve(
+        self,
+        workflow: Workflow[Any, Any] | str,
+        version: int | None,
+        session: Executor | None = None,
+    ) -> Workflow[Any, Any]:
+        """The registered definition to start (see :meth:`choose`); a definition passed in
+        that is not registered yet is registered first."""
+        found = self.choose(workflow, version)
+        if isinstance(workflow, Workflow):
+            self.ensure_registered(workflow, session=session)
+        return found
+
+    def choose(self, workflow: Workflow[Any, Any] | str, version: int | None) -> Workflow[Any, Any]:
+        """The definition a start of ``workflow`` runs: ``version`` if given, else the highest
+        registered, a definition passed in counting as registered. Writes nothing."""
+        if not isinstance(workflow, Workflow | str):
+            raise InvalidArgumentError(f"expected a workflow or its name, got {workflow!r}")
+        check_version(version)
+        name = workflow if isinstance(workflow, str) else workflow.name
+        with self._lock:
+            known = {v: wf for (n, v), wf in self._registry.items() if n == name}
+        if isinstance(workflow, Workflow):
+            known[workflow.version] = workflow
+        if not known:
+            raise UnknownWorkflowError(name)
+        wanted = max(known) if version is None else version
+        found = known.get(wanted)
+        if found is None:
+            raise MissingWorkflowVersionError(name, wanted)
+        return found
+
+    def ensure_registered(self, wf: Workflow[Any, Any], session: Executor | None = None) -> None:
+        """Register ``wf`` unless this very definition is registered here already."""
+        if self._registry.get(wf.key) is not wf:
+            self.register(wf, session=session)
+
+    def definition(self, name: str, version: int) -> Workflow[Any, Any]:
+        """The exact pinned version, or :class:`MissingWorkflowVersionError`."""
+        found = self._registry.get((name, version))
+        if found is None:
+            raise MissingWorkflowVersionError(name, version)
+        return found
+
+    def validate_input(self, wf: Workflow[Any, Any], payload: Any) -> Any:
+        """The payload's stored JSON form; raises before anything is written."""
+        what = f"input of workflow {wf.name}"
+        if not wf.takes_input and payload is not None:
+            raise InvalidPayloadError(what, [{"loc": (), "msg": "this workflow takes no input"}])
+        stored = to_json(wf.input_adapter, payload, what)
+        self.backend.check_size(what, stored)
+        return stored
+
+    def runnable_workflows(self) -> list[tuple[str, int]]:
+        """The (name, version)s this runtime can drive."""
+        with self._lock:
+            return sorted(self._registry)
