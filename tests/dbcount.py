@@ -252,6 +252,37 @@ class DatabaseCounter:
                     in_tx = False
         return counts
 
+    def sent(self) -> list[str]:
+        """PostgreSQL: the SQL of every statement executed, in order per connection (one
+        per ``Bind`` of a parsed or prepared statement, or per simple ``Query``), from the
+        protocol trace: what statement hooks cannot see of the raw driver paths."""
+        assert self.dialect == "postgresql"
+        self.counts()  # flushes each connection's trace
+        executed: list[str] = []
+        with self._lock:
+            paths = [path for _raw, path in self._traced.values()]
+        for path in paths:
+            text = path.read_text(errors="replace")
+            # One entry per message; a statement's SQL may span lines.
+            entries = re.split(r"\n(?=[FB]\t\d+\t)", text)
+            parsed: dict[str, str] = {}
+            for entry in entries:
+                found = re.match(r"F\t\d+\t(Parse|Bind|Query)\t (.*)", entry, re.S)
+                if found is None:
+                    continue
+                kind, rest = found.groups()
+                if kind == "Parse":
+                    m = re.match(r'"([^"]*)" "(.*)" \d+', rest, re.S)
+                    if m:
+                        parsed[m.group(1)] = m.group(2)
+                elif kind == "Bind":
+                    m = re.match(r'"[^"]*" "([^"]*)"', rest)
+                    if m and m.group(1) in parsed:
+                        executed.append(parsed[m.group(1)])
+                else:
+                    executed.append(rest.strip().strip('"'))
+        return executed
+
     def _count_pg(self) -> Counts:
         counts = Counts()
         for raw, path in self._traced.values():

@@ -36,11 +36,11 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.pool import PoolProxiedConnection
 
 from .. import events
 from ..errors import LeaseLostError, UnsupportedDatabaseError, ValueTooLargeError
 from ..events import NewEvent
-from ..lifecycle import ACTIVE
 from ..models import IDEMPOTENCY_KEY, UniqueKey
 from ..models import executions_table as ex
 from ..wakeups import DUE, NOT_AVAILABLE, Listener
@@ -56,6 +56,7 @@ from .sql import (
     Claim,
     Fenced,
     WriteShape,
+    active,
     bump_returning,
     claim_one,
     claim_values,
@@ -449,7 +450,7 @@ class Backend:
         """The earliest wake time of these workflows' active runs, and the database's now."""
         row = conn.execute(
             select(func.min(ex.c.wake_at), db_now()).where(
-                ex.c.status.in_(sorted(ACTIVE)), ex.c.wake_at.is_not(None), pinned(workflows)
+                active(), ex.c.wake_at.is_not(None), pinned(workflows)
             )
         ).one()
         return row[0], row[1]
@@ -550,17 +551,28 @@ class Backend:
 
     # raw driver paths --------------------------------------------------------------
 
-    @staticmethod
-    def raw_failure(conn: Connection, exc: Exception, statement: str, cursor: Any) -> Exception:
-        """A driver error from a raw fast path, handled as SQLAlchemy would: a dead
-        connection is invalidated (never reused) and the error is wrapped."""
-        dialect = conn.dialect
+    def raw_failure(
+        self,
+        conn: Connection | PoolProxiedConnection,
+        exc: Exception,
+        statement: str,
+        cursor: Any,
+    ) -> Exception:
+        """A driver error from a raw fast path (on a Connection, or a pooled DBAPI
+        connection), handled as SQLAlchemy would: a dead connection is invalidated (never
+        reused) and the error is wrapped."""
+        dialect = self.base_engine.dialect
+        if isinstance(conn, Connection):
+            raw = conn.connection.dbapi_connection
+            invalidated = conn.invalidated
+        else:
+            raw = conn.dbapi_connection
+            invalidated = not conn.is_valid
         dbapi = dialect.loaded_dbapi
         if not isinstance(exc, dbapi.Error):
             return exc
-        raw = conn.connection.dbapi_connection
         disconnect = dialect.is_disconnect(exc, raw, cursor)
-        if disconnect and not conn.invalidated:
+        if disconnect and not invalidated:
             conn.invalidate(exc)
         return DBAPIError.instance(
             statement,

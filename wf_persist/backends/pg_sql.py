@@ -4,6 +4,7 @@ trip, atomic on its own, so it can run in autocommit), built with SQLAlchemy onc
 
 from __future__ import annotations
 
+import datetime as dt
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 from sqlalchemy import (
     Integer,
     String,
+    all_,
     bindparam,
     case,
     exists,
@@ -42,7 +44,8 @@ from .sql import (
 )
 
 P_LIMIT = bindparam("p_limit", type_=Integer())
-P_EXCLUDE: Any = bindparam("p_exclude", expanding=True)
+#: Runs this process drives (an array: the statement text does not depend on how many).
+P_EXCLUDE = bindparam("p_exclude", type_=postgresql.ARRAY(String()))
 
 
 def _text(value: str) -> Any:
@@ -73,7 +76,7 @@ def claim_statement(
         if workflows is not None:
             candidates = candidates.where(pinned(workflows))
         if exclude:
-            candidates = candidates.where(ex.c.id.not_in(P_EXCLUDE))
+            candidates = candidates.where(ex.c.id != all_(P_EXCLUDE))
         chosen = (
             candidates.order_by(ex.c.wake_at)
             .limit(P_LIMIT)
@@ -221,6 +224,7 @@ def claims_of(rows: Sequence[Any]) -> list[Claim]:
     n = len(CLAIM_COLUMNS) + 1  # and the database's time
     for row in rows:
         claim, began, found = Claim(*row[:n]), row[n], row[n + 1]
+        claim = claim._replace(db_now=claim.db_now.astimezone(dt.UTC))
         pairs = () if found is None else tuple((int(q), e) for q, e in found)
         # Complete: sequences 1 .. next_seq - 1, less the workflow.started just recorded
         # (invisible to the statement) and the execution.started of a run never driven

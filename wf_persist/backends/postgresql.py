@@ -85,6 +85,7 @@ class PostgreSQLBackend(Backend):
         with engine.connect() as conn:
             default = conn.exec_driver_sql("SHOW default_transaction_isolation").scalar()
         self.autocommit_writes = default == "read committed"
+        self._rendered: dict[Any, tuple[str, dict[str, Any]]] = {}
         #: Capabilities, known once the first listener connected (None: not known yet).
         self._listen_ok: bool | None = None
         self._presence_ok: bool | None = None
@@ -137,9 +138,7 @@ class PostgreSQLBackend(Backend):
         if not self._presence_ok:
             return []
         table = ex.name if not self.schema_map else f'"{self.schema_map.get(None)}".{ex.name}'
-        with self.atomic() as conn:
-            found = conn.exec_driver_sql(REAP.format(table=table), {"me": owner})
-            return [str(i) for i in found.scalars()]
+        return [str(r[0]) for r in self._send_raw(REAP.format(table=table), {"me": owner})]
 
     def owner_mark(self) -> str:
         return PRESENT_MARK
@@ -158,26 +157,33 @@ class PostgreSQLBackend(Backend):
         *,
         lease: tuple[str, float] | None = None,
     ) -> Claim | bool:
-        """One statement (see :func:`start_statement`): atomic in autocommit too."""
+        """One statement (see :func:`start_statement`), atomic on its own: in a host's
+        transaction through SQLAlchemy, else sent straight to psycopg in autocommit."""
         notify = lease is None and self._listen_ok is not False
         stmt = start_statement(row["idempotency_key"] is not None, lease is not None, notify)
         params: dict[str, Any] = {f"r_{c}": row[c] for c in RUN_COLUMNS}
         params["p_at"] = started.created_at
-        params["p_event"] = started.event
         if notify:
             params["p_channel"] = self.channel()
             params["p_payload"] = DUE
         if lease is not None:
             params["p_owner"], params["p_ttl"] = lease
-        found = conn.execute(stmt, params, execution_options=self.statement_options).all()
+        if conn.in_transaction():
+            params["p_event"] = started.event
+            found = conn.execute(stmt, params, execution_options=self.statement_options).all()
+        else:
+            params["p_event"] = json.dumps(started.event)
+            params["r_input"] = json.dumps(row["input"]) if row["input"] is not None else None
+            found = self._raw(stmt, params, conn)
         if not found:
             return False
         return True if lease is None else claims_of(found)[0]._replace(started_here=True)
 
     @contextlib.contextmanager
     def atomic(self) -> Iterator[Connection]:
-        with self.engine.connect() as conn:
-            yield conn.execution_options(isolation_level="AUTOCOMMIT")
+        # A start's one statement runs in autocommit on the raw connection (insert_run).
+        with self.base_engine.connect() as conn:
+            yield conn
 
     @contextlib.contextmanager
     def read(self, conn: Connection | None = None) -> Iterator[Connection]:
@@ -187,12 +193,53 @@ class PostgreSQLBackend(Backend):
             with conn.begin():
                 yield conn
             return
-        with self.atomic() as auto:
-            yield auto
+        with self.engine.connect() as fresh:
+            yield fresh.execution_options(isolation_level="AUTOCOMMIT")
+
+    def _render(self, stmt: Any) -> tuple[str, dict[str, Any]]:
+        """SQL for the raw driver (rendered once per statement object) and the values of
+        the statement's own literal parameters."""
+        found = self._rendered.get(stmt)
+        if found is None:
+            translate: dict[str, Any] = (
+                {"schema_translate_map": self.schema_map, "render_schema_translate": True}
+                if self.schema_map
+                else {}
+            )
+            compiled = stmt.compile(dialect=self.base_engine.dialect, **translate)
+            found = self._rendered[stmt] = (str(compiled), compiled.construct_params(_check=False))
+        return found
+
+    def _raw(self, stmt: Any, params: dict[str, Any], conn: Connection | None = None) -> Any:
+        """One statement straight to psycopg in autocommit (on ``conn``'s connection, or a
+        pooled one): what SQLAlchemy's execution and result machinery would cost is most of
+        a start's or a claim's CPU. JSON values must come serialized."""
+        sql, defaults = self._render(stmt)
+        return self._send_raw(sql, {**defaults, **params}, conn)
+
+    def _send_raw(self, sql: str, params: dict[str, Any], conn: Connection | None = None) -> Any:
+        owner: Any = conn if conn is not None else self.base_engine.raw_connection()
+        raw: Any = (
+            conn.connection.driver_connection if conn is not None else owner.driver_connection
+        )
+        cursor = None
+        try:
+            raw.autocommit = True
+            try:
+                with raw.cursor() as cursor:
+                    cursor.execute(sql, params)
+                    return cursor.fetchall()
+            finally:
+                if not raw.closed:
+                    raw.autocommit = False
+        except Exception as exc:
+            raise self.raw_failure(owner, exc, sql, cursor) from exc
+        finally:
+            if conn is None:
+                owner.close()
 
     def _auto(self, stmt: Any, params: dict[str, Any]) -> list[Claim]:
-        with self.atomic() as auto:
-            return claims_of(auto.execute(stmt, params).all())
+        return claims_of(self._raw(stmt, params))
 
     def claim_to_drive(
         self, execution_id: str, owner: str, ttl: float, workflows: Sequence[tuple[str, int]]

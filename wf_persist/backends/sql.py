@@ -100,12 +100,16 @@ CREATE_RUN = insert(ex).values(wake_at=db_now())
 P_TTL = bindparam("p_ttl", type_=Float())
 
 
+def active() -> Any:
+    """An active run (running, suspended, compensating): the statuses are spelled in the SQL
+    (one statement text whatever the values; a partial index's predicate can match it)."""
+    return ex.c.status.in_([literal_column(f"'{s}'") for s in sorted(ACTIVE)])
+
+
 def due() -> Any:
     """Active and due by the database's clock. ``wake_at`` is a parked run's timer, a leased
     run's lease expiry, and NULL while it waits for a signal."""
-    return and_(
-        ex.c.status.in_(sorted(ACTIVE)), ex.c.wake_at.is_not(None), ex.c.wake_at <= db_now()
-    )
+    return and_(active(), ex.c.wake_at.is_not(None), ex.c.wake_at <= db_now())
 
 
 def pinned(workflows: Sequence[tuple[str, int]]) -> Any:
