@@ -175,6 +175,7 @@ def test_the_listener_reconnects_after_its_connection_is_killed(
     rt.register(*f.ALL)
     rt.start_worker(concurrency=2, poll_interval=30)
     wait_until(rt.listening, what="listening")
+    assert rt._wakeups is not None and rt._wakeups.connections == 1
     admin = create_engine(db_url)
     try:
         with admin.begin() as conn:
@@ -186,7 +187,9 @@ def test_the_listener_reconnects_after_its_connection_is_killed(
                 )
             ).all()
         assert killed, "found the listening connection"
-        wait_until(lambda: not rt.listening(), what="the outage seen", timeout=10)
+        wakeups = rt._wakeups
+        assert wakeups is not None
+        wait_until(lambda: wakeups.connections >= 2, what="a new connection", timeout=20)
         wait_until(rt.listening, what="listening again", timeout=20)
         with wp.Client(db_url, poll_interval=30) as client:
             began = time.time()

@@ -216,6 +216,8 @@ class RunDriver:
 
     def suspend(self, evs: Sequence[NewEvent], wake_at: dt.datetime | None) -> None:
         self._locked(evs, True, wake_at)
+        if wake_at is not None:  # this process's worker fires the timer on time
+            self.runtime.timer_set()
 
     def check_lease(self) -> None:
         """Before anything new starts: is the run still ours? The keeper says so every

@@ -203,7 +203,7 @@ class Runtime(Registry):
             with self._lock:
                 self._driving.discard(execution_id)
                 last = self._closed and not self._driving
-            self._notify()
+            self._notify(worker=False)  # a drive's end frees a worker slot: see Worker._done
             if last:  # close() left the engine to the drives still in flight
                 self._dispose()
 
@@ -357,7 +357,7 @@ class Runtime(Registry):
                 mark = self.backend.owner_mark()
                 found = Wakeups(self.backend, self._base_owner + mark if mark else None)
                 found.on_due(lambda _at: self._wake_worker())
-                found.on_end(lambda _id: self._notify())
+                found.on_end(lambda _id: self._notify(worker=False))
                 self._wakeups = found
                 fresh = True
             else:
@@ -370,6 +370,10 @@ class Runtime(Registry):
         """Whether notifications reach this runtime now (else its worker polls)."""
         found = self._wakeups
         return found is not None and found.listening
+
+    def timer_set(self) -> None:
+        """A run driven here parked until a time: the worker learns its new next wake."""
+        self._wake_worker()
 
     def _wake_worker(self) -> None:
         worker = self._worker
@@ -389,12 +393,14 @@ class Runtime(Registry):
 
     # waiting for changes ----------------------------------------------------------------
 
-    def _notify(self) -> None:
+    def _notify(self, worker: bool = True) -> None:
+        """Something changed: wake the callers waiting here, and the worker when it may
+        find new due work (a start, a signal, a cancellation from this process)."""
         with self._changed:
             self._changed.notify_all()
-        worker = self._worker
-        if worker is not None:
-            worker.wake()
+        found = self._worker
+        if worker and found is not None:
+            found.wake()
 
     def wait_for_change(self, timeout: float) -> None:
         """Block up to ``timeout`` seconds, or until this runtime finishes or parks a run."""

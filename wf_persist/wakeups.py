@@ -76,6 +76,8 @@ class Wakeups:
         self.listening = False
         #: Whether the presence lock is held now.
         self.present = False
+        #: How many times a listening connection was made (a reconnection adds one).
+        self.connections = 0
         self._outage = Outage(log, "listening for wake-ups", 0.1)
 
     def on_due(self, fn: Callable[[dt.datetime | None], None]) -> None:
@@ -129,20 +131,25 @@ class Wakeups:
                 return
             self._listener = listener
             self.present = listener.present
+            self.connections += 1
             self.listening = True
             self._ready.set()
             self._announce_due(None)  # whatever was sent before (or during an outage)
+            failure: Exception | None = None
             try:
                 while not self._stop.is_set():
                     for payload in listener.wait(LISTEN_TICK):
                         self._dispatch(payload)
             except Exception as exc:
-                time.sleep(self._outage.failed(exc))
+                failure = exc
             finally:
+                # Not listening from the moment the connection failed: callers poll meanwhile.
                 self.listening = False
                 self.present = False
                 self._listener = None
                 listener.close()
+            if failure is not None:
+                time.sleep(self._outage.failed(failure))
 
     def _dispatch(self, payload: str) -> None:
         if payload == DUE:

@@ -77,6 +77,9 @@ class Worker:
         self._reserved = 0
         #: When the next timer known at the last look is due (monotonic).
         self._timer_at = 0.0
+        #: Whether the last look found more due runs than free slots (a run ending then
+        #: wakes the loop).
+        self._saturated = False
         self._lock = threading.Lock()
         self._outage = Outage(log, "claiming due runs", self.poll_interval)
 
@@ -128,10 +131,12 @@ class Worker:
     def _done(self, fut: Future[Any]) -> None:
         with self._lock:
             self._inflight.discard(fut)
+            saturated = self._saturated
         exc = fut.exception()
         if exc is not None:
             log.error("driving a run failed unexpectedly", exc_info=exc)
-        self._wake.set()
+        if saturated:  # the last look left due runs for want of a slot: look again now
+            self._wake.set()
 
     def run(self) -> None:
         """Claim and drive due runs until :meth:`stop` is called.
@@ -195,9 +200,12 @@ class Worker:
         """Claim due runs for the free slots and start them; whether every slot is taken."""
         with self._lock:
             free = self.concurrency - len(self._inflight) - self._reserved
+            self._saturated = free <= 0
         if free <= 0:
             return False
         claimed = self.runtime.claim_due(free)
+        with self._lock:
+            self._saturated = bool(claimed) and len(claimed) == free
         for claim in claimed:
             with self._lock:
                 fut = pool.submit(self.runtime.drive_claim, claim)

@@ -373,6 +373,16 @@ class Report:
     def summary(self) -> dict[str, int]:
         return dict(self.findings.counts)
 
+    def verdict(self) -> str:
+        """The violations in a few lines: printed last in a failure's message, so they
+        survive when only the tail of a long message is kept."""
+        f = self.findings
+        lines = [f"VERDICT {self.title}"]
+        for name, count in f.counts.most_common():
+            first = f.examples[name][0].splitlines()[0][:300] if f.examples[name] else ""
+            lines.append(f"  [{name}] x{count}: {first}")
+        return "\n".join(lines)
+
     def format(self, with_logs: bool = False) -> str:
         f = self.findings
         lines = [self.title]

@@ -48,7 +48,9 @@ def _chaos(label: str, url: str, workdir: Path, engine: str, size: dict[str, Any
     assert result.faults >= min(MIN_FAULTS, cfg.faults), (
         f"only {result.faults} faults injected (want {MIN_FAULTS})\n{result.report.format()}"
     )
-    assert result.report.ok, result.report.format(with_logs=True) + f"\n(logs in {workdir})"
+    assert result.report.ok, (
+        result.report.format(with_logs=True) + f"\n(logs in {workdir})\n" + result.report.verdict()
+    )
 
 
 @pytest.mark.timeout(400)

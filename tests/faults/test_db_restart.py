@@ -296,4 +296,6 @@ def test_workers_ride_out_database_restarts(
                 )
     logs = "\n".join(c.describe(40) for c in fleet.slots)
     print(report.format())
-    assert report.ok, report.format() + "\n" + logs + f"\nserver log:\n{pg.log_tail()}"
+    assert report.ok, (
+        report.format() + "\n" + logs + f"\nserver log:\n{pg.log_tail()}\n" + report.verdict()
+    )

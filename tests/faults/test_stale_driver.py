@@ -136,4 +136,4 @@ def test_continued_stale_driver_writes_nothing(
     inv.check_leases(findings, executions, t0)
     inv.check_steps(findings, inv.load_ledger(ledger), history, faults, t0)
     report = inv.Report(f"stale driver, run {execution_id} ended {outcome.status}", findings)
-    assert report.ok, report.format() + "\n" + procs.describe()
+    assert report.ok, report.format() + "\n" + procs.describe() + "\n" + report.verdict()
