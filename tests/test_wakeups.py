@@ -203,6 +203,58 @@ def test_the_listener_reconnects_after_its_connection_is_killed(
 
 
 @pytest.mark.needs("presence")
+def test_a_reconnected_listener_takes_its_presence_lock_again_once_it_is_free(
+    make_runtime: Callable[..., wp.Runtime], db_url: str
+) -> None:
+    """After its connection died, the listener could not take its presence lock back (held
+    elsewhere for a moment, as another process's reaper does): it keeps trying, and holds it
+    again as soon as it is free, so this live runtime's runs stop being reapable."""
+    rt = make_runtime(lease_ttl=30)
+    rt.register(*f.ALL)
+    rt.start_worker(concurrency=2, poll_interval=30)
+    wait_until(rt.listening, what="listening")
+    wakeups = rt._wakeups
+    assert wakeups is not None and wakeups.present and rt.owner.endswith("!")
+    key = "SELECT pg_advisory_lock(hashtextextended(:o, 0))"
+    admin = create_engine(db_url)
+    holder = admin.connect()
+    taken = threading.Event()
+
+    def take() -> None:  # queued behind the listener's lock: granted the moment it dies
+        holder.execute(text(key), {"o": rt.owner})
+        taken.set()
+
+    grabber = threading.Thread(target=take)
+    try:
+        grabber.start()
+        time.sleep(0.2)
+        assert not taken.is_set(), "the listener holds its lock"
+        with admin.begin() as conn:
+            conn.execute(
+                text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE application_name = 'wf_persist listener' "
+                    "AND datname = current_database()"
+                )
+            )
+        assert taken.wait(10), "the lock went with the listener's connection"
+        wait_until(lambda: wakeups.connections >= 2 and rt.listening(), what="reconnected")
+        time.sleep(0.5)
+        assert not wakeups.present, "the lock is held elsewhere"
+        holder.execute(text("SELECT pg_advisory_unlock(hashtextextended(:o, 0))"), {"o": rt.owner})
+        wait_until(lambda: wakeups.present, what="the lock taken again", timeout=3)
+        with admin.connect() as probe:
+            free = probe.execute(
+                text("SELECT pg_try_advisory_lock(hashtextextended(:o, 0))"), {"o": rt.owner}
+            ).scalar()
+            assert free is False, "the listener holds it again"
+    finally:
+        grabber.join(10)
+        holder.close()
+        admin.dispose()
+
+
+@pytest.mark.needs("presence")
 def test_a_killed_workers_runs_are_taken_over_before_their_lease_ends(
     db_url: str, procs: Processes, make_runtime: Callable[..., wp.Runtime], tmp_path: Path
 ) -> None:

@@ -12,6 +12,7 @@ it, is recovered by lease expiry as before).
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Final
 
 from sqlalchemy import Engine
@@ -30,6 +31,9 @@ APPLICATION_NAME: Final = "wf_persist listener"
 #: The end of an owner whose presence lock is held (``host:pid:id!``).
 PRESENT_MARK: Final = "!"
 _KEY: Final = "hashtextextended(%s, 0)"
+#: Tries (and the pause between them) to take the presence lock on connecting.
+LOCK_TRIES: Final = 5
+LOCK_RETRY: Final = 0.01
 
 #: Runs leased by owners whose presence lock is free: their process is gone. The lock is
 #: tried at transaction level, so it is released when this statement (in autocommit) ends.
@@ -65,18 +69,31 @@ class PGListener:
             raw.autocommit = True
             raw.execute(f"SET application_name = '{APPLICATION_NAME}'")  # for operators
             raw.execute(f'LISTEN "{backend.channel()}"')
-            self.present = (
-                owner is not None and backend.presence_ok(self._engine) and self._lock(owner)
-            )
+            #: The owner whose presence lock this connection should hold (None: no lock).
+            self._owner = owner if owner is not None and backend.presence_ok(self._engine) else None
+            self.present = False
+            self._relock()
         except BaseException:
             self.close()
             raise
 
-    def _lock(self, owner: str) -> bool:
-        cursor = self._raw.execute(f"SELECT pg_try_advisory_lock({_KEY})", [owner])
-        return bool(cursor.fetchone()[0])
+    def _relock(self) -> None:
+        """Take the presence lock if it is not held. Another process's reaper holds it for
+        the instant of its statement: a few tries get past that. Until the lock is held
+        again (after a reconnection), this owner's runs may be taken over; fencing keeps
+        that harmless, and each tick of :meth:`wait` tries again."""
+        if self._owner is None or self.present:
+            return
+        for attempt in range(LOCK_TRIES):
+            cursor = self._raw.execute(f"SELECT pg_try_advisory_lock({_KEY})", [self._owner])
+            if cursor.fetchone()[0]:
+                self.present = True
+                return
+            if attempt + 1 < LOCK_TRIES:
+                time.sleep(LOCK_RETRY)
 
     def wait(self, timeout: float) -> list[str]:
+        self._relock()
         return [n.payload for n in self._raw.notifies(timeout=timeout, stop_after=1)]
 
     def close(self) -> None:
