@@ -224,6 +224,8 @@ class PostgreSQLBackend(Backend):
         )
         cursor = None
         try:
+            # As the connection was (a host engine's may be in AUTOCOMMIT already).
+            was = raw.autocommit
             raw.autocommit = True
             try:
                 with raw.cursor() as cursor:
@@ -231,7 +233,7 @@ class PostgreSQLBackend(Backend):
                     return cursor.fetchall()
             finally:
                 if not raw.closed:
-                    raw.autocommit = False
+                    raw.autocommit = was
         except Exception as exc:
             raise self.raw_failure(owner, exc, sql, cursor) from exc
         finally:
@@ -342,6 +344,7 @@ class PostgreSQLBackend(Backend):
         raw: Any = conn.connection.driver_connection
         cursor = None
         try:
+            was = raw.autocommit
             raw.autocommit = True
             try:
                 with raw.cursor() as cursor:
@@ -349,7 +352,7 @@ class PostgreSQLBackend(Backend):
                     rows = cursor.fetchall()
             finally:
                 if not raw.closed:
-                    raw.autocommit = False
+                    raw.autocommit = was
         except Exception as exc:
             raise self.raw_failure(conn, exc, sql, cursor) from exc
         if len(rows) != n:
