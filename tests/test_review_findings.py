@@ -3,15 +3,18 @@ step outcomes, PostgreSQL's raw statements, presence and wake-ups, embedded hand
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from sqlalchemy import Column, Engine, Integer, MetaData, Table, func, select
+from sqlalchemy import Column, Engine, Integer, MetaData, Table, func, select, text
 
 import wf_persist as wp
 
 from .fixtures import workflows as w
+from .helpers import wait_until
 
 
 def test_host_autocommit_connections_stay_autocommit(
@@ -33,3 +36,32 @@ def test_host_autocommit_connections_stay_autocommit(
             with other.connect() as conn:
                 assert conn.execute(select(func.count()).select_from(table)).scalar() == i + 1
             assert client.result(execution_id, timeout=20).unwrap() == [1, 2]
+
+
+def test_reloading_drives_do_not_exhaust_a_two_connection_pool(
+    backend: str, db_url: str, make_engine: Callable[..., Engine], saga_reset: None
+) -> None:
+    """A pool of 2 is enough for a worker (check_pool): two drives that each keep their
+    connection and then need a second one to read history again (a cancellation seen by
+    their write) must not wait on each other for the pool's timeout."""
+    from .fixtures import saga as s
+
+    engine = make_engine(db_url, pool_size=2, max_overflow=0, pool_timeout=3)
+    with wp.Runtime(engine, lease_ttl=30) as rt:
+        rt.register(*s.ALL)
+        client = rt.client()
+        ids = [client.start(s.gated_wf).execution_id for _ in range(2)]
+        rt.start_worker(concurrency=2, poll_interval=0.05)
+        wait_until(lambda: s.CALLS["gated:g"] == 2, what="both runs in their gated step")
+        time.sleep(0.2)  # the steps run past RELEASE_AFTER: the drives lent their connection
+        for execution_id in ids:
+            client.cancel(execution_id)
+        began = time.monotonic()
+        s.GATE.set()
+        for execution_id in ids:
+            outcome = client.result(execution_id, timeout=60)
+            assert isinstance(outcome, wp.Failed)
+        took = time.monotonic() - began
+        assert took < 2.5, f"the cancelled runs took {took:.1f}s to unwind"
+        assert s.CALLS["after_gate"] == 0
+
