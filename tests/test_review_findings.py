@@ -65,3 +65,43 @@ def test_reloading_drives_do_not_exhaust_a_two_connection_pool(
         assert took < 2.5, f"the cancelled runs took {took:.1f}s to unwind"
         assert s.CALLS["after_gate"] == 0
 
+
+@pytest.mark.needs("server")
+def test_a_session_default_above_read_committed_does_not_fail_claims(
+    backend: str, db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """Sessions whose default isolation is SERIALIZABLE: a claim that waits on a concurrent
+    update of its run (a host's, a signal, another claimer) re-checks the run and claims it,
+    instead of raising a serialization failure out of ``drive()`` / ``result()``."""
+    from .conftest import has
+
+    connect_args = (
+        {"init_command": "SET SESSION TRANSACTION ISOLATION LEVEL SERIALIZABLE"}
+        if has(backend, "sql_mode")
+        else {"options": "-c default_transaction_isolation=serializable"}
+    )
+    engine = make_engine(db_url, connect_args=connect_args)
+    holder = make_engine(db_url)
+    with wp.Runtime(engine, lease_ttl=30) as rt:
+        rt.register(*w.ALL)
+        client = rt.client()
+        execution_id = client.start(w.echo_wf, 2).execution_id
+        outcome: list[Any] = []
+
+        def drive() -> None:
+            try:
+                outcome.append(rt.drive(execution_id))
+            except Exception as exc:
+                outcome.append(exc)
+
+        with holder.begin() as conn:  # the run's row changes while the claim waits
+            conn.execute(
+                text("UPDATE wf_executions SET updated_at = updated_at WHERE id = :i"),
+                {"i": execution_id},
+            )
+            driving = threading.Thread(target=drive)
+            driving.start()
+            time.sleep(0.5)
+        driving.join(30)
+        assert outcome == [True]
+        assert client.result(execution_id, timeout=20).unwrap() == [1, 2]

@@ -224,6 +224,21 @@ class PostgreSQLBackend(Backend):
         )
         cursor = None
         try:
+            if not self.autocommit_writes:
+                # The sessions' default is above READ COMMITTED: a statement in autocommit
+                # would run at it, and a claim meeting a concurrent update of its run would
+                # fail with a serialization error instead of re-checking the run.
+                from psycopg import IsolationLevel
+
+                level = raw.isolation_level
+                raw.isolation_level = IsolationLevel.READ_COMMITTED
+                try:
+                    with raw.transaction(), raw.cursor() as cursor:
+                        cursor.execute(sql, params)
+                        return cursor.fetchall()
+                finally:
+                    if not raw.closed:
+                        raw.isolation_level = level
             # As the connection was (a host engine's may be in AUTOCOMMIT already).
             was = raw.autocommit
             raw.autocommit = True
