@@ -105,3 +105,46 @@ def test_a_session_default_above_read_committed_does_not_fail_claims(
         driving.join(30)
         assert outcome == [True]
         assert client.result(execution_id, timeout=20).unwrap() == [1, 2]
+
+
+@pytest.mark.needs("presence")
+def test_a_live_runtime_whose_listener_reconnected_is_never_reaped(
+    make_runtime: Callable[..., wp.Runtime], db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """The listening connection drops and, when it reconnects, its presence lock is not free
+    yet (the old session lingers on the server, or a reaper is trying it at that moment).
+    The runtime's claims still carry the present owner's name: once the lock is free, the
+    runtime must take it again, or every other worker reaps a live runtime's runs."""
+    from .fixtures import fencing as f
+
+    holder, other = make_runtime(lease_ttl=30), make_runtime(lease_ttl=30)
+    holder.register(*f.ALL)
+    other.register(*f.ALL)
+    wakeups = holder.wakeups()
+    assert holder.owner.endswith("!")
+    handle = holder.client().start(f.nap_wf, 3600)
+    with holder.backend.begin() as conn:
+        claim = holder.backend.claim(conn, handle.execution_id, holder.owner, 30)
+    assert claim is not None
+    admin = make_engine(db_url)
+    with admin.connect() as blocker:
+        blocker.execute(
+            text(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE application_name = 'wf_persist listener' AND datname = current_database()"
+            )
+        )
+        blocker.commit()
+        key = "hashtextextended(:o, 0)"
+
+        def taken() -> bool:  # the lock, the moment the server frees it
+            got = blocker.execute(text(f"SELECT pg_try_advisory_lock({key})"), {"o": holder.owner})
+            return bool(got.scalar())
+
+        wait_until(taken, what="the presence lock free", timeout=10)
+        wait_until(lambda: wakeups.connections >= 2, what="the listener back", timeout=20)
+        blocker.execute(text(f"SELECT pg_advisory_unlock({key})"), {"o": holder.owner})
+        blocker.commit()
+    wait_until(lambda: wakeups.present, what="the presence lock taken again", timeout=10)
+    assert other.reap() == []
+    assert other.drive(handle.execution_id) is False

@@ -138,7 +138,9 @@ class Wakeups:
             failure: Exception | None = None
             try:
                 while not self._stop.is_set():
-                    for payload in listener.wait(LISTEN_TICK):
+                    payloads = listener.wait(LISTEN_TICK)
+                    self.present = listener.present  # a lock taken again meanwhile
+                    for payload in payloads:
                         self._dispatch(payload)
             except Exception as exc:
                 failure = exc

@@ -65,9 +65,9 @@ class PGListener:
             raw.autocommit = True
             raw.execute(f"SET application_name = '{APPLICATION_NAME}'")  # for operators
             raw.execute(f'LISTEN "{backend.channel()}"')
-            self.present = (
-                owner is not None and backend.presence_ok(self._engine) and self._lock(owner)
-            )
+            #: The owner whose presence lock this connection holds, or must take again.
+            self._owner = owner if owner is not None and backend.presence_ok(self._engine) else None
+            self.present = self._owner is not None and self._lock(self._owner)
         except BaseException:
             self.close()
             raise
@@ -77,6 +77,11 @@ class PGListener:
         return bool(cursor.fetchone()[0])
 
     def wait(self, timeout: float) -> list[str]:
+        if self._owner is not None and not self.present:
+            # Not free when this connection was made (the dropped session lingered on the
+            # server, or a reaper was trying it): the runtime's claims carry the present
+            # owner's name, so it is taken as soon as it is free, or others reap live runs.
+            self.present = self._lock(self._owner)
         return [n.payload for n in self._raw.notifies(timeout=timeout, stop_after=1)]
 
     def close(self) -> None:
