@@ -148,3 +148,21 @@ def test_a_live_runtime_whose_listener_reconnected_is_never_reaped(
     wait_until(lambda: wakeups.present, what="the presence lock taken again", timeout=10)
     assert other.reap() == []
     assert other.drive(handle.execution_id) is False
+
+
+@pytest.mark.needs("presence")
+def test_a_host_engine_with_a_pool_of_one_listens_and_is_present(
+    db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """A client-only runtime on a host engine of one connection (legal: no worker): the
+    listener and its presence probe do not need two connections of a pool of one (the
+    probe waited for the pool's timeout, and the first result() for the listener)."""
+    engine = make_engine(db_url, pool_size=1, max_overflow=0, pool_timeout=3)
+    with wp.Runtime(engine, lease_ttl=30) as rt:
+        rt.register(*w.ALL)
+        began = time.monotonic()
+        rt.wakeups()
+        assert time.monotonic() - began < 2.0
+        assert rt.listening() and rt.owner.endswith("!")
+        client = rt.client()
+        assert client.result(client.start(w.echo_wf, 2).execution_id, timeout=20).unwrap() == [1, 2]

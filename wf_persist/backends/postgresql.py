@@ -115,11 +115,11 @@ class PostgreSQLBackend(Backend):
         self._listen_ok = True
         return found
 
-    def presence_ok(self, engine: Engine) -> bool:
-        """Whether presence locks work here (probed once, on ``engine``: a listener's own,
-        never the runs' pool)."""
+    def presence_ok(self, engine: Engine, raw: Any) -> bool:
+        """Whether presence locks work here (probed once, on a listener's connection
+        ``raw`` and its ``engine``, never the runs' pool)."""
         if self._presence_ok is None:
-            self._presence_ok = advisory_locks_work(engine)
+            self._presence_ok = advisory_locks_work(engine, raw)
             if not self._presence_ok:
                 log.warning(
                     "advisory locks do not lock here: the runs of a worker that died are "
