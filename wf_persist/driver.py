@@ -234,7 +234,8 @@ class RunDriver:
             return
         asked = time.monotonic()
         try:
-            with self.backend.begin() as conn:
+            # On the drive's connection: never one held while waiting for a second.
+            with self.lender.connection() as own, self.backend.begin(own) as conn:
                 still = self.backend.renew(conn, {self.execution_id: self.epoch}, ttl)
         except Exception as exc:
             raise Halt(exc) from exc

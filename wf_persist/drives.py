@@ -93,7 +93,9 @@ def drive(runtime: Runtime, claim: Claim, lease: Lease, loaded: tuple[Journal, i
             except Reload:
                 driver.flush()  # a finished step's events, before the history is read again
                 try:
-                    with runtime.backend.read() as conn:
+                    # On the drive's own connection: a drive never holds one connection
+                    # while it waits for a second (drives would wait on each other).
+                    with lender.connection() as own, runtime.backend.read(own) as conn:
                         loaded = load_journal(conn, claim.execution_id)
                 except Exception as exc:
                     raise Halt(exc) from exc
@@ -102,6 +104,7 @@ def drive(runtime: Runtime, claim: Claim, lease: Lease, loaded: tuple[Journal, i
                 pass
             return driver.finished
     except Halt as halt:
+        lender.release()  # what follows takes a connection of its own
         if isinstance(halt.cause, LeaseLostError):
             if runtime.closing and not lease.lost:
                 # Stopped by close(), not by a takeover: hand the run over now (its lease is
@@ -117,11 +120,13 @@ def drive(runtime: Runtime, claim: Claim, lease: Lease, loaded: tuple[Journal, i
         else:
             failed(runtime, claim, halt.cause)
     except Exception as exc:  # a defect in replay itself: count it like any failed drive
+        lender.release()
         failed(runtime, claim, exc)
     except BaseException:
         if driver is not None:  # interrupted (shutdown): keep what finished, if we still can
             with contextlib.suppress(Exception, Halt):
                 driver.flush()
+        lender.release()
         release(runtime, claim)  # due again at once elsewhere
         raise
     finally:

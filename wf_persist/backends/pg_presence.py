@@ -70,7 +70,9 @@ class PGListener:
             raw.execute(f"SET application_name = '{APPLICATION_NAME}'")  # for operators
             raw.execute(f'LISTEN "{backend.channel()}"')
             #: The owner whose presence lock this connection should hold (None: no lock).
-            self._owner = owner if owner is not None and backend.presence_ok(self._engine) else None
+            self._owner = (
+                owner if owner is not None and backend.presence_ok(self._engine, raw) else None
+            )
             self.present = False
             self._relock()
         except BaseException:
@@ -106,27 +108,33 @@ class PGListener:
         self._engine.dispose()
 
 
-def advisory_locks_work(engine: Engine) -> bool:
+def advisory_locks_work(engine: Engine, raw: Any) -> bool:
     """Whether session advisory locks really exclude each other here (some
     PostgreSQL-compatible databases refuse the functions, others accept them but lock
-    nothing)."""
+    nothing): tried on ``raw`` (the listener's own connection, in autocommit) and on one
+    connection of ``engine`` (a pool of one connection is enough)."""
     try:
-        return _exclusive(engine)
+        return _exclusive(engine, raw)
     except DBAPIError as exc:
         if getattr(exc.orig, "sqlstate", None) in UNSUPPORTED:
             return False
         raise
+    except Exception as exc:  # the listener's own connection: a driver error
+        if getattr(exc, "sqlstate", None) in UNSUPPORTED:
+            return False
+        raise
 
 
-def _exclusive(engine: Engine) -> bool:
+def _exclusive(engine: Engine, raw: Any) -> bool:
     key = "wf_persist capability probe"
-    with engine.connect() as one, engine.connect() as two:
-        first = one.exec_driver_sql(f"SELECT pg_try_advisory_lock({_KEY})", (key,)).scalar()
-        second = two.exec_driver_sql(f"SELECT pg_try_advisory_lock({_KEY})", (key,)).scalar()
+    first = raw.execute(f"SELECT pg_try_advisory_lock({_KEY})", [key]).fetchone()[0]
+    try:
+        with engine.connect() as two:
+            second = two.exec_driver_sql(f"SELECT pg_try_advisory_lock({_KEY})", (key,)).scalar()
+            if second:
+                two.exec_driver_sql(f"SELECT pg_advisory_unlock({_KEY})", (key,))
+            two.rollback()
+    finally:
         if first:
-            one.exec_driver_sql(f"SELECT pg_advisory_unlock({_KEY})", (key,))
-        if second:
-            two.exec_driver_sql(f"SELECT pg_advisory_unlock({_KEY})", (key,))
-        one.rollback()
-        two.rollback()
+            raw.execute(f"SELECT pg_advisory_unlock({_KEY})", [key])
     return bool(first) and not second

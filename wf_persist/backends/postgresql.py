@@ -115,11 +115,11 @@ class PostgreSQLBackend(Backend):
         self._listen_ok = True
         return found
 
-    def presence_ok(self, engine: Engine) -> bool:
-        """Whether presence locks work here (probed once, on ``engine``: a listener's own,
-        never the runs' pool)."""
+    def presence_ok(self, engine: Engine, raw: Any) -> bool:
+        """Whether presence locks work here (probed once, on a listener's connection
+        ``raw`` and its ``engine``, never the runs' pool)."""
         if self._presence_ok is None:
-            self._presence_ok = advisory_locks_work(engine)
+            self._presence_ok = advisory_locks_work(engine, raw)
             if not self._presence_ok:
                 log.warning(
                     "advisory locks do not lock here: the runs of a worker that died are "
@@ -224,6 +224,23 @@ class PostgreSQLBackend(Backend):
         )
         cursor = None
         try:
+            if not self.autocommit_writes:
+                # The sessions' default is above READ COMMITTED: a statement in autocommit
+                # would run at it, and a claim meeting a concurrent update of its run would
+                # fail with a serialization error instead of re-checking the run.
+                from psycopg import IsolationLevel
+
+                level = raw.isolation_level
+                raw.isolation_level = IsolationLevel.READ_COMMITTED
+                try:
+                    with raw.transaction(), raw.cursor() as cursor:
+                        cursor.execute(sql, params)
+                        return cursor.fetchall()
+                finally:
+                    if not raw.closed:
+                        raw.isolation_level = level
+            # As the connection was (a host engine's may be in AUTOCOMMIT already).
+            was = raw.autocommit
             raw.autocommit = True
             try:
                 with raw.cursor() as cursor:
@@ -231,7 +248,7 @@ class PostgreSQLBackend(Backend):
                     return cursor.fetchall()
             finally:
                 if not raw.closed:
-                    raw.autocommit = False
+                    raw.autocommit = was
         except Exception as exc:
             raise self.raw_failure(owner, exc, sql, cursor) from exc
         finally:
@@ -342,6 +359,7 @@ class PostgreSQLBackend(Backend):
         raw: Any = conn.connection.driver_connection
         cursor = None
         try:
+            was = raw.autocommit
             raw.autocommit = True
             try:
                 with raw.cursor() as cursor:
@@ -349,7 +367,7 @@ class PostgreSQLBackend(Backend):
                     rows = cursor.fetchall()
             finally:
                 if not raw.closed:
-                    raw.autocommit = False
+                    raw.autocommit = was
         except Exception as exc:
             raise self.raw_failure(conn, exc, sql, cursor) from exc
         if len(rows) != n:
