@@ -35,7 +35,6 @@ from .test_mutation_killers import (
     CANCELLER,
     _row,
     cancel_own_run,
-    parked_retries_wf,
 )
 
 # retries inside ctx.all ------------------------------------------------------------------
@@ -72,6 +71,18 @@ def test_a_branch_waits_out_a_long_retry_delay_in_its_thread(runtime: wp.Runtime
     assert FLAKY == {"a": 2, "b": 2}
 
 
+@wp.step(retry=wp.Retry(attempts=3, backoff="exponential", base=60, factor=1))
+def fails_for_a_minute() -> str:
+    ATTEMPTS.append(1)
+    raise RuntimeError("still down")
+
+
+@wp.workflow(name="mutation-parked-retry-minute", version=1)
+def parked_minute_wf(ctx: wp.Context) -> str:
+    """A retry a minute away: a loaded machine never reaches it within the test."""
+    return ctx.run(fails_for_a_minute)
+
+
 def test_a_parked_retry_woken_early_parks_again_until_its_retry_time(
     runtime: wp.Runtime,
 ) -> None:
@@ -80,8 +91,8 @@ def test_a_parked_retry_woken_early_parks_again_until_its_retry_time(
     running another attempt. Kills ``_execute``'s mutant that forgets the recorded retry
     time on replay."""
     ATTEMPTS.clear()
-    runtime.register(parked_retries_wf)
-    execution_id = runtime.client().start(parked_retries_wf).execution_id
+    runtime.register(parked_minute_wf)
+    execution_id = runtime.client().start(parked_minute_wf).execution_id
     assert runtime.drive(execution_id)
     assert len(ATTEMPTS) == 1
     before = _row(runtime, execution_id)
