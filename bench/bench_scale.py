@@ -32,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,10 +42,10 @@ from sqlalchemy.engine import make_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script
 
-import wf_persist as wp  # noqa: E402
-from bench.app import WORKFLOWS, three_steps  # noqa: E402
-from bench.measure import Child, ServerCpu, process_cpu_seconds  # noqa: E402
-from wf_persist.records import encode_cursor  # noqa: E402
+import wf_persist as wp
+from bench.app import WORKFLOWS, three_steps
+from bench.measure import Child, ServerCpu, process_cpu_seconds
+from wf_persist.records import encode_cursor
 
 SIZES = (10_000, 100_000, 1_000_000)
 QUICK_SIZES = (10_000, 100_000)
@@ -84,7 +85,10 @@ def _load_sqlite(path: str, n: int) -> None:
     try:
         raw.execute("PRAGMA synchronous = OFF")
         raw.execute("BEGIN IMMEDIATE")
-        at = "strftime('%Y-%m-%d %H:%M:%f', '2026-01-01', '+' || printf('%.3f', i / 1000.0) || ' seconds') || '000'"
+        at = (
+            "strftime('%Y-%m-%d %H:%M:%f', '2026-01-01', "
+            "'+' || printf('%.3f', i / 1000.0) || ' seconds') || '000'"
+        )
         raw.execute(
             f"""
             WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?)
@@ -115,7 +119,7 @@ def _load_sqlite(path: str, n: int) -> None:
 def _load_server(url: str, backend: str, n: int) -> None:
     engine = create_engine(url)
     pg = backend == "postgresql"
-    source = "generate_series(1, :n) AS g(i)" if pg else "seq_1_to_{n} AS g".format(n=n)
+    source = "generate_series(1, :n) AS g(i)" if pg else f"seq_1_to_{n} AS g"
     i = "g.i" if pg else "g.seq"
     hexed = (
         f"lpad(to_hex({i}), 8, '0') || '-0000-4000-8000-' || lpad(to_hex({i}), 12, '0')"
@@ -145,24 +149,20 @@ def _load_server(url: str, backend: str, n: int) -> None:
             ),
             {"n": n, "name": three_steps.name},
         )
-        for seq, kind, dedupe in _EVENTS:
+        for seq, kind, dedupe in _EVENTS:  # constants: spelled in the SQL
+            act = "'bench_step#1'" if seq == 3 else "NULL"
+            key = f"'{dedupe}'" if dedupe else "NULL"
             conn.execute(
                 text(
                     f"""
                     INSERT INTO wf_history (execution_id, sequence, type, activity_name,
                         dedupe_key, created_at, event)
-                    SELECT id, :seq, :kind, :act, :dedupe, created_at,
-                        {obj}('type', :kind, 'executionId', id)
+                    SELECT id, {seq}, '{kind}', {act}, {key}, created_at,
+                        {obj}('type', '{kind}', 'executionId', id)
                     FROM wf_executions WHERE workflow_name = :name
                     """
                 ),
-                {
-                    "seq": seq,
-                    "kind": kind,
-                    "act": "bench_step#1" if seq == 3 else None,
-                    "dedupe": dedupe,
-                    "name": three_steps.name,
-                },
+                {"name": three_steps.name},
             )
     if pg:
         with engine.connect() as conn:
@@ -182,6 +182,11 @@ def _count(url: str) -> int:
         engine.dispose()
 
 
+def _loaded(url: str, n: int) -> bool:
+    """Whether a kept database is at head and holds its ``n`` runs."""
+    return wp.migrate.current(url) == wp.migrate.SCHEMA_HEAD and _count(url) >= n
+
+
 def _register(url: str) -> None:
     engine = wp.create_engine(url, pool_size=1, max_overflow=1)
     try:
@@ -197,7 +202,7 @@ def prepare(backend: str, n: int, workdir: Path, reuse: bool) -> str:
     if backend == "sqlite":
         path = workdir / f"{name}.sqlite3"
         url = f"sqlite:///{path}"
-        if reuse and path.exists() and wp.migrate.current(url) == wp.migrate.SCHEMA_HEAD:
+        if reuse and path.exists() and _loaded(url, n):
             return url
         for suffix in ("", "-wal", "-shm"):
             Path(f"{path}{suffix}").unlink(missing_ok=True)
@@ -213,7 +218,7 @@ def prepare(backend: str, n: int, workdir: Path, reuse: bool) -> str:
                 ),
                 {"d": name},
             ).first()
-            if reuse and exists and wp.migrate.current(url) == wp.migrate.SCHEMA_HEAD:
+            if reuse and exists and _loaded(url, n):
                 admin.dispose()
                 return url
             force = " WITH (FORCE)" if backend == "postgresql" else ""
@@ -248,7 +253,6 @@ class Scale:
         deep = n - 100
         at = T0 + dt.timedelta(milliseconds=deep * STEP_MS)
         self.deep_cursor = encode_cursor(at, _id(deep))
-        self.keys = 0
         self.parked: str | None = None
 
     def close(self) -> None:
@@ -298,8 +302,8 @@ class Scale:
         assert handle.execution_id == _id(self.n // 3)
 
     def start(self) -> None:
-        self.keys += 1
-        self.parked = self.client.start(parked, idempotency_key=f"p{self.keys}").execution_id
+        key = uuid.uuid4().hex  # a key never used: the insert that creates the run
+        self.parked = self.client.start(parked, idempotency_key=key).execution_id
 
     def park(self) -> None:
         assert self.parked is not None
@@ -368,7 +372,7 @@ def measure(scales: list[Scale], reps: int, calls: int) -> dict[tuple[str, int],
 
 def report(backend: str, sizes: list[int], found: dict[tuple[str, int], list[float]]) -> bool:
     small, large = sizes[0], sizes[-1]
-    head = "".join(f"{f'{n:,} ms':>12}" for n in sizes)
+    head = "".join(f"{f'{n:,} ms':>14}" for n in sizes)
     print(f"\n{backend}: median ms per operation ({large:,} / {small:,}: target <= 2)")
     print(f"  {'operation':<14}{head}{'ratio':>9}")
     ok = True
@@ -376,7 +380,7 @@ def report(backend: str, sizes: list[int], found: dict[tuple[str, int], list[flo
         medians = [statistics.median(found[(op, n)]) for n in sizes]
         ratio = medians[-1] / medians[0]
         ok = ok and ratio <= RATIO_TARGET
-        cells = "".join(f"{m:>12.3f}" for m in medians)
+        cells = "".join(f"{m:>14.3f}" for m in medians)
         print(f"  {op:<14}{cells}{ratio:>8.2f}{'' if ratio <= RATIO_TARGET else ' !'}")
     return ok
 
