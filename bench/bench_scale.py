@@ -430,7 +430,19 @@ def run_backend(backend: str, sizes: list[int], args: argparse.Namespace, work: 
     if args.json:
         for (op, n), values in sorted(found.items()):
             print(json.dumps({"backend": backend, "op": op, "runs": n, "ms": values}))
+    if not args.reuse and backend != "sqlite":  # SQLite files go with the work directory
+        drop(backend, sizes)
     return ok
+
+
+def drop(backend: str, sizes: list[int]) -> None:
+    """Drop the server databases :func:`prepare` made."""
+    admin = create_engine(ADMIN_URLS[backend], isolation_level="AUTOCOMMIT")
+    force = " WITH (FORCE)" if backend == "postgresql" else ""
+    with admin.connect() as conn:
+        for n in sizes:
+            conn.execute(text(f"DROP DATABASE IF EXISTS wf_persist_bench_scale_{n}{force}"))
+    admin.dispose()
 
 
 def main() -> None:
