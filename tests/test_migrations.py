@@ -312,3 +312,78 @@ def test_installed_wheel_migrates_from_any_directory(tmp_path: Path, procs: Proc
         [sys.executable, "-c", probe, str(site)], cwd=elsewhere, env={"PYTHONPATH": str(site)}
     )
     assert out.stdout.strip() == migrate.SCHEMA_HEAD
+
+
+def test_upgrade_to_the_unfinished_claim_index_keeps_runs_and_claims(
+    blank_db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """wf_0004 -> head on a database holding runs in every status: every row is kept as it
+    was, and a claim takes exactly the due unfinished runs (expired leases among them)."""
+    from datetime import UTC, datetime, timedelta
+
+    from sqlalchemy import insert, select
+
+    from wf_persist.models import executions_table as ex
+    from wf_persist.models import workflows_table
+
+    migrate.upgrade(blank_db_url, "wf_0004")
+    now = datetime.now(UTC)
+    past, ahead = now - timedelta(hours=1), now + timedelta(hours=1)
+    # (status, wake_at, lease_expires_at) -> whether a claim takes it
+    cases = {
+        "done": ("completed", None, None, False),
+        "done-with-stale-wake": ("completed", past, None, False),
+        "failed": ("failed", past, None, False),
+        "due": ("running", past, None, True),
+        "lease-lapsed": ("running", past, past, True),
+        "leased": ("running", ahead, ahead, False),
+        "timer-ahead": ("suspended", ahead, None, False),
+        "timer-due": ("suspended", past, None, True),
+        "on-signal": ("suspended", None, None, False),
+        "unwinding": ("compensating", past, None, True),
+    }
+    engine = make_engine(blank_db_url)
+    with engine.begin() as conn:
+        conn.execute(
+            insert(workflows_table),
+            {"name": "scaled", "version": 1, "source_hash": "x" * 64, "registered_at": now},
+        )
+        conn.execute(
+            insert(ex),
+            [
+                {
+                    "id": name,
+                    "workflow_name": "scaled",
+                    "workflow_version": 1,
+                    "status": status,
+                    "next_seq": 2,
+                    "wake_at": wake,
+                    "lease_owner": "gone" if lease else None,
+                    "lease_expires_at": lease,
+                    "created_at": now,
+                    "updated_at": now,
+                    "finished_at": now if status in ("completed", "failed") else None,
+                }
+                for name, (status, wake, lease, _) in cases.items()
+            ],
+        )
+        before = conn.execute(select(ex).order_by(ex.c.id)).all()
+    engine.dispose()
+
+    migrate.upgrade(blank_db_url)
+    assert migrate.current(blank_db_url) == migrate.SCHEMA_HEAD
+    with engine.connect() as conn:
+        assert conn.execute(select(ex).order_by(ex.c.id)).all() == before
+        names = {i["name"] for i in inspect(conn).get_indexes("wf_executions")}
+    assert "ix_wf_executions__status_wake_at" in names
+    engine.dispose()
+    with wp.Runtime(blank_db_url, auto_migrate=False) as rt:
+        claims = rt.backend.claim_batch("claimer", 30.0, 100, [("scaled", 1)], [])
+        assert sorted(c.execution_id for c in claims) == sorted(
+            name for name, (*_, due) in cases.items() if due
+        )
+        assert {c.epoch for c in claims} == {1}
+        assert rt.backend.claim_batch("claimer", 30.0, 100, [("scaled", 1)], []) == []
+    migrate.downgrade(blank_db_url, "wf_0004")
+    migrate.upgrade(blank_db_url)
+    assert migrate.current(blank_db_url) == migrate.SCHEMA_HEAD

@@ -41,7 +41,7 @@ from sqlalchemy.dialects import mysql, postgresql
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-from .lifecycle import STATUSES
+from .lifecycle import ACTIVE, STATUSES
 
 NAMING_CONVENTION: Final = {
     "ix": "ix_%(table_name)s__%(column_0_N_name)s",
@@ -154,6 +154,11 @@ class WorkflowVersion(Base):
     )
 
 
+#: Unfinished runs, as SQL: the predicate of the partial claim index. The claim's own WHERE
+#: spells the statuses the same way (sorted, inline), so every planner sees it implies this.
+UNFINISHED: Final = text("status IN (" + ", ".join(f"'{s}'" for s in sorted(ACTIVE)) + ")")
+
+
 class Execution(Base):
     """One run of a workflow, pinned to the catalog entry it started with.
 
@@ -210,8 +215,11 @@ class Execution(Base):
         Index(None, "workflow_name", "status", "created_at", "id"),
         # Keyset listing across workflows (operators, the CLI): every run, oldest first.
         Index(None, "created_at", "id"),
-        # Finding runnable work: non-terminal runs by wake time.
-        Index(None, "status", "wake_at"),
+        # Finding runnable work: unfinished runs by wake time. Partial where the backend has
+        # them (finished runs cost no entry and no claim ever reads past one); on MySQL and
+        # MariaDB the leading ``status`` makes the claim's ``status IN (...) AND wake_at <=
+        # now`` three ranges of unfinished runs' entries, as the partial index would.
+        Index(None, "status", "wake_at", postgresql_where=UNFINISHED, sqlite_where=UNFINISHED),
         MYSQL_TABLE_OPTIONS,
     )
 

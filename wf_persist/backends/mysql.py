@@ -18,7 +18,18 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Final
 
-from sqlalchemy import Connection, Engine, event, func, insert, select, text, update
+from sqlalchemy import (
+    Connection,
+    Engine,
+    and_,
+    event,
+    func,
+    insert,
+    or_,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.pool import ConnectionPoolEntry
@@ -262,6 +273,15 @@ class MySQLBackend(Backend):
             if epoch is not None:
                 won.append((str(execution_id), epoch))
         return self._claimed(conn, won)
+
+    def keyset_after(self, created_at: dt.datetime, execution_id: str) -> Any:
+        """MySQL and MariaDB do not plan a row-value comparison as an index range; the
+        expanded form with a leading ``created_at >=`` bound is one range on the
+        ``(..., created_at, id)`` indexes (the rest is checked within it)."""
+        return and_(
+            ex.c.created_at >= created_at,
+            or_(ex.c.created_at > created_at, ex.c.id > execution_id),
+        )
 
     def renew(self, conn: Connection, held: Mapping[str, int], ttl: float) -> set[str]:
         if not held:

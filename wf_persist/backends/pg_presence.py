@@ -37,10 +37,12 @@ LOCK_RETRY: Final = 0.01
 
 #: Runs leased by owners whose presence lock is free: their process is gone. The lock is
 #: tried at transaction level, so it is released when this statement (in autocommit) ends.
+#: The statuses are spelled as the partial claim index's predicate: both lookups read that
+#: index's unfinished runs, never the finished ones.
 REAP: Final = """
 WITH owners AS (
     SELECT DISTINCT lease_owner FROM {table}
-    WHERE lease_owner IS NOT NULL AND status IN ('running', 'suspended', 'compensating')
+    WHERE lease_owner IS NOT NULL AND status IN ('compensating', 'running', 'suspended')
 ),
 dead AS (
     SELECT lease_owner FROM owners
@@ -50,7 +52,7 @@ dead AS (
 UPDATE {table}
 SET wake_at = clock_timestamp(), lease_expires_at = clock_timestamp()
 WHERE lease_owner IN (SELECT lease_owner FROM dead)
-  AND status IN ('running', 'suspended', 'compensating')
+  AND status IN ('compensating', 'running', 'suspended')
   AND lease_expires_at > clock_timestamp()
 RETURNING id
 """

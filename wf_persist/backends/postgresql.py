@@ -24,7 +24,6 @@ from sqlalchemy import (
     func,
     select,
     text,
-    tuple_,
 )
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import DBAPIError
@@ -291,10 +290,6 @@ class PostgreSQLBackend(Backend):
                 raise
             log.debug("claiming with the runs' start failed (%s); claiming alone", exc.orig)
         return super().claim_batch(owner, ttl, limit, workflows, exclude)
-
-    def keyset_after(self, created_at: dt.datetime, execution_id: str) -> Any:
-        # A row comparison is one index range condition.
-        return tuple_(ex.c.created_at, ex.c.id) > tuple_(created_at, execution_id)
 
     @classmethod
     def migration_lock(cls, conn: Connection) -> None:
