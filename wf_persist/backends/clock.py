@@ -76,15 +76,20 @@ def use_virtual_clock(engine: Engine, shift: Callable[[], float]) -> None:
     engine.dispose()  # connections opened before the listener lack the function
 
 
+# PostgreSQL: the time the statement began. Unlike now() it moves on inside a host's long
+# transaction; unlike clock_timestamp() it is stable within the statement, so a claim's
+# ``wake_at <= db_now()`` is an index range over due runs, not a filter over every parked
+# one. A statement that waits on a lock sees a slightly earlier time: claims and leases are
+# then only more conservative.
 @compiles(db_now, "postgresql")
 def _pg_now(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
-    return "clock_timestamp()"
+    return "statement_timestamp()"
 
 
 @compiles(db_later, "postgresql")
 def _pg_later(element: db_later, compiler: SQLCompiler, **kw: Any) -> str:
     seconds = compiler.process(element.clauses, **kw)
-    return f"(clock_timestamp() + make_interval(secs => {seconds}))"
+    return f"(statement_timestamp() + make_interval(secs => {seconds}))"
 
 
 @compiles(db_now, "mysql")
