@@ -77,8 +77,8 @@ class Worker:
         self._reserved = 0
         #: When the next timer known at the last look is due (monotonic).
         self._timer_at = 0.0
-        #: Whether the last look found more due runs than free slots (a run ending then
-        #: wakes the loop).
+        #: Whether the last look filled every free slot (more may be due: a run ending
+        #: then wakes the loop).
         self._saturated = False
         self._lock = threading.Lock()
         self._outage = Outage(log, "claiming due runs", self.poll_interval)
@@ -135,7 +135,10 @@ class Worker:
         exc = fut.exception()
         if exc is not None:
             log.error("driving a run failed unexpectedly", exc_info=exc)
-        if saturated:  # the last look left due runs for want of a slot: look again now
+        # Look again now if the last look left due runs for want of a slot, or if nothing
+        # announces new work (no notifications): a freed slot is then the moment to look.
+        # Where notifications arrive, a look now would find only what they announce.
+        if saturated or not self.runtime.listening():
             self._wake.set()
 
     def run(self) -> None:

@@ -23,7 +23,7 @@ import contextlib
 import datetime as dt
 import json
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 from sqlalchemy import (
     Connection,
@@ -64,6 +64,11 @@ from .sql import (
     history_row,
     pinned,
 )
+
+#: Types whose JSON text is a few dozen bytes whatever the value (no size check needed).
+_BOUNDED: Final = (int, float, bool)
+#: The most bytes one character of a string takes in JSON text (an escape: ``\\uXXXX``).
+_MAX_BYTES_PER_CHAR: Final = 6
 
 
 class Changes:
@@ -214,8 +219,10 @@ class Backend:
         Measured as it is sent: every write serializes with ``json.dumps``' default
         separators, which make a list of small items half as large again as compact JSON.
         """
-        if value is None:
-            return
+        if value is None or type(value) in _BOUNDED:
+            return  # a number or a boolean: a few dozen bytes at most
+        if type(value) is str and len(value) * _MAX_BYTES_PER_CHAR + 2 <= self.max_value_bytes:
+            return  # even with every character escaped it fits
         size = self.value_size(json.dumps(value))
         if size > self.max_value_bytes:
             raise ValueTooLargeError(what, size, self.max_value_bytes)
