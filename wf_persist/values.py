@@ -211,14 +211,38 @@ def _pattern(
 _Validator: Any = validators.extend(Draft202012Validator, {"pattern": _pattern})  # type: ignore[no-untyped-call]
 
 
+_SCHEMA_PROBLEMS: Final = (
+    SchemaError,
+    UnknownType,
+    Unresolvable,
+    TypeError,
+    ValueError,
+    RecursionError,
+)
+
+
+@functools.lru_cache(maxsize=256)
+def _checked_validator(schema_text: str) -> Any:
+    """The validator of a schema (by its JSON text), or None for one that is not valid JSON
+    Schema: checking a schema against the meta-schema costs more than validating most
+    documents with it, and a start checks its workflow's schema every time."""
+    schema = json.loads(schema_text)
+    try:
+        _Validator.check_schema(schema)
+        return _Validator(schema)
+    except _SCHEMA_PROBLEMS:
+        return None
+
+
 def schema_errors(schema: Any, doc: Any) -> list[dict[str, Any]]:
     """Where a JSON document breaks a JSON Schema (2020-12: an object, ``true`` or
     ``false``), in pydantic's error shape; a schema that is not valid JSON Schema (or
     references itself forever) checks nothing."""
     try:
-        _Validator.check_schema(schema)
-        validator = _Validator(schema)
+        validator = _checked_validator(json.dumps(schema, sort_keys=True))
+        if validator is None:
+            return []
         found = sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
-    except (SchemaError, UnknownType, Unresolvable, TypeError, ValueError, RecursionError):
+    except _SCHEMA_PROBLEMS:
         return []
     return [{"loc": tuple(e.absolute_path), "msg": e.message} for e in found]

@@ -214,6 +214,10 @@ class Worker:
                 fut = pool.submit(self.runtime.drive_claim, claim)
                 self._inflight.add(fut)
             fut.add_done_callback(self._done)
+        if claimed:
+            # Hand the interpreter to the drives now: this loop's own bookkeeping (the next
+            # timer's query) would otherwise hold it for a millisecond or two first.
+            time.sleep(0)
         return bool(claimed) and len(claimed) == free
 
     def _reaping(self) -> bool:
