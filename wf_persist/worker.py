@@ -18,7 +18,7 @@ import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from .errors import InvalidArgumentError
 from .leases import Outage
@@ -32,6 +32,13 @@ log = logging.getLogger("wf_persist.worker")
 
 #: How often a worker looks for runs of workers whose process is gone (presence locks).
 REAP_INTERVAL = 0.1
+
+
+class _Unknown:
+    """The next wake was not asked (or the database could not say)."""
+
+
+UNKNOWN: Final = _Unknown()
 
 
 class Worker:
@@ -180,12 +187,17 @@ class Worker:
                             and now < self._timer_at
                             and not changes.changed()
                         )
+                        until: float | _Unknown | None = UNKNOWN
                         if not quiet:
                             if changes is not None:
                                 changes.changed()  # what this look is about to see
-                            if self._claim(pool):
+                            elif not told:
+                                # No change signal: a poll first asks when the next run is
+                                # due (one index read); the claim, a write, only if one is.
+                                until = self._next_wake()
+                            if self._claim_due(until) and self._claim(pool):
                                 continue  # every free slot filled: maybe more is due
-                        look_at = time.monotonic() + self._idle_wait(quiet)
+                        look_at = time.monotonic() + self._idle_wait(quiet, until)
                 except Exception as exc:
                     self._wake.wait(self._outage.failed(exc))
                     look_at = 0.0
@@ -224,10 +236,24 @@ class Worker:
         mark = self.runtime.backend.owner_mark()
         return bool(mark) and self.runtime.owner.endswith(mark)
 
-    def _idle_wait(self, quiet: bool = False) -> float:
+    def _next_wake(self) -> float | _Unknown | None:
+        """Seconds until the next run this worker can drive is due (None: none scheduled;
+        :data:`UNKNOWN` if the database could not say)."""
+        try:
+            return self.runtime.seconds_to_next_wake()
+        except Exception:
+            return UNKNOWN
+
+    @staticmethod
+    def _claim_due(until: float | _Unknown | None) -> bool:
+        """Whether a claim may find something, given a next wake asked just before."""
+        return isinstance(until, _Unknown) or (until is not None and until <= 0)
+
+    def _idle_wait(self, quiet: bool = False, until: float | _Unknown | None = UNKNOWN) -> float:
         """Until the next known timer, at most one poll interval (a longer one while
         notifications arrive: polling is then only the safety net). ``quiet``: nothing
-        changed since the last look, whose timer still holds."""
+        changed since the last look, whose timer still holds. ``until``: the next wake as
+        asked before a claim that was then not needed (else it is asked now)."""
         rt = self.runtime
         interval = self.poll_interval
         if rt.listening():
@@ -235,9 +261,9 @@ class Worker:
         now = time.monotonic()
         if quiet:
             return max(0.005, min(interval, self._timer_at - now))
-        try:
-            until = rt.seconds_to_next_wake()
-        except Exception:
+        if isinstance(until, _Unknown) or (until is not None and until <= 0):
+            until = self._next_wake()  # claimed meanwhile: the next wake has changed
+        if isinstance(until, _Unknown):
             self._timer_at = now
             return self.poll_interval
         self._timer_at = math.inf if until is None else now + until
