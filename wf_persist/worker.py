@@ -261,8 +261,8 @@ class Worker:
         now = time.monotonic()
         if quiet:
             return max(0.005, min(interval, self._timer_at - now))
-        if isinstance(until, _Unknown) or (until is not None and until <= 0):
-            until = self._next_wake()  # claimed meanwhile: the next wake has changed
+        if self._claim_due(until):
+            until = self._next_wake()  # not asked, or claimed meanwhile: ask now
         if isinstance(until, _Unknown):
             self._timer_at = now
             return self.poll_interval
