@@ -9,9 +9,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from sqlalchemy import Connection
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
 
 import wf_persist as wp
+from wf_persist.backends.slots import SessionLockSlots
 
 from .fixtures import saga as s
 from .helpers import Processes, history_types, wait_status, wait_until
@@ -219,3 +222,31 @@ def test_the_resolver_of_the_resuming_process_is_used(
     client.signal(handle.execution_id, "approval", {"approved": True})
     assert client.result(handle.execution_id, timeout=10).unwrap().startswith("charged 2")
     assert s.LOG == [("api_key", SECRET_VALUE)]
+
+
+@pytest.mark.needs("shared_slots")
+def test_a_slot_whose_unlock_fails_is_not_kept_by_a_pooled_connection(
+    runtime: wp.Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """If unlocking a slot fails, its connection is closed (the server drops the lock)
+    rather than pooled still holding it: the step's outcome stands and the next run through
+    the same ``Limit(1)`` gets the slot."""
+    slots = runtime.backend.slots
+    assert isinstance(slots, SessionLockSlots)
+    failures: list[int] = []
+
+    def failing_unlock(conn: Connection, k1: int, slot: int) -> None:
+        failures.append(slot)
+        raise OperationalError("SELECT unlock", {}, Exception("the unlock failed"))
+
+    monkeypatch.setattr(slots, "unlock", failing_unlock)
+    runtime.register(*s.ALL)
+    runtime.start_worker(concurrency=2, poll_interval=0.02)
+    client = runtime.client()
+    first = client.start(s.exclusive_wf, "first")
+    assert client.result(first.execution_id, timeout=30).unwrap() == "first"
+    assert failures == [0]
+    monkeypatch.undo()
+    second = client.start(s.exclusive_wf, "second")
+    assert client.result(second.execution_id, timeout=10).unwrap() == "second"
+    assert s.CALLS["exclusive:first"] == 1 and s.CALLS["exclusive:second"] == 1

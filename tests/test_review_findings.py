@@ -166,3 +166,42 @@ def test_a_host_engine_with_a_pool_of_one_listens_and_is_present(
         assert rt.listening() and rt.owner.endswith("!")
         client = rt.client()
         assert client.result(client.start(w.echo_wf, 2).execution_id, timeout=20).unwrap() == [1, 2]
+
+
+_SLOW_CALLS: list[int] = []
+
+
+@wp.step
+def _slow_part(i: int) -> int:
+    _SLOW_CALLS.append(i)
+    time.sleep(0.5)
+    return i
+
+
+@wp.workflow(name="review_slow_parts", version=1)
+def _slow_parts(ctx: wp.Context, n: int) -> list[int]:
+    return [ctx.run(_slow_part, i) for i in range(n)]
+
+
+def test_a_caller_driving_its_run_stops_at_the_first_step_boundary_past_its_timeout(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """``result(timeout=...)`` on the embedded client drives a due run in the calling
+    thread: past the timeout it stops at the next step boundary (a step in flight is not
+    interrupted) and hands the run over, due at once; a later call goes on from there
+    without running a recorded step again."""
+    _SLOW_CALLS.clear()
+    rt = make_runtime(lease_ttl=30)
+    rt.register(_slow_parts)
+    client = rt.client()
+    handle = client.start(_slow_parts, 4)
+    began = time.monotonic()
+    with pytest.raises(wp.ResultTimeoutError):
+        client.result(handle.execution_id, timeout=0.7)
+    took = time.monotonic() - began
+    assert 0.7 <= took < 1.45, f"returned after {took:.2f}s (four steps take 2 s)"
+    assert _SLOW_CALLS == [0, 1]
+    info = client.describe(handle.execution_id)
+    assert info.status == "running" and info.lease_owner is None, "handed over"
+    assert client.result(handle.execution_id, timeout=30).unwrap() == [0, 1, 2, 3]
+    assert _SLOW_CALLS == [0, 1, 2, 3]

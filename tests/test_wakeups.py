@@ -15,10 +15,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, select, text
+from sqlalchemy import create_engine, event, select, text
 
 import wf_persist as wp
 from wf_persist.models import executions_table as ex
+from wf_persist.wakeups import ANY_END, Ends
 
 from .dbcount import counting
 from .fixtures import fencing as f
@@ -31,6 +32,17 @@ def _epoch(rt: wp.Runtime, execution_id: str) -> int:
         found = conn.execute(select(ex.c.claim_epoch).where(ex.c.id == execution_id)).scalar()
     assert found is not None
     return int(found)
+
+
+@wp.step
+def _nap(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+@wp.workflow(name="test_wakeups_napping", version=1)
+def _napping(ctx: wp.Context, seconds: float) -> float:
+    return ctx.run(_nap, seconds)
 
 
 # round trips ------------------------------------------------------------------------------
@@ -163,6 +175,53 @@ def test_a_run_ending_elsewhere_wakes_its_waiting_client(
         waiter.join(20)
         assert outcome and outcome[0].status == "completed"
         assert time.monotonic() - sent < 1.5, "woken by the run's end, not by its next look"
+
+
+@pytest.mark.needs("notify")
+def test_a_waiting_client_looks_at_its_run_again_only_when_its_end_is_heard(
+    db_url: str, procs: Processes, make_runtime: Callable[..., wp.Runtime]
+) -> None:
+    """While ends are announced, a thin client waiting for a run reads it once before the
+    wait and once after the end is heard: no backed-off polling meanwhile."""
+    procs.worker(db_url, app_poll_interval=30).wait_for_stderr("serving")
+    signaller = make_runtime()
+    with wp.Client(db_url, poll_interval=30) as client:
+        handle = client.start("approval", None)
+        wait_until(
+            lambda: bool(client.pending_signals(handle.execution_id)), what="the wait", timeout=20
+        )
+        reads: list[str] = []
+        event.listen(client.engine, "before_cursor_execute", lambda *a: reads.append(str(a[2])))
+        outcome: list[wp.Outcome] = []
+        waiter = threading.Thread(
+            target=lambda: outcome.append(client.result(handle.execution_id, timeout=60))
+        )
+        waiter.start()
+        time.sleep(1.5)  # backed-off polling would have looked about ten times by now
+        during = len(reads)
+        signaller.client().signal(handle.execution_id, "approval", {"approved": True})
+        waiter.join(20)
+        assert outcome and outcome[0].status == "completed"
+        assert during == 1, reads
+        assert len(reads) == 2, reads
+
+
+@pytest.mark.needs("notify")
+def test_a_waiting_client_still_sees_an_end_nobody_announced_within_its_poll_interval(
+    make_runtime: Callable[..., wp.Runtime], db_url: str
+) -> None:
+    """A run a runtime starts and drives itself announces no end; a thin client elsewhere
+    waiting for it looks every poll interval and sees it finish."""
+    rt = make_runtime()
+    rt.register(_napping)
+    rt.start_worker(concurrency=2)
+    with wp.Client(db_url, poll_interval=0.2) as client:
+        client.result(client.start(_napping, 0.0).execution_id, timeout=20)  # listening
+        handle = rt.client().start(_napping, 0.8)
+        assert rt.busy_here(handle.execution_id), "driven by the runtime that started it"
+        began = time.monotonic()
+        assert client.result(handle.execution_id, timeout=20).unwrap() == 0.8
+        assert time.monotonic() - began < 0.8 + 0.2 + 0.5
 
 
 @pytest.mark.needs("notify")
@@ -332,3 +391,30 @@ def test_an_idle_sqlite_worker_looks_only_when_something_was_committed(
     finally:
         worker.stop()
         thread.join(10)
+
+
+def test_an_end_heard_wakes_only_its_waiter_and_a_reconnection_wakes_every_waiter() -> None:
+    """:class:`Ends`: an end heard before a look is forgotten by that look; an end of an
+    unwatched run is not kept; a (re)connection (ends may have gone unheard) wakes all."""
+    ends = Ends()
+    ends.heard("nobody-waits")
+    with ends.watching("a"), ends.watching("b"):
+        ends.heard("a")
+        mark = ends.mark("a")  # the look sees that end itself
+        began = time.monotonic()
+        ends.wait("a", mark, 0.2)
+        assert time.monotonic() - began >= 0.19, "an end heard before the look is forgotten"
+        threading.Timer(0.05, ends.heard, ("b",)).start()
+        began = time.monotonic()
+        ends.wait("a", mark, 2.0)
+        assert time.monotonic() - began >= 1.9, "another run's end does not wake this waiter"
+        mark_b = ends.mark("b")
+        threading.Timer(0.05, ends.heard, (ANY_END,)).start()
+        began = time.monotonic()
+        ends.wait("b", mark_b, 5.0)
+        assert time.monotonic() - began < 2.0, "a reconnection wakes every waiter"
+        threading.Timer(0.05, ends.heard, ("a",)).start()
+        began = time.monotonic()
+        ends.wait("a", ends.mark("a"), 5.0)
+        assert time.monotonic() - began < 2.0
+    assert not ends._watched and not ends._ended

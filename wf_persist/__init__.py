@@ -53,6 +53,7 @@ from .errors import SignalDeliveryError as SignalDeliveryError
 from .errors import SignalNotWaitingError as SignalNotWaitingError
 from .errors import SignalPayloadError as SignalPayloadError
 from .errors import StepExecutionError as StepExecutionError
+from .errors import StepTimeoutError as StepTimeoutError
 from .errors import UnknownExecutionError as UnknownExecutionError
 from .errors import UnknownWorkflowError as UnknownWorkflowError
 from .errors import UnsupportedDatabaseError as UnsupportedDatabaseError
@@ -116,6 +117,7 @@ __all__ = [
     "SignalPayloadError",
     "Step",
     "StepExecutionError",
+    "StepTimeoutError",
     "TimedOut",
     "UnknownExecutionError",
     "UnknownWorkflowError",

@@ -10,6 +10,7 @@ helper functions are not part of it: they are recorded results, not replayed cod
 from __future__ import annotations
 
 import ast
+import datetime as dt
 import functools
 import hashlib
 import inspect
@@ -24,6 +25,7 @@ from pydantic import PydanticUserError, TypeAdapter
 
 from .errors import InvalidArgumentError, WorkflowDefinitionError
 from .models import CALL_NAME_WIDTH, WORKFLOW_NAME_WIDTH
+from .timeouts import duration_seconds
 from .values import json_schema_of, unstorable
 
 I = TypeVar("I")  # noqa: E741
@@ -253,6 +255,9 @@ class Step(Generic[R]):
     #: Undo, called as ``compensate(result, *args, **kwargs[, reason=...])`` during an unwind.
     compensate: Callable[..., Any] | None = None
     concurrency: Limit | None = None
+    #: Seconds an attempt may take before it fails as :class:`StepTimeoutError` (None: no
+    #: limit). See :mod:`wf_persist.timeouts` for what happens to the attempt's thread.
+    timeout: float | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> R:
         if body_state.in_body:
@@ -343,6 +348,7 @@ def _make_step(
     errors: tuple[type[BaseException], ...],
     compensate: Callable[..., Any] | None,
     concurrency: Limit | None,
+    timeout: dt.timedelta | float | None = None,
 ) -> Step[R]:
     if not callable(fn):
         raise WorkflowDefinitionError(f"@step needs a function, got {fn!r}")
@@ -371,7 +377,17 @@ def _make_step(
         errors=tuple(errors),
         compensate=compensate,
         concurrency=concurrency,
+        timeout=_definition_timeout(timeout, f"timeout of step {step_name}"),
     )
+
+
+def _definition_timeout(timeout: dt.timedelta | float | None, what: str) -> float | None:
+    if timeout is None:
+        return None
+    try:
+        return duration_seconds(timeout, what, positive=True)
+    except InvalidArgumentError as exc:
+        raise WorkflowDefinitionError(str(exc)) from None
 
 
 @overload
@@ -384,6 +400,7 @@ def step(
     errors: tuple[type[BaseException], ...] = (),
     compensate: Callable[..., Any] | None = None,
     concurrency: Limit | None = None,
+    timeout: dt.timedelta | float | None = None,
 ) -> Callable[[Callable[..., R]], Step[R]]: ...
 
 
@@ -396,6 +413,7 @@ def step(
     errors: tuple[type[BaseException], ...] = (),
     compensate: Callable[..., Any] | None = None,
     concurrency: Limit | None = None,
+    timeout: dt.timedelta | float | None = None,
 ) -> Step[R] | Callable[[Callable[..., R]], Step[R]]:
     """Declare a durable step. Its result is recorded and returned on replay without
     re-running it. Arguments and the result are validated against the annotations.
@@ -407,13 +425,15 @@ def step(
 
     A raised exception is transient and retried per ``retry``; one of ``errors`` is
     terminal. ``compensate`` is registered once the step succeeded and runs if the workflow
-    later fails (saga).
+    later fails (saga). ``timeout`` (seconds or a ``timedelta``) bounds each attempt: a
+    longer one fails as :class:`StepTimeoutError`, retried like any transient error; its
+    thread runs on and its late result is never recorded (:mod:`wf_persist.timeouts`).
     """
     if fn is not None:
-        return _make_step(fn, name, retry, errors, compensate, concurrency)
+        return _make_step(fn, name, retry, errors, compensate, concurrency, timeout)
 
     def decorate(f: Callable[..., R]) -> Step[R]:
-        return _make_step(f, name, retry, errors, compensate, concurrency)
+        return _make_step(f, name, retry, errors, compensate, concurrency, timeout)
 
     return decorate
 

@@ -46,7 +46,7 @@ from .records import (
 from .runtime import Clock, positive, utc_now
 from .store import Executor, catalog, executions, signals
 from .values import schema_errors, unstorable
-from .wakeups import Wakeups
+from .wakeups import Ends, Wakeups
 
 if TYPE_CHECKING:
     pass
@@ -102,6 +102,7 @@ class Client(RunReader):
         self._poll_interval = poll_interval
         self._ended = threading.Condition()
         self._wakeups: Wakeups | None = None
+        self._ends = Ends()
 
     # hooks the embedded client overrides ------------------------------------------------
 
@@ -132,9 +133,10 @@ class Client(RunReader):
         self.backend.check_size(what, stored)
         return name, int(entry.version), stored
 
-    def _try_drive(self, row: Row[Any]) -> Outcome | bool:
-        """While :meth:`result` waits: the outcome if this call finished the run, ``_AGAIN``
-        to look at the run again at once, ``_WAIT`` to wait. A thin client only waits."""
+    def _try_drive(self, row: Row[Any], deadline: float | None) -> Outcome | bool:
+        """While :meth:`result` waits (until ``deadline``, monotonic): the outcome if this
+        call finished the run, ``_AGAIN`` to look at the run again at once, ``_WAIT`` to
+        wait. A thin client only waits."""
         return _WAIT
 
     def _lease(self) -> tuple[str, float] | None:
@@ -164,8 +166,14 @@ class Client(RunReader):
         wait for a result)."""
         if self._wakeups is None and self.backend.can_listen:
             self._wakeups = Wakeups(self.backend)
+            self._wakeups.on_end(self._ends.heard)
             self._wakeups.on_end(lambda _id: self._wake_waiters())
             self._wakeups.start()
+
+    def _announced(self) -> bool:
+        """Whether ends of runs reach this client as notifications now (then a wait looks
+        again when its run's end is heard, else after each poll delay)."""
+        return self._wakeups is not None and self._wakeups.listening
 
     def _wake_waiters(self) -> None:
         with self._ended:
@@ -261,9 +269,11 @@ class Client(RunReader):
         """Wait for the run to finish and return its outcome.
 
         This client only waits (workers drive the run): it looks at the run after 2 ms,
-        then twice as long each time, at most every ``poll_interval``. The value of a
-        :class:`Completed` is the stored JSON document (the embedded client validates it
-        into the workflow's output type when it has the definition).
+        then twice as long each time, at most every ``poll_interval``. Where the database
+        announces ends (PostgreSQL) it looks again when the run's end is heard, and every
+        ``poll_interval`` (a run a runtime started and drives itself announces nothing).
+        The value of a :class:`Completed` is the stored JSON document (the embedded client
+        validates it into the workflow's output type when it has the definition).
 
         Raises:
             UnknownExecutionError, ResultTimeoutError; for the embedded client also
@@ -273,37 +283,50 @@ class Client(RunReader):
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.002
         self._listen()
-        while True:
-            known = self._known(execution_id)
-            if known is not None:
-                return known
-            if self._busy(execution_id):
-                # Driven in this process, which says when that drive ends; another process
-                # may end the run meanwhile (a cancellation): it is read every poll interval.
-                remaining = None if deadline is None else deadline - time.monotonic()
-                wait = self._poll()
-                self._wait(wait if remaining is None else max(0.0, min(wait, remaining)))
+        with self._ends.watching(execution_id):
+            while True:
                 known = self._known(execution_id)
                 if known is not None:
                     return known
-            with self._reading() as conn:
-                row = self._row(conn, execution_id)
-            if row.status in lifecycle.TERMINAL:
-                return self._outcome(row)
-            drove = (
-                self._try_drive(row) if deadline is None or time.monotonic() < deadline else _WAIT
-            )
-            if not isinstance(drove, bool):
-                return drove
-            if drove is _AGAIN:
-                delay = 0.002
-                continue
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise ResultTimeoutError(execution_id, float(timeout or 0))
-            wait = min(delay, self._poll())
-            self._wait(wait if remaining is None else min(wait, remaining))
-            delay = min(delay * 2, self._poll())
+                if self._busy(execution_id):
+                    # Driven in this process, which says when that drive ends; another
+                    # process may end the run meanwhile (a cancellation): it is read every
+                    # poll interval.
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    wait = self._poll()
+                    self._wait(wait if remaining is None else max(0.0, min(wait, remaining)))
+                    known = self._known(execution_id)
+                    if known is not None:
+                        return known
+                mark = self._ends.mark(execution_id)
+                with self._reading() as conn:
+                    row = self._row(conn, execution_id)
+                if row.status in lifecycle.TERMINAL:
+                    return self._outcome(row)
+                drove = (
+                    self._try_drive(row, deadline)
+                    if deadline is None or time.monotonic() < deadline
+                    else _WAIT
+                )
+                if not isinstance(drove, bool):
+                    return drove
+                if drove is _AGAIN:
+                    delay = 0.002
+                    continue
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise ResultTimeoutError(execution_id, float(timeout or 0))
+                if self._announced():
+                    # Its end will be heard: look again then (or after a reconnection), and
+                    # every poll interval for an end nobody announces.
+                    wait = self._poll()
+                    self._ends.wait(
+                        execution_id, mark, wait if remaining is None else min(wait, remaining)
+                    )
+                    continue
+                wait = min(delay, self._poll())
+                self._wait(wait if remaining is None else min(wait, remaining))
+                delay = min(delay * 2, self._poll())
 
     def cancel(
         self, execution_id: str, *, compensate: bool = True, actor: str | None = None

@@ -33,6 +33,8 @@ from .events import Activity
 from .replay import Cursor, Journal, Received, TimedOut
 from .secrets import Redactor
 from .steps import Driver, StepCall, StepRunner
+from .timeouts import MAX_DURATION_SECONDS as MAX_DURATION_SECONDS
+from .timeouts import duration_seconds
 from .values import from_json, to_json, type_reference
 
 __all__ = ["Context", "Received", "TimedOut"]
@@ -41,21 +43,8 @@ R = TypeVar("R")
 T = TypeVar("T")
 
 
-#: The longest sleep or signal timeout (1000 years): any later wake time would not fit the
-#: timestamp columns of every backend.
-MAX_DURATION_SECONDS = 1000 * 365.25 * 86400
-
-
 def _seconds(duration: dt.timedelta | float, what: str) -> float:
-    seconds = duration.total_seconds() if isinstance(duration, dt.timedelta) else duration
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds >= 0:
-        raise InvalidArgumentError(f"{what} must be a non-negative duration, got {duration!r}")
-    if not seconds <= MAX_DURATION_SECONDS:
-        raise InvalidArgumentError(
-            f"{what} must be finite and at most {MAX_DURATION_SECONDS:.0f} seconds (1000 years), "
-            f"got {duration!r}"
-        )
-    return float(seconds)
+    return duration_seconds(duration, what)
 
 
 class Context:

@@ -88,6 +88,7 @@ class RunDriver:
         seen: int,
         cancel_known: bool,
         lender: Lender,
+        until: float | None = None,
     ) -> None:
         self.runtime = runtime
         self.lender = lender
@@ -112,6 +113,11 @@ class RunDriver:
         self._reset: dict[str, Any] = {"drive_failures": 0} if claim.drive_failures else {}
         #: ``(ok, stored value)`` once this driver recorded the run's outcome.
         self.finished: tuple[bool, Any] | None = None
+        #: When (monotonic) a caller driving the run while it waits for the result stops
+        #: driving at the next step and hands the run over (its ``result(timeout=...)``).
+        self.until = until
+        #: Whether the drive stopped to hand the run over (closing, or ``until`` passed).
+        self.handing_over = False
 
     # the Driver protocol -------------------------------------------------------------
 
@@ -226,8 +232,9 @@ class RunDriver:
         lease = self.lease
         if lease.lost:
             raise Halt(LeaseLostError(self.execution_id))
-        if self.runtime.closing:
+        if self.runtime.closing or (self.until is not None and time.monotonic() >= self.until):
             self.flush()  # what finished is kept; the run is handed over from there
+            self.handing_over = True
             raise Halt(LeaseLostError(self.execution_id))
         ttl = self.runtime.lease_ttl.total_seconds()
         if time.monotonic() - lease.confirmed <= ttl / 2:

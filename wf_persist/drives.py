@@ -74,8 +74,15 @@ def _left_in_flight(claim: Claim, last: Mapping[str, Any]) -> bool:
     return not (last["type"] == "step.failed" and not last.get("final", True))
 
 
-def drive(runtime: Runtime, claim: Claim, lease: Lease, loaded: tuple[Journal, int]) -> Any:
-    """Drive a claimed run until it finishes, parks or loses its lease.
+def drive(
+    runtime: Runtime,
+    claim: Claim,
+    lease: Lease,
+    loaded: tuple[Journal, int],
+    until: float | None = None,
+) -> Any:
+    """Drive a claimed run until it finishes, parks or loses its lease (or, at a step
+    boundary once ``until`` (monotonic) passed, hand it over: due again at once).
 
     Returns ``(ok, stored value)`` if it finished here, else ``None``.
     """
@@ -87,7 +94,7 @@ def drive(runtime: Runtime, claim: Claim, lease: Lease, loaded: tuple[Journal, i
         while True:
             journal, seen = loaded
             cancel_known = journal.cancelled is not None
-            driver = RunDriver(runtime, claim, lease, clock, seen, cancel_known, lender)
+            driver = RunDriver(runtime, claim, lease, clock, seen, cancel_known, lender, until)
             try:
                 run_body(driver, wf, claim.input, journal)
             except Reload:
@@ -106,9 +113,9 @@ def drive(runtime: Runtime, claim: Claim, lease: Lease, loaded: tuple[Journal, i
     except Halt as halt:
         lender.release()  # what follows takes a connection of its own
         if isinstance(halt.cause, LeaseLostError):
-            if runtime.closing and not lease.lost:
-                # Stopped by close(), not by a takeover: hand the run over now (its lease is
-                # forgotten below, so close() would not release it).
+            if driver is not None and driver.handing_over and not lease.lost:
+                # Stopped by close() or a caller's deadline, not by a takeover: hand the run
+                # over now (its lease is forgotten below, so close() would not release it).
                 release(runtime, claim)
             else:
                 log.warning(

@@ -6,6 +6,7 @@ and may drive a due run in the calling thread while it waits for a result.
 from __future__ import annotations
 
 import datetime as dt
+import time
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Row
@@ -16,6 +17,7 @@ from .client import _AGAIN, _WAIT, Client
 from .records import Completed, Failed, Outcome
 from .runtime import NOT_DRIVEN
 from .store import Executor, executions
+from .wakeups import Ends
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -31,7 +33,8 @@ class WorkflowClient(Client):
         self._database = None  # the runtime's: closed with it
         self.backend = runtime.backend
         self.engine = runtime.engine
-        self._wakeups = None
+        self._wakeups = None  # the runtime's listener wakes this client's waits
+        self._ends = Ends()
 
     def _listen(self) -> None:
         self.runtime.wakeups()
@@ -99,18 +102,26 @@ class WorkflowClient(Client):
     def result(self, execution_id: str, timeout: float | None = None) -> Outcome:
         """Wait for the run to finish and return its outcome, driving it in this thread
         when it is due and nobody drives it: first by claiming it outright (a run just
-        started needs no read before), else as :meth:`Client.result` does."""
+        started needs no read before), else as :meth:`Client.result` does.
+
+        With a ``timeout``, a drive here stops at the first step boundary past it and
+        hands the run over (due again at once, for a worker or a later call): a step in
+        flight is not interrupted, so the call may return that much later.
+        """
         arguments.check_timeout(timeout)
         rt = self.runtime
+        deadline = None if timeout is None else time.monotonic() + timeout
         if self._known(execution_id) is None and not self._busy(execution_id):
-            drove = rt.drive_for_outcome(arguments.check_id(execution_id))
+            drove = rt.drive_for_outcome(arguments.check_id(execution_id), deadline)
             if isinstance(drove, tuple):
                 known = self._known(execution_id)
                 if known is not None:
                     return known
+        if deadline is not None:
+            timeout = max(0.0, deadline - time.monotonic())
         return super().result(execution_id, timeout)
 
-    def _try_drive(self, row: Row[Any]) -> Outcome | bool:
+    def _try_drive(self, row: Row[Any], deadline: float | None) -> Outcome | bool:
         """A due run nobody holds is driven in this thread; a run whose pinned version is
         not registered here raises :class:`MissingWorkflowVersionError` (use a
         :class:`Client` to wait for runs this process cannot drive)."""
@@ -118,7 +129,7 @@ class WorkflowClient(Client):
         definition = rt.definition(row.workflow_name, row.workflow_version)
         if not row.due:
             return _WAIT
-        drove = rt.drive_for_outcome(row.id)
+        drove = rt.drive_for_outcome(row.id, deadline)
         if isinstance(drove, tuple):  # finished here: no need to read it back
             ok, value = drove
             if not ok:

@@ -214,6 +214,17 @@ class StepExecutionError(WfPersistError):
         super().__init__(f"Step {step_name} failed: {cause.get('message', '')}")
 
 
+class StepTimeoutError(WfPersistError, TimeoutError):
+    """A step attempt ran longer than its ``timeout``: a transient failure, retried per the
+    step's policy (declare it in ``errors=`` to make it terminal). The attempt's thread is
+    not stopped; whatever it returns later is never recorded."""
+
+    def __init__(self, step_name: str, timeout: float) -> None:
+        self.step_name = step_name
+        self.timeout = timeout
+        super().__init__(f"Step {step_name} did not finish within its timeout of {timeout:g}s")
+
+
 class CodeExecutionError(WfPersistError):
     """A ``ctx.code`` block raised (its exception is the ``cause``)."""
 

@@ -207,9 +207,11 @@ class Runtime(Registry):
             if last:  # close() left the engine to the drives still in flight
                 self._dispose()
 
-    def drive_for_outcome(self, execution_id: str) -> Any:
+    def drive_for_outcome(self, execution_id: str, until: float | None = None) -> Any:
         """Like :meth:`drive`; returns ``(ok, stored value)`` if the run finished here,
-        ``None`` if it parked or stopped, ``NOT_DRIVEN`` if it could not be claimed."""
+        ``None`` if it parked or stopped, ``NOT_DRIVEN`` if it could not be claimed.
+        ``until`` (monotonic): from then on, stop at the next step and hand the run over
+        (a step in flight is not interrupted)."""
         self._check_open()
         # Another thread here may be just leaving this run (after parking it, say) while a
         # worker claimed it again: wait a moment rather than leave it due and idle.
@@ -224,7 +226,7 @@ class Runtime(Registry):
             claim = self.backend.claim_to_drive(execution_id, self.owner, self._ttl(), workflows)
             if claim is None:
                 return NOT_DRIVEN
-            return self._drive(claim, asked)
+            return self._drive(claim, asked, until)
 
     def drive_claim(self, claim: Claim) -> Any:
         """Drive a run a worker claimed (see :meth:`claim_due`)."""
@@ -238,7 +240,7 @@ class Runtime(Registry):
                 return NOT_DRIVEN
             return self._drive(claim)
 
-    def _drive(self, claim: Claim, asked: float | None = None) -> Any:
+    def _drive(self, claim: Claim, asked: float | None = None, until: float | None = None) -> Any:
         keeper = self.keeper()
         lease = keeper.hold(claim.execution_id, claim.epoch, asked)
         try:
@@ -248,7 +250,7 @@ class Runtime(Registry):
             keeper.forget(lease)
             drives.failed(self, claim, exc)
             return None
-        finished = drives.drive(self, claim, lease, loaded)
+        finished = drives.drive(self, claim, lease, loaded, until)
         if finished is not None:
             with self._lock:
                 self._finished[claim.execution_id] = (

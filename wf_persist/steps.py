@@ -29,6 +29,7 @@ from .events import Activity, NewEvent
 from .logs import run_fields
 from .replay import Journal
 from .secrets import Redactor, SecretResolver, contains_reference, resolve_references
+from .timeouts import call_within
 from .values import fresh, from_json, resolve_type_reference, to_json
 
 #: Retry delays up to this long are waited in the driving thread; longer ones park the run.
@@ -318,16 +319,22 @@ class StepRunner:
             # resolving secrets or waiting for a slot may take longer than the lease.
             if limit is None:
                 self.driver.check_lease()
-                result = self.driver.step_function(step)(**values)
+                result = self._call(step, values)
             else:
                 key = step.name if limit.key is None else str(limit.key(**values))
                 with self.driver.concurrency_slot(step, key):
                     self.driver.check_lease()
-                    result = self.driver.step_function(step)(**values)
+                    result = self._call(step, values)
         what = f"result of step {step.name}"
         stored = to_json(step.output_adapter, result, what)
         self.driver.check_size(what, stored)
         return step.output_adapter.validate_python(stored), stored
+
+    def _call(self, step: Step[Any], values: dict[str, Any]) -> Any:
+        fn = self.driver.step_function(step)
+        if step.timeout is None:
+            return fn(**values)
+        return call_within(fn, values, step.timeout, step.name)
 
     def wait_until(self, when: dt.datetime | None, inline: bool) -> None:
         """Wait for a retry time: in this thread if it is soon (or inside ``ctx.all``),

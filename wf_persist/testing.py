@@ -58,8 +58,8 @@ class TestClient(WorkflowClient):
     __test__ = False  # not a test class, whatever pytest's name rules say
     runtime: TestRuntime
 
-    def _try_drive(self, row: Any) -> Outcome | bool:
-        got = super()._try_drive(row)
+    def _try_drive(self, row: Any, deadline: float | None) -> Outcome | bool:
+        got = super()._try_drive(row, deadline)
         rt = self.runtime
         if got is not _WAIT or not rt.time_skipping:
             return got

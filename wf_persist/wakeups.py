@@ -20,7 +20,8 @@ import datetime as dt
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Final, Protocol
 
 from .leases import Outage
@@ -34,6 +35,8 @@ log = logging.getLogger("wf_persist.worker")
 DUE: Final = "due"
 WAKE: Final = "wake "
 END: Final = "end "
+#: What ``on_end`` subscribers hear on (re)connecting: any run may have ended unheard.
+ANY_END: Final = ""
 #: How long one wait for notifications lasts (the listener looks at its stop flag between).
 LISTEN_TICK: Final = 0.2
 #: The safety-net poll of a worker that notifications reach (seconds): it looks for due
@@ -59,7 +62,8 @@ class Wakeups:
 
     Subscribers are called on the listening thread and must be quick (set an event, notify a
     condition). ``on_due`` hears of runs due now or soon (a worker's claim loop), ``on_end``
-    of runs that ended (callers waiting for results).
+    of runs that ended (callers waiting for results): their ids, or :data:`ANY_END` when
+    the connection was (re)made and ends may have gone unheard.
     """
 
     def __init__(self, backend: Backend, presence: str | None = None) -> None:
@@ -134,7 +138,9 @@ class Wakeups:
             self.connections += 1
             self.listening = True
             self._ready.set()
-            self._announce_due(None)  # whatever was sent before (or during an outage)
+            # Whatever was sent before (or during an outage) went unheard.
+            self._announce_due(None)
+            self._announce_end(ANY_END)
             failure: Exception | None = None
             try:
                 while not self._stop.is_set():
@@ -162,17 +168,80 @@ class Wakeups:
             except ValueError:
                 at = None
             self._announce_due(at)
-        elif payload.startswith(END):
-            with self._lock:
-                subscribers = list(self._end)
-            for fn in subscribers:
-                fn(payload[len(END) :])
+        elif payload.startswith(END) and len(payload) > len(END):
+            self._announce_end(payload[len(END) :])
+
+    def _announce_end(self, execution_id: str) -> None:
+        with self._lock:
+            subscribers = list(self._end)
+        for fn in subscribers:
+            fn(execution_id)
 
     def _announce_due(self, at: dt.datetime | None) -> None:
         with self._lock:
             subscribers = list(self._due)
         for fn in subscribers:
             fn(at)
+
+
+class Ends:
+    """Which of the runs awaited in this process have ended, as notifications tell: a
+    caller waiting for a result looks at its run again when its end is announced (or any
+    end may have gone unheard), not at every tick of a poll.
+
+    Protocol: :meth:`watching` the run for the whole wait; :meth:`mark` just before each
+    look at it, which forgets an end heard before that look; :meth:`wait` after a look
+    that found it unfinished.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._watched: dict[str, int] = {}
+        self._ended: set[str] = set()
+        #: (Re)connections of the listener: ends may have been missed at each.
+        self._resets = 0
+
+    def heard(self, execution_id: str) -> None:
+        """The ``on_end`` subscriber (see :class:`Wakeups`)."""
+        with self._cond:
+            if execution_id == ANY_END:
+                self._resets += 1
+            elif execution_id in self._watched:
+                self._ended.add(execution_id)
+            else:
+                return
+            self._cond.notify_all()
+
+    @contextmanager
+    def watching(self, execution_id: str) -> Iterator[None]:
+        with self._cond:
+            self._watched[execution_id] = self._watched.get(execution_id, 0) + 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                left = self._watched.pop(execution_id) - 1
+                if left:
+                    self._watched[execution_id] = left
+                else:
+                    self._ended.discard(execution_id)
+
+    def mark(self, execution_id: str) -> int:
+        """Before a look at the run: what :meth:`wait` compares against."""
+        with self._cond:
+            self._ended.discard(execution_id)
+            return self._resets
+
+    def wait(self, execution_id: str, mark: int, seconds: float) -> None:
+        """Up to ``seconds``, until the run's end is heard or the listener reconnected
+        since ``mark``."""
+        deadline = time.monotonic() + seconds
+        with self._cond:
+            while execution_id not in self._ended and self._resets == mark:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._cond.wait(left)
 
 
 class _NotAvailable:

@@ -9,11 +9,14 @@ connection. Elsewhere (SQLite) a slot is a semaphore of this process.
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from sqlalchemy import Connection, Engine
+
+log = logging.getLogger("wf_persist.worker")
 
 #: ``acquire()`` tries once, without blocking; True once a slot is held.
 Acquire = Callable[[], bool]
@@ -85,4 +88,18 @@ class SessionLockSlots(Slots):
                 yield acquire
             finally:
                 if held is not None:
-                    self.unlock(conn, k1, held)
+                    self._release(conn, k1, held)
+
+    def _release(self, conn: Connection, k1: int, slot: int) -> None:
+        """Unlock the slot; if that fails, close the connection instead (the server then
+        drops its session locks): a pooled connection must never keep a slot held. The
+        step's outcome stands either way."""
+        try:
+            self.unlock(conn, k1, slot)
+        except BaseException as exc:
+            conn.invalidate()
+            if not isinstance(exc, Exception):
+                raise
+            log.warning(
+                "releasing a step's concurrency slot failed; its connection was closed: %s", exc
+            )

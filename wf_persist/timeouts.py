@@ -1,0 +1,66 @@
+"""Durations and time limits: the check every duration argument passes, and a step
+attempt bounded by its ``timeout``.
+
+A synchronous function cannot be stopped from outside in Python. A step attempt with a
+timeout therefore runs on a thread of its own while the drive waits for it; when the time
+is up the attempt fails with :class:`~wf_persist.errors.StepTimeoutError` (a transient
+failure, retried per the step's policy) and the thread is left to finish on its own: what
+it returns or raises then is ignored and never recorded. Its side effects do happen, so a
+step with a timeout must be safe to run again, as every step must be after a crash.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import datetime as dt
+import threading
+from collections.abc import Callable
+from typing import Any, Final, TypeVar
+
+from .errors import InvalidArgumentError, StepTimeoutError
+
+T = TypeVar("T")
+
+#: The longest duration accepted anywhere (sleeps, waits, timeouts): 1000 years. Any later
+#: wake time would not fit the timestamp columns of every backend.
+MAX_DURATION_SECONDS: Final = 1000 * 365.25 * 86400
+
+
+def duration_seconds(duration: dt.timedelta | float, what: str, *, positive: bool = False) -> float:
+    """``duration`` (a ``timedelta`` or seconds) in seconds, checked: a real number, not a
+    bool, finite, at least 0 (above 0 if ``positive``), at most 1000 years."""
+    seconds = duration.total_seconds() if isinstance(duration, dt.timedelta) else duration
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds >= 0:
+        raise InvalidArgumentError(f"{what} must be a non-negative duration, got {duration!r}")
+    if positive and not seconds > 0:
+        raise InvalidArgumentError(f"{what} must be a positive duration, got {duration!r}")
+    if not seconds <= MAX_DURATION_SECONDS:
+        raise InvalidArgumentError(
+            f"{what} must be finite and at most {MAX_DURATION_SECONDS:.0f} seconds (1000 years), "
+            f"got {duration!r}"
+        )
+    return float(seconds)
+
+
+def call_within(fn: Callable[..., T], kwargs: dict[str, Any], seconds: float, step: str) -> T:
+    """``fn(**kwargs)`` on a thread of its own; :class:`StepTimeoutError` if it has not
+    returned within ``seconds`` (the thread then runs on, its outcome discarded)."""
+    outcome: list[tuple[bool, Any]] = []
+    context = contextvars.copy_context()
+
+    def attempt() -> None:
+        try:
+            outcome.append((True, context.run(fn, **kwargs)))
+        except BaseException as exc:  # handed to the waiting drive, raised there
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=attempt, name=f"wf-persist-step-{step}", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if not outcome:
+        raise StepTimeoutError(step, seconds)
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    result: T = value
+    return result
