@@ -17,6 +17,7 @@ from sqlalchemy.engine import make_url
 
 import wf_persist as wp
 from wf_persist import migrate
+from wf_persist.models import executions_table
 
 from .conftest import has, server_url
 from .fixtures import workflows as w
@@ -367,13 +368,13 @@ def test_upgrade_to_the_unfinished_claim_index_keeps_runs_and_claims(
                 for name, (status, wake, lease, _) in cases.items()
             ],
         )
-        before = conn.execute(select(ex).order_by(ex.c.id)).all()
+        before = conn.execute(select(*_AT_WF_0004).order_by(ex.c.id)).all()
     engine.dispose()
 
     migrate.upgrade(blank_db_url)
     assert migrate.current(blank_db_url) == migrate.SCHEMA_HEAD
     with engine.connect() as conn:
-        assert conn.execute(select(ex).order_by(ex.c.id)).all() == before
+        assert conn.execute(select(*_AT_WF_0004).order_by(ex.c.id)).all() == before
         names = {i["name"] for i in inspect(conn).get_indexes("wf_executions")}
     assert "ix_wf_executions__status_wake_at" in names
     engine.dispose()
@@ -385,5 +386,90 @@ def test_upgrade_to_the_unfinished_claim_index_keeps_runs_and_claims(
         assert {c.epoch for c in claims} == {1}
         assert rt.backend.claim_batch("claimer", 30.0, 100, [("scaled", 1)], []) == []
     migrate.downgrade(blank_db_url, "wf_0004")
+    migrate.upgrade(blank_db_url)
+    assert migrate.current(blank_db_url) == migrate.SCHEMA_HEAD
+
+
+#: The columns of wf_executions at wf_0004 and wf_0005 (deadline_at came with wf_0006).
+_AT_WF_0004 = [c for c in executions_table.c if c.name != "deadline_at"]
+
+
+def test_upgrade_to_run_deadlines_keeps_runs_and_they_run_on_without_one(
+    blank_db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """wf_0005 -> head with a parked run and a finished one: both kept as they were, with no
+    deadline; the parked run resumes and completes (no timeout invented); downgrading drops
+    the column and keeps every run."""
+    from datetime import UTC, datetime, timedelta
+
+    from sqlalchemy import insert, select
+
+    from wf_persist.models import history_table, workflows_table
+
+    migrate.upgrade(blank_db_url, "wf_0005")
+    now = datetime.now(UTC)
+    engine = make_engine(blank_db_url)
+    version = w.echo_wf.version
+    with engine.begin() as conn:
+        conn.execute(
+            insert(workflows_table),
+            {
+                "name": "echo",
+                "version": version,
+                "source_hash": w.echo_wf.source_hash,
+                "registered_at": now,
+            },
+        )
+        rows = [
+            {
+                "id": name,
+                "workflow_name": "echo",
+                "workflow_version": version,
+                "status": status,
+                "input": 2,
+                "next_seq": 2,
+                "wake_at": now - timedelta(seconds=1) if status == "running" else None,
+                "created_at": now,
+                "updated_at": now,
+                "finished_at": now if status == "completed" else None,
+                "result": [1, 2] if status == "completed" else None,
+            }
+            for name, status in (("old-parked", "running"), ("old-done", "completed"))
+        ]
+        conn.execute(insert(executions_table), rows)
+        conn.execute(
+            insert(history_table),
+            [
+                {
+                    "execution_id": r["id"],
+                    "sequence": 1,
+                    "type": "execution.started",
+                    "created_at": now,
+                    "event": {"type": "execution.started", "executionId": r["id"]},
+                }
+                for r in rows
+            ],
+        )
+        before = conn.execute(select(*_AT_WF_0004).order_by(executions_table.c.id)).all()
+    engine.dispose()
+
+    migrate.upgrade(blank_db_url)
+    with engine.connect() as conn:
+        assert conn.execute(select(*_AT_WF_0004).order_by(executions_table.c.id)).all() == before
+        assert set(conn.execute(select(executions_table.c.deadline_at)).scalars()) == {None}
+    engine.dispose()
+    with wp.Runtime(blank_db_url, auto_migrate=False) as rt:
+        rt.register(w.echo_wf)
+        client = rt.client()
+        assert client.result("old-parked", timeout=30).unwrap() == [1, 2]
+        assert client.describe("old-parked").deadline_at is None
+        timed = client.start(w.echo_wf, 1, timeout=3600).execution_id
+        assert client.describe(timed).deadline_at is not None
+    migrate.downgrade(blank_db_url, "wf_0005")
+    with engine.connect() as conn:
+        ids = conn.execute(select(executions_table.c.id).order_by(executions_table.c.id))
+        assert sorted(ids.scalars()) == sorted(["old-done", "old-parked", timed])
+        assert "deadline_at" not in {c["name"] for c in inspect(conn).get_columns("wf_executions")}
+    engine.dispose()
     migrate.upgrade(blank_db_url)
     assert migrate.current(blank_db_url) == migrate.SCHEMA_HEAD

@@ -5,11 +5,13 @@ from __future__ import annotations
 import datetime as dt
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 import wf_persist as wp
+from wf_persist.replaycheck import check_replay
 
 from .helpers import history_types, wait_until
 
@@ -165,4 +167,156 @@ def test_a_step_timeout_that_is_not_a_positive_duration_is_refused(bad: Any) -> 
 
         @wp.step(timeout=bad)
         def never() -> None:
+            return None
+
+
+# a run's deadline ---------------------------------------------------------------------------
+
+UNDONE: list[str] = []
+
+
+def _undo(result: str, label: str) -> None:
+    UNDONE.append(label)
+
+
+@wp.step(compensate=_undo)
+def book(label: str) -> str:
+    return f"booked {label}"
+
+
+@wp.workflow(name="timeouts_sleepy", version=1, timeout=0.6)
+def sleepy_wf(ctx: wp.Context, label: str) -> str:
+    ctx.run(book, label)
+    ctx.sleep(60)
+    return "woke"
+
+
+@wp.workflow(name="timeouts_waits", version=1)
+def waits_wf(ctx: wp.Context, label: str) -> str:
+    ctx.run(book, label)
+    got = ctx.wait_for_signal("go", bool)
+    return f"signalled {got}"
+
+
+@wp.workflow(name="timeouts_quick", version=1, timeout=30)
+def quick_wf(ctx: wp.Context, label: str) -> str:
+    return ctx.run(book, label)
+
+
+DEADLINED: tuple[wp.Workflow[Any, Any], ...] = (sleepy_wf, waits_wf, quick_wf)
+
+
+def _timed_out(client: wp.WorkflowClient | wp.Client, execution_id: str) -> None:
+    outcome = client.result(execution_id, timeout=30)
+    assert isinstance(outcome, wp.Failed), outcome
+    assert outcome.error["name"] == "WorkflowTimeoutError"
+    assert "timed out: its deadline" in outcome.error["message"]
+    types = [r.event["type"] for r in client.history(execution_id)]
+    assert types.count("workflow.timed_out") == 1
+    assert types.index("workflow.timed_out") < types.index("compensation.started")
+    assert types[-1] == "workflow.failed"
+
+
+@pytest.fixture
+def _undone() -> None:
+    UNDONE.clear()
+
+
+@pytest.mark.usefixtures("_undone")
+def test_a_parked_run_is_woken_at_its_workflows_deadline_and_fails_compensated(
+    runtime: wp.Runtime,
+) -> None:
+    runtime.register(*DEADLINED)
+    runtime.start_worker(concurrency=2, poll_interval=0.05)
+    client = runtime.client()
+    began = time.monotonic()
+    handle = client.start(sleepy_wf, "room")
+    info = client.describe(handle.execution_id)
+    assert info.deadline_at is not None
+    assert info.deadline_at - info.created_at == dt.timedelta(seconds=0.6)
+    _timed_out(client, handle.execution_id)
+    assert 0.55 <= time.monotonic() - began < 5, "woken at the deadline, not the 60 s timer"
+    assert UNDONE == ["room"]
+    (report,) = check_replay(runtime, [handle.execution_id])
+    assert report.divergence is None, "the recorded timeout replays as it happened"
+
+
+@pytest.mark.usefixtures("_undone")
+def test_a_start_timeout_bounds_a_signal_wait_of_a_workflow_without_one(
+    runtime: wp.Runtime, db_url: str
+) -> None:
+    runtime.register(*DEADLINED)
+    runtime.start_worker(concurrency=2, poll_interval=0.05)
+    with wp.Client(db_url) as thin:
+        handle = thin.start("timeouts_waits", "car", timeout=dt.timedelta(milliseconds=500))
+        assert thin.describe(handle.execution_id).deadline_at is not None
+        _timed_out(thin, handle.execution_id)
+    assert UNDONE == ["car"]
+
+
+@pytest.mark.usefixtures("_undone")
+def test_a_thin_start_gets_its_workflows_timeout_from_the_code_that_drives_it(
+    runtime: wp.Runtime, db_url: str
+) -> None:
+    """A thin client does not know ``@workflow(timeout=...)``: the run's first drive applies
+    it from the run's creation, and stores the deadline for SQL readers."""
+    runtime.register(*DEADLINED)
+    with wp.Client(db_url) as thin:
+        handle = thin.start("timeouts_sleepy", "tent")
+        info = thin.describe(handle.execution_id)
+        assert info.deadline_at is None
+        runtime.start_worker(concurrency=1, poll_interval=0.05)
+        _timed_out(thin, handle.execution_id)
+        after = thin.describe(handle.execution_id)
+        assert after.deadline_at == info.created_at + dt.timedelta(seconds=0.6)
+    assert UNDONE == ["tent"]
+
+
+@pytest.mark.usefixtures("_undone")
+def test_a_run_finishing_before_its_deadline_is_untouched(runtime: wp.Runtime) -> None:
+    runtime.register(*DEADLINED)
+    client = runtime.client()
+    handle = client.start(quick_wf, "desk")
+    assert client.result(handle.execution_id, timeout=30).unwrap() == "booked desk"
+    assert "workflow.timed_out" not in history_types(client, handle.execution_id)
+
+
+@pytest.mark.usefixtures("_undone")
+def test_a_deadline_that_passed_while_no_process_was_alive_is_enforced_by_the_next_worker(
+    make_runtime: Callable[..., wp.Runtime], db_url: str
+) -> None:
+    """The run parks on a signal wait; its runtime closes; the deadline passes with no
+    process alive; a worker started later finds the run due and times it out."""
+    first = make_runtime()
+    first.register(*DEADLINED)
+    handle = first.client().start(waits_wf, "boat", timeout=0.8)
+    first.drive(handle.execution_id)
+    info = first.client().describe(handle.execution_id)
+    assert info.status == "suspended" and info.wake_at == info.deadline_at
+    first.close()
+    time.sleep(1.0)
+    later = make_runtime()
+    later.register(*DEADLINED)
+    later.start_worker(concurrency=1, poll_interval=0.05)
+    _timed_out(later.client(), handle.execution_id)
+    assert UNDONE == ["boat"]
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), True, "5", 1e12])
+def test_a_start_timeout_that_is_not_a_positive_duration_writes_nothing(
+    runtime: wp.Runtime, bad: Any
+) -> None:
+    runtime.register(*DEADLINED)
+    client = runtime.client()
+    with pytest.raises(wp.InvalidArgumentError, match="timeout"):
+        client.start(quick_wf, "x", timeout=bad)
+    assert client.list().items == []
+
+
+@pytest.mark.parametrize("bad", [0, -2.5, float("inf"), False])
+def test_a_workflow_timeout_that_is_not_a_positive_duration_is_refused(bad: Any) -> None:
+    with pytest.raises(wp.WorkflowDefinitionError, match="workflow timeout"):
+
+        @wp.workflow(name="never", timeout=bad)
+        def never(ctx: wp.Context) -> None:
             return None

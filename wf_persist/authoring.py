@@ -170,6 +170,9 @@ class Workflow(Generic[I, O]):
     output_adapter: TypeAdapter[Any]
     takes_input: bool
     source_hash: str
+    #: Seconds a run may take from its start before it is cancelled (with compensation)
+    #: and fails with ``WorkflowTimeoutError``; ``start(timeout=...)`` overrides it.
+    timeout: float | None = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -189,7 +192,7 @@ class Workflow(Generic[I, O]):
 
 
 def workflow(
-    *, name: str | None = None, version: int = 1
+    *, name: str | None = None, version: int = 1, timeout: dt.timedelta | float | None = None
 ) -> Callable[[Callable[..., O]], Workflow[Any, O]]:
     """Declare a workflow: a plain function ``(ctx, input) -> output``.
 
@@ -200,6 +203,9 @@ def workflow(
     Args:
         name: the workflow's durable name (default: the function name).
         version: positive integer; a run stays pinned to the version it started with.
+        timeout: seconds (or a ``timedelta``) a run may take from its start: past it, the
+            run is cancelled with compensation at its next durable call (also if no
+            process was alive when it passed) and fails with ``WorkflowTimeoutError``.
     """
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise WorkflowDefinitionError(f"workflow version must be an integer >= 1, got {version!r}")
@@ -207,6 +213,7 @@ def workflow(
         raise WorkflowDefinitionError(f"workflow version must fit 32 bits, got {version!r}")
     if name is not None:
         _check_name(name, "workflow name", WORKFLOW_NAME_WIDTH, WorkflowDefinitionError)
+    seconds = _definition_timeout(timeout, "workflow timeout")
 
     def decorate(fn: Callable[..., O]) -> Workflow[Any, O]:
         if not callable(fn):
@@ -231,6 +238,7 @@ def workflow(
             output_adapter=adapter_for(hints.get("return", Any)),
             takes_input=takes_input,
             source_hash=source_hash(wf_name, version, fn),
+            timeout=seconds,
         )
 
     return decorate

@@ -45,6 +45,7 @@ from .records import (
 )
 from .runtime import Clock, positive, utc_now
 from .store import Executor, catalog, executions, signals
+from .timeouts import duration_seconds
 from .values import schema_errors, unstorable
 from .wakeups import Ends, Wakeups
 
@@ -133,6 +134,11 @@ class Client(RunReader):
         self.backend.check_size(what, stored)
         return name, int(entry.version), stored
 
+    def _workflow_timeout(self, name: str, version: int) -> float | None:
+        """The workflow's own timeout, where this client has its definition (a thin client
+        does not: the run's driver applies it from the run's creation)."""
+        return None
+
     def _try_drive(self, row: Row[Any], deadline: float | None) -> Outcome | bool:
         """While :meth:`result` waits (until ``deadline``, monotonic): the outcome if this
         call finished the run, ``_AGAIN`` to look at the run again at once, ``_WAIT`` to
@@ -208,6 +214,7 @@ class Client(RunReader):
         actor: str | None = None,
         version: int | None = None,
         session: Session | Connection | None = None,
+        timeout: dt.timedelta | float | None = None,
     ) -> ExecutionHandle:
         """Start a run (durably) and return its handle.
 
@@ -223,6 +230,9 @@ class Client(RunReader):
                 client the highest registered).
             session: a host session or connection to write in; the run then exists only if
                 the host commits.
+            timeout: seconds (or a ``timedelta``) the run may take from now, overriding its
+                workflow's ``timeout``: past it the run is cancelled with compensation and
+                fails with ``WorkflowTimeoutError`` (see :mod:`wf_persist.timeouts`).
 
         Raises:
             UnknownWorkflowError, MissingWorkflowVersionError, InvalidPayloadError,
@@ -230,8 +240,12 @@ class Client(RunReader):
         """
         arguments.check_text("idempotency_key", idempotency_key)
         arguments.check_text("actor", actor)
+        limit = None if timeout is None else duration_seconds(timeout, "timeout", positive=True)
         name, pinned, stored = self._prepare_start(workflow, version, payload, session)
         now = self._now()
+        if limit is None:
+            limit = self._workflow_timeout(name, pinned)
+        deadline = None if limit is None else now + dt.timedelta(seconds=limit)
         execution_id = str(uuid.uuid4())
         started = events.execution_started(execution_id, name, pinned, stored, actor, now)
 
@@ -248,6 +262,7 @@ class Client(RunReader):
                 started=started,
                 now=now,
                 lease=lease,
+                deadline=deadline,
             )
 
         if session is not None:

@@ -28,6 +28,7 @@ from .errors import (
     InvalidArgumentError,
     SignalPayloadError,
     WorkflowDefinitionError,
+    WorkflowTimeoutError,
 )
 from .events import Activity
 from .replay import Cursor, Journal, Received, TimedOut
@@ -85,7 +86,7 @@ class Context:
     def _before_new_call(self, *, ending: bool = False) -> None:
         """Checked before anything new runs: a finished step's deferred events are written
         (when the body ended they go out with the outcome instead), the lease is checked,
-        then a cancellation."""
+        then a cancellation, then the run's deadline."""
         if not ending:
             self._driver.flush()
         self._driver.check_lease()
@@ -97,6 +98,16 @@ class Context:
                 [events.cancellation_received(self._execution_id, compensate, actor, at)]
             )
             raise Cancelled(compensate, actor)
+        timed_out = self._journal.timed_out
+        deadline = self._driver.deadline
+        if timed_out is None and deadline is not None and self._driver.clock() >= deadline:
+            at = self._driver.clock()
+            self._driver.record_checked(
+                [events.workflow_timed_out(self._execution_id, deadline, at)]
+            )
+            timed_out = deadline.isoformat()
+        if timed_out is not None:
+            raise WorkflowTimeoutError(self._driver.workflow, timed_out)
         if self._driver.news:  # a fenced write saw a cancellation this replay has not read
             raise Reload
 

@@ -89,6 +89,7 @@ class RunDriver:
         cancel_known: bool,
         lender: Lender,
         until: float | None = None,
+        deadline: dt.datetime | None = None,
     ) -> None:
         self.runtime = runtime
         self.lender = lender
@@ -118,6 +119,11 @@ class RunDriver:
         self.until = until
         #: Whether the drive stopped to hand the run over (closing, or ``until`` passed).
         self.handing_over = False
+        #: When the run times out (None: never): a park never outlasts it.
+        self.deadline = deadline
+        if deadline is not None and claim.deadline_at is None:
+            # Its workflow's timeout (a start that did not know it): stored for SQL readers.
+            self._reset["deadline_at"] = deadline
 
     # the Driver protocol -------------------------------------------------------------
 
@@ -221,6 +227,8 @@ class RunDriver:
         self._locked(evs, False, None)
 
     def suspend(self, evs: Sequence[NewEvent], wake_at: dt.datetime | None) -> None:
+        if self.deadline is not None and (wake_at is None or wake_at > self.deadline):
+            wake_at = self.deadline  # woken to time out, whoever is alive then
         self._locked(evs, True, wake_at)
         if wake_at is not None:  # this process's worker fires the timer on time
             self.runtime.timer_set()

@@ -28,6 +28,7 @@ from .logs import run_fields
 from .models import executions_table as ex
 from .replay import Journal
 from .store import history
+from .timeouts import run_deadline
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -87,6 +88,7 @@ def drive(
     Returns ``(ok, stored value)`` if it finished here, else ``None``.
     """
     wf = runtime.definition(claim.workflow_name, claim.workflow_version)
+    deadline = run_deadline(claim, wf.timeout)
     clock = DriveClock(claim.db_now, runtime.time_shift)
     lender = Lender(runtime.backend, runtime.timers)
     driver: RunDriver | None = None
@@ -94,7 +96,9 @@ def drive(
         while True:
             journal, seen = loaded
             cancel_known = journal.cancelled is not None
-            driver = RunDriver(runtime, claim, lease, clock, seen, cancel_known, lender, until)
+            driver = RunDriver(
+                runtime, claim, lease, clock, seen, cancel_known, lender, until, deadline
+            )
             try:
                 run_body(driver, wf, claim.input, journal)
             except Reload:

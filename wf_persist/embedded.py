@@ -67,6 +67,9 @@ class WorkflowClient(Client):
             rt.ensure_registered(workflow, session=session)
         return wf.name, wf.version, stored
 
+    def _workflow_timeout(self, name: str, version: int) -> float | None:
+        return self.runtime.definition(name, version).timeout
+
     def _outcome(self, row: Row[Any]) -> Outcome:
         outcome = super()._outcome(row)
         definition = self.runtime._registry.get((row.workflow_name, row.workflow_version))

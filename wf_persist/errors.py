@@ -247,6 +247,19 @@ class Cancelled(BaseException):
         super().__init__("Workflow execution cancelled")
 
 
+class WorkflowTimeoutError(Cancelled):
+    """The run's deadline (its workflow's or its start's ``timeout``) passed. Raised inside
+    the workflow at its next durable call, like a cancellation with compensation: the saga
+    unwinds and the run fails with this error, recorded in its history
+    (``workflow.timed_out``)."""
+
+    def __init__(self, workflow: str, deadline: str) -> None:
+        super().__init__(compensate=True)
+        self.workflow = workflow
+        self.deadline = deadline
+        self.args = (f"Workflow {workflow} timed out: its deadline {deadline} passed",)
+
+
 class CannotCancelError(WfPersistError):
     """Only running or suspended runs can be cancelled; nothing was recorded."""
 

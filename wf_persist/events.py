@@ -132,6 +132,16 @@ def cancellation_received(
     return NewEvent(event, at, "cancellation.received")
 
 
+def workflow_timed_out(execution_id: str, deadline: dt.datetime, at: dt.datetime) -> NewEvent:
+    """The run's deadline passed: it unwinds like a cancellation with compensation."""
+    event = {
+        "type": "workflow.timed_out",
+        "executionId": execution_id,
+        "deadline": deadline.isoformat(),
+    }
+    return NewEvent(event, at, "workflow.timed_out")
+
+
 def drive_failed(
     execution_id: str, error: dict[str, Any], failures: int, at: dt.datetime
 ) -> NewEvent:

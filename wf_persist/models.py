@@ -196,6 +196,8 @@ class Execution(Base):
     started_at: Mapped[dt.datetime | None]
     finished_at: Mapped[dt.datetime | None]
     updated_at: Mapped[dt.datetime]
+    #: When the run times out (``@workflow(timeout=...)``, ``start(timeout=...)``).
+    deadline_at: Mapped[dt.datetime | None]
 
     __table_args__ = (
         ForeignKeyConstraint(

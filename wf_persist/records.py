@@ -55,6 +55,8 @@ class ExecutionInfo:
     lease_expires_at: dt.datetime | None = None
     #: Consecutive drives that stopped on an error (see ``max_drive_failures``).
     drive_failures: int = 0
+    #: When the run times out, if its start gave a timeout or its workflow has one.
+    deadline_at: dt.datetime | None = None
 
     @classmethod
     def from_row(cls, row: Row[Any]) -> ExecutionInfo:
@@ -76,6 +78,7 @@ class ExecutionInfo:
             lease_owner=row.lease_owner,
             lease_expires_at=row.lease_expires_at,
             drive_failures=int(row.drive_failures),
+            deadline_at=row.deadline_at,
         )
 
 

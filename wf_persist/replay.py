@@ -93,6 +93,8 @@ class Journal:
     compensated: dict[str, dict[str, Any] | None] = field(default_factory=dict)
     #: ``(compensate, actor)`` once ``execution.cancelled`` was recorded.
     cancelled: tuple[bool, str | None] | None = None
+    #: The deadline (ISO text) once ``workflow.timed_out`` was recorded.
+    timed_out: str | None = None
     #: Signal name -> buffered signals no wait has taken or rejected yet, oldest first, as
     #: ``(signalId, payload)``.
     buffered: dict[str, list[tuple[str, Any]]] = field(default_factory=dict)
@@ -107,6 +109,8 @@ class Journal:
             activity: str = ev.get("activityName") or ""
             if etype == "execution.cancelled":
                 journal.cancelled = (bool(ev.get("compensate", True)), ev.get("actor"))
+            elif etype == "workflow.timed_out":
+                journal.timed_out = str(ev.get("deadline"))
             elif etype == "compensation.completed":
                 journal.compensated[activity] = None
             elif etype == "compensation.failed":

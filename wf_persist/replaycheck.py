@@ -67,6 +67,7 @@ class _DryDriver:
 
     record_start_after: float | None = None
     news = False
+    deadline: dt.datetime | None = None  # a timeout replays from its recorded event
 
     def __init__(self, workflow: str, now: dt.datetime, recorded: set[str], keys: set[str]) -> None:
         self.workflow = workflow

@@ -50,6 +50,8 @@ class Driver(Protocol):
     news: bool
     #: The name of the workflow the run belongs to (for logs).
     workflow: str
+    #: When the run times out (None: never); a park never outlasts it.
+    deadline: dt.datetime | None
 
     def clock(self) -> dt.datetime:
         """The database's time (measured from the claim), never the worker's own clock."""

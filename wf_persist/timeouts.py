@@ -1,5 +1,11 @@
-"""Durations and time limits: the check every duration argument passes, and a step
-attempt bounded by its ``timeout``.
+"""Durations and time limits: the check every duration argument passes, a run's deadline,
+and a step attempt bounded by its ``timeout``.
+
+A run's deadline is checked before each new durable call (a step, sleep, wait, code block,
+the outcome): once it passed, ``workflow.timed_out`` is recorded and the body unwinds as if
+cancelled with compensation, failing with :class:`~wf_persist.errors.WorkflowTimeoutError`.
+A parked run is woken at its deadline at the latest, so a timeout also happens when no
+process was alive at that moment: the first worker up drives it.
 
 A synchronous function cannot be stopped from outside in Python. A step attempt with a
 timeout therefore runs on a thread of its own while the drive waits for it; when the time
@@ -15,9 +21,12 @@ import contextvars
 import datetime as dt
 import threading
 from collections.abc import Callable
-from typing import Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from .errors import InvalidArgumentError, StepTimeoutError
+
+if TYPE_CHECKING:
+    from .backends.sql import Claim
 
 T = TypeVar("T")
 
@@ -64,3 +73,13 @@ def call_within(fn: Callable[..., T], kwargs: dict[str, Any], seconds: float, st
         raise value
     result: T = value
     return result
+
+
+def run_deadline(claim: Claim, timeout: float | None) -> dt.datetime | None:
+    """When a run times out: the deadline its start recorded, else ``timeout`` (its
+    workflow's) after its creation, else never."""
+    if claim.deadline_at is not None:
+        return claim.deadline_at
+    if timeout is None:
+        return None
+    return claim.created_at + dt.timedelta(seconds=timeout)

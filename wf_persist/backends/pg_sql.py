@@ -136,6 +136,7 @@ RUN_COLUMNS = (
     "actor",
     "created_at",
     "updated_at",
+    "deadline_at",
 )
 P_CHANNEL = bindparam("p_channel", type_=String())
 P_PAYLOAD = bindparam("p_payload", type_=String())

@@ -49,6 +49,9 @@ class Claim(NamedTuple):
     #: The run's next sequence number after the claim: 2 means its history holds only its
     #: ``execution.started`` (nothing to read before driving it).
     next_seq: int
+    created_at: dt.datetime
+    #: When the run times out, as started (see :func:`wf_persist.timeouts.run_deadline`).
+    deadline_at: dt.datetime | None
     db_now: dt.datetime
     #: The run's history as ``(sequence, event)`` pairs when the claim read it too (then
     #: ``workflow.started`` is recorded as well); ``None``: the driver reads it.
@@ -85,6 +88,8 @@ CLAIM_COLUMNS = (
     ex.c.status,
     ex.c.drive_failures,
     ex.c.next_seq,
+    ex.c.created_at,
+    ex.c.deadline_at,
 )
 HOT_COLUMNS = (
     "execution_id",

@@ -43,7 +43,7 @@ MANUAL_BEGIN: Final = "wf_persist_manual_begin"
 
 _JSON_COLUMNS = frozenset({"event", "result", "error", "input"})
 _TIME_COLUMNS = frozenset(
-    {"created_at", "updated_at", "finished_at", "wake_at", "lease_expires_at"}
+    {"created_at", "updated_at", "finished_at", "wake_at", "lease_expires_at", "deadline_at"}
 )
 
 

@@ -55,6 +55,7 @@ def create(
     started: NewEvent,
     now: dt.datetime,
     lease: tuple[str, float] | None = None,
+    deadline: dt.datetime | None = None,
 ) -> Created:
     """Insert a run and its ``execution.started`` event (sequence 1) atomically.
 
@@ -62,7 +63,8 @@ def create(
     that, so 20 threads or two processes starting with one key create exactly one run; the
     losers get the winner's id and record nothing. The run is due at once by the database's
     clock, or with ``lease=(owner, ttl)`` created claimed by ``owner`` and ready to drive
-    (``workflow.started`` recorded: the starting process drives it itself).
+    (``workflow.started`` recorded: the starting process drives it itself). ``deadline``:
+    when the run times out.
     """
     core = connection_of(conn)
     row = {
@@ -76,6 +78,7 @@ def create(
         "next_seq": 2,
         "created_at": now,
         "updated_at": now,
+        "deadline_at": deadline,
     }
     inserted = backend.insert_run(core, row, started, lease=lease)
     if inserted is False:
