@@ -28,7 +28,7 @@ from wf_persist.models import executions_table as ex
 from wf_persist.models import history_table as hist
 
 from .conftest import HostTables
-from .fixtures import fencing, messaging
+from .fixtures import family, fencing, messaging
 from .fixtures import saga as s
 from .fixtures import workflows as w
 from .helpers import Processes
@@ -220,7 +220,7 @@ def test_docs_ship_at_least_eight_queries() -> None:
 
 
 def test_documented_queries_run_on_every_backend(
-    make_runtime: Callable[..., wp.Runtime], db_engine: Engine
+    make_runtime: Callable[..., wp.Runtime], db_engine: Engine, tmp_path: Path
 ) -> None:
     fencing.reset()
     rt = make_runtime(record_start_after=0.05)
@@ -237,7 +237,7 @@ def test_documented_queries_run_on_every_backend(
     client.result(client.start(s.saga_wf, 1).execution_id)  # failed, compensated
     signalled = client.start(w.approval_wf, None).execution_id
     waiting = client.start(w.approval_wf, None).execution_id
-    sleeping = client.start(w.napper_wf, 3600).execution_id
+    sleeping = client.start(w.napper_wf, 3600, timeout=7200).execution_id  # a deadline
     for execution_id in (signalled, waiting, sleeping):
         with pytest.raises(wp.ResultTimeoutError):
             client.result(execution_id, timeout=0.3)
@@ -247,7 +247,12 @@ def test_documented_queries_run_on_every_backend(
     inbox = client.start(messaging.inbox_wf, {"count": 1}).execution_id
     client.signal(inbox, "approval", {"approved": True}, buffer=True)
     client.result(inbox, timeout=5)
-    params = {"execution_id": signalled, "actor": "checkout"}
+    rt.register(*family.ALL)  # a parent with two children
+    job = family.ChildJob(marks=str(tmp_path / "marks"), label="q")
+    parent = client.start(family.parent_wf, job).execution_id
+    rt.start_worker(concurrency=2, poll_interval=0.05)  # drives the children
+    client.result(parent, timeout=30)
+    params = {"execution_id": signalled, "actor": "checkout", "parent_id": parent}
     with db_engine.connect() as conn:
         for sql in _doc_queries():
             names = set(re.findall(r"(?<!:):(\w+)", sql))

@@ -390,11 +390,12 @@ def test_upgrade_to_the_unfinished_claim_index_keeps_runs_and_claims(
     assert migrate.current(blank_db_url) == migrate.SCHEMA_HEAD
 
 
-#: The columns of wf_executions at wf_0004 and wf_0005 (deadline_at came with wf_0006).
-_AT_WF_0004 = [c for c in executions_table.c if c.name != "deadline_at"]
+#: The columns of wf_executions at wf_0004 and wf_0005 (deadline_at came with wf_0006,
+#: parent_id with wf_0007).
+_AT_WF_0004 = [c for c in executions_table.c if c.name not in ("deadline_at", "parent_id")]
 
 
-def test_upgrade_to_run_deadlines_keeps_runs_and_they_run_on_without_one(
+def test_upgrade_to_deadlines_and_child_links_keeps_runs_and_they_run_on(
     blank_db_url: str, make_engine: Callable[..., Engine]
 ) -> None:
     """wf_0005 -> head with a parked run and a finished one: both kept as they were, with no
@@ -457,6 +458,8 @@ def test_upgrade_to_run_deadlines_keeps_runs_and_they_run_on_without_one(
     with engine.connect() as conn:
         assert conn.execute(select(*_AT_WF_0004).order_by(executions_table.c.id)).all() == before
         assert set(conn.execute(select(executions_table.c.deadline_at)).scalars()) == {None}
+        assert set(conn.execute(select(executions_table.c.parent_id)).scalars()) == {None}
+        assert conn.execute(text("SELECT COUNT(*) FROM wf_run_tree")).scalar() == 0
     engine.dispose()
     with wp.Runtime(blank_db_url, auto_migrate=False) as rt:
         rt.register(w.echo_wf)
@@ -465,11 +468,20 @@ def test_upgrade_to_run_deadlines_keeps_runs_and_they_run_on_without_one(
         assert client.describe("old-parked").deadline_at is None
         timed = client.start(w.echo_wf, 1, timeout=3600).execution_id
         assert client.describe(timed).deadline_at is not None
+    with engine.begin() as conn:  # a child link, as a parent's start_child writes it
+        conn.execute(
+            executions_table.update()
+            .where(executions_table.c.id == timed)
+            .values(parent_id="old-done")
+        )
+        tree = conn.execute(text("SELECT parent_id, execution_id FROM wf_run_tree")).all()
+        assert [tuple(r) for r in tree] == [("old-done", timed)]
     migrate.downgrade(blank_db_url, "wf_0005")
     with engine.connect() as conn:
         ids = conn.execute(select(executions_table.c.id).order_by(executions_table.c.id))
         assert sorted(ids.scalars()) == sorted(["old-done", "old-parked", timed])
-        assert "deadline_at" not in {c["name"] for c in inspect(conn).get_columns("wf_executions")}
+        columns = {c["name"] for c in inspect(conn).get_columns("wf_executions")}
+        assert not {"deadline_at", "parent_id"} & columns
     engine.dispose()
     migrate.upgrade(blank_db_url)
     assert migrate.current(blank_db_url) == migrate.SCHEMA_HEAD

@@ -205,3 +205,23 @@ def test_a_caller_driving_its_run_stops_at_the_first_step_boundary_past_its_time
     assert info.status == "running" and info.lease_owner is None, "handed over"
     assert client.result(handle.execution_id, timeout=30).unwrap() == [0, 1, 2, 3]
     assert _SLOW_CALLS == [0, 1, 2, 3]
+
+
+def test_a_cancel_landing_between_a_batch_claim_and_its_first_drive_is_not_lost(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """A worker's batch claim opens a fresh run (records ``workflow.started``) in a later
+    transaction. A cancellation committed in between must reach the drive: before, the drive
+    counted it as read without reading it, parked on the signal wait, and the run stayed
+    ``compensating`` with no wake time forever."""
+    from .fixtures import family
+
+    rt = make_runtime(lease_ttl=30)
+    rt.register(family.waiting_child_wf)  # waits for a signal first thing
+    client = rt.client()
+    handle = client.start(family.waiting_child_wf, "w")
+    (claim,) = rt.claim_due(1)
+    client.cancel(handle.execution_id)  # after the claim, before the drive opens the run
+    rt.drive_claim(claim)
+    outcome = client.result(handle.execution_id, timeout=30)
+    assert isinstance(outcome, wp.Failed) and outcome.error["name"] == "Cancelled"

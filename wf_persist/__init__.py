@@ -17,6 +17,7 @@ from .authoring import call as call
 from .authoring import step as step
 from .authoring import workflow as workflow
 from .backends import create_engine as create_engine
+from .children import ChildHandle as ChildHandle
 from .client import Client as Client
 from .client import Completed as Completed
 from .client import ExecutionHandle as ExecutionHandle
@@ -31,6 +32,7 @@ from .context import Context as Context
 from .embedded import WorkflowClient as WorkflowClient
 from .errors import Cancelled as Cancelled
 from .errors import CannotCancelError as CannotCancelError
+from .errors import ChildWorkflowError as ChildWorkflowError
 from .errors import CodeExecutionError as CodeExecutionError
 from .errors import DriveFailedError as DriveFailedError
 from .errors import EventNotSetError as EventNotSetError
@@ -78,6 +80,8 @@ __all__ = [
     "Call",
     "Cancelled",
     "CannotCancelError",
+    "ChildHandle",
+    "ChildWorkflowError",
     "Client",
     "CodeExecutionError",
     "Completed",

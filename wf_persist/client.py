@@ -44,7 +44,7 @@ from .records import (
     WorkflowEntry,
 )
 from .runtime import Clock, positive, utc_now
-from .store import Executor, catalog, executions, signals
+from .store import Executor, catalog, children, executions, signals
 from .timeouts import duration_seconds
 from .values import schema_errors, unstorable
 from .wakeups import Ends, Wakeups
@@ -353,6 +353,8 @@ class Client(RunReader):
         compensations and ends ``failed`` with a ``Cancelled`` error. Without, it ends
         ``failed`` at once (``Cancelled``, ``compensate: false``) and no further step of it
         starts. Records ``execution.cancelled`` in the same transaction as the status claim.
+        Its unfinished children (``ctx.start_child``) are cancelled the same way, unless
+        started with ``cancel_with_parent=False``.
 
         Raises:
             CannotCancelError: the run is not running or suspended ("Cannot cancel completed
@@ -375,6 +377,27 @@ class Client(RunReader):
                 now=now,
             )
         self._notify()
+        self._cancel_children(execution_id, compensate, actor)
+
+    def _cancel_children(self, execution_id: str, compensate: bool, actor: str | None) -> None:
+        """Its children go with it (each in a transaction of its own, theirs in turn). A
+        run unwinding with compensation does this itself too, before its outcome."""
+        with self._reading() as conn:
+            ids = children.cancelled_with(conn, execution_id)
+        for child_id in ids:
+            with self.backend.begin() as conn:
+                cancelled = children.cancel(
+                    conn,
+                    self.backend,
+                    child_id,
+                    compensate=compensate,
+                    actor=actor,
+                    now=self._now(),
+                )
+            if cancelled:
+                self._cancel_children(child_id, compensate, actor)
+        if ids:
+            self._notify()
 
     def signal(
         self,

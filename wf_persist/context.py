@@ -20,7 +20,8 @@ from pydantic import TypeAdapter, ValidationError
 
 from . import events
 from .arguments import validate_signal
-from .authoring import Call, Step, adapter_for, check_call_name, outside_body
+from .authoring import Call, Step, Workflow, adapter_for, check_call_name, outside_body
+from .children import ChildHandle, ChildRunner
 from .control import Reload, Suspended
 from .errors import (
     Cancelled,
@@ -42,6 +43,7 @@ __all__ = ["Context", "Received", "TimedOut"]
 
 R = TypeVar("R")
 T = TypeVar("T")
+Out = TypeVar("Out")
 
 
 def _seconds(duration: dt.timedelta | float, what: str) -> float:
@@ -57,6 +59,9 @@ class Context:
         self._driver = driver
         self._cursor = Cursor(journal)
         self._steps = StepRunner(execution_id, journal, driver, Redactor(), self._before_new_call)
+        self._children = ChildRunner(
+            execution_id, journal, self._cursor, driver, self._before_new_call
+        )
         #: Step name -> the step it names in this run (two steps may not share a name).
         self._step_names: dict[str, Step[Any]] = {}
 
@@ -403,6 +408,60 @@ class Context:
             self._driver.record_checked([*rejected, taken])
             return Received(stored)
         return None
+
+    # child workflows ----------------------------------------------------------------
+
+    def start_child(
+        self,
+        workflow: Workflow[Any, Out] | str,
+        payload: Any = None,
+        *,
+        version: int | None = None,
+        cancel_with_parent: bool = True,
+    ) -> ChildHandle[Out]:
+        """Start a child run of ``workflow`` (a definition, or the name of one registered
+        in this runtime; ``version`` pins one) and return its handle at once.
+
+        The input is validated like a start's. The child's id derives from this run's id
+        and the call, so a replay returns the recorded handle and never starts a second
+        child. Any worker drives the child. Cancelling this run (or its timeout) cancels the
+        child too, with the same ``compensate`` choice, unless ``cancel_with_parent`` is
+        False.
+        """
+        return self._children.start(workflow, payload, version, cancel_with_parent)
+
+    def child_result(self, handle: ChildHandle[Out]) -> Out:
+        """The child's result, parking this run (no thread held) until the child ends.
+
+        Raises:
+            ChildWorkflowError: the child failed (also when it was cancelled or timed out);
+                ``.error`` is its stored error document.
+        """
+        return self._children.result(handle)
+
+    def run_child(
+        self,
+        workflow: Workflow[Any, Out] | str,
+        payload: Any = None,
+        *,
+        version: int | None = None,
+        cancel_with_parent: bool = True,
+    ) -> Out:
+        """:meth:`start_child` then :meth:`child_result`."""
+        handle = self.start_child(
+            workflow, payload, version=version, cancel_with_parent=cancel_with_parent
+        )
+        return self.child_result(handle)
+
+    def children_to_cancel(self) -> list[str]:
+        """The children this run started that have not ended and go with it when it is
+        cancelled (as far as this replay knows: the rest have ended or were let go)."""
+        j = self._journal
+        return [
+            str(e["childExecutionId"])
+            for a, e in j.children.items()
+            if a not in j.children_done and e.get("cancelWithParent", True) is not False
+        ]
 
     def set_event(self, key: str, value: Any) -> None:
         """Publish ``value`` under ``key`` for clients (``client.get_event(id, key)``); a

@@ -39,7 +39,7 @@ from .logs import run_fields
 from .models import executions_table as ex
 from .replay import Journal
 from .secrets import SecretResolver
-from .store import executions, history
+from .store import children, executions, history
 from .values import to_json
 from .wakeups import END, NOTIFIED_POLL_INTERVAL, WAKE
 
@@ -121,6 +121,8 @@ class RunDriver:
         self.handing_over = False
         #: When the run times out (None: never): a park never outlasts it.
         self.deadline = deadline
+        #: The run that started this one as its child: told of its outcome.
+        self.parent_id = claim.parent_id
         if deadline is not None and claim.deadline_at is None:
             # Its workflow's timeout (a start that did not know it): stored for SQL readers.
             self._reset["deadline_at"] = deadline
@@ -197,7 +199,14 @@ class RunDriver:
             if self._deferred:
                 self._write([])
 
-    def _locked(self, evs: Sequence[NewEvent], park: bool, wake_at: dt.datetime | None) -> None:
+    def _locked(
+        self,
+        evs: Sequence[NewEvent],
+        park: bool,
+        wake_at: dt.datetime | None,
+        values: dict[str, Any] | None = None,
+        note: str | None = None,
+    ) -> None:
         with self.conn_lock:
             evs = [*self._deferred, *evs]
             try:
@@ -210,8 +219,10 @@ class RunDriver:
                         now=self.clock(),
                         epoch=self.epoch,
                         seen_through=self.seen,
-                        values=self._reset or None,
+                        values={**self._reset, **(values or {})} or None,
                     )
+                    if note is not None:
+                        self.backend.announce(conn, note)
                     if park:
                         executions.park(conn, self.execution_id, self.epoch, wake_at)
                         if wake_at is not None and self._near(wake_at):
@@ -313,6 +324,86 @@ class RunDriver:
         if row.status == lifecycle.COMPENSATING and not self._cancel_known:
             raise Reload
 
+    # children ------------------------------------------------------------------------
+
+    def start_child(
+        self,
+        child_id: str,
+        workflow: Workflow[Any, Any] | str,
+        version: int | None,
+        payload: Any,
+        who: events.Activity,
+        cancel_with_parent: bool,
+    ) -> Workflow[Any, Any]:
+        rt = self.runtime
+        wf = rt.choose(workflow, version)
+        stored = rt.validate_input(wf, payload)  # before anything is written
+        if isinstance(workflow, Workflow):
+            rt.ensure_registered(workflow)
+        now = self.clock()
+        deadline = None if wf.timeout is None else now + dt.timedelta(seconds=wf.timeout)
+        started = events.execution_started(child_id, wf.name, wf.version, stored, None, now)
+        mark = events.child_started(who, child_id, wf.name, wf.version, cancel_with_parent, now)
+        with self.conn_lock:
+            evs = [*self._deferred, mark]
+            try:
+                with self.lender.connection() as conn, self.backend.begin(conn):
+                    history.append(
+                        conn,
+                        self.backend,
+                        self.execution_id,
+                        evs,
+                        now=now,
+                        epoch=self.epoch,
+                        seen_through=self.seen,
+                        values=self._reset or None,
+                    )
+                    executions.create(
+                        conn,
+                        self.backend,
+                        execution_id=child_id,
+                        workflow_name=wf.name,
+                        workflow_version=wf.version,
+                        payload=stored,
+                        idempotency_key=None,
+                        actor=None,
+                        started=started,
+                        now=now,
+                        deadline=deadline,
+                        parent_id=self.execution_id,
+                    )
+            except StaleHistoryError:
+                raise Reload from None
+            except Exception as exc:
+                raise Halt(exc) from exc
+            self._deferred.clear()
+            self._reset = {}
+        self.runtime._notify()  # this process's worker may take the child at once
+        return wf
+
+    def child_definition(self, name: str, version: int) -> Workflow[Any, Any] | None:
+        return self.runtime._registry.get((name, version))
+
+    def cancel_children(self, ids: Sequence[str], compensate: bool) -> None:
+        """Cancel these children as this run was cancelled (or timed out), each in a
+        transaction of its own; one that ended meanwhile is left as it is. Done before the
+        unwind, so a crash before the outcome does it again at the next drive."""
+        for child_id in ids:
+            try:
+                with self.lender.connection() as own, self.backend.begin(own) as conn:
+                    children.cancel(
+                        conn,
+                        self.backend,
+                        child_id,
+                        compensate=compensate,
+                        actor=None,
+                        now=self.clock(),
+                    )
+            except Exception as exc:
+                raise Halt(exc) from exc
+        if ids:
+            self.runtime._notify()
+
     # the outcome ------------------------------------------------------------------
 
     def finish(self, wf: Workflow[Any, Any], *, ok: bool, value: Any) -> None:
@@ -331,7 +422,12 @@ class RunDriver:
         event = events.workflow_finished(self.execution_id, wf.name, ok, value, now)
         note = END + self.execution_id if self._announce_end else None
         try:
-            self._write([event], values, tuple(sorted(guard)), note)
+            if self.parent_id is None:
+                self._write([event], values, tuple(sorted(guard)), note)
+            else:
+                # Under the row lock, with the parent told in the same transaction (the
+                # client events this drive has not read, a cancellation, make it Reload).
+                self._locked([event], False, None, values, note)
         except Halt as halt:
             # A cancellation can land between the last call and the outcome: the guard then
             # refuses a completion. Replay from the fresh history to unwind instead.
@@ -371,6 +467,8 @@ def run_body(driver: RunDriver, wf: Workflow[Any, Any], payload: Any, journal: J
         # A divergence wins even if the workflow caught it and failed otherwise.
         failure: BaseException = ctx.divergence or exc
         reason = ctx.error_document(failure)
+        if isinstance(failure, Cancelled):  # a cancellation or a timeout: children go too
+            driver.cancel_children(ctx.children_to_cancel(), failure.compensate)
         if not (isinstance(failure, Cancelled) and not failure.compensate):
             errors = ctx.compensate(reason)
             if errors:

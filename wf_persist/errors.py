@@ -214,6 +214,20 @@ class StepExecutionError(WfPersistError):
         super().__init__(f"Step {step_name} failed: {cause.get('message', '')}")
 
 
+class ChildWorkflowError(WfPersistError):
+    """A child run (``ctx.start_child``) failed; ``error`` is its stored error document
+    (a cancelled or timed-out child's too)."""
+
+    def __init__(self, execution_id: str, workflow_name: str, error: dict[str, Any]) -> None:
+        self.execution_id = execution_id
+        self.workflow_name = workflow_name
+        self.error = error
+        super().__init__(
+            f"Child workflow {workflow_name} ({execution_id}) failed: "
+            f"{error.get('name')}: {error.get('message')}"
+        )
+
+
 class StepTimeoutError(WfPersistError, TimeoutError):
     """A step attempt ran longer than its ``timeout``: a transient failure, retried per the
     step's policy (declare it in ``errors=`` to make it terminal). The attempt's thread is

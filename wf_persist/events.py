@@ -55,7 +55,12 @@ class Activity:
 
 
 #: Written by clients, never by a driver: any a driver has not read yet is news to it.
-CLIENT_EVENT_TYPES: Final = ("signal.delivered", "signal.buffered", "execution.cancelled")
+CLIENT_EVENT_TYPES: Final = (
+    "signal.delivered",
+    "signal.buffered",
+    "execution.cancelled",
+    "child.finished",  # written with a child's outcome, in its parent's history
+)
 
 
 def _keyed(kind: str, who: Activity, at: dt.datetime, **fields: Any) -> NewEvent:
@@ -140,6 +145,45 @@ def workflow_timed_out(execution_id: str, deadline: dt.datetime, at: dt.datetime
         "deadline": deadline.isoformat(),
     }
     return NewEvent(event, at, "workflow.timed_out")
+
+
+def child_started(
+    who: Activity,
+    child_id: str,
+    workflow: str,
+    version: int,
+    cancel_with_parent: bool,
+    at: dt.datetime,
+) -> NewEvent:
+    """A parent started a child run (in the same transaction as the child's row)."""
+    return _keyed(
+        "child.started",
+        who,
+        at,
+        childExecutionId=child_id,
+        workflowName=workflow,
+        version=version,
+        cancelWithParent=cancel_with_parent,
+    )
+
+
+def child_waiting(who: Activity, child_id: str, at: dt.datetime) -> NewEvent:
+    """A parent parked until its child ends."""
+    return _keyed("child.waiting", who, at, childExecutionId=child_id)
+
+
+def child_finished(
+    parent_id: str, child_id: str, ok: bool, value: Any, at: dt.datetime
+) -> NewEvent:
+    """A child's outcome, appended to its parent's history with the child's own outcome."""
+    event = {
+        "type": "child.finished",
+        "executionId": parent_id,
+        "childExecutionId": child_id,
+        "ok": ok,
+        "result" if ok else "error": value,
+    }
+    return NewEvent(event, at, f"child.finished:{child_id}")
 
 
 def drive_failed(

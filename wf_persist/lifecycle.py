@@ -63,10 +63,12 @@ TRANSITIONS: Final[Mapping[str, frozenset[str]]] = {
 EVENT_STATUS: Final[Mapping[str, Status]] = {
     "sleep.started": SUSPENDED,
     "signal.waiting": SUSPENDED,
+    "child.waiting": SUSPENDED,
     "sleep.completed": RUNNING,
     "signal.received": RUNNING,
     "signal.timeout": RUNNING,
     "signal.delivered": RUNNING,
+    "child.finished": RUNNING,
     "workflow.completed": COMPLETED,
     "workflow.failed": FAILED,
 }

@@ -198,6 +198,8 @@ class Execution(Base):
     updated_at: Mapped[dt.datetime]
     #: When the run times out (``@workflow(timeout=...)``, ``start(timeout=...)``).
     deadline_at: Mapped[dt.datetime | None]
+    #: The run that started this one as its child (``ctx.start_child``).
+    parent_id: Mapped[str | None] = mapped_column(String(36), index=True)
 
     __table_args__ = (
         ForeignKeyConstraint(

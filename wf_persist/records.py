@@ -57,6 +57,8 @@ class ExecutionInfo:
     drive_failures: int = 0
     #: When the run times out, if its start gave a timeout or its workflow has one.
     deadline_at: dt.datetime | None = None
+    #: The run that started this one as its child (``ctx.start_child``), if any.
+    parent_id: str | None = None
 
     @classmethod
     def from_row(cls, row: Row[Any]) -> ExecutionInfo:
@@ -79,6 +81,7 @@ class ExecutionInfo:
             lease_expires_at=row.lease_expires_at,
             drive_failures=int(row.drive_failures),
             deadline_at=row.deadline_at,
+            parent_id=row.parent_id,
         )
 
 

@@ -38,6 +38,8 @@ KIND_OF_EVENT: Final[Mapping[str, str]] = {
     "code.failed": "code",
     "all.started": "all",
     "event.set": "event",
+    "child.started": "child",
+    "child.waiting": "child",
 }
 _VALUE_EVENTS = frozenset({"now.recorded", "random.recorded", "uuid.recorded"})
 
@@ -95,6 +97,12 @@ class Journal:
     cancelled: tuple[bool, str | None] | None = None
     #: The deadline (ISO text) once ``workflow.timed_out`` was recorded.
     timed_out: str | None = None
+    #: Child activity -> its ``child.started`` event.
+    children: dict[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: Child activities whose parent already parked on them (``child.waiting``).
+    child_waits: set[str] = field(default_factory=set)
+    #: Child activity -> ``(ok, result or error)`` once ``child.finished`` arrived.
+    children_done: dict[str, tuple[bool, Any]] = field(default_factory=dict)
     #: Signal name -> buffered signals no wait has taken or rejected yet, oldest first, as
     #: ``(signalId, payload)``.
     buffered: dict[str, list[tuple[str, Any]]] = field(default_factory=dict)
@@ -148,13 +156,22 @@ class Journal:
                 journal.outcomes[activity] = (True, TimedOut())
             elif etype == "event.set":
                 journal.outcomes[activity] = (True, None)
+            elif etype == "child.started":
+                journal.children[activity] = ev
+            elif etype == "child.waiting":
+                journal.child_waits.add(activity)
         taken: set[str] = set()
+        child_activity = {str(e["childExecutionId"]): a for a, e in journal.children.items()}
         for ev in events:  # client-written: not journal positions
             etype = ev["type"]
             if etype == "signal.delivered" and ev["activityName"] in journal.waiting:
                 journal.delivered[ev["activityName"]] = ev.get("payload")
             elif etype in ("signal.received", "signal.rejected") and ev.get("signalId"):
                 taken.add(str(ev["signalId"]))
+            elif etype == "child.finished" and ev.get("childExecutionId") in child_activity:
+                ok = bool(ev.get("ok"))
+                done = (ok, ev.get("result") if ok else ev.get("error"))
+                journal.children_done[child_activity[str(ev["childExecutionId"])]] = done
         for ev in events:
             if ev["type"] == "signal.buffered" and ev.get("signalId") not in taken:
                 queue = journal.buffered.setdefault(str(ev.get("name")), [])

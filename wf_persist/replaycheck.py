@@ -24,7 +24,7 @@ from .arguments import check_id
 from .authoring import Step, Workflow, inside_body
 from .context import Context
 from .errors import Cancelled, InvalidArgumentError, NonDeterminismError, WfPersistError
-from .events import NewEvent
+from .events import Activity, NewEvent
 from .replay import Journal
 from .secrets import SecretResolver
 from .store import executions, history
@@ -115,6 +115,20 @@ class _DryDriver:
     @contextlib.contextmanager
     def concurrency_slot(self, step: Step[Any], key: str) -> Iterator[None]:
         yield
+
+    def start_child(
+        self,
+        child_id: str,
+        workflow: Workflow[Any, Any] | str,
+        version: int | None,
+        payload: Any,
+        who: Activity,
+        cancel_with_parent: bool,
+    ) -> Workflow[Any, Any]:
+        raise _Frontier(f"would start child {who.activity}")
+
+    def child_definition(self, name: str, version: int) -> Workflow[Any, Any] | None:
+        return None
 
     def after(self, delay: float, fn: Callable[[], None]) -> Callable[[], None]:
         return lambda: None

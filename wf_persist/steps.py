@@ -22,7 +22,7 @@ from typing import Any, Protocol, TypeVar
 from pydantic import ValidationError
 
 from . import events
-from .authoring import Step, outside_body
+from .authoring import Step, Workflow, outside_body
 from .control import Suspended
 from .errors import InvalidPayloadError, StepExecutionError, error_document, rebuild_error
 from .events import Activity, NewEvent
@@ -83,6 +83,21 @@ class Driver(Protocol):
 
     def concurrency_slot(self, step: Step[Any], key: str) -> AbstractContextManager[None]:
         """Hold one of the step's concurrency slots while it runs."""
+
+    def start_child(
+        self,
+        child_id: str,
+        workflow: Workflow[Any, Any] | str,
+        version: int | None,
+        payload: Any,
+        who: Activity,
+        cancel_with_parent: bool,
+    ) -> Workflow[Any, Any]:
+        """Create the child run and record ``child.started`` in one transaction; the
+        definition it runs."""
+
+    def child_definition(self, name: str, version: int) -> Workflow[Any, Any] | None:
+        """The definition of a child's pinned version, where this process has it."""
 
     def after(self, delay: float, fn: Callable[[], None]) -> Callable[[], None]:
         """Call ``fn`` on a timer thread after ``delay`` seconds; returns a cancel."""

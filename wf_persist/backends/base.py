@@ -365,6 +365,13 @@ class Backend:
         # The claim just fenced the run at this epoch: the fenced write (no row lock and
         # re-read first) is enough, in the claim's transaction.
         fenced = self.fenced(conn, claim.execution_id, claim.epoch, [started], now=claim.db_now)
+        if fenced.sequences[-1] != claim.next_seq:
+            # Something was appended after the claim (opened in a transaction of its own: a
+            # worker's batch claim), e.g. a cancellation: the drive counts everything up to
+            # its workflow.started as read, so read it all now, under the row lock the
+            # write holds (READ COMMITTED: this read sees every commit before it).
+            found = conn.execute(LOAD_HISTORY, {"p_id": claim.execution_id}).all()
+            history = tuple((int(r[0]), r[1]) for r in found)
         return claim._replace(history=history, next_seq=fenced.sequences[-1] + 1)
 
     def claim_to_drive(
@@ -465,7 +472,7 @@ class Backend:
 
     def lock_run(self, conn: Connection, execution_id: str) -> Any:
         """Lock the run's row for the rest of the transaction; returns
-        ``(next_seq, status, claim_epoch)`` or ``None``."""
+        ``(next_seq, status, claim_epoch, parent_id)`` or ``None``."""
         return conn.execute(LOCK_RUN, {"p_id": execution_id}).one_or_none()
 
     def fenced(

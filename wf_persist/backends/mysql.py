@@ -231,8 +231,8 @@ class MySQLBackend(Backend):
     def _claimed(self, conn: Connection, pairs: Sequence[tuple[str, int]]) -> list[Claim]:
         if not pairs:
             return []
-        rows = conn.execute(select(*CLAIM_COLUMNS, db_now()).where(held_at(dict(pairs)))).all()
-        return [Claim(*row) for row in rows]
+        stmt: Any = select(*CLAIM_COLUMNS, db_now()).where(held_at(dict(pairs)))
+        return [Claim(*row) for row in conn.execute(stmt).all()]
 
     def claim(
         self,

@@ -137,6 +137,7 @@ RUN_COLUMNS = (
     "created_at",
     "updated_at",
     "deadline_at",
+    "parent_id",
 )
 P_CHANNEL = bindparam("p_channel", type_=String())
 P_PAYLOAD = bindparam("p_payload", type_=String())

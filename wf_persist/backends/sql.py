@@ -52,6 +52,8 @@ class Claim(NamedTuple):
     created_at: dt.datetime
     #: When the run times out, as started (see :func:`wf_persist.timeouts.run_deadline`).
     deadline_at: dt.datetime | None
+    #: The run that started this one as its child, which hears of its outcome.
+    parent_id: str | None
     db_now: dt.datetime
     #: The run's history as ``(sequence, event)`` pairs when the claim read it too (then
     #: ``workflow.started`` is recorded as well); ``None``: the driver reads it.
@@ -90,6 +92,7 @@ CLAIM_COLUMNS = (
     ex.c.next_seq,
     ex.c.created_at,
     ex.c.deadline_at,
+    ex.c.parent_id,
 )
 HOT_COLUMNS = (
     "execution_id",
@@ -177,7 +180,9 @@ def bump_returning(shape: WriteShape) -> Any:
 
 
 LOCK_RUN = (
-    select(ex.c.next_seq, ex.c.status, ex.c.claim_epoch).where(ex.c.id == P_ID).with_for_update()
+    select(ex.c.next_seq, ex.c.status, ex.c.claim_epoch, ex.c.parent_id)
+    .where(ex.c.id == P_ID)
+    .with_for_update()
 )
 
 

@@ -56,6 +56,7 @@ def create(
     now: dt.datetime,
     lease: tuple[str, float] | None = None,
     deadline: dt.datetime | None = None,
+    parent_id: str | None = None,
 ) -> Created:
     """Insert a run and its ``execution.started`` event (sequence 1) atomically.
 
@@ -64,7 +65,7 @@ def create(
     losers get the winner's id and record nothing. The run is due at once by the database's
     clock, or with ``lease=(owner, ttl)`` created claimed by ``owner`` and ready to drive
     (``workflow.started`` recorded: the starting process drives it itself). ``deadline``:
-    when the run times out.
+    when the run times out; ``parent_id``: the run starting it as its child.
     """
     core = connection_of(conn)
     row = {
@@ -79,6 +80,7 @@ def create(
         "created_at": now,
         "updated_at": now,
         "deadline_at": deadline,
+        "parent_id": parent_id,
     }
     inserted = backend.insert_run(core, row, started, lease=lease)
     if inserted is False:

@@ -15,16 +15,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Row, insert, select, update
+from sqlalchemy import Connection, Row, insert, select, update
 
 from .. import lifecycle
+from ..backends.clock import db_now
 from ..backends.sql import P_ID, history_row
 from ..errors import LeaseLostError, StaleHistoryError, UnknownExecutionError
-from ..events import CLIENT_EVENT_TYPES, NewEvent
+from ..events import CLIENT_EVENT_TYPES, NewEvent, child_finished
 from ..models import DEDUPE_KEY
 from ..models import executions_table as ex
 from ..models import history_table as hist
-from . import Executor, connection_of
+from ..wakeups import DUE
+from . import Executor, connection_of, rowcount
 
 if TYPE_CHECKING:
     from ..backends import Backend
@@ -115,7 +117,46 @@ def append(
         changes.update(on_transition or {})
     core.execute(update(ex).where(ex.c.id == execution_id).values(changes))
     result.status = status
+    if result.transitioned and status in lifecycle.TERMINAL and locked.parent_id is not None:
+        _tell_parent(core, backend, str(locked.parent_id), execution_id, status, changes, now)
     return result
+
+
+def _tell_parent(
+    conn: Connection,
+    backend: Backend,
+    parent_id: str,
+    child_id: str,
+    status: str,
+    changes: dict[str, Any],
+    now: dt.datetime,
+) -> None:
+    """A child run ended (in this transaction): its outcome goes into its parent's history
+    as ``child.finished`` (news to the parent's driver) and a parked parent is woken, in
+    the same transaction, so the parent can never miss it. Every way a run ends appends
+    through here. A parent that has ended itself hears nothing."""
+    locked = backend.lock_run(conn, parent_id)
+    if locked is None or str(locked.status) in lifecycle.TERMINAL:
+        return
+    ok = status == lifecycle.COMPLETED.value
+    value = changes.get("result") if ok else changes.get("error")
+    told = append(
+        conn,
+        backend,
+        parent_id,
+        [child_finished(parent_id, child_id, ok, value, now)],
+        now=now,
+    )
+    if not told.sequences:
+        return  # already told
+    woken = conn.execute(
+        update(ex)
+        .where(ex.c.id == parent_id, ex.c.lease_expires_at.is_(None))
+        .values(wake_at=db_now()),
+        execution_options=backend.statement_options,
+    )
+    if rowcount(woken):
+        backend.announce(conn, DUE)
 
 
 def has_news(conn: Executor, execution_id: str, seen_through: int) -> bool:

@@ -1,0 +1,220 @@
+"""Child workflows: start, wait, fail, cancel with the parent, SQL, crashes."""
+
+from __future__ import annotations
+
+import signal
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Engine, text
+
+import wf_persist as wp
+from wf_persist.children import child_execution_id
+from wf_persist.replaycheck import check_replay
+
+from .fixtures import family as fam
+from .fixtures import workflows as w
+from .helpers import Processes, history_types, wait_status, wait_until
+
+
+@pytest.fixture(autouse=True)
+def _reset() -> None:
+    fam.UNDONE.clear()
+
+
+def _job(tmp_path: Path, label: str, hang: Path | None = None) -> fam.ChildJob:
+    return fam.ChildJob(
+        marks=str(tmp_path / "marks"), label=label, hang=None if hang is None else str(hang)
+    )
+
+
+def _children(client: wp.WorkflowClient | wp.Client, parent_id: str) -> list[str]:
+    return [
+        r.event["childExecutionId"]
+        for r in client.history(parent_id)
+        if r.event["type"] == "child.started"
+    ]
+
+
+def test_a_parent_starts_children_waits_parked_and_gets_their_results(
+    runtime: wp.Runtime, tmp_path: Path, db_engine: Engine
+) -> None:
+    runtime.register(*fam.ALL)
+    runtime.start_worker(concurrency=4, poll_interval=0.05)
+    client = runtime.client()
+    handle = client.start(fam.parent_wf, _job(tmp_path, "x"))
+    assert client.result(handle.execution_id, timeout=30).unwrap() == ["v2:X-A", "X-B"]
+    kids = _children(client, handle.execution_id)
+    assert kids == [
+        child_execution_id(handle.execution_id, "child:family_child#1"),
+        child_execution_id(handle.execution_id, "child:family_child#2"),
+    ]
+    infos = [client.describe(k) for k in kids]
+    assert [(i.workflow_name, i.version, i.status) for i in infos] == [
+        ("family_child", 2, "completed"),
+        ("family_child", 1, "completed"),
+    ]
+    assert {i.parent_id for i in infos} == {handle.execution_id}
+    assert client.describe(handle.execution_id).parent_id is None
+    assert Counter(w.marks(tmp_path / "marks")) == Counter({"x-a": 1, "x-b": 1})
+    types = history_types(client, handle.execution_id)
+    assert types.count("child.started") == 2 and types.count("child.finished") == 2
+    with db_engine.connect() as conn:
+        tree = conn.execute(
+            text(
+                "SELECT execution_id, parent_workflow, workflow_name, status FROM wf_run_tree "
+                "WHERE parent_id = :p ORDER BY created_at, execution_id"
+            ),
+            {"p": handle.execution_id},
+        ).all()
+    assert sorted(tuple(r) for r in tree) == sorted(
+        (k, "family_parent", "family_child", "completed") for k in kids
+    )
+    (report,) = check_replay(runtime, [handle.execution_id])
+    assert report.divergence is None
+
+
+def test_a_failed_child_raises_child_workflow_error_in_its_parent(runtime: wp.Runtime) -> None:
+    runtime.register(*fam.ALL)
+    client = runtime.client()
+    handle = client.start(fam.catches_wf, "no stock")
+    runtime.start_worker(concurrency=2, poll_interval=0.05)
+    assert client.result(handle.execution_id, timeout=30).unwrap() == "caught ValueError: no stock"
+
+
+def test_a_parked_parent_is_woken_by_its_childs_end(runtime: wp.Runtime) -> None:
+    runtime.register(*fam.ALL)
+    runtime.start_worker(concurrency=4, poll_interval=30)  # only wake-ups, no polling
+    client = runtime.client()
+    handle = client.start(fam.waits_wf, "p")
+    wait_until(lambda: len(_children(client, handle.execution_id)) == 2, what="two children")
+    kept, tied = _children(client, handle.execution_id)
+    for child in (kept, tied):
+        wait_status(client, child, "suspended")
+    wait_status(client, handle.execution_id, "suspended")
+    client.signal(tied, "go", True)
+    client.signal(kept, "go", False)
+    assert client.result(handle.execution_id, timeout=10).unwrap() == (
+        "p-tied go=True / p-kept go=False"
+    )
+
+
+@pytest.mark.parametrize("compensate", [True, False])
+def test_cancelling_a_parent_cancels_its_children_but_not_one_let_go(
+    runtime: wp.Runtime, compensate: bool
+) -> None:
+    runtime.register(*fam.ALL)
+    runtime.start_worker(concurrency=4, poll_interval=0.05)
+    client = runtime.client()
+    handle = client.start(fam.waits_wf, "c")
+    wait_until(lambda: len(_children(client, handle.execution_id)) == 2, what="two children")
+    kept, tied = _children(client, handle.execution_id)
+    wait_status(client, handle.execution_id, "suspended")
+    client.cancel(handle.execution_id, compensate=compensate)
+    parent = client.result(handle.execution_id, timeout=30)
+    assert isinstance(parent, wp.Failed) and parent.error["name"] == "Cancelled"
+    try:
+        child = client.result(tied, timeout=30)
+    except wp.ResultTimeoutError:
+        info = client.describe(tied)
+        types = history_types(client, tied)
+        raise AssertionError(f"the cancelled child did not end: {info}, events {types}") from None
+    assert isinstance(child, wp.Failed) and child.error["name"] == "Cancelled"
+    assert child.error.get("compensate") is compensate
+    assert (["c"] if compensate else []) == fam.UNDONE
+    wait_status(client, kept, "suspended")
+    client.signal(kept, "go", True)
+    assert client.result(kept, timeout=30).unwrap() == "c-kept go=True"
+
+
+def test_a_parent_timing_out_cancels_its_children(runtime: wp.Runtime) -> None:
+    runtime.register(*fam.ALL)
+    runtime.start_worker(concurrency=4, poll_interval=0.05)
+    client = runtime.client()
+    handle = client.start(fam.waits_wf, "t", timeout=1.0)
+    outcome = client.result(handle.execution_id, timeout=30)
+    assert isinstance(outcome, wp.Failed) and outcome.error["name"] == "WorkflowTimeoutError"
+    kept, tied = _children(client, handle.execution_id)
+    wait_status(client, tied, "failed")
+    assert client.status(kept) == "suspended"
+
+
+def test_a_child_cancelled_on_its_own_fails_its_waiting_parent(runtime: wp.Runtime) -> None:
+    """A child failed at once (no compensation, no driver) still tells its parent."""
+    runtime.register(*fam.ALL)
+    runtime.start_worker(concurrency=4, poll_interval=30)
+    client = runtime.client()
+    handle = client.start(fam.waits_wf, "k")
+    wait_until(lambda: len(_children(client, handle.execution_id)) == 2, what="two children")
+    _, tied = _children(client, handle.execution_id)
+    wait_status(client, handle.execution_id, "suspended")
+    client.cancel(tied, compensate=False)
+    outcome = client.result(handle.execution_id, timeout=10)
+    assert isinstance(outcome, wp.Failed)
+    assert outcome.error["name"] == "ChildWorkflowError"
+    assert outcome.error["error"]["name"] == "Cancelled"
+
+
+def test_bad_child_input_fails_the_parent_and_starts_nothing(runtime: wp.Runtime) -> None:
+    runtime.register(*fam.ALL)
+    client = runtime.client()
+    handle = client.start(fam.bad_input_wf)
+    outcome = client.result(handle.execution_id, timeout=30)
+    assert isinstance(outcome, wp.Failed) and outcome.error["name"] == "InvalidPayloadError"
+    assert _children(client, handle.execution_id) == []
+    assert [i.workflow_name for i in client.list().items] == ["family_bad_input"]
+
+
+def test_a_parent_waiting_on_children_survives_sigkill_of_its_worker(
+    runtime: wp.Runtime, db_url: str, tmp_path: Path, procs: Processes
+) -> None:
+    """The worker driving the parent and its children is killed while the children run;
+    another worker finishes everything: each child's step ran once per attempt the crash
+    cut short at most, exactly two children exist, and the parent gets both results."""
+    runtime.register(*fam.ALL)
+    client = runtime.client()
+    hang = tmp_path / "hang"
+    hang.touch()
+    handle = client.start(fam.parent_wf, _job(tmp_path, "k", hang))
+    first = procs.worker(db_url, lease_ttl=1.0)
+    wait_until(
+        lambda: Counter(w.marks(tmp_path / "marks")) == Counter({"k-a": 1, "k-b": 1}),
+        what="both children in their step",
+        timeout=30,
+    )
+    first.stop(signal.SIGKILL)
+    hang.unlink()
+    second = procs.worker(db_url, lease_ttl=1.0)
+    assert client.result(handle.execution_id, timeout=60).unwrap() == ["v2:K-A", "K-B"]
+    assert second.stop(signal.SIGTERM) == 0
+    kids = _children(client, handle.execution_id)
+    assert len(kids) == 2 == len({*kids})
+    assert [i.workflow_name for i in client.list("family_child").items] == ["family_child"] * 2
+    # The killed attempts may run again (at-least-once), nothing more.
+    assert Counter(w.marks(tmp_path / "marks")) == Counter({"k-a": 2, "k-b": 2})
+    for kid in kids:
+        completed = [r for r in client.history(kid) if r.event["type"] == "step.completed"]
+        assert len(completed) == 1
+
+
+def test_child_calls_refuse_what_is_not_a_child(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    @wp.workflow(name="family_misuse", version=1)
+    def misuse(ctx: wp.Context) -> str:
+        fake: wp.ChildHandle[str] = wp.ChildHandle(
+            "nope", "family_child", 1, "child:family_child#9"
+        )
+        try:
+            ctx.child_result(fake)
+        except wp.InvalidArgumentError as exc:
+            return str(exc)
+        return "accepted"
+
+    rt = make_runtime()
+    rt.register(misuse)
+    client = rt.client()
+    got = client.result(client.start(misuse).execution_id, timeout=30).unwrap()
+    assert "is not a child this run started" in got

@@ -1,0 +1,62 @@
+"""Child runs as their parent sees them: which children a run started, and cancelling one
+with its parent.
+
+A child's outcome reaches its parent through :func:`wf_persist.store.history.append` (every
+way a run ends appends there), in the transaction that ends the child.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import TYPE_CHECKING
+
+from sqlalchemy import select
+
+from .. import events
+from ..errors import Cancelled, CannotCancelError, UnknownExecutionError, error_document
+from ..models import history_table as hist
+from . import Executor, connection_of, executions
+
+if TYPE_CHECKING:
+    from ..backends import Backend
+
+
+def cancelled_with(conn: Executor, parent_id: str) -> list[str]:
+    """The children ``parent_id`` started that are cancelled with it (``cancel_with_parent``
+    was not turned off), oldest first."""
+    rows = connection_of(conn).execute(
+        select(hist.c.event)
+        .where(hist.c.execution_id == parent_id, hist.c.type == "child.started")
+        .order_by(hist.c.sequence)
+    )
+    return [
+        str(r.event["childExecutionId"])
+        for r in rows
+        if r.event.get("cancelWithParent", True) is not False
+    ]
+
+
+def cancel(
+    conn: Executor,
+    backend: Backend,
+    child_id: str,
+    *,
+    compensate: bool,
+    actor: str | None,
+    now: dt.datetime,
+) -> bool:
+    """Cancel one child as its parent was (same ``compensate``), in the caller's
+    transaction; False if it had ended already (or is gone)."""
+    try:
+        executions.cancel(
+            conn,
+            backend,
+            child_id,
+            cancelled=events.execution_cancelled(child_id, compensate, actor, now),
+            compensate=compensate,
+            error=error_document(Cancelled(compensate, actor)),
+            now=now,
+        )
+    except (CannotCancelError, UnknownExecutionError):
+        return False
+    return True
