@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextvars
 import datetime as dt
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
@@ -33,6 +34,8 @@ T = TypeVar("T")
 #: The longest duration accepted anywhere (sleeps, waits, timeouts): 1000 years. Any later
 #: wake time would not fit the timestamp columns of every backend.
 MAX_DURATION_SECONDS: Final = 1000 * 365.25 * 86400
+#: The longest single join of a step attempt's thread (far below ``threading.TIMEOUT_MAX``).
+JOIN_PIECE_SECONDS: Final = 86400.0
 
 
 def duration_seconds(duration: dt.timedelta | float, what: str, *, positive: bool = False) -> float:
@@ -65,7 +68,14 @@ def call_within(fn: Callable[..., T], kwargs: dict[str, Any], seconds: float, st
 
     thread = threading.Thread(target=attempt, name=f"wf-persist-step-{step}", daemon=True)
     thread.start()
-    thread.join(seconds)
+    # Joined in pieces: a join longer than about 292 years raises OverflowError, and every
+    # duration up to MAX_DURATION_SECONDS is accepted.
+    until = time.monotonic() + seconds
+    while thread.is_alive():
+        left = until - time.monotonic()
+        if left <= 0:
+            break
+        thread.join(min(left, JOIN_PIECE_SECONDS))
     if not outcome:
         raise StepTimeoutError(step, seconds)
     ok, value = outcome[0]
