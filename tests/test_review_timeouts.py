@@ -154,3 +154,59 @@ def test_a_test_runtime_whose_clock_was_advanced_keeps_start_timeouts() -> None:
         assert client.result(handle.execution_id, timeout=30).unwrap() == "slept"
         handle = client.start(sleeper_timed_wf)
         assert client.result(handle.execution_id, timeout=30).unwrap() == "slept"
+
+
+# Inline retry pauses of ctx.all branches -------------------------------------------------
+
+FLAKY: list[int] = []
+
+
+@wp.step(retry=wp.Retry(attempts=2, backoff="exponential", base=30.0))
+def flaky_branch() -> str:
+    FLAKY.append(1)
+    if len(FLAKY) == 1:
+        raise RuntimeError("first attempt fails")
+    return "ok"
+
+
+@wp.workflow(name="review_all_deadline", version=1, timeout=1.5)
+def all_deadline_wf(ctx: wp.Context) -> list[str]:
+    return ctx.all([wp.call(flaky_branch)])
+
+
+@wp.workflow(name="review_all_plain", version=1)
+def all_plain_wf(ctx: wp.Context) -> list[str]:
+    return ctx.all([wp.call(flaky_branch)])
+
+
+def test_a_deadline_passing_during_a_branch_retry_pause_times_the_run_out(
+    runtime: wp.Runtime,
+) -> None:
+    """A ctx.all branch waits out its 30 s retry backoff in its thread: the run's 1.5 s
+    deadline ends that wait instead of passing unnoticed for half a minute."""
+    FLAKY.clear()
+    runtime.register(all_deadline_wf)
+    client = runtime.client()
+    began = time.monotonic()
+    outcome = client.result(client.start(all_deadline_wf).execution_id, timeout=60)
+    assert isinstance(outcome, wp.Failed)
+    assert outcome.error["name"] == "WorkflowTimeoutError"
+    assert time.monotonic() - began < 10.0
+    assert FLAKY == [1], "the retry never ran"
+
+
+def test_a_caller_driving_a_branch_retry_pause_hands_over_at_its_timeout(
+    runtime: wp.Runtime,
+) -> None:
+    """result(timeout=1) drives a run whose ctx.all branch waits 30 s to retry: the caller
+    hands the run over about when its timeout passes, and the run is left unleased."""
+    FLAKY.clear()
+    runtime.register(all_plain_wf)
+    client = runtime.client()
+    handle = client.start(all_plain_wf)
+    began = time.monotonic()
+    with pytest.raises(wp.ResultTimeoutError):
+        client.result(handle.execution_id, timeout=1.0)
+    assert time.monotonic() - began < 5.0
+    info = client.describe(handle.execution_id)
+    assert info.status == "running" and info.lease_owner is None

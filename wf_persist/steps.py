@@ -347,7 +347,13 @@ class StepRunner:
         if remaining <= 0:
             return
         if remaining <= INLINE_BACKOFF_SECONDS or inline:
-            self.driver.pause(remaining)
+            # In pieces, checked between them as before a new call: the run's deadline, a
+            # caller handing the run over or a cancellation ends the wait (a backoff in a
+            # ctx.all branch may last minutes), and the next attempt starts only past them.
+            while remaining > 0:
+                self.driver.pause(min(remaining, INLINE_BACKOFF_SECONDS))
+                self._before_new_call()
+                remaining = (when - self.driver.clock()).total_seconds()
             return
         self.driver.suspend([], when)
         raise Suspended
