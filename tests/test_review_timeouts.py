@@ -13,7 +13,7 @@ import wf_persist as wp
 from wf_persist.testing import TestRuntime
 from wf_persist.wakeups import Ends
 
-from .helpers import wait_until
+from .helpers import history_types, wait_until
 
 GATE = threading.Event()
 
@@ -210,3 +210,78 @@ def test_a_caller_driving_a_branch_retry_pause_hands_over_at_its_timeout(
     assert time.monotonic() - began < 5.0
     info = client.describe(handle.execution_id)
     assert info.status == "running" and info.lease_owner is None
+
+
+SLOW: list[int] = []
+
+
+@wp.step(retry=wp.Retry(attempts=2, backoff="exponential", base=30.0))
+def slow_branch(i: int) -> int:
+    with LOCK:
+        SLOW.append(i)
+        first = SLOW.count(i) == 1
+    if first:
+        raise RuntimeError("first attempt fails")
+    return i
+
+
+LOCK = threading.Lock()
+
+
+@wp.workflow(name="review_all_three", version=1, timeout=1.5)
+def all_three_wf(ctx: wp.Context) -> list[int]:
+    return ctx.all([wp.call(slow_branch, i) for i in range(3)])
+
+
+def test_branches_seeing_the_deadline_together_record_one_timeout(runtime: wp.Runtime) -> None:
+    """Three ctx.all branches find the deadline passed in their retry waits: the run's
+    history says it timed out once, not once per branch."""
+    SLOW.clear()
+    runtime.register(all_three_wf)
+    client = runtime.client()
+    handle = client.start(all_three_wf)
+    outcome = client.result(handle.execution_id, timeout=60)
+    assert isinstance(outcome, wp.Failed)
+    assert outcome.error["name"] == "WorkflowTimeoutError"
+    assert history_types(client, handle.execution_id).count("workflow.timed_out") == 1
+
+
+# @step(timeout=...) with a concurrency limit ---------------------------------------------
+
+RUNNING = [0, 0]  # now, most at once
+
+
+@wp.step(timeout=0.3, retry=wp.Retry(attempts=2), concurrency=wp.Limit(1))
+def exclusive(seconds: float) -> str:
+    with LOCK:
+        RUNNING[0] += 1
+        RUNNING[1] = max(RUNNING[1], RUNNING[0])
+        first = RUNNING[1] == 1 and seconds > 0 and not SLOW
+        SLOW.append(0)
+    try:
+        time.sleep(seconds if first else 0.0)
+        return "done"
+    finally:
+        with LOCK:
+            RUNNING[0] -= 1
+
+
+@wp.workflow(name="review_exclusive", version=1)
+def exclusive_wf(ctx: wp.Context, seconds: float) -> str:
+    return ctx.run(exclusive, seconds)
+
+
+def test_a_timed_out_attempt_keeps_its_concurrency_slot_until_it_really_ends(
+    runtime: wp.Runtime,
+) -> None:
+    """Limit(1): the first attempt overruns its 0.3 s timeout by a second. Its thread runs
+    on, so its slot stays taken until it ends: the retry waits for it rather than run
+    beside it."""
+    SLOW.clear()
+    RUNNING[:] = [0, 0]
+    runtime.register(exclusive_wf)
+    client = runtime.client()
+    outcome = client.result(client.start(exclusive_wf, 1.3).execution_id, timeout=60)
+    assert outcome.unwrap() == "done"
+    assert len(SLOW) == 2
+    assert RUNNING[1] == 1, "two attempts of a Limit(1) step ran at once"
