@@ -9,6 +9,7 @@ short by a crash stays visible in history (and the next one is numbered after it
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import inspect
 import logging
@@ -339,19 +340,26 @@ class StepRunner:
                 result = self._call(step, values)
             else:
                 key = step.name if limit.key is None else str(limit.key(**values))
-                with self.driver.concurrency_slot(step, key):
+                with contextlib.ExitStack() as slot:
+                    slot.enter_context(self.driver.concurrency_slot(step, key))
                     self.driver.check_lease()
-                    result = self._call(step, values)
+                    # An attempt given up at its timeout runs on: it keeps the slot.
+                    result = self._call(step, values, lambda: slot.pop_all().close)
         what = f"result of step {step.name}"
         stored = to_json(step.output_adapter, result, what)
         self.driver.check_size(what, stored)
         return step.output_adapter.validate_python(stored), stored
 
-    def _call(self, step: Step[Any], values: dict[str, Any]) -> Any:
+    def _call(
+        self,
+        step: Step[Any],
+        values: dict[str, Any],
+        keep: Callable[[], Callable[[], None]] | None = None,
+    ) -> Any:
         fn = self.driver.step_function(step)
         if step.timeout is None:
             return fn(**values)
-        return call_within(fn, values, step.timeout, step.name)
+        return call_within(fn, values, step.timeout, step.name, keep)
 
     def wait_until(self, when: dt.datetime | None, inline: bool) -> None:
         """Wait for a retry time: in this thread if it is soon (or inside ``ctx.all``),
@@ -362,7 +370,13 @@ class StepRunner:
         if remaining <= 0:
             return
         if remaining <= INLINE_BACKOFF_SECONDS or inline:
-            self.driver.pause(remaining)
+            # In pieces, checked between them as before a new call: the run's deadline, a
+            # caller handing the run over or a cancellation ends the wait (a backoff in a
+            # ctx.all branch may last minutes), and the next attempt starts only past them.
+            while remaining > 0:
+                self.driver.pause(min(remaining, INLINE_BACKOFF_SECONDS))
+                self._before_new_call()
+                remaining = (when - self.driver.clock()).total_seconds()
             return
         self.driver.suspend([], when)
         raise Suspended

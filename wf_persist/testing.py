@@ -29,7 +29,7 @@ from .embedded import WorkflowClient
 from .errors import InvalidArgumentError, WfPersistError
 from .records import ExecutionHandle, HistoryRecord
 from .replaycheck import ReplayReport, check_replay
-from .runtime import Runtime
+from .runtime import Runtime, utc_now
 from .secrets import SecretError
 
 __all__ = ["ReplayReport", "RunBlockedError", "TestClient", "TestRuntime", "check_replay"]
@@ -111,6 +111,10 @@ class TestRuntime(Runtime):
                 lease_ttl=_TEST_LEASE_TTL,
                 poll_interval=0.01,
                 secret_resolver=self._resolve_secret,
+                # What a start records (created_at, a timeout's deadline) by the virtual
+                # clock too: a deadline counted from the wall clock would already have
+                # passed once time was skipped.
+                clock=self._virtual_now,
             )
         except BaseException:
             backends.dispose_engine(engine)
@@ -123,6 +127,9 @@ class TestRuntime(Runtime):
 
     def time_shift(self) -> float:
         return self._shift
+
+    def _virtual_now(self) -> dt.datetime:
+        return utc_now() + dt.timedelta(seconds=self._shift)
 
     def pause(self, seconds: float) -> None:
         if self.time_skipping:

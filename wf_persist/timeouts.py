@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import contextvars
 import datetime as dt
+import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
@@ -30,9 +32,13 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+log = logging.getLogger("wf_persist.runtime")
+
 #: The longest duration accepted anywhere (sleeps, waits, timeouts): 1000 years. Any later
 #: wake time would not fit the timestamp columns of every backend.
 MAX_DURATION_SECONDS: Final = 1000 * 365.25 * 86400
+#: The longest single join of a step attempt's thread (far below ``threading.TIMEOUT_MAX``).
+JOIN_PIECE_SECONDS: Final = 86400.0
 
 
 def duration_seconds(duration: dt.timedelta | float, what: str, *, positive: bool = False) -> float:
@@ -51,22 +57,53 @@ def duration_seconds(duration: dt.timedelta | float, what: str, *, positive: boo
     return float(seconds)
 
 
-def call_within(fn: Callable[..., T], kwargs: dict[str, Any], seconds: float, step: str) -> T:
+def call_within(
+    fn: Callable[..., T],
+    kwargs: dict[str, Any],
+    seconds: float,
+    step: str,
+    keep: Callable[[], Callable[[], None]] | None = None,
+) -> T:
     """``fn(**kwargs)`` on a thread of its own; :class:`StepTimeoutError` if it has not
-    returned within ``seconds`` (the thread then runs on, its outcome discarded)."""
+    returned within ``seconds`` (the thread then runs on, its outcome discarded).
+
+    ``keep``: called when the attempt is given up; what it returns is called by the
+    attempt's thread once the attempt really ended (a concurrency slot stays held until
+    then, so a limit counts attempts that overran their timeout)."""
     outcome: list[tuple[bool, Any]] = []
     context = contextvars.copy_context()
+    lock = threading.Lock()
+    after: list[Callable[[], None]] = []
 
     def attempt() -> None:
         try:
-            outcome.append((True, context.run(fn, **kwargs)))
+            got: tuple[bool, Any] = (True, context.run(fn, **kwargs))
         except BaseException as exc:  # handed to the waiting drive, raised there
-            outcome.append((False, exc))
+            got = (False, exc)
+        with lock:
+            outcome.append(got)
+            late = list(after)
+        for release in late:
+            try:
+                release()
+            except Exception as exc:
+                log.warning("step %s: releasing what its late attempt held failed: %s", step, exc)
 
     thread = threading.Thread(target=attempt, name=f"wf-persist-step-{step}", daemon=True)
     thread.start()
-    thread.join(seconds)
-    if not outcome:
+    # Joined in pieces: a join longer than about 292 years raises OverflowError, and every
+    # duration up to MAX_DURATION_SECONDS is accepted.
+    until = time.monotonic() + seconds
+    while thread.is_alive():
+        left = until - time.monotonic()
+        if left <= 0:
+            break
+        thread.join(min(left, JOIN_PIECE_SECONDS))
+    with lock:
+        late = not outcome
+        if late and keep is not None:
+            after.append(keep())
+    if late:
         raise StepTimeoutError(step, seconds)
     ok, value = outcome[0]
     if not ok:

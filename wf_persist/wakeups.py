@@ -190,14 +190,17 @@ class Ends:
     end may have gone unheard), not at every tick of a poll.
 
     Protocol: :meth:`watching` the run for the whole wait; :meth:`mark` just before each
-    look at it, which forgets an end heard before that look; :meth:`wait` after a look
-    that found it unfinished.
+    look at it (an end heard before that look is the look's to see); :meth:`wait` after a
+    look that found it unfinished. Ends are counted, not flagged: several callers waiting
+    for one run each compare with their own mark, so one caller's next look never hides
+    an end from the others.
     """
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._watched: dict[str, int] = {}
-        self._ended: set[str] = set()
+        #: Ends heard per watched run (kept while it is watched).
+        self._ended: dict[str, int] = {}
         #: (Re)connections of the listener: ends may have been missed at each.
         self._resets = 0
 
@@ -207,7 +210,7 @@ class Ends:
             if execution_id == ANY_END:
                 self._resets += 1
             elif execution_id in self._watched:
-                self._ended.add(execution_id)
+                self._ended[execution_id] = self._ended.get(execution_id, 0) + 1
             else:
                 return
             self._cond.notify_all()
@@ -224,20 +227,19 @@ class Ends:
                 if left:
                     self._watched[execution_id] = left
                 else:
-                    self._ended.discard(execution_id)
+                    self._ended.pop(execution_id, None)
 
-    def mark(self, execution_id: str) -> int:
+    def mark(self, execution_id: str) -> tuple[int, int]:
         """Before a look at the run: what :meth:`wait` compares against."""
         with self._cond:
-            self._ended.discard(execution_id)
-            return self._resets
+            return self._resets, self._ended.get(execution_id, 0)
 
-    def wait(self, execution_id: str, mark: int, seconds: float) -> None:
+    def wait(self, execution_id: str, mark: tuple[int, int], seconds: float) -> None:
         """Up to ``seconds``, until the run's end is heard or the listener reconnected
         since ``mark``."""
         deadline = time.monotonic() + seconds
         with self._cond:
-            while execution_id not in self._ended and self._resets == mark:
+            while (self._resets, self._ended.get(execution_id, 0)) == mark:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return
