@@ -8,6 +8,7 @@ migrations, on SQLite, PostgreSQL or MySQL/MariaDB.
 from __future__ import annotations
 
 from . import migrate as migrate
+from .async_context import AsyncContext as AsyncContext
 from .authoring import Call as Call
 from .authoring import Limit as Limit
 from .authoring import Retry as Retry
@@ -76,6 +77,7 @@ from .secrets import secret as secret
 from .worker import Worker as Worker
 
 __all__ = [
+    "AsyncContext",
     "Base",
     "Call",
     "Cancelled",

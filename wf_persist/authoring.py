@@ -16,10 +16,19 @@ import hashlib
 import inspect
 import textwrap
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, TypeVar, get_type_hints, overload
+from typing import (
+    Any,
+    Generic,
+    Literal,
+    Protocol,
+    TypeVar,
+    cast,
+    get_type_hints,
+    overload,
+)
 
 from pydantic import PydanticUserError, TypeAdapter
 
@@ -109,13 +118,9 @@ def check_call_name(name: object, what: str) -> str:
 
 
 def _check_plain(fn: Callable[..., Any], what: str) -> None:
-    """Coroutines and generators would be "called" without running: refuse them now."""
-    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
-        raise WorkflowDefinitionError(
-            f"{what} {getattr(fn, '__name__', fn)!r} is async; wf_persist runs plain "
-            "(synchronous) functions"
-        )
-    if inspect.isgeneratorfunction(fn):
+    """Generators would be "called" without running: refuse them now. ``async def``
+    functions are fine (an async step runs only where an async workflow awaits it)."""
+    if inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
         raise WorkflowDefinitionError(
             f"{what} {getattr(fn, '__name__', fn)!r} is a generator; it must return its result"
         )
@@ -178,6 +183,11 @@ class Workflow(Generic[I, O]):
     def key(self) -> tuple[str, int]:
         return (self.name, self.version)
 
+    @property
+    def is_async(self) -> bool:
+        """An ``async def`` workflow: its body gets an :class:`AsyncContext` to await."""
+        return inspect.iscoroutinefunction(self.fn)
+
     @functools.cached_property
     def schemas(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         """The JSON Schemas of the input and the output, as cataloged (``None`` where the
@@ -191,9 +201,27 @@ class Workflow(Generic[I, O]):
         return f"<Workflow {self.name}@v{self.version}>"
 
 
+class WorkflowDecorator(Protocol):
+    """What ``@workflow(...)`` returns: an ``async def`` body's output is what it awaits to."""
+
+    @overload
+    def __call__(self, fn: Callable[..., Coroutine[Any, Any, O]], /) -> Workflow[Any, O]: ...
+    @overload
+    def __call__(self, fn: Callable[..., O], /) -> Workflow[Any, O]: ...
+
+
+class StepDecorator(Protocol):
+    """What ``@step(...)`` returns: an ``async def`` step's result is what it awaits to."""
+
+    @overload
+    def __call__(self, fn: Callable[..., Coroutine[Any, Any, R]], /) -> Step[R]: ...
+    @overload
+    def __call__(self, fn: Callable[..., R], /) -> Step[R]: ...
+
+
 def workflow(
     *, name: str | None = None, version: int = 1, timeout: dt.timedelta | float | None = None
-) -> Callable[[Callable[..., O]], Workflow[Any, O]]:
+) -> WorkflowDecorator:
     """Declare a workflow: a plain function ``(ctx, input) -> output``.
 
     The input and output annotations are validated with pydantic (models, dataclasses or
@@ -241,7 +269,7 @@ def workflow(
             timeout=seconds,
         )
 
-    return decorate
+    return cast(WorkflowDecorator, decorate)  # an async body's O is what it awaits to
 
 
 @dataclass(frozen=True, eq=False)
@@ -399,6 +427,8 @@ def _definition_timeout(timeout: dt.timedelta | float | None, what: str) -> floa
 
 
 @overload
+def step(fn: Callable[..., Coroutine[Any, Any, R]], /) -> Step[R]: ...
+@overload
 def step(fn: Callable[..., R], /) -> Step[R]: ...
 @overload
 def step(
@@ -409,7 +439,7 @@ def step(
     compensate: Callable[..., Any] | None = None,
     concurrency: Limit | None = None,
     timeout: dt.timedelta | float | None = None,
-) -> Callable[[Callable[..., R]], Step[R]]: ...
+) -> StepDecorator: ...
 
 
 def step(
@@ -422,7 +452,7 @@ def step(
     compensate: Callable[..., Any] | None = None,
     concurrency: Limit | None = None,
     timeout: dt.timedelta | float | None = None,
-) -> Step[R] | Callable[[Callable[..., R]], Step[R]]:
+) -> Step[Any] | StepDecorator:
     """Declare a durable step. Its result is recorded and returned on replay without
     re-running it. Arguments and the result are validated against the annotations.
 
@@ -443,7 +473,7 @@ def step(
     def decorate(f: Callable[..., R]) -> Step[R]:
         return _make_step(f, name, retry, errors, compensate, concurrency, timeout)
 
-    return decorate
+    return cast(StepDecorator, decorate)  # an async step's R is what it awaits to
 
 
 @dataclass(frozen=True)

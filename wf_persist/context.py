@@ -9,6 +9,7 @@ something new.
 
 from __future__ import annotations
 
+import contextvars
 import datetime as dt
 import random as _random
 import uuid as _uuid
@@ -32,6 +33,7 @@ from .errors import (
     WorkflowTimeoutError,
 )
 from .events import Activity
+from .loops import check_can_await, settle
 from .replay import Cursor, Journal, Received, TimedOut
 from .secrets import Redactor
 from .steps import Driver, StepCall, StepRunner
@@ -191,7 +193,10 @@ class Context:
 
         workers = min(len(prepared), concurrency or len(prepared)) or 1
         with ThreadPoolExecutor(workers, thread_name_prefix="wf-persist-all") as pool:
-            futures = [pool.submit(branch, i) for i in range(len(prepared))]
+            # Each branch with this thread's context (an async body's loop, for async steps).
+            futures = [
+                pool.submit(contextvars.copy_context().run, branch, i) for i in range(len(prepared))
+            ]
         for f in futures:  # control flow (lease lost, cancellation) wins over step errors
             exc = f.exception()
             if exc is not None and not isinstance(exc, Exception):
@@ -252,13 +257,14 @@ class Context:
             if not ok:
                 raise CodeExecutionError(name, value)
             return from_json(adapter, value, f"recorded result of code block {name}")  # type: ignore[no-any-return]
+        check_can_await(fn, f"code block {name}")
         self._before_new_call()
         who = self._who(name, invocation, activity)
         started = events.code_started(who, reason, self._driver.clock())
         try:
             what = f"result of code block {name}"
             with outside_body(), self._driver.user_code():
-                produced = self._driver.code_function(name, fn)()
+                produced = settle(self._driver.code_function(name, fn)())
             stored = to_json(adapter, produced, what)
             self._driver.check_size(what, stored)
         except Exception as exc:

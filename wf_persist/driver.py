@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from sqlalchemy import select
 
 from . import events, lifecycle
-from .authoring import Step, Workflow, inside_body
+from .async_context import call_body
+from .authoring import Step, Workflow
 from .backends import Claim, Fenced
 from .context import Context
 from .control import Halt, Reload
@@ -451,8 +452,7 @@ def run_body(driver: RunDriver, wf: Workflow[Any, Any], payload: Any, journal: J
     ctx = Context(driver.execution_id, journal, driver)
     try:
         value = wf.input_adapter.validate_python(payload)
-        with inside_body():
-            out = wf.fn(ctx, value) if wf.takes_input else wf.fn(ctx)
+        out = call_body(wf, ctx, value)
         ctx._ended()
         # Cancelled after its last durable call: the cancellation still wins.
         ctx._before_new_call(ending=True)

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import lifecycle
 from .arguments import check_id
-from .authoring import Step, Workflow, inside_body
+from .async_context import call_body
+from .authoring import Step, Workflow
 from .context import Context
 from .errors import Cancelled, InvalidArgumentError, NonDeterminismError, WfPersistError
 from .events import Activity, NewEvent
@@ -164,8 +165,7 @@ def replay_run(
     ctx = Context(row.id, journal, driver)
     try:
         value = wf.input_adapter.validate_python(row.input)
-        with inside_body():
-            out = wf.fn(ctx, value) if wf.takes_input else wf.fn(ctx)
+        out = call_body(wf, ctx, value)
         ctx._ended()
         ending: tuple[str, Any] = ("completed", to_json(wf.output_adapter, out, "output"))
     except _Frontier as stop:

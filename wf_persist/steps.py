@@ -28,6 +28,7 @@ from .control import Suspended
 from .errors import InvalidPayloadError, StepExecutionError, error_document, rebuild_error
 from .events import Activity, NewEvent
 from .logs import run_fields
+from .loops import check_can_await, is_async, settle
 from .replay import Journal
 from .secrets import Redactor, SecretResolver, contains_reference, resolve_references
 from .timeouts import call_within
@@ -255,6 +256,7 @@ class StepRunner:
 
     def _execute(self, call: StepCall, inline: bool) -> Any:
         step = call.step
+        check_can_await(self.driver.step_function(step), f"step {step.name}")
         who = call.who(self.execution_id)
         inputs = call.inputs()
         self.driver.check_size(f"arguments of step {step.name}", inputs)
@@ -357,6 +359,8 @@ class StepRunner:
         keep: Callable[[], Callable[[], None]] | None = None,
     ) -> Any:
         fn = self.driver.step_function(step)
+        if is_async(fn):  # awaited on the async body's loop, cancelled at its timeout
+            return settle(fn(**values), step.timeout, step.name)
         if step.timeout is None:
             return fn(**values)
         return call_within(fn, values, step.timeout, step.name, keep)
@@ -473,7 +477,7 @@ class StepRunner:
         with outside_body(), self.driver.user_code():
             # New work like a step: not started without the lease (checked as late).
             self.driver.check_lease()
-            fn(comp.result, *bound.args, **kwargs)
+            settle(fn(comp.result, *bound.args, **kwargs))
 
 
 def _recorded_step_error(step: Step[Any], failed: Any) -> BaseException:

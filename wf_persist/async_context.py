@@ -1,0 +1,163 @@
+"""``async def`` workflows: the context they get, and how their body is run.
+
+The body runs on an event loop of the drive's own. Each durable call it awaits is made by
+the same synchronous machinery a plain workflow uses (:class:`~wf_persist.context.Context`),
+on a helper thread, one call at a time in the order the body made them (an
+``asyncio.Lock``): the history, the activity names and the replay rules are exactly those
+of a synchronous workflow. An ``async def`` step is awaited back on the body's loop (its
+``timeout`` cancels it); a synchronous step runs on the helper thread. Run steps
+concurrently with ``await ctx.all([...])``: its branches run at once (async ones as tasks
+on the body's loop), while calls awaited together with ``asyncio.gather`` take turns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import datetime as dt
+import functools
+import threading
+import uuid as _uuid
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+
+from .authoring import Call, Step, Workflow, inside_body
+from .children import ChildHandle
+from .loops import BODY_LOOP
+from .replay import Received, TimedOut
+
+if TYPE_CHECKING:
+    from .context import Context
+
+R = TypeVar("R")
+T = TypeVar("T")
+Out = TypeVar("Out")
+
+
+class AsyncContext:
+    """Handed to an ``async def`` workflow as ``ctx``: the methods of
+    :class:`~wf_persist.Context`, awaited."""
+
+    def __init__(self, sync: Context) -> None:
+        self._sync = sync
+        self._turn = asyncio.Lock()
+
+    async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        async with self._turn:
+            context = contextvars.copy_context()  # carries the body's loop to the thread
+            call = functools.partial(context.run, fn, *args, **kwargs)
+            return await asyncio.get_running_loop().run_in_executor(None, call)
+
+    @property
+    def execution_id(self) -> str:
+        return self._sync.execution_id
+
+    async def run(self, step: Step[R], *args: Any, **kwargs: Any) -> R:
+        """:meth:`Context.run`."""
+        return await self._call(self._sync.run, step, *args, **kwargs)
+
+    async def all(
+        self, calls: Sequence[Call[Any]], *, concurrency: int | None = None, name: str = "all"
+    ) -> list[Any]:
+        """:meth:`Context.all`: the branches run at once."""
+        return await self._call(self._sync.all, calls, concurrency=concurrency, name=name)
+
+    async def sleep(self, duration: dt.timedelta | float, *, name: str | None = None) -> None:
+        """:meth:`Context.sleep`."""
+        await self._call(self._sync.sleep, duration, name=name)
+
+    async def wait_for_signal(
+        self, name: str, payload_type: Any = Any, *, timeout: dt.timedelta | float | None = None
+    ) -> Received[Any] | TimedOut:
+        """:meth:`Context.wait_for_signal`."""
+        return await self._call(self._sync.wait_for_signal, name, payload_type, timeout=timeout)
+
+    async def code(
+        self, name: str, fn: Callable[[], Any], *, output: Any = Any, reason: str | None = None
+    ) -> Any:
+        """:meth:`Context.code` (``fn`` may be ``async def``)."""
+        return await self._call(self._sync.code, name, fn, output=output, reason=reason)
+
+    async def now(self) -> dt.datetime:
+        return await self._call(self._sync.now)
+
+    async def random(self) -> float:
+        return await self._call(self._sync.random)
+
+    async def uuid(self) -> _uuid.UUID:
+        return await self._call(self._sync.uuid)
+
+    async def set_event(self, key: str, value: Any) -> None:
+        await self._call(self._sync.set_event, key, value)
+
+    async def start_child(
+        self,
+        workflow: Workflow[Any, Out] | str,
+        payload: Any = None,
+        *,
+        version: int | None = None,
+        cancel_with_parent: bool = True,
+    ) -> ChildHandle[Out]:
+        """:meth:`Context.start_child`."""
+        return await self._call(
+            self._sync.start_child,
+            workflow,
+            payload,
+            version=version,
+            cancel_with_parent=cancel_with_parent,
+        )
+
+    async def child_result(self, handle: ChildHandle[Out]) -> Out:
+        """:meth:`Context.child_result`."""
+        return await self._call(self._sync.child_result, handle)
+
+    async def run_child(
+        self,
+        workflow: Workflow[Any, Out] | str,
+        payload: Any = None,
+        *,
+        version: int | None = None,
+        cancel_with_parent: bool = True,
+    ) -> Out:
+        handle = await self.start_child(
+            workflow, payload, version=version, cancel_with_parent=cancel_with_parent
+        )
+        return await self.child_result(handle)
+
+    def fail(self, error: BaseException) -> NoReturn:
+        raise error
+
+
+def call_body(wf: Workflow[Any, Any], ctx: Context, value: Any) -> Any:
+    """Run the workflow function on ``ctx`` (and its input): a plain one here, an
+    ``async def`` one on an event loop of its own (in this thread, or in a thread of its
+    own when this thread already runs a loop, e.g. a caller inside an async app)."""
+    args = (value,) if wf.takes_input else ()
+    if not wf.is_async:
+        with inside_body():
+            return wf.fn(ctx, *args)
+
+    async def main() -> Any:
+        BODY_LOOP.set(asyncio.get_running_loop())
+        with inside_body():
+            return await wf.fn(AsyncContext(ctx), *args)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(main())
+    outcome: list[tuple[bool, Any]] = []
+
+    def own_thread() -> None:
+        try:
+            outcome.append((True, asyncio.run(main())))
+        except BaseException as exc:  # raised in the caller's thread below
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=own_thread, name="wf-persist-async-body")
+    thread.start()
+    thread.join()
+    ok, found = outcome[0]
+    if not ok:
+        raise found
+    return found

@@ -1,0 +1,58 @@
+"""The event loop an ``async def`` workflow body runs on, and running user coroutines there.
+
+An async body runs on an event loop of its drive's own; its durable calls are made by the
+synchronous machinery on a helper thread (:mod:`wf_persist.async_context`). An ``async
+def`` step, compensation or code block is awaited back on the body's loop from that thread,
+so it shares the loop with the body (and with the other branches of ``ctx.all``). A
+synchronous workflow has no such loop: an async step called from one is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import inspect
+from collections.abc import Callable, Coroutine
+from typing import Any, Final
+
+from .errors import StepTimeoutError, WorkflowDefinitionError
+
+#: Set while an async body runs (copied to the helper threads its calls run on).
+BODY_LOOP: Final[contextvars.ContextVar[asyncio.AbstractEventLoop | None]] = contextvars.ContextVar(
+    "wf_persist_body_loop", default=None
+)
+
+
+def is_async(fn: Callable[..., Any]) -> bool:
+    return inspect.iscoroutinefunction(fn)
+
+
+def check_can_await(fn: Callable[..., Any], what: str) -> None:
+    """Refuse an async function where no async body runs (a synchronous workflow)."""
+    if is_async(fn) and BODY_LOOP.get() is None:
+        raise WorkflowDefinitionError(
+            f"{what} is async and the workflow is not: call it from an async def workflow "
+            "(a synchronous step may be called from either)"
+        )
+
+
+def settle(result: Any, timeout: float | None = None, step: str | None = None) -> Any:
+    """``result`` itself, or, if it is a coroutine, its value awaited on the body's loop
+    (cancelled after ``timeout`` seconds as :class:`StepTimeoutError` of ``step``)."""
+    if not inspect.iscoroutine(result):
+        return result
+    loop = BODY_LOOP.get()
+    if loop is None:
+        result.close()
+        raise WorkflowDefinitionError("a coroutine was returned outside an async workflow")
+    future = asyncio.run_coroutine_threadsafe(_bounded(result, timeout, step), loop)
+    return future.result()
+
+
+async def _bounded(coro: Coroutine[Any, Any, Any], timeout: float | None, step: str | None) -> Any:
+    if timeout is None:
+        return await coro
+    try:
+        return await asyncio.wait_for(coro, timeout)
+    except TimeoutError:
+        raise StepTimeoutError(step or "?", timeout) from None
