@@ -8,6 +8,7 @@ migrations, on SQLite, PostgreSQL or MySQL/MariaDB.
 from __future__ import annotations
 
 from . import migrate as migrate
+from .async_client import AsyncClient as AsyncClient
 from .async_context import AsyncContext as AsyncContext
 from .authoring import Call as Call
 from .authoring import Limit as Limit
@@ -64,6 +65,7 @@ from .errors import ValueTooLargeError as ValueTooLargeError
 from .errors import WfPersistError as WfPersistError
 from .errors import WorkflowDefinitionError as WorkflowDefinitionError
 from .errors import WorkflowFailedError as WorkflowFailedError
+from .errors import WorkflowTimeoutError as WorkflowTimeoutError
 from .errors import WorkflowVersionConflictError as WorkflowVersionConflictError
 from .models import Base as Base
 from .models import metadata as metadata
@@ -77,6 +79,7 @@ from .secrets import secret as secret
 from .worker import Worker as Worker
 
 __all__ = [
+    "AsyncClient",
     "AsyncContext",
     "Base",
     "Call",
@@ -136,6 +139,7 @@ __all__ = [
     "WorkflowDefinitionError",
     "WorkflowEntry",
     "WorkflowFailedError",
+    "WorkflowTimeoutError",
     "WorkflowVersionConflictError",
     "call",
     "create_engine",

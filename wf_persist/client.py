@@ -343,6 +343,12 @@ class Client(RunReader):
                 self._wait(wait if remaining is None else min(wait, remaining))
                 delay = min(delay * 2, self._poll())
 
+    def outcome(self, execution_id: str) -> Outcome | None:
+        """The run's outcome if it has ended, else ``None``: one read, never a wait."""
+        with self._reading() as conn:
+            row = self._row(conn, execution_id)
+        return self._outcome(row) if row.status in lifecycle.TERMINAL else None
+
     def cancel(
         self, execution_id: str, *, compensate: bool = True, actor: str | None = None
     ) -> None:

@@ -86,6 +86,8 @@ class Backend:
 
     #: SQLAlchemy dialect names this backend serves.
     names: ClassVar[tuple[str, ...]] = ()
+    #: The asyncio driver ``wp.AsyncClient`` reaches this database with.
+    async_driver: ClassVar[str] = ""
     #: The package extra that installs this backend's default driver (None: built in).
     extra: ClassVar[str | None] = None
     #: Whether tables can live in a named schema (``Runtime(schema=...)``).
@@ -131,6 +133,11 @@ class Backend:
     def configure_engine(cls, url: URL, kwargs: dict[str, Any]) -> tuple[URL, dict[str, Any]]:
         """The URL and engine arguments of an engine wf_persist creates itself."""
         return url, kwargs
+
+    @classmethod
+    def async_url(cls, url: URL) -> URL:
+        """The same database through this backend's asyncio driver (``wp.AsyncClient``)."""
+        return url.set(drivername=f"{url.get_backend_name()}+{cls.async_driver}")
 
     @classmethod
     def on_own_engine(cls, engine: Engine) -> None:
@@ -185,8 +192,17 @@ class Backend:
         statements as it does (its execution options, a schema translation among them)."""
         from sqlalchemy import create_engine
 
-        pool = self.base_engine.pool.recreate()
         options = {**self.base_engine.get_execution_options(), **self.view_options()}
+        if self.base_engine.dialect.is_async:
+            # An asyncio engine's pool cannot serve a thread's plain connections (the
+            # listener of ``wp.AsyncClient``): the same database through the synchronous
+            # driver wf_persist uses, with a small pool of its own.
+            from . import normalize_url
+
+            url = self.base_engine.url
+            plain = normalize_url(url.set(drivername=url.get_backend_name()))
+            return create_engine(plain, pool_size=2, max_overflow=2, execution_options=options)
+        pool = self.base_engine.pool.recreate()
         engine = create_engine(self.base_engine.url, pool=pool, execution_options=options)
         if self.owned:
             self.on_own_engine(engine)

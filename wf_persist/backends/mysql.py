@@ -104,6 +104,7 @@ def _cas_statement(workflows: tuple[tuple[str, int], ...] | None = None) -> Any:
 
 class MySQLBackend(Backend):
     names: ClassVar[tuple[str, ...]] = ("mysql", "mariadb")
+    async_driver: ClassVar[str] = "aiomysql"
     extra: ClassVar[str | None] = "mysql"
     skip_locked: ClassVar[bool] = True
     transactional_ddl: ClassVar[bool] = False

@@ -68,6 +68,7 @@ class AdvisorySlots(SessionLockSlots):
 class PostgreSQLBackend(Backend):
     can_listen: ClassVar[bool] = True
     names: ClassVar[tuple[str, ...]] = ("postgresql",)
+    async_driver: ClassVar[str] = "psycopg"
     extra: ClassVar[str | None] = "postgresql"
     insert_ignoring: ClassVar[Any] = staticmethod(postgresql.insert)
     supports_schemas: ClassVar[bool] = True
@@ -84,6 +85,9 @@ class PostgreSQLBackend(Backend):
         with engine.connect() as conn:
             default = conn.exec_driver_sql("SHOW default_transaction_isolation").scalar()
         self.autocommit_writes = default == "read committed"
+        #: Statements may go straight to psycopg (not through an asyncio engine's
+        #: connections, which ``wp.AsyncClient`` uses: SQLAlchemy's execution there).
+        self.raw_ok = not engine.dialect.is_async
         self._rendered: dict[Any, tuple[str, dict[str, Any]]] = {}
         #: Capabilities, known once the first listener connected (None: not known yet).
         self._listen_ok: bool | None = None
@@ -167,7 +171,7 @@ class PostgreSQLBackend(Backend):
             params["p_payload"] = DUE
         if lease is not None:
             params["p_owner"], params["p_ttl"] = lease
-        if conn.in_transaction():
+        if conn.in_transaction() or not self.raw_ok:
             params["p_event"] = started.event
             found = conn.execute(stmt, params, execution_options=self.statement_options).all()
         else:
@@ -181,6 +185,10 @@ class PostgreSQLBackend(Backend):
     @contextlib.contextmanager
     def atomic(self) -> Iterator[Connection]:
         # A start's one statement runs in autocommit on the raw connection (insert_run).
+        if not self.raw_ok:
+            with self.base_engine.begin() as conn:
+                yield conn
+            return
         with self.base_engine.connect() as conn:
             yield conn
 

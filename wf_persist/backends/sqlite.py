@@ -115,6 +115,7 @@ class DataVersion(Changes):
 
 class SQLiteBackend(Backend):
     names: ClassVar[tuple[str, ...]] = ("sqlite",)
+    async_driver: ClassVar[str] = "aiosqlite"
     insert_ignoring: ClassVar[Any] = staticmethod(sqlite.insert)
     batch_migrations: ClassVar[bool] = True
     embedded: ClassVar[bool] = True

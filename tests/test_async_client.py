@@ -1,0 +1,145 @@
+"""``wp.AsyncClient``: the thin client on SQLAlchemy's asyncio extension and async drivers."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from sqlalchemy import Column, Integer, MetaData, Table, func, select
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+import wf_persist as wp
+from wf_persist.backends import backend_type, normalize_url
+
+from .fixtures import workflows as w
+
+
+def _async_url(db_url: str) -> str:
+    url = normalize_url(db_url)
+    return backend_type(url.get_backend_name()).async_url(url).render_as_string(False)
+
+
+def test_an_async_app_starts_signals_cancels_and_awaits_runs(
+    runtime: wp.Runtime, db_url: str
+) -> None:
+    runtime.register(*w.ALL)
+    runtime.start_worker(concurrency=4, poll_interval=0.05)
+
+    async def app() -> None:
+        async with wp.AsyncClient(db_url) as client:
+            handle = await client.start("echo", 3, actor="web")
+            done = await client.result(handle.execution_id, timeout=30)
+            assert done.unwrap() == [1, 2, 3]
+            assert await client.status(handle.execution_id) == "completed"
+            info = await client.describe(handle.execution_id)
+            assert info.actor == "web"
+            assert [r.event["type"] for r in await client.history(handle.execution_id)][-1] == (
+                "workflow.completed"
+            )
+            waiting = (await client.start("approval", None)).execution_id
+            while not await client.pending_signals(waiting):
+                await asyncio.sleep(0.02)
+            await client.signal(waiting, "approval", {"approved": True})
+            assert (await client.result(waiting, timeout=30)).unwrap() == "approved"
+            doomed = (await client.start("approval", None)).execution_id
+            while not await client.pending_signals(doomed):
+                await asyncio.sleep(0.02)
+            await client.cancel(doomed, compensate=False)
+            failed = await client.result(doomed, timeout=30)
+            assert isinstance(failed, wp.Failed) and failed.error["name"] == "Cancelled"
+            page = await client.list("echo")
+            assert [i.execution_id for i in page.items] == [handle.execution_id]
+            assert await client.outcome(handle.execution_id) == done
+
+    asyncio.run(app())
+
+
+def _threads() -> int:
+    """Threads other than the worker's own (its slots start as runs come)."""
+    return sum(1 for t in threading.enumerate() if not t.name.startswith("wf-persist"))
+
+
+def test_many_waits_share_the_event_loop_without_a_thread_each(
+    runtime: wp.Runtime, db_url: str
+) -> None:
+    runtime.register(*w.ALL)
+    runtime.start_worker(concurrency=8, poll_interval=0.05)
+
+    async def app() -> int:
+        async with wp.AsyncClient(db_url) as client:
+            handles = await asyncio.gather(*(client.start("echo", 2) for _ in range(60)))
+            before = _threads()
+            results = asyncio.gather(*(client.result(h.execution_id, timeout=60) for h in handles))
+            await asyncio.sleep(0.05)
+            during = _threads()
+            outcomes = await results
+            assert during - before < 20, (
+                "no thread per waiting call (aiosqlite: one per pooled connection)"
+            )
+            return sum(1 for o in outcomes if o.unwrap() == [1, 2])
+
+    assert asyncio.run(app()) == 60
+
+
+def test_a_start_in_the_apps_async_session_exists_only_if_it_commits(
+    runtime: wp.Runtime, db_url: str, make_engine: Callable[..., Any], host_tables: Any
+) -> None:
+    runtime.register(*w.ALL)
+    orders = Table("async_orders", MetaData(), Column("id", Integer, primary_key=True))
+    host_tables.create(make_engine(db_url), orders)
+
+    async def app() -> tuple[str, str]:
+        engine = create_async_engine(_async_url(db_url))
+        try:
+            client = wp.AsyncClient(engine)  # the app's engine: not disposed by close()
+            async with AsyncSession(engine) as session:
+                await session.execute(orders.insert().values(id=1))
+                kept = await client.start("echo", 1, session=session)
+                await session.commit()
+            async with AsyncSession(engine) as session:
+                await session.execute(orders.insert().values(id=2))
+                lost = await client.start("echo", 1, session=session)
+                await session.rollback()
+            await client.close()
+            async with engine.connect() as conn:  # still usable
+                count = (await conn.execute(select(func.count()).select_from(orders))).scalar()
+            assert count == 1
+            return kept.execution_id, lost.execution_id
+        finally:
+            await engine.dispose()
+
+    kept, lost = asyncio.run(app())
+    client = runtime.client()
+    assert client.result(kept, timeout=30).status == "completed"
+    with pytest.raises(wp.UnknownExecutionError):
+        client.status(lost)
+
+
+def test_bad_input_gets_one_typed_error_and_writes_nothing(
+    runtime: wp.Runtime, db_url: str
+) -> None:
+    runtime.register(*w.ALL)
+
+    async def app() -> None:
+        async with wp.AsyncClient(db_url, poll_interval=0.05) as client:
+            with pytest.raises(wp.InvalidPayloadError):
+                await client.start("order", {"sku": 5})
+            with pytest.raises(wp.UnknownWorkflowError):
+                await client.start("no-such-workflow")
+            with pytest.raises(wp.UnknownExecutionError):
+                await client.result("0d5e9c4e-9a7b-4a7e-9d8b-1c2d3e4f5a6b", timeout=1)
+            with pytest.raises(wp.InvalidArgumentError):
+                await client.result("not an id\0", timeout=1)
+            with pytest.raises(wp.InvalidArgumentError):
+                await client.start("echo", 1, session=object())  # type: ignore[arg-type]
+            waiting = (await client.start("approval", None)).execution_id
+            with pytest.raises(wp.ResultTimeoutError):
+                await client.result(waiting, timeout=0.2)
+            assert [i.workflow_name for i in (await client.list()).items] == ["approval"]
+
+    asyncio.run(app())
+    with pytest.raises(wp.InvalidArgumentError):
+        wp.AsyncClient(42)  # type: ignore[arg-type]

@@ -1,0 +1,246 @@
+"""The client for asyncio applications: :class:`AsyncClient`.
+
+It is the thin :class:`~wf_persist.Client` driven through SQLAlchemy's asyncio extension:
+every operation runs the same code (the same validation, the same store functions, the same
+statements) in a greenlet of SQLAlchemy's, whose database I/O is awaited on the application's
+event loop through an asyncio driver (psycopg 3's async mode, aiosqlite, aiomysql: the
+``async`` extra). Nothing blocks the loop and no thread is used, so a web app's handlers can
+start and await runs directly. A start may join the application's own ``AsyncSession`` (or
+``AsyncConnection``) transaction: the run exists only if the application commits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, create_async_engine
+from sqlalchemy.util import greenlet_spawn
+
+from . import arguments
+from .authoring import Workflow
+from .backends import backend_type, describe_url, resolve_url
+from .client import Client
+from .errors import InvalidArgumentError, ResultTimeoutError, UnsupportedDatabaseError
+from .records import (
+    ExecutionHandle,
+    ExecutionInfo,
+    HistoryRecord,
+    Outcome,
+    Page,
+    PendingSignal,
+    WorkflowEntry,
+)
+from .runtime import Clock, positive, utc_now
+from .wakeups import ANY_END, Wakeups
+
+T = TypeVar("T")
+
+
+class AsyncClient:
+    """Starts, signals, cancels, awaits and inspects runs from asyncio code; never runs
+    workflow code (workers do). The methods of :class:`~wf_persist.Client`, awaited.
+
+    Args:
+        bind: a database URL (its asyncio driver is chosen: ``sqlite+aiosqlite``,
+            ``postgresql+psycopg``, ``mysql+aiomysql``) or an application's ``AsyncEngine``.
+        schema, auto_migrate, poll_interval, clock: as for :class:`~wf_persist.Client`.
+
+    Use ``async with AsyncClient(url) as client:`` or call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        bind: str | URL | AsyncEngine | None = None,
+        *,
+        schema: str | None = None,
+        auto_migrate: bool | None = None,
+        poll_interval: float = 0.25,
+        clock: Clock = utc_now,
+    ) -> None:
+        positive(poll_interval, "poll_interval")
+        if isinstance(bind, AsyncEngine):
+            self.engine, self._owned = bind, False
+        elif bind is None or isinstance(bind, str | URL):
+            url = resolve_url(bind)
+            kind = backend_type(url.get_backend_name())
+            target = kind.async_url(url)
+            try:
+                self.engine = create_async_engine(target)
+            except (ImportError, Exception) as exc:
+                raise UnsupportedDatabaseError(
+                    f"no asyncio driver for {describe_url(target)} ({exc}); "
+                    "install it with: pip install 'wf-persist[async]'"
+                ) from exc
+            self._owned = True
+        else:
+            raise InvalidArgumentError(
+                f"bind must be a database URL or an AsyncEngine, got {bind!r:.80}"
+            )
+        self._options: dict[str, Any] = {
+            "schema": schema,
+            "auto_migrate": auto_migrate,
+            "poll_interval": poll_interval,
+            "clock": clock,
+        }
+        self._poll_interval = poll_interval
+        self._client: Client | None = None
+        self._opening = asyncio.Lock()
+        self._waiters: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
+        self._waiters_lock = threading.Lock()
+        self._wakeups: Wakeups | None = None
+
+    async def _sync(self) -> Client:
+        """The thin client doing the work (made on first use: it reads the database)."""
+        if self._client is None:
+            async with self._opening:
+                if self._client is None:
+                    self._client = await greenlet_spawn(
+                        Client, self.engine.sync_engine, **self._options
+                    )
+        return self._client
+
+    async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        client = await self._sync()
+        return await greenlet_spawn(fn, client, *args, **kwargs)
+
+    async def close(self) -> None:
+        """Stop listening and dispose of the engine if this client created it."""
+        if self._wakeups is not None:
+            await asyncio.to_thread(self._wakeups.stop)
+        if self._client is not None:
+            self._client.close()
+        if self._owned:
+            await self.engine.dispose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # operations -------------------------------------------------------------------------
+
+    async def start(
+        self,
+        workflow: Workflow[Any, Any] | str,
+        payload: Any = None,
+        *,
+        idempotency_key: str | None = None,
+        actor: str | None = None,
+        version: int | None = None,
+        session: AsyncSession | AsyncConnection | None = None,
+        timeout: Any = None,
+    ) -> ExecutionHandle:
+        """:meth:`Client.start`; with ``session`` the run is written in the application's
+        own transaction (its ``AsyncSession`` or ``AsyncConnection``)."""
+        client = await self._sync()
+        kwargs: dict[str, Any] = {
+            "idempotency_key": idempotency_key,
+            "actor": actor,
+            "version": version,
+            "timeout": timeout,
+        }
+        if session is None:
+            return await greenlet_spawn(client.start, workflow, payload, **kwargs)
+        if isinstance(session, AsyncSession):
+            conn = await session.connection()
+        elif isinstance(session, AsyncConnection):
+            conn = session
+        else:
+            raise InvalidArgumentError(
+                f"session must be an AsyncSession or AsyncConnection, got {session!r:.80}"
+            )
+        return await conn.run_sync(
+            lambda sync_conn: client.start(workflow, payload, session=sync_conn, **kwargs)
+        )
+
+    async def result(self, execution_id: str, timeout: float | None = None) -> Outcome:
+        """Wait for the run to end (workers drive it) and return its outcome: it is read
+        after 2 ms, then twice as long each time, at most every ``poll_interval``, and at
+        once when the database announces its end (PostgreSQL)."""
+        arguments.check_timeout(timeout)
+        arguments.check_id(execution_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.002
+        event = asyncio.Event()
+        mine = (asyncio.get_running_loop(), event)
+        await self._listen()
+        with self._waiters_lock:
+            self._waiters.setdefault(execution_id, set()).add(mine)
+        try:
+            while True:
+                event.clear()
+                found = await self._run(Client.outcome, execution_id)
+                if found is not None:
+                    return found
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise ResultTimeoutError(execution_id, float(timeout or 0))
+                wait = min(delay, self._poll_interval)
+                try:
+                    await asyncio.wait_for(
+                        event.wait(), wait if remaining is None else min(wait, remaining)
+                    )
+                except TimeoutError:
+                    delay = min(delay * 2, self._poll_interval)
+        finally:
+            with self._waiters_lock:
+                left = self._waiters.get(execution_id, set())
+                left.discard(mine)
+                if not left:
+                    self._waiters.pop(execution_id, None)
+
+    async def _listen(self) -> None:
+        """Hear of ends where the database notifies (a thread of its own, started once)."""
+        client = await self._sync()
+        if self._wakeups is None and client.backend.can_listen:
+            self._wakeups = Wakeups(client.backend)
+            self._wakeups.on_end(self._heard)
+            await asyncio.to_thread(self._wakeups.start)
+
+    def _heard(self, execution_id: str) -> None:
+        """On the listening thread: wake the waits for that run (all, after a reconnect)."""
+        with self._waiters_lock:
+            if execution_id == ANY_END:
+                found = [w for ws in self._waiters.values() for w in ws]
+            else:
+                found = list(self._waiters.get(execution_id, ()))
+        for loop, event in found:
+            loop.call_soon_threadsafe(event.set)
+
+    async def signal(self, execution_id: str, name: str, payload: Any = None, **kw: Any) -> str:
+        """:meth:`Client.signal`."""
+        return await self._run(Client.signal, execution_id, name, payload, **kw)
+
+    async def cancel(
+        self, execution_id: str, *, compensate: bool = True, actor: str | None = None
+    ) -> None:
+        """:meth:`Client.cancel`."""
+        await self._run(Client.cancel, execution_id, compensate=compensate, actor=actor)
+
+    async def status(self, execution_id: str) -> str:
+        return await self._run(Client.status, execution_id)
+
+    async def describe(self, execution_id: str) -> ExecutionInfo:
+        return await self._run(Client.describe, execution_id)
+
+    async def outcome(self, execution_id: str) -> Outcome | None:
+        return await self._run(Client.outcome, execution_id)
+
+    async def history(self, execution_id: str) -> Sequence[HistoryRecord]:
+        return await self._run(Client.history, execution_id)
+
+    async def pending_signals(self, execution_id: str) -> list[PendingSignal]:
+        return await self._run(Client.pending_signals, execution_id)
+
+    async def list(self, workflow: Workflow[Any, Any] | str | None = None, **kw: Any) -> Page:
+        """:meth:`Client.list`."""
+        return await self._run(Client.list, workflow, **kw)
+
+    async def workflows(self, name: str | None = None) -> Sequence[WorkflowEntry]:
+        return await self._run(Client.workflows, name)
