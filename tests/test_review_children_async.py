@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from pydantic import BaseModel
+
 import wf_persist as wp
+from wf_persist.replaycheck import check_replay
 
 UNDONE: list[str] = []
 
@@ -44,3 +47,34 @@ def test_an_async_compensation_of_an_async_workflow_runs(runtime: wp.Runtime) ->
     assert outcome.status == "failed"
     assert UNDONE == ["charged:a"]
     assert "compensationErrors" not in (outcome.error or {})
+
+
+class Parcel(BaseModel):
+    label: str
+    weight: int
+
+
+@wp.workflow(name="review_parcel_child", version=1)
+def parcel_child(ctx: wp.Context, label: str) -> Parcel:
+    return Parcel(label=label, weight=len(label))
+
+
+@wp.workflow(name="review_parcel_parent", version=1)
+def parcel_parent(ctx: wp.Context, label: str) -> int:
+    """Starts its child by name: the result comes back as the child's output type."""
+    handle: wp.ChildHandle[Parcel] = ctx.start_child("review_parcel_child", label)
+    return ctx.child_result(handle).weight
+
+
+def test_replay_check_of_a_parent_gets_a_child_result_by_name_as_its_type(
+    runtime: wp.Runtime,
+) -> None:
+    """The replay checker rebuilt a child's result started by name as raw JSON (a dict):
+    a parent reading ``.weight`` failed there and the run was reported as diverging."""
+    runtime.register(parcel_child, parcel_parent)
+    runtime.start_worker(concurrency=2, poll_interval=0.05)
+    client = runtime.client()
+    run = client.start(parcel_parent, "abcd").execution_id
+    assert client.result(run, timeout=30).unwrap() == 4
+    [report] = check_replay(runtime, [run])
+    assert report.divergence is None, report
