@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from pydantic import BaseModel
 
 import wf_persist as wp
 from wf_persist.replaycheck import check_replay
+
+from .helpers import wait_status
 
 UNDONE: list[str] = []
 
@@ -78,3 +81,42 @@ def test_replay_check_of_a_parent_gets_a_child_result_by_name_as_its_type(
     assert client.result(run, timeout=30).unwrap() == 4
     [report] = check_replay(runtime, [run])
     assert report.divergence is None, report
+
+
+GATHERED: list[str] = []
+
+
+@wp.step(retry=wp.Retry(attempts=1))
+async def tally(label: str) -> str:
+    GATHERED.append(label)
+    await asyncio.sleep(0.2)
+    return label
+
+
+@wp.workflow(name="review_gather_park", version=1)
+async def gather_park(ctx: wp.AsyncContext) -> str:
+    """A park and a step awaited together (documented: they take turns)."""
+    _, got = await asyncio.gather(ctx.wait_for_signal("go", bool), ctx.run(tally, "x"))
+    return got
+
+
+def test_a_step_gathered_with_a_park_is_not_started_after_the_park(
+    runtime: wp.Runtime,
+) -> None:
+    """The signal wait parks the run (Suspended); the gathered step's turn came next and it
+    was started on the helper thread anyway, by a drive that had given the run up: run an
+    extra time, its outcome never recorded (and racing the next driver)."""
+    GATHERED.clear()
+    runtime.register(gather_park)
+    runtime.start_worker(concurrency=2, poll_interval=0.05)
+    client = runtime.client()
+    run = client.start(gather_park).execution_id
+    wait_status(client, run, "suspended")
+    time.sleep(0.5)  # the gathered step's turn, if it is (wrongly) taken after the park
+    client.signal(run, "go", True)
+    outcome = client.result(run, timeout=30)
+    assert outcome.status == "completed", outcome.error
+    assert outcome.unwrap() == "x"
+    types = [r.event["type"] for r in client.history(run)]
+    assert "step.failed" not in types
+    assert GATHERED == ["x"]  # no crash: the step ran once, not also after the park
