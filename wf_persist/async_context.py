@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from .authoring import Call, Step, Workflow, inside_body
 from .children import ChildHandle
+from .control import Halt, Reload, Suspended
 from .loops import BODY_LOOP
 from .replay import Received, TimedOut
 
@@ -41,12 +42,21 @@ class AsyncContext:
     def __init__(self, sync: Context) -> None:
         self._sync = sync
         self._turn = asyncio.Lock()
+        #: Set once a call stopped this replay (it parked, reloads, lost the run): the
+        #: calls awaiting their turn (``asyncio.gather``) must not start anything after it.
+        self._stopped: BaseException | None = None
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         async with self._turn:
+            if self._stopped is not None:
+                raise self._stopped.with_traceback(None)
             context = contextvars.copy_context()  # carries the body's loop to the thread
             call = functools.partial(context.run, fn, *args, **kwargs)
-            return await asyncio.get_running_loop().run_in_executor(None, call)
+            try:
+                return await asyncio.get_running_loop().run_in_executor(None, call)
+            except (Suspended, Reload, Halt) as stop:
+                self._stopped = stop  # before the next call's turn
+                raise
 
     @property
     def execution_id(self) -> str:

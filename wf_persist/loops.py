@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import inspect
+import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, Final
 
@@ -36,17 +37,48 @@ def check_can_await(fn: Callable[..., Any], what: str) -> None:
         )
 
 
-def settle(result: Any, timeout: float | None = None, step: str | None = None) -> Any:
+def settle(
+    result: Any, timeout: float | None = None, step: str | None = None, *, own_loop: bool = False
+) -> Any:
     """``result`` itself, or, if it is a coroutine, its value awaited on the body's loop
-    (cancelled after ``timeout`` seconds as :class:`StepTimeoutError` of ``step``)."""
+    (cancelled after ``timeout`` seconds as :class:`StepTimeoutError` of ``step``).
+
+    ``own_loop``: with no body loop (a compensation: the unwind runs after the body and its
+    loop ended), await it on an event loop of its own instead of refusing it."""
     if not inspect.iscoroutine(result):
         return result
     loop = BODY_LOOP.get()
+    if loop is None and own_loop:
+        return _on_own_loop(_bounded(result, timeout, step))
     if loop is None:
         result.close()
         raise WorkflowDefinitionError("a coroutine was returned outside an async workflow")
     future = asyncio.run_coroutine_threadsafe(_bounded(result, timeout, step), loop)
     return future.result()
+
+
+def _on_own_loop(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run ``coro`` to its end on a new event loop: in this thread, or in a thread of its
+    own when this thread already runs a loop (a caller inside an async app)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    outcome: list[tuple[bool, Any]] = []
+
+    def own_thread() -> None:
+        try:
+            outcome.append((True, asyncio.run(coro)))
+        except BaseException as exc:  # raised in the caller's thread below
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=own_thread, name="wf-persist-async-compensation")
+    thread.start()
+    thread.join()
+    ok, found = outcome[0]
+    if not ok:
+        raise found
+    return found
 
 
 async def _bounded(coro: Coroutine[Any, Any, Any], timeout: float | None, step: str | None) -> Any:

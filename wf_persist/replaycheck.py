@@ -70,11 +70,19 @@ class _DryDriver:
     news = False
     deadline: dt.datetime | None = None  # a timeout replays from its recorded event
 
-    def __init__(self, workflow: str, now: dt.datetime, recorded: set[str], keys: set[str]) -> None:
+    def __init__(
+        self,
+        workflow: str,
+        now: dt.datetime,
+        recorded: set[str],
+        keys: set[str],
+        definitions: Callable[[str, int], Workflow[Any, Any] | None] | None = None,
+    ) -> None:
         self.workflow = workflow
         self._now = now
         self._recorded = recorded
         self._keys = keys
+        self._definitions = definitions
 
     def clock(self) -> dt.datetime:
         return self._now
@@ -129,7 +137,8 @@ class _DryDriver:
         raise _Frontier(f"would start child {who.activity}")
 
     def child_definition(self, name: str, version: int) -> Workflow[Any, Any] | None:
-        return None
+        # As a drive does: a child's result comes back as its workflow's output type.
+        return None if self._definitions is None else self._definitions(name, version)
 
     def after(self, delay: float, fn: Callable[[], None]) -> Callable[[], None]:
         return lambda: None
@@ -154,14 +163,19 @@ class _DryDriver:
 
 
 def replay_run(
-    wf: Workflow[Any, Any], row: Any, events: Sequence[dict[str, Any]], keys: set[str]
+    wf: Workflow[Any, Any],
+    row: Any,
+    events: Sequence[dict[str, Any]],
+    keys: set[str],
+    definitions: Callable[[str, int], Workflow[Any, Any] | None] | None = None,
 ) -> str | None:
     """Replay one stored run (its events and their dedupe ``keys``) against ``wf``; how it
-    diverges, or ``None``."""
+    diverges, or ``None``. ``definitions``: the registered workflow of a name and version
+    (a child's, started by name), or ``None``."""
     journal = Journal.from_events(events)
     recorded = {str(e["type"]) for e in events}
     finished = row.status in lifecycle.TERMINAL
-    driver = _DryDriver(wf.name, row.updated_at, recorded, keys)
+    driver = _DryDriver(wf.name, row.updated_at, recorded, keys, definitions)
     ctx = Context(row.id, journal, driver)
     try:
         value = wf.input_adapter.validate_python(row.input)
@@ -254,7 +268,7 @@ def check_replay(
             if row.status not in lifecycle.TERMINAL:
                 reports.append(ReplayReport(row.id, *key, row.status, str(exc)))
             continue
-        divergence = replay_run(wf, row, events, keys)
+        divergence = replay_run(wf, row, events, keys, lambda n, v: runtime._registry.get((n, v)))
         reports.append(ReplayReport(row.id, *key, row.status, divergence))
     return reports
 

@@ -477,7 +477,7 @@ class StepRunner:
         with outside_body(), self.driver.user_code():
             # New work like a step: not started without the lease (checked as late).
             self.driver.check_lease()
-            settle(fn(comp.result, *bound.args, **kwargs))
+            settle(fn(comp.result, *bound.args, **kwargs), own_loop=True)
 
 
 def _recorded_step_error(step: Step[Any], failed: Any) -> BaseException:
