@@ -226,3 +226,13 @@ def test_child_calls_refuse_what_is_not_a_child(
     client = rt.client()
     got = client.result(client.start(misuse).execution_id, timeout=30).unwrap()
     assert "is not a child this run started" in got
+
+
+def test_a_child_pinned_to_another_version_is_decoded_by_that_version_on_replay(
+    runtime: wp.Runtime,
+) -> None:
+    runtime.register(*fam.ALL)
+    runtime.start_worker(concurrency=2, poll_interval=0.05)
+    client = runtime.client()
+    handle = client.start(fam.pins_v1_wf, 7)
+    assert client.result(handle.execution_id, timeout=30).unwrap() == "int"

@@ -87,10 +87,13 @@ class ChildRunner:
         definition = workflow if isinstance(workflow, Workflow) else None
         recorded = self._journal.children.get(activity)
         if recorded is not None:
+            pinned = int(recorded["version"])
+            if definition is not None and definition.version != pinned:
+                definition = None  # another version ran: its result is decoded by that one
             return ChildHandle(
                 str(recorded["childExecutionId"]),
                 str(recorded["workflowName"]),
-                int(recorded["version"]),
+                pinned,
                 activity,
                 definition,
             )
