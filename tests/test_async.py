@@ -95,6 +95,16 @@ def test_an_async_step_past_its_timeout_is_cancelled_and_retried(runtime: wp.Run
     assert a.CANCELLED == ["hangs_async", "hangs_async"]
 
 
+def test_an_async_step_that_ignores_its_cancellation_still_times_out(
+    runtime: wp.Runtime,
+) -> None:
+    runtime.register(*a.ALL)
+    client = runtime.client()
+    run = client.start(a.stubborn_wf).execution_id
+    assert client.result(run, timeout=30).unwrap() == "failed: StepTimeoutError"
+    assert "step.completed" not in {t for t, _ in _shape(client, run)}
+
+
 def test_a_caller_inside_an_event_loop_can_drive_an_async_run(runtime: wp.Runtime) -> None:
     """The embedded ``result()`` drives the run in the calling thread; called from code
     running on an event loop, the body gets a loop of its own (in a thread of its own)."""

@@ -84,7 +84,13 @@ def _on_own_loop(coro: Coroutine[Any, Any, Any]) -> Any:
 async def _bounded(coro: Coroutine[Any, Any, Any], timeout: float | None, step: str | None) -> Any:
     if timeout is None:
         return await coro
+    loop = asyncio.get_running_loop()
+    began = loop.time()
     try:
-        return await asyncio.wait_for(coro, timeout)
+        result = await asyncio.wait_for(coro, timeout)
     except TimeoutError:
         raise StepTimeoutError(step or "?", timeout) from None
+    if loop.time() - began > timeout:
+        # It caught its cancellation and returned anyway: a late result is never recorded.
+        raise StepTimeoutError(step or "?", timeout)
+    return result
