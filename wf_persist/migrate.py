@@ -10,6 +10,7 @@ runtime that only checks the schema revision never pays for it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import io
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 from sqlalchemy import Connection, Engine, column, inspect, select, table
 from sqlalchemy.engine import URL
+from sqlalchemy.util.concurrency import await_, in_greenlet
 
 from . import backends
 from .errors import (
@@ -50,6 +52,23 @@ Bind = Engine | Connection | str | URL
 # Alembic keeps its running environment in module globals: one command per process at a time.
 # Across processes the environment's database lock serializes upgrades.
 _alembic_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _alembic_turn() -> Iterator[None]:
+    """Hold :data:`_alembic_lock`. In a greenlet of SQLAlchemy's asyncio extension (an
+    ``AsyncClient`` opening) the holder awaits its I/O on the same thread's event loop: a
+    blocking acquire there would stop the loop the holder needs to finish, so it waits on
+    the loop instead."""
+    if in_greenlet():
+        while not _alembic_lock.acquire(blocking=False):
+            await_(asyncio.sleep(0.005))
+    else:
+        _alembic_lock.acquire()
+    try:
+        yield
+    finally:
+        _alembic_lock.release()
 
 
 def script_location() -> Path:
@@ -171,7 +190,7 @@ def upgrade(
     from alembic import command
 
     schema = _schema_of(bind, schema)
-    with _alembic_lock, _revision_errors():
+    with _alembic_turn(), _revision_errors():
         if sql:
             buf = io.StringIO()
             command.upgrade(_config(None, _url_of(bind), buf, schema), revision, sql=True)
@@ -196,7 +215,7 @@ def downgrade(
     from alembic import command
 
     schema = _schema_of(bind, schema)
-    with _alembic_lock, _revision_errors():
+    with _alembic_turn(), _revision_errors():
         if sql:
             buf = io.StringIO()
             rng = revision if ":" in revision else f"{SCHEMA_HEAD}:{revision}"
