@@ -125,3 +125,8 @@ def check_timeout(timeout: object) -> None:
         or timeout < 0
     ):
         raise InvalidArgumentError(f"timeout must be a number of seconds, got {timeout!r:.80}")
+    if isinstance(timeout, int):
+        try:
+            float(timeout)  # deadlines are monotonic floats: 10**400 seconds is not one
+        except OverflowError:
+            raise InvalidArgumentError(f"timeout is out of range: {timeout!r:.80}") from None
