@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -143,3 +144,14 @@ def test_bad_input_gets_one_typed_error_and_writes_nothing(
     asyncio.run(app())
     with pytest.raises(wp.InvalidArgumentError):
         wp.AsyncClient(42)  # type: ignore[arg-type]
+
+
+def test_an_embedded_sqlite_file_it_opens_is_created_and_migrated(tmp_path: Path) -> None:
+    """As ``wp.Client``: a SQLite URL the client opens itself gets its schema."""
+
+    async def app() -> list[str]:
+        async with wp.AsyncClient(f"sqlite:///{tmp_path / 'new.sqlite3'}") as client:
+            return [e.name for e in await client.workflows()]
+
+    assert asyncio.run(app()) == []
+    assert (tmp_path / "new.sqlite3").exists()

@@ -70,13 +70,19 @@ class AsyncClient:
             kind = backend_type(url.get_backend_name())
             target = kind.async_url(url)
             try:
-                self.engine = create_async_engine(target)
-            except (ImportError, Exception) as exc:
+                self.engine = create_async_engine(target, **kind.async_engine_kwargs())
+            except ImportError as exc:
                 raise UnsupportedDatabaseError(
                     f"no asyncio driver for {describe_url(target)} ({exc}); "
                     "install it with: pip install 'wf-persist[async]'"
                 ) from exc
+            except Exception as exc:  # an argument this driver does not take, and the like
+                raise UnsupportedDatabaseError(
+                    f"cannot create an engine for {describe_url(target)}: {exc}"
+                ) from exc
             self._owned = True
+            if auto_migrate is None:  # as wp.Client: an embedded database it opens is made
+                auto_migrate = kind.embedded
         else:
             raise InvalidArgumentError(
                 f"bind must be a database URL or an AsyncEngine, got {bind!r:.80}"

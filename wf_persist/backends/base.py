@@ -140,6 +140,11 @@ class Backend:
         return url.set(drivername=f"{url.get_backend_name()}+{cls.async_driver}")
 
     @classmethod
+    def async_engine_kwargs(cls) -> dict[str, Any]:
+        """Arguments of the asyncio engine ``wp.AsyncClient`` creates itself."""
+        return {}
+
+    @classmethod
     def on_own_engine(cls, engine: Engine) -> None:
         """Listeners on an engine wf_persist created (never on a host's)."""
 

@@ -139,6 +139,11 @@ class SQLiteBackend(Backend):
     # engines -----------------------------------------------------------------------
 
     @classmethod
+    def async_engine_kwargs(cls) -> dict[str, Any]:
+        # Waits for another writer's lock as wf_persist's own engines do (aiosqlite: 5 s).
+        return {"connect_args": {"timeout": 30.0}}
+
+    @classmethod
     def configure_engine(cls, url: URL, kwargs: dict[str, Any]) -> tuple[URL, dict[str, Any]]:
         if url.database in (None, "", ":memory:") or url.query.get("mode") == "memory":
             # An in-memory database is one connection, which threads would have to take turns
