@@ -155,3 +155,24 @@ def test_an_embedded_sqlite_file_it_opens_is_created_and_migrated(tmp_path: Path
 
     assert asyncio.run(app()) == []
     assert (tmp_path / "new.sqlite3").exists()
+
+
+def test_a_client_serves_one_event_loop_and_says_so_on_another(
+    runtime: wp.Runtime, db_url: str
+) -> None:
+    runtime.register(*w.ALL)
+    client = wp.AsyncClient(db_url)
+
+    async def first() -> str:
+        try:
+            return (await client.start("echo", 1)).execution_id
+        finally:
+            await client.close()  # its connections end with their loop
+
+    async def second() -> None:
+        await client.status(started)
+
+    started = asyncio.run(first())
+    with pytest.raises(wp.InvalidArgumentError, match="one per loop"):
+        asyncio.run(second())
+    assert runtime.client().result(started, timeout=30).status == "completed"

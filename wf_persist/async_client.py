@@ -50,7 +50,8 @@ class AsyncClient:
             ``postgresql+psycopg``, ``mysql+aiomysql``) or an application's ``AsyncEngine``.
         schema, auto_migrate, poll_interval, clock: as for :class:`~wf_persist.Client`.
 
-    Use ``async with AsyncClient(url) as client:`` or call :meth:`close`.
+    Use ``async with AsyncClient(url) as client:`` or call :meth:`close`. A client serves
+    one event loop (the one it is first used on): make one per loop.
     """
 
     def __init__(
@@ -95,6 +96,7 @@ class AsyncClient:
         }
         self._poll_interval = poll_interval
         self._client: Client | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._opening = asyncio.Lock()
         self._waiters: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
         self._waiters_lock = threading.Lock()
@@ -102,6 +104,14 @@ class AsyncClient:
 
     async def _sync(self) -> Client:
         """The thin client doing the work (made on first use: it reads the database)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif self._loop is not loop:
+            # Its pooled connections belong to the first loop (gone, or busy elsewhere).
+            raise InvalidArgumentError(
+                "an AsyncClient serves the event loop it was first used on: make one per loop"
+            )
         if self._client is None:
             async with self._opening:
                 if self._client is None:
