@@ -62,8 +62,15 @@ def test_two_runtimes_never_claim_the_same_run(make_runtime: Callable[..., wp.Ru
 
     def claim(name: str, rt: wp.Runtime) -> None:
         barrier.wait()
-        for _ in range(30):  # SKIP LOCKED may hand out fewer than asked while the other claims
+        # SKIP LOCKED may hand out fewer than asked while the other claims: go on until
+        # every run was handed out (or long past it, on a loaded machine).
+        deadline = time.monotonic() + 30
+        rounds = 0
+        while rounds < 30 or (
+            len(claimed["a"]) + len(claimed["b"]) < len(ids) and time.monotonic() < deadline
+        ):
             claimed[name] += [c.execution_id for c in rt.claim_due(3)]
+            rounds += 1
 
     threads = [threading.Thread(target=claim, args=(n, r)) for n, r in (("a", a), ("b", b))]
     for t in threads:
