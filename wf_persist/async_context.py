@@ -16,7 +16,6 @@ import asyncio
 import contextvars
 import datetime as dt
 import functools
-import threading
 import uuid as _uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
@@ -24,7 +23,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 from .authoring import Call, Step, Workflow, inside_body
 from .children import ChildHandle
 from .control import Halt, Reload, Suspended
-from .loops import BODY_LOOP
+from .loops import BODY_LOOP, on_own_loop
 from .replay import Received, TimedOut
 
 if TYPE_CHECKING:
@@ -152,22 +151,4 @@ def call_body(wf: Workflow[Any, Any], ctx: Context, value: Any) -> Any:
         with inside_body():
             return await wf.fn(AsyncContext(ctx), *args)
 
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(main())
-    outcome: list[tuple[bool, Any]] = []
-
-    def own_thread() -> None:
-        try:
-            outcome.append((True, asyncio.run(main())))
-        except BaseException as exc:  # raised in the caller's thread below
-            outcome.append((False, exc))
-
-    thread = threading.Thread(target=own_thread, name="wf-persist-async-body")
-    thread.start()
-    thread.join()
-    ok, found = outcome[0]
-    if not ok:
-        raise found
-    return found
+    return on_own_loop(main(), "wf-persist-async-body")

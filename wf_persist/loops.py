@@ -49,7 +49,7 @@ def settle(
         return result
     loop = BODY_LOOP.get()
     if loop is None and own_loop:
-        return _on_own_loop(_bounded(result, timeout, step))
+        return on_own_loop(_bounded(result, timeout, step))
     if loop is None:
         result.close()
         raise WorkflowDefinitionError("a coroutine was returned outside an async workflow")
@@ -57,7 +57,7 @@ def settle(
     return future.result()
 
 
-def _on_own_loop(coro: Coroutine[Any, Any, Any]) -> Any:
+def on_own_loop(coro: Coroutine[Any, Any, Any], name: str = "wf-persist-async") -> Any:
     """Run ``coro`` to its end on a new event loop: in this thread, or in a thread of its
     own when this thread already runs a loop (a caller inside an async app)."""
     try:
@@ -72,7 +72,7 @@ def _on_own_loop(coro: Coroutine[Any, Any, Any]) -> Any:
         except BaseException as exc:  # raised in the caller's thread below
             outcome.append((False, exc))
 
-    thread = threading.Thread(target=own_thread, name="wf-persist-async-compensation")
+    thread = threading.Thread(target=own_thread, name=name)
     thread.start()
     thread.join()
     ok, found = outcome[0]
