@@ -379,3 +379,52 @@ def test_a_compensation_is_not_started_without_the_lease(
     labels = Counter(label for label, _ in f.marks_of(marks))
     assert labels == {"undo-second": 1, "undo-first": 1}, labels
     assert undone() == ["book#2", "book#1"]
+
+
+_RENEWER = """
+import sys, wf_persist as wp
+rt = wp.Runtime(sys.argv[1])
+held = {sys.argv[2]: int(sys.argv[3])}
+print("renewing", flush=True)
+while True:
+    with rt.backend.engine.connect() as conn:
+        assert rt.backend.renew_alone(conn, held, 3600) == set(held)
+"""
+
+
+@pytest.mark.needs("server")
+def test_a_process_paused_while_renewing_a_lease_holds_no_lock_on_the_run(
+    make_runtime: Callable[..., wp.Runtime], db_url: str, procs: Processes
+) -> None:
+    """A worker renews its leases all the time; SIGSTOP may land anywhere in a renewal. A
+    renewal left open between its UPDATE and its COMMIT would hold the run's row lock for
+    as long as the process stays paused, and every claim of the run would wait for it (the
+    run stuck, though its lease lapses). Paused at many moments of back-to-back renewals,
+    the process never holds the row."""
+    rt = make_runtime()
+    rt.register(*f.ALL)
+    handle = rt.client().start(f.fenced_wf, {"marks": "-", "release": "-"})
+    info = rt.client().describe(handle.execution_id)
+    assert info is not None
+    claim = rt.backend.claim_to_drive(
+        handle.execution_id, "paused-test", 3600, [(info.workflow_name, info.version)]
+    )
+    assert claim is not None
+    renewer = procs.python(
+        "-c", _RENEWER, db_url, handle.execution_id, str(claim.epoch), stdout=True
+    )
+    assert renewer.popen.stdout is not None
+    assert renewer.popen.stdout.readline().strip() == "renewing"
+    nowait = select(ex.c.id).where(ex.c.id == handle.execution_id).with_for_update(nowait=True)
+    try:
+        for _ in range(60):
+            time.sleep(0.002 + (_ % 7) * 0.0013)
+            renewer.send(signal.SIGSTOP)
+            time.sleep(0.05)  # a statement the server was running when the stop came ends
+            with rt.backend.engine.connect() as conn, conn.begin():
+                assert conn.execute(nowait).scalar_one() == handle.execution_id
+            renewer.send(signal.SIGCONT)
+        assert renewer.popen.poll() is None, renewer.tail()  # still renewing, all along
+    finally:
+        renewer.send(signal.SIGCONT)
+        renewer.stop()

@@ -262,8 +262,8 @@ class RunDriver:
         asked = time.monotonic()
         try:
             # On the drive's connection: never one held while waiting for a second.
-            with self.lender.connection() as own, self.backend.begin(own) as conn:
-                still = self.backend.renew(conn, {self.execution_id: self.epoch}, ttl)
+            with self.lender.connection() as conn:
+                still = self.backend.renew_alone(conn, {self.execution_id: self.epoch}, ttl)
         except Exception as exc:
             raise Halt(exc) from exc
         if self.execution_id not in still:

@@ -137,8 +137,8 @@ class LeaseKeeper(threading.Thread):
                 continue
             started = time.monotonic()
             try:
-                with self.engine().connect() as conn, self.backend.begin(conn):
-                    still = self.backend.renew(
+                with self.engine().connect() as conn:
+                    still = self.backend.renew_alone(
                         conn, {i: lease.epoch for i, lease in leases.items()}, self.ttl
                     )
             except Exception as exc:

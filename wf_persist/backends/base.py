@@ -457,6 +457,14 @@ class Backend:
         )
         return {str(i) for i in conn.execute(stmt, {"p_ttl": ttl}).scalars()}
 
+    def renew_alone(self, conn: Connection, held: Mapping[str, int], ttl: float) -> set[str]:
+        """:meth:`renew` as a write of its own on ``conn`` (not in a transaction). Where the
+        backend can, it is one autocommitted statement: a process paused (SIGSTOP) between
+        a renewal's UPDATE and its COMMIT would hold the runs' row locks, and every other
+        worker's claim of them would wait until it resumed."""
+        with self.begin(conn):
+            return self.renew(conn, held, ttl)
+
     def epochs(self, conn: Connection, execution_ids: Sequence[str]) -> dict[str, int]:
         """The current claim epoch of each run (a run that is gone is left out)."""
         rows = conn.execute(

@@ -295,6 +295,19 @@ class MySQLBackend(Backend):
         )
         return {str(i) for i in conn.execute(select(ex.c.id).where(held_at(held))).scalars()}
 
+    def renew_alone(self, conn: Connection, held: Mapping[str, int], ttl: float) -> set[str]:
+        # Each statement commits on its own: the UPDATE's row locks are gone when it
+        # returns, and the SELECT that follows reads without locking. ``conn`` may be a
+        # drive's, kept for its next writes: its level is put back.
+        before = conn.get_execution_options().get("isolation_level")
+        conn.execution_options(isolation_level="AUTOCOMMIT")
+        try:
+            with conn.begin():  # only SQLAlchemy's: the driver is in autocommit
+                return self.renew(conn, held, ttl)
+        finally:
+            if not conn.invalidated and not conn.closed:
+                conn.execution_options(isolation_level=before or conn.default_isolation_level)
+
     # fenced writes -----------------------------------------------------------------
 
     def fenced(

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     Integer,
     String,
     all_,
@@ -46,6 +47,28 @@ from .sql import (
 P_LIMIT = bindparam("p_limit", type_=Integer())
 #: Runs this process drives (an array: the statement text does not depend on how many).
 P_EXCLUDE = bindparam("p_exclude", type_=postgresql.ARRAY(String()))
+
+
+#: Leases to renew: run ids and the epochs they are held at, as two parallel arrays.
+P_IDS = bindparam("p_ids", type_=postgresql.ARRAY(String()))
+P_EPOCHS = bindparam("p_epochs", type_=postgresql.ARRAY(BigInteger()))
+
+
+@functools.cache
+def renew_statement() -> Any:
+    """Extend the leases still held at their epochs, in ONE statement (its text does not
+    depend on how many)."""
+    held = select(func.unnest(P_IDS).label("id"), func.unnest(P_EPOCHS).label("epoch")).subquery()
+    return (
+        update(ex)
+        .where(
+            ex.c.id == held.c.id,
+            ex.c.claim_epoch == held.c.epoch,
+            ex.c.lease_expires_at.is_not(None),
+        )
+        .values(lease_expires_at=db_later(P_TTL), wake_at=db_later(P_TTL))
+        .returning(ex.c.id)
+    )
 
 
 def _text(value: str) -> Any:

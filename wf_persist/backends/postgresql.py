@@ -40,6 +40,7 @@ from .pg_sql import (
     RUN_COLUMNS,
     claim_statement,
     claims_of,
+    renew_statement,
     start_statement,
     write_statement,
 )
@@ -264,6 +265,12 @@ class PostgreSQLBackend(Backend):
 
     def _auto(self, stmt: Any, params: dict[str, Any]) -> list[Claim]:
         return claims_of(self._raw(stmt, params))
+
+    def renew_alone(self, conn: Connection, held: Mapping[str, int], ttl: float) -> set[str]:
+        if not held or not self.raw_ok:
+            return super().renew_alone(conn, held, ttl)
+        params = {"p_ids": list(held), "p_epochs": list(held.values()), "p_ttl": ttl}
+        return {str(row[0]) for row in self._raw(renew_statement(), params, conn)}
 
     def claim_to_drive(
         self, execution_id: str, owner: str, ttl: float, workflows: Sequence[tuple[str, int]]
