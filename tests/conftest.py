@@ -13,7 +13,8 @@ capability is tested for it::
 The capabilities (:data:`CAPABILITIES`) are read from the backend objects themselves:
 ``skip_locked``, ``schemas`` (``supports_schemas``), ``embedded``, ``server`` (not embedded),
 ``shared_slots`` (``backend.slots.shared``: step limits that hold database-wide), ``notify``
-(``can_listen``: LISTEN/NOTIFY wake-ups) and ``presence`` (presence locks).
+(``can_listen``: LISTEN/NOTIFY wake-ups), ``presence`` (presence locks) and ``idle_limit``
+(the server ends a write transaction of ours whose process paused in it).
 ``tests/test_backends.py`` pins which backend has which, so a capability lost by accident
 fails there instead of quietly dropping a backend from the tests that need it. A test whose
 parameter set comes out empty (no listed backend has what it needs) fails; it is not skipped.
@@ -78,6 +79,7 @@ CAPABILITY_NAMES = frozenset(
         "initdb",
         "notify",
         "presence",
+        "idle_limit",
     }
 )
 #: Capabilities of each listed backend, read from its backend object at session start.
@@ -102,6 +104,8 @@ def capabilities_of(backend: Backend) -> frozenset[str]:
         found.add("initdb")  # a private server of it can be started (and restarted) by a test
     if kind.can_listen:
         found.add("notify")  # LISTEN/NOTIFY wake-ups
+    if kind.idle_timeout is not None:
+        found.add("idle_limit")  # the server ends a write transaction of ours left idle
     if backend.owner_mark():
         found.add("presence")  # presence locks: a dead worker's runs are taken over at once
     return frozenset(found)

@@ -29,6 +29,7 @@ EXPECTED_CAPABILITIES = {
         "initdb",
         "notify",
         "presence",
+        "idle_limit",
     },
     "mysql": {"server", "skip_locked", "shared_slots", "sql_mode"},
 }

@@ -428,3 +428,40 @@ def test_a_process_paused_while_renewing_a_lease_holds_no_lock_on_the_run(
     finally:
         renewer.send(signal.SIGCONT)
         renewer.stop()
+
+
+_PAUSED_MID_WRITE = """
+import os, signal, sys
+import wf_persist as wp
+from sqlalchemy import text
+from wf_persist.backends.postgresql import PostgreSQLBackend
+PostgreSQLBackend.idle_timeout = 1.0
+rt = wp.Runtime(sys.argv[1])
+with rt.backend.begin() as conn:
+    conn.execute(text("SELECT id FROM wf_executions WHERE id = :i FOR UPDATE"), {"i": sys.argv[2]})
+    print("holding", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+@pytest.mark.needs("idle_limit")
+def test_a_process_paused_inside_a_write_transaction_holds_the_run_only_so_long(
+    make_runtime: Callable[..., wp.Runtime], db_url: str, procs: Processes
+) -> None:
+    """Every write transaction of ours on PostgreSQL is bounded: the server ends one whose
+    process is paused in it (SIGSTOP) after ``idle_timeout``, and the run's row lock goes
+    with it, so another worker drives the run once its lease lapses."""
+    rt = make_runtime(lease_ttl=1.0)
+    rt.register(*f.ALL)
+    handle = rt.client().start(f.slow_wf, 0.0)
+    holder = procs.python("-c", _PAUSED_MID_WRITE, db_url, handle.execution_id, stdout=True)
+    try:
+        assert holder.popen.stdout is not None
+        assert holder.popen.stdout.readline().strip() == "holding"
+        started = time.monotonic()
+        assert rt.drive(handle.execution_id) is True
+        assert time.monotonic() - started < 10
+        assert rt.client().result(handle.execution_id, timeout=5).unwrap() == 0.0
+    finally:
+        holder.send(signal.SIGCONT)
+        holder.stop()

@@ -509,5 +509,5 @@ class Runtime(Registry):
     @contextmanager
     def transaction(self) -> Iterator[Connection]:
         """A write transaction on this runtime's engine."""
-        with self.backend.begin() as conn:
+        with self.backend.begin(ours=False) as conn:
             yield conn

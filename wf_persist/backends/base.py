@@ -94,6 +94,9 @@ class Backend:
     supports_schemas: ClassVar[bool] = False
     #: Whether claims skip rows other claimers have locked (``FOR UPDATE SKIP LOCKED``).
     skip_locked: ClassVar[bool] = False
+    #: Seconds a write transaction of ours may sit idle before the server ends it (None:
+    #: the backend cannot bound it; a paused process holds its locks until it resumes).
+    idle_timeout: ClassVar[float | None] = None
     #: Whether migrations run in one transaction (DDL is transactional).
     transactional_ddl: ClassVar[bool] = True
     #: Whether Alembic must use batch mode (SQLite's limited ALTER TABLE).
@@ -159,8 +162,9 @@ class Backend:
         return engine.execution_options(**options) if options else engine
 
     @contextlib.contextmanager
-    def begin(self, conn: Connection | None = None) -> Iterator[Connection]:
-        """A write transaction, on ``conn`` (a drive's connection) or a pooled one."""
+    def begin(self, conn: Connection | None = None, *, ours: bool = True) -> Iterator[Connection]:
+        """A write transaction, on ``conn`` (a drive's connection) or a pooled one;
+        ``ours=False``: one an application runs its own statements in."""
         if conn is None:
             with self.engine.begin() as fresh:
                 yield fresh

@@ -74,6 +74,7 @@ class PostgreSQLBackend(Backend):
     insert_ignoring: ClassVar[Any] = staticmethod(postgresql.insert)
     supports_schemas: ClassVar[bool] = True
     skip_locked: ClassVar[bool] = True
+    idle_timeout: ClassVar[float | None] = 15.0
 
     def __init__(self, engine: Engine, *, owned: bool, schema: str | None = None) -> None:
         super().__init__(engine, owned=owned, schema=schema)
@@ -90,6 +91,8 @@ class PostgreSQLBackend(Backend):
         #: connections, which ``wp.AsyncClient`` uses: SQLAlchemy's execution there).
         self.raw_ok = not engine.dialect.is_async
         self._rendered: dict[Any, tuple[str, dict[str, Any]]] = {}
+        idle_ms = int((self.idle_timeout or 0) * 1000)
+        self._idle_sql = f"SET LOCAL idle_in_transaction_session_timeout = {idle_ms}"
         #: Capabilities, known once the first listener connected (None: not known yet).
         self._listen_ok: bool | None = None
         self._presence_ok: bool | None = None
@@ -182,6 +185,19 @@ class PostgreSQLBackend(Backend):
         if not found:
             return False
         return True if lease is None else claims_of(found)[0]._replace(started_here=True)
+
+    @contextlib.contextmanager
+    def begin(self, conn: Connection | None = None, *, ours: bool = True) -> Iterator[Connection]:
+        """A write transaction the server ends if its session idles in it longer than
+        :attr:`idle_timeout` (ours never wait on anything but the database): a process
+        paused mid-transaction (SIGSTOP) would otherwise hold its rows' locks, and stall
+        every worker's claim of them, for as long as it stays paused. ``SET LOCAL``: the
+        session's own setting (a host's engine) is left as it was. An application's own
+        transaction (``ours=False``) may wait on what it likes."""
+        with super().begin(conn) as inside:
+            if ours:
+                inside.exec_driver_sql(self._idle_sql)
+            yield inside
 
     @contextlib.contextmanager
     def atomic(self) -> Iterator[Connection]:

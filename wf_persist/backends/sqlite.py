@@ -198,7 +198,7 @@ class SQLiteBackend(Backend):
             yield conn
 
     @contextlib.contextmanager
-    def begin(self, conn: Connection | None = None) -> Iterator[Connection]:
+    def begin(self, conn: Connection | None = None, *, ours: bool = True) -> Iterator[Connection]:
         if conn is not None:
             with self._transaction(conn, "BEGIN IMMEDIATE"):
                 yield conn
