@@ -18,8 +18,10 @@ import datetime as dt
 import functools
 import uuid as _uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
+from . import bridge
 from .authoring import Call, Step, Workflow, inside_body
 from .children import ChildHandle
 from .control import Halt, Reload, Suspended
@@ -38,8 +40,12 @@ class AsyncContext:
     """Handed to an ``async def`` workflow as ``ctx``: the methods of
     :class:`~wf_persist.Context`, awaited."""
 
-    def __init__(self, sync: Context) -> None:
+    def __init__(self, sync: Context, io: Executor | None = None, bridged: bool = False) -> None:
         self._sync = sync
+        #: In the async worker: each call runs in a greenlet on the body's loop (its
+        #: blocking parts on ``io``'s threads), not on a thread of its own.
+        self._io = io
+        self._bridged = bridged
         self._turn = asyncio.Lock()
         #: Set once a call stopped this replay (it parked, reloads, lost the run): the
         #: calls awaiting their turn (``asyncio.gather``) must not start anything after it.
@@ -49,9 +55,11 @@ class AsyncContext:
         async with self._turn:
             if self._stopped is not None:
                 raise self._stopped.with_traceback(None)
-            context = contextvars.copy_context()  # carries the body's loop to the thread
-            call = functools.partial(context.run, fn, *args, **kwargs)
             try:
+                if self._bridged:
+                    return await bridge.spawn(functools.partial(fn, *args, **kwargs), io=self._io)
+                context = contextvars.copy_context()  # carries the body's loop to the thread
+                call = functools.partial(context.run, fn, *args, **kwargs)
                 return await asyncio.get_running_loop().run_in_executor(None, call)
             except (Suspended, Reload, Halt) as stop:
                 self._stopped = stop  # before the next call's turn
@@ -146,9 +154,13 @@ def call_body(wf: Workflow[Any, Any], ctx: Context, value: Any) -> Any:
         with inside_body():
             return wf.fn(ctx, *args)
 
+    bridged, io = bridge.bridged(), bridge.io()
+
     async def main() -> Any:
         BODY_LOOP.set(asyncio.get_running_loop())
         with inside_body():
-            return await wf.fn(AsyncContext(ctx), *args)
+            return await wf.fn(AsyncContext(ctx, io, bridged), *args)
 
+    if bridged:  # the async worker's loop runs it (this drive's greenlet waits)
+        return bridge.wait(main())
     return on_own_loop(main(), "wf-persist-async-body")

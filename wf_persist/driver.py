@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import select
 
-from . import events, lifecycle
+from . import bridge, events, lifecycle
 from .async_context import call_body
 from .authoring import Step, Workflow
 from .backends import Claim, Fenced
+from .bridge import off_loop
 from .context import Context
 from .control import Halt, Reload
 from .errors import (
@@ -137,6 +138,15 @@ class RunDriver:
         guard: tuple[str, ...] | None = None,
         note: str | None = None,
     ) -> Fenced:
+        return off_loop(self._write_now, evs, values, guard, note)
+
+    def _write_now(
+        self,
+        evs: Sequence[NewEvent],
+        values: dict[str, Any] | None,
+        guard: tuple[str, ...] | None,
+        note: str | None,
+    ) -> Fenced:
         with self.conn_lock:
             deferred = self._deferred
             if deferred:
@@ -196,6 +206,9 @@ class RunDriver:
 
     def flush(self) -> None:
         """Write the deferred events now (before something new starts)."""
+        off_loop(self._flush_now)
+
+    def _flush_now(self) -> None:
         with self.conn_lock:
             if self._deferred:
                 self._write([])
@@ -207,6 +220,16 @@ class RunDriver:
         wake_at: dt.datetime | None,
         values: dict[str, Any] | None = None,
         note: str | None = None,
+    ) -> None:
+        off_loop(self._locked_now, evs, park, wake_at, values, note)
+
+    def _locked_now(
+        self,
+        evs: Sequence[NewEvent],
+        park: bool,
+        wake_at: dt.datetime | None,
+        values: dict[str, Any] | None,
+        note: str | None,
     ) -> None:
         with self.conn_lock:
             evs = [*self._deferred, *evs]
@@ -261,9 +284,7 @@ class RunDriver:
             return
         asked = time.monotonic()
         try:
-            # On the drive's connection: never one held while waiting for a second.
-            with self.lender.connection() as conn:
-                still = self.backend.renew_alone(conn, {self.execution_id: self.epoch}, ttl)
+            still = off_loop(self._renew, ttl)
         except Exception as exc:
             raise Halt(exc) from exc
         if self.execution_id not in still:
@@ -277,12 +298,17 @@ class RunDriver:
     def secret_resolver(self) -> SecretResolver | None:
         return self.runtime.secret_resolver
 
+    def _renew(self, ttl: float) -> set[str]:
+        # On the drive's connection: never one held while waiting for a second.
+        with self.lender.connection() as conn:
+            return self.backend.renew_alone(conn, {self.execution_id: self.epoch}, ttl)
+
     def after(self, delay: float, fn: Callable[[], None]) -> Callable[[], None]:
         return self.runtime.timers.after(delay, fn)
 
     def pause(self, seconds: float) -> None:
         with self.lender.lent():
-            self.runtime.pause(seconds)
+            bridge.pause(seconds, self.runtime.pause)
 
     def user_code(self) -> AbstractContextManager[None]:
         return self.lender.lent()
@@ -293,10 +319,15 @@ class RunDriver:
     def code_function(self, name: str, fn: Callable[[], T]) -> Callable[[], T]:
         return fn
 
-    @contextmanager
-    def concurrency_slot(self, step: Step[Any], key: str) -> Iterator[None]:
+    def concurrency_slot(self, step: Step[Any], key: str) -> AbstractContextManager[None]:
         """Hold one of ``step``'s slots for ``key``, checking meanwhile that the run is
-        still ours (a run cancelled while it queues never starts the step)."""
+        still ours (a run cancelled while it queues never starts the step). Taken and
+        given back on a thread when bridged (it waits, and talks to the database)."""
+        slot = self._slot(step, key)
+        return bridge.threaded(slot) if bridge.bridged() else slot
+
+    @contextmanager
+    def _slot(self, step: Step[Any], key: str) -> Iterator[None]:
         limit = step.concurrency
         assert limit is not None
         last_check = time.monotonic()
@@ -313,6 +344,9 @@ class RunDriver:
 
     def _check_run(self) -> None:
         """Is the run still ours, and not cancelled meanwhile? (A read, not a write.)"""
+        off_loop(self._check_run_now)
+
+    def _check_run_now(self) -> None:
         try:
             with self.backend.read() as conn:
                 row = conn.execute(
@@ -328,6 +362,19 @@ class RunDriver:
     # children ------------------------------------------------------------------------
 
     def start_child(
+        self,
+        child_id: str,
+        workflow: Workflow[Any, Any] | str,
+        version: int | None,
+        payload: Any,
+        who: events.Activity,
+        cancel_with_parent: bool,
+    ) -> Workflow[Any, Any]:
+        return off_loop(
+            self._start_child_now, child_id, workflow, version, payload, who, cancel_with_parent
+        )
+
+    def _start_child_now(
         self,
         child_id: str,
         workflow: Workflow[Any, Any] | str,
@@ -389,6 +436,11 @@ class RunDriver:
         """Cancel these children as this run was cancelled (or timed out), each in a
         transaction of its own; one that ended meanwhile is left as it is. Done before the
         unwind, so a crash before the outcome does it again at the next drive."""
+        off_loop(self._cancel_children_now, ids, compensate)
+        if ids:
+            self.runtime._notify()
+
+    def _cancel_children_now(self, ids: Sequence[str], compensate: bool) -> None:
         for child_id in ids:
             try:
                 with self.lender.connection() as own, self.backend.begin(own) as conn:
@@ -402,8 +454,6 @@ class RunDriver:
                     )
             except Exception as exc:
                 raise Halt(exc) from exc
-        if ids:
-            self.runtime._notify()
 
     # the outcome ------------------------------------------------------------------
 

@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, Float, literal, select
 
-from . import events, lifecycle
+from . import bridge, events, lifecycle
 from .backends import Claim
 from .backends.clock import db_later, db_now
+from .bridge import off_loop
 from .control import Halt, Reload, Suspended
 from .driver import DriveClock, RunDriver, run_body
 from .errors import DriveFailedError, LeaseLostError, brief, driver_error, error_document
@@ -48,8 +49,7 @@ def start_drive(runtime: Runtime, claim: Claim) -> tuple[Journal, int]:
     """The journal of a claimed run and the last sequence read, its history read (and
     ``workflow.started`` recorded) by the claim itself or now (:meth:`Backend.open_claim`)."""
     if claim.history is None:
-        with runtime.backend.begin() as conn:
-            claim = runtime.backend.open_claim(conn, claim)
+        claim = off_loop(_open, runtime, claim)
     history = claim.history or ()
     if history and _left_in_flight(claim, history[-1][1]):
         log.info(
@@ -60,6 +60,11 @@ def start_drive(runtime: Runtime, claim: Claim) -> tuple[Journal, int]:
             extra=run_fields(claim.execution_id, claim.workflow_name),
         )
     return Journal.from_events([e for _, e in history]), claim.next_seq - 1
+
+
+def _open(runtime: Runtime, claim: Claim) -> Claim:
+    with runtime.backend.begin() as conn:
+        return runtime.backend.open_claim(conn, claim)
 
 
 def _left_in_flight(claim: Claim, last: Mapping[str, Any]) -> bool:
@@ -90,7 +95,7 @@ def drive(
     wf = runtime.definition(claim.workflow_name, claim.workflow_version)
     deadline = run_deadline(claim, wf.timeout)
     clock = DriveClock(claim.db_now, runtime.time_shift)
-    lender = Lender(runtime.backend, runtime.timers)
+    lender = Lender(runtime.backend, runtime.timers, keep=not bridge.bridged())
     driver: RunDriver | None = None
     try:
         while True:
@@ -104,10 +109,7 @@ def drive(
             except Reload:
                 driver.flush()  # a finished step's events, before the history is read again
                 try:
-                    # On the drive's own connection: a drive never holds one connection
-                    # while it waits for a second (drives would wait on each other).
-                    with lender.connection() as own, runtime.backend.read(own) as conn:
-                        loaded = load_journal(conn, claim.execution_id)
+                    loaded = off_loop(_reload, runtime, lender, claim.execution_id)
                 except Exception as exc:
                     raise Halt(exc) from exc
                 continue
@@ -115,7 +117,7 @@ def drive(
                 pass
             return driver.finished
     except Halt as halt:
-        lender.release()  # what follows takes a connection of its own
+        off_loop(lender.release)  # what follows takes a connection of its own
         if isinstance(halt.cause, LeaseLostError):
             if driver is not None and driver.handing_over and not lease.lost:
                 # Stopped by close() or a caller's deadline, not by a takeover: hand the run
@@ -131,24 +133,35 @@ def drive(
         else:
             failed(runtime, claim, halt.cause)
     except Exception as exc:  # a defect in replay itself: count it like any failed drive
-        lender.release()
+        off_loop(lender.release)
         failed(runtime, claim, exc)
     except BaseException:
         if driver is not None:  # interrupted (shutdown): keep what finished, if we still can
             with contextlib.suppress(Exception, Halt):
                 driver.flush()
-        lender.release()
+        off_loop(lender.release)
         release(runtime, claim)  # due again at once elsewhere
         raise
     finally:
-        lender.release()
+        off_loop(lender.release)
         runtime.keeper().forget(lease)
     return None
+
+
+def _reload(runtime: Runtime, lender: Lender, execution_id: str) -> tuple[Journal, int]:
+    # On the drive's own connection: a drive never holds one connection while it waits
+    # for a second (drives would wait on each other).
+    with lender.connection() as own, runtime.backend.read(own) as conn:
+        return load_journal(conn, execution_id)
 
 
 def failed(runtime: Runtime, claim: Claim, exc: BaseException) -> None:
     """Count a failed drive on the run; past the limit, fail the run. Fenced by the epoch
     (a run someone else claimed meanwhile is theirs), on a fresh connection."""
+    off_loop(_failed, runtime, claim, exc)
+
+
+def _failed(runtime: Runtime, claim: Claim, exc: BaseException) -> None:
     execution_id = claim.execution_id
     doc = error_document(driver_error(exc))  # the driver's words, not the whole statement
     backend = runtime.backend
@@ -218,6 +231,10 @@ def failed(runtime: Runtime, claim: Claim, exc: BaseException) -> None:
 
 def release(runtime: Runtime, claim: Claim) -> None:
     """Give the run's lease up at once (best effort)."""
+    off_loop(_release, runtime, claim)
+
+
+def _release(runtime: Runtime, claim: Claim) -> None:
     try:
         with runtime.backend.begin() as conn:
             runtime.backend.release(conn, {claim.execution_id: claim.epoch})

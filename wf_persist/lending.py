@@ -33,9 +33,13 @@ class Lender:
     """The connection of one drive (shared by its replays, ``ctx.all`` branches and its
     start-record timer, one statement at a time under :attr:`lock`)."""
 
-    def __init__(self, backend: Backend, timers: Timers) -> None:
+    def __init__(self, backend: Backend, timers: Timers, *, keep: bool = True) -> None:
         self.backend = backend
         self.timers = timers
+        #: Whether a connection is kept from one write to the next (a drive on a thread
+        #: goes from its write straight to its next call); False on the async worker's
+        #: loop, where hundreds of runs wait their turn between writes.
+        self.keep = keep
         #: Held while a connection is in use (and while it is taken or given back).
         self.lock = threading.RLock()
         self._conn: Connection | None = None
@@ -53,6 +57,8 @@ class Lender:
             except BaseException:
                 self.release()
                 raise
+            if not self.keep:
+                self.release()
 
     def release(self) -> None:
         """Give the connection back to the pool (the next write takes one again)."""

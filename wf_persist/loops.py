@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, Final
 
+from . import bridge
 from .errors import StepTimeoutError, WorkflowDefinitionError
 
 #: Set while an async body runs (copied to the helper threads its calls run on).
@@ -47,6 +48,8 @@ def settle(
     loop ended), await it on an event loop of its own instead of refusing it."""
     if not inspect.iscoroutine(result):
         return result
+    if bridge.bridged():  # the async worker's: this greenlet waits, the loop goes on
+        return bridge.wait(_bounded(result, timeout, step))
     loop = BODY_LOOP.get()
     if loop is None and own_loop:
         return on_own_loop(_bounded(result, timeout, step))

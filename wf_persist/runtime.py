@@ -27,6 +27,7 @@ from sqlalchemy.engine import URL
 from . import drives
 from .authoring import Step
 from .backends import Claim
+from .bridge import off_loop
 from .database import Database
 from .errors import (
     InvalidArgumentError,
@@ -196,7 +197,7 @@ class Runtime(Registry):
             if remaining <= 0:
                 yield False
                 return
-            self.wait_for_change(min(0.05, remaining))
+            off_loop(self.wait_for_change, min(0.05, remaining))
         try:
             yield True
         finally:
@@ -444,14 +445,24 @@ class Runtime(Registry):
             if self._worker is None:
                 self._worker = worker
 
-    def start_worker(self, *, concurrency: int = 4, poll_interval: float | None = None) -> Worker:
-        """Run a worker in background threads of this process (embedded mode)."""
+    def start_worker(
+        self,
+        *,
+        concurrency: int = 4,
+        poll_interval: float | None = None,
+        event_loop: bool = False,
+    ) -> Worker:
+        """Run a worker in background threads of this process (embedded mode);
+        ``event_loop``: ``async def`` workflows' runs on one event loop (see
+        :class:`~wf_persist.worker.Worker`)."""
         from .worker import Worker
 
         with self._lock:
             if self._worker is not None:
                 return self._worker
-        worker = Worker(self, concurrency=concurrency, poll_interval=poll_interval)
+        worker = Worker(
+            self, concurrency=concurrency, poll_interval=poll_interval, event_loop=event_loop
+        )
         with self._lock:
             if self._worker is not None:
                 return self._worker

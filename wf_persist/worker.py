@@ -17,9 +17,10 @@ import logging
 import math
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Final
 
+from .async_worker import EventLoopDriver, check_available
 from .errors import InvalidArgumentError
 from .leases import Outage
 from .wakeups import NOTIFIED_POLL_INTERVAL
@@ -55,10 +56,19 @@ class Worker:
             notifications reach the worker (PostgreSQL) it looks at most every
             :data:`~wf_persist.wakeups.NOTIFIED_POLL_INTERVAL` seconds as a safety net.
             Defaults to the runtime's ``poll_interval`` (0.25 s).
+        event_loop: drive the runs of ``async def`` workflows on one event loop instead of
+            a thread each (:mod:`wf_persist.async_worker`): ``concurrency`` can then be in
+            the hundreds or thousands (runs whose steps await I/O). Needs the ``async``
+            extra.
     """
 
     def __init__(
-        self, runtime: Runtime, *, concurrency: int = 4, poll_interval: float | None = None
+        self,
+        runtime: Runtime,
+        *,
+        concurrency: int = 4,
+        poll_interval: float | None = None,
+        event_loop: bool = False,
     ) -> None:
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise InvalidArgumentError(
@@ -71,6 +81,8 @@ class Worker:
             or not 0 < interval < float("inf")
         ):
             raise InvalidArgumentError(f"poll_interval must be a positive number, got {interval!r}")
+        if event_loop:
+            check_available()
         runtime.check_pool(concurrency)
         self.runtime = runtime
         self.concurrency = concurrency
@@ -89,6 +101,8 @@ class Worker:
         self._saturated = False
         self._lock = threading.Lock()
         self._outage = Outage(log, "claiming due runs", self.poll_interval)
+        self._event_loop = event_loop
+        self._loop: EventLoopDriver | None = None
 
     def wake(self) -> None:
         """Look for work now (a run finished or parked here, a signal was sent from here)."""
@@ -130,10 +144,19 @@ class Worker:
             pool = self._pool
             if pool is None or self._stopping.is_set():
                 return False
-            fut = pool.submit(self.runtime.drive_claim, claim)
+            fut = self._dispatch(pool, claim)
             self._inflight.add(fut)
         fut.add_done_callback(self._done)
         return True
+
+    def _dispatch(self, pool: ThreadPoolExecutor, claim: Claim) -> Future[Any]:
+        """Drive ``claim``: on the event loop if it is an ``async def`` workflow's and this
+        worker has one, else on a thread."""
+        if self._loop is not None:
+            found = self.runtime._registry.get((claim.workflow_name, claim.workflow_version))
+            if found is not None and found.is_async:
+                return self._loop.submit(self.runtime.drive_claim, claim)
+        return pool.submit(self.runtime.drive_claim, claim)
 
     def _done(self, fut: Future[Any]) -> None:
         with self._lock:
@@ -160,6 +183,16 @@ class Worker:
         rt.attach(self)
         rt.keeper().warm()
         rt.wakeups()
+        if self._event_loop:
+            self._loop = EventLoopDriver()
+        try:
+            self._serve()
+        finally:
+            if self._loop is not None:
+                self._loop.close()
+
+    def _serve(self) -> None:
+        rt = self.runtime
         with ThreadPoolExecutor(self.concurrency, thread_name_prefix="wf-persist-run") as pool:
             with self._lock:
                 self._pool = pool
@@ -207,9 +240,11 @@ class Worker:
                 self._wake.wait(max(0.0, until - time.monotonic()))
             with self._lock:
                 self._pool = None
+                inflight = list(self._inflight)
             if changes is not None:
                 changes.close()
             self._wake.set()
+            wait(inflight)  # the runs on the event loop too
 
     def _claim(self, pool: ThreadPoolExecutor) -> bool:
         """Claim due runs for the free slots and start them; whether every slot is taken."""
@@ -223,7 +258,7 @@ class Worker:
             self._saturated = bool(claimed) and len(claimed) == free
         for claim in claimed:
             with self._lock:
-                fut = pool.submit(self.runtime.drive_claim, claim)
+                fut = self._dispatch(pool, claim)
                 self._inflight.add(fut)
             fut.add_done_callback(self._done)
         if claimed:

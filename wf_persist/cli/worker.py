@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from .. import logs
+from ..async_worker import ASYNC_CONCURRENCY
 from ..errors import InvalidArgumentError
 from ..runtime import Runtime
 from ..worker import Worker
@@ -61,7 +62,18 @@ def worker(
     app_ref: Annotated[
         str, typer.Option("--app", help="The runtime to serve, as 'package.module:runtime'.")
     ],
-    concurrency: Annotated[int, typer.Option(help="Runs driven at once.")] = 4,
+    concurrency: Annotated[
+        int | None,
+        typer.Option(help="Runs driven at once (default 4, with --async 1000)."),
+    ] = None,
+    event_loop: Annotated[
+        bool,
+        typer.Option(
+            "--async",
+            help="Drive the runs of async def workflows on one event loop, not a thread each "
+            "(needs the async extra).",
+        ),
+    ] = False,
     poll_interval: Annotated[
         float | None, typer.Option(help="Seconds between looks for due work (default 0.25).")
     ] = None,
@@ -88,7 +100,11 @@ def worker(
         )
     logs.configure(log_format.value, level)
     runtime = load_runtime(app_ref)
-    loop = Worker(runtime, concurrency=concurrency, poll_interval=poll_interval)
+    if concurrency is None:
+        concurrency = ASYNC_CONCURRENCY if event_loop else 4
+    loop = Worker(
+        runtime, concurrency=concurrency, poll_interval=poll_interval, event_loop=event_loop
+    )
 
     def stop(signum: int, _frame: object) -> None:
         err.print(f"worker {runtime.owner}: stopping ({signal.Signals(signum).name})")
@@ -101,7 +117,7 @@ def worker(
     signal.signal(signal.SIGINT, stop)
     err.print(
         f"worker {runtime.owner}: serving {len(runtime.runnable_workflows())} workflow "
-        f"version(s), concurrency {concurrency}"
+        f"version(s), concurrency {concurrency}{' on an event loop' if event_loop else ''}"
     )
     try:
         loop.run()
