@@ -50,7 +50,7 @@ def test_the_loop_records_the_history_the_thread_worker_records(
         wanted = int(event_loop)
         wait_until(lambda: _loop_threads() == wanted, what="the worker's threads")  # noqa: B023
         with wp.Client(db_url) as thin:  # never drives: the worker does
-            wait_status(thin, run, "suspended")
+            wait_until(lambda: thin.status(run) == "suspended", what="the park")  # noqa: B023
             wait_until(lambda: bool(thin.pending_signals(run)), what="the wait")  # noqa: B023
             thin.signal(run, "go", True)
             out = thin.result(run, timeout=30).unwrap()
@@ -105,7 +105,7 @@ def test_what_a_run_on_the_loop_may_call(make_runtime: Callable[..., wp.Runtime]
     good = client.start(a.mixed_wf, "g").execution_id
     bad = client.start(a.mixed_wf, "b").execution_id
     for run in (good, bad):
-        wait_until(lambda run=run: bool(client.pending_signals(run)), what="the wait")
+        wait_status(client, run, "suspended")
     client.signal(good, "go", "ok")
     client.signal(bad, "go", "fail")
     assert client.result(good, timeout=30).unwrap() == {
