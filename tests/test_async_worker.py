@@ -97,13 +97,15 @@ def test_hundreds_of_runs_awaiting_io_share_one_loop_and_a_few_threads(
 def test_what_a_run_on_the_loop_may_call(make_runtime: Callable[..., wp.Runtime]) -> None:
     """Saga compensation, a retried synchronous step (on a thread), a limited step, a
     synchronous step past its timeout, a code block, a signal wait and a failure, each on the
-    loop; a second run on the same loop completes meanwhile."""
+    loop; async steps past their timeout are cancelled; the runs share the loop."""
     rt = make_runtime()
     rt.register(*a.ALL)
     rt.start_worker(concurrency=50, poll_interval=0.05, event_loop=True)
     client = rt.client()
     good = client.start(a.mixed_wf, "g").execution_id
     bad = client.start(a.mixed_wf, "b").execution_id
+    hung = client.start(a.timeout_wf).execution_id  # an async step past its timeout
+    stubborn = client.start(a.stubborn_wf).execution_id
     for run in (good, bad):
         wait_status(client, run, "suspended")
     client.signal(good, "go", "ok")
@@ -118,6 +120,9 @@ def test_what_a_run_on_the_loop_may_call(make_runtime: Callable[..., wp.Runtime]
     }
     failed = client.result(bad, timeout=30)
     assert isinstance(failed, wp.Failed) and failed.error["message"] == "asked to fail"
+    assert client.result(hung, timeout=30).unwrap() == "failed: StepTimeoutError"
+    assert a.CANCELLED == ["hangs_async", "hangs_async"]  # cancelled, retried, cancelled
+    assert client.result(stubborn, timeout=30).unwrap() == "failed: StepTimeoutError"
     assert a.CALLS["undo:b"] == 1 and a.CALLS["undo:g"] == 0  # compensated once, on failure
     assert a.CALLS["reserve:g"] == 1 and a.CALLS["flaky:g"] == 3 and a.CALLS["limited"] == 4
     rt.close()
@@ -157,12 +162,14 @@ def test_children_and_plain_workflows_on_an_async_worker(
     rt.close()
 
 
+@pytest.mark.parametrize("taker", ["--async", "--concurrency=30"])
 def test_an_async_worker_killed_mid_step_loses_nothing(
-    runtime: wp.Runtime, db_url: str, tmp_path: Path, procs: Processes
+    runtime: wp.Runtime, db_url: str, tmp_path: Path, procs: Processes, taker: str
 ) -> None:
     """SIGKILL ``wf-persist worker --async`` inside the second step of a run (among 20 runs
-    on its loop); another async worker takes every run over: the recorded first steps never
-    run again, the interrupted one runs again (at least once), every run completes."""
+    on its loop); another worker (async, or a thread worker) takes every run over: the
+    recorded first steps never run again, the interrupted one runs again (at least once),
+    every run completes."""
     runtime.register(*a.ALL)
     client = runtime.client()
     marks, hang = tmp_path / "marks", tmp_path / "hang"
@@ -175,7 +182,7 @@ def test_an_async_worker_killed_mid_step_loses_nothing(
     wait_until(lambda: "b-start" in w.marks(marks), what="the second step", timeout=30)
     first.stop(signal.SIGKILL)
     hang.unlink()
-    second = procs.worker(db_url, "--async", lease_ttl=1.0)
+    second = procs.worker(db_url, taker, lease_ttl=1.0)
     with wp.Client(db_url) as thin:
         assert thin.result(run, timeout=60).unwrap() == "ab"
         for other in others:

@@ -18,7 +18,6 @@ import datetime as dt
 import functools
 import uuid as _uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from . import bridge
@@ -40,12 +39,11 @@ class AsyncContext:
     """Handed to an ``async def`` workflow as ``ctx``: the methods of
     :class:`~wf_persist.Context`, awaited."""
 
-    def __init__(self, sync: Context, io: Executor | None = None, bridged: bool = False) -> None:
+    def __init__(self, sync: Context, pools: bridge.Pools | None = None) -> None:
         self._sync = sync
-        #: In the async worker: each call runs in a greenlet on the body's loop (its
-        #: blocking parts on ``io``'s threads), not on a thread of its own.
-        self._io = io
-        self._bridged = bridged
+        #: In the async worker (``pools`` given): each call runs in a greenlet on the
+        #: body's loop (its blocking parts on the pools' threads), not on a thread.
+        self._pools = pools
         self._turn = asyncio.Lock()
         #: Set once a call stopped this replay (it parked, reloads, lost the run): the
         #: calls awaiting their turn (``asyncio.gather``) must not start anything after it.
@@ -56,8 +54,9 @@ class AsyncContext:
             if self._stopped is not None:
                 raise self._stopped.with_traceback(None)
             try:
-                if self._bridged:
-                    return await bridge.spawn(functools.partial(fn, *args, **kwargs), io=self._io)
+                if self._pools is not None:
+                    call = functools.partial(fn, *args, **kwargs)
+                    return await bridge.spawn(call, pools=self._pools)
                 context = contextvars.copy_context()  # carries the body's loop to the thread
                 call = functools.partial(context.run, fn, *args, **kwargs)
                 return await asyncio.get_running_loop().run_in_executor(None, call)
@@ -154,12 +153,13 @@ def call_body(wf: Workflow[Any, Any], ctx: Context, value: Any) -> Any:
         with inside_body():
             return wf.fn(ctx, *args)
 
-    bridged, io = bridge.bridged(), bridge.io()
+    bridged = bridge.bridged()
+    pools = bridge.pools() if bridged else None
 
     async def main() -> Any:
         BODY_LOOP.set(asyncio.get_running_loop())
         with inside_body():
-            return await wf.fn(AsyncContext(ctx, io, bridged), *args)
+            return await wf.fn(AsyncContext(ctx, pools), *args)
 
     if bridged:  # the async worker's loop runs it (this drive's greenlet waits)
         return bridge.wait(main())

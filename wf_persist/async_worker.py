@@ -19,8 +19,10 @@ from typing import Any
 from . import bridge
 from .errors import InvalidArgumentError
 
-#: Threads for the database writes and synchronous steps of the runs on the loop.
+#: Threads for the database writes of the runs on the loop.
 IO_THREADS = 16
+#: Threads for their synchronous steps (and other user code that may block).
+USER_THREADS = 64
 #: ``wf-persist worker --async``'s default concurrency.
 ASYNC_CONCURRENCY = 1000
 
@@ -38,11 +40,16 @@ def check_available() -> None:
 class EventLoopDriver:
     """An event loop in a thread of its own, driving runs in greenlets."""
 
-    def __init__(self, io_threads: int = IO_THREADS) -> None:
+    def __init__(self, io_threads: int = IO_THREADS, user_threads: int = USER_THREADS) -> None:
         check_available()
         self.loop = asyncio.new_event_loop()
-        self.io = concurrent.futures.ThreadPoolExecutor(
-            io_threads, thread_name_prefix="wf-persist-io"
+        self.pools = bridge.Pools(
+            io=concurrent.futures.ThreadPoolExecutor(
+                io_threads, thread_name_prefix="wf-persist-io"
+            ),
+            user=concurrent.futures.ThreadPoolExecutor(
+                user_threads, thread_name_prefix="wf-persist-user"
+            ),
         )
         self._thread = threading.Thread(
             target=self._serve, name="wf-persist-event-loop", daemon=True
@@ -55,7 +62,9 @@ class EventLoopDriver:
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
         """Drive ``fn(*args)`` in a greenlet on the loop."""
-        return asyncio.run_coroutine_threadsafe(bridge.spawn(fn, *args, io=self.io), self.loop)
+        return asyncio.run_coroutine_threadsafe(
+            bridge.spawn(fn, *args, pools=self.pools), self.loop
+        )
 
     def close(self) -> None:
         """Stop the loop (the runs on it have ended) and its threads."""
@@ -65,4 +74,6 @@ class EventLoopDriver:
         self._thread.join()
         self.loop.run_until_complete(self.loop.shutdown_default_executor())
         self.loop.close()
-        self.io.shutdown(wait=True)
+        for pool in (self.pools.io, self.pools.user):
+            if pool is not None:
+                pool.shutdown(wait=True)

@@ -7,8 +7,9 @@ this module instead:
 
 - :func:`wait` suspends the run's greenlet until an awaitable is done (the workflow body, an
   ``async def`` step, a pause), and the loop serves other runs meanwhile;
-- :func:`off_loop` runs a blocking call (a database write, a synchronous step) on a thread
-  and suspends the greenlet until it returns.
+- :func:`off_loop` runs a short blocking call (a database write) on a thread, and
+  :func:`in_thread` user code that may block for long (a synchronous step, a wait for a
+  concurrency slot) on another pool, suspending the greenlet until it returns.
 
 Outside a bridged greenlet both behave as plain calls, so the thread worker is untouched.
 Greenlets share the loop's thread: bridged code never blocks on a lock another bridged
@@ -22,12 +23,24 @@ import contextlib
 import contextvars
 import functools
 import sys
-from collections.abc import Awaitable, Callable, Iterator
-from concurrent.futures import Executor
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import Executor, Future
+from concurrent.futures import wait as wait_all
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Pools:
+    """The threads of bridged code: ``io`` for database work (short, and never waiting
+    behind user code), ``user`` for user code that may block for long."""
+
+    io: Executor | None = None
+    user: Executor | None = None
+
 
 try:
     from greenlet import getcurrent, greenlet
@@ -41,21 +54,21 @@ else:
     class _Bridged(greenlet):  # type: ignore[misc]
         """A greenlet running synchronous drive code for a coroutine on the loop."""
 
-        def __init__(self, fn: Callable[..., Any], parent: Any, io: Executor | None) -> None:
+        def __init__(self, fn: Callable[..., Any], parent: Any, pools: Pools) -> None:
             super().__init__(fn, parent)
-            self.io = io
+            self.pools = pools
 
     def bridged() -> bool:
         """Whether this code runs in a bridged greenlet (the async worker's)."""
         return isinstance(getcurrent(), _Bridged)
 
 
-async def spawn(fn: Callable[..., T], *args: Any, io: Executor | None = None) -> T:
+async def spawn(fn: Callable[..., T], *args: Any, pools: Pools | None = None) -> T:
     """Run ``fn(*args)`` in a greenlet of its own on this loop, in a copy of the current
-    context; its :func:`wait` and :func:`off_loop` calls suspend it, not the loop.
-    ``io``: the executor :func:`off_loop` uses (else the loop's default)."""
+    context; its :func:`wait`, :func:`off_loop` and :func:`in_thread` calls suspend it,
+    not the loop."""
     context = contextvars.copy_context()
-    child = _Bridged(functools.partial(context.run, fn, *args), getcurrent(), io)
+    child = _Bridged(functools.partial(context.run, fn, *args), getcurrent(), pools or Pools())
     request = child.switch()
     while not child.dead:
         try:
@@ -68,6 +81,12 @@ async def spawn(fn: Callable[..., T], *args: Any, io: Executor | None = None) ->
     return result
 
 
+def pools() -> Pools:
+    """The pools of this bridged greenlet (the loop's default executor elsewhere)."""
+    found: Pools = getcurrent().pools if bridged() else Pools()
+    return found
+
+
 def wait(awaitable: Awaitable[T]) -> T:
     """The value of ``awaitable``, awaited on the loop while this greenlet is suspended.
     Only in a bridged greenlet (see :func:`bridged`)."""
@@ -78,20 +97,34 @@ def wait(awaitable: Awaitable[T]) -> T:
     return value
 
 
+def _run_on(executor: Executor | None, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
+    return wait(asyncio.get_running_loop().run_in_executor(executor, call))
+
+
 def off_loop(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """``fn(*args, **kwargs)``: on a thread (this greenlet suspended meanwhile) when
+    """``fn(*args, **kwargs)``, short database work: on an ``io`` thread (this greenlet
+    suspended meanwhile) when bridged, else here and now."""
+    if not bridged():
+        return fn(*args, **kwargs)
+    return _run_on(getcurrent().pools.io, fn, *args, **kwargs)
+
+
+def in_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)``, user code that may block: on a ``user`` thread when
     bridged, else here and now."""
     if not bridged():
         return fn(*args, **kwargs)
-    current = getcurrent()
-    call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
-    future = asyncio.get_running_loop().run_in_executor(current.io, call)
-    return wait(future)
+    return _run_on(getcurrent().pools.user, fn, *args, **kwargs)
 
 
-def io() -> Executor | None:
-    """The executor :func:`off_loop` uses in this bridged greenlet (None: the default)."""
-    return getcurrent().io if bridged() else None
+def wait_futures(futures: Sequence[Future[Any]]) -> None:
+    """Until every one of ``futures`` (of threads) is done: on the loop when bridged."""
+    if not bridged():
+        wait_all(futures)
+        return
+    wrapped = [asyncio.wrap_future(f) for f in futures]
+    wait(asyncio.gather(*wrapped, return_exceptions=True))
 
 
 def pause(seconds: float, blocking: Callable[[float], None]) -> None:
@@ -104,13 +137,13 @@ def pause(seconds: float, blocking: Callable[[float], None]) -> None:
 
 @contextlib.contextmanager
 def threaded(manager: AbstractContextManager[T]) -> Iterator[T]:
-    """``manager`` entered and exited by :func:`off_loop` (a lock it waits for, a
+    """``manager`` entered and exited by :func:`in_thread` (a slot it waits for, a
     connection it holds, is taken and given back on threads)."""
-    value = off_loop(manager.__enter__)
+    value = in_thread(manager.__enter__)
     try:
         yield value
     except BaseException:
-        if not off_loop(manager.__exit__, *sys.exc_info()):
+        if not in_thread(manager.__exit__, *sys.exc_info()):
             raise
     else:
-        off_loop(manager.__exit__, None, None, None)
+        in_thread(manager.__exit__, None, None, None)

@@ -14,7 +14,7 @@ import datetime as dt
 import random as _random
 import uuid as _uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn, TypeVar, overload
 
 from pydantic import TypeAdapter, ValidationError
@@ -22,7 +22,7 @@ from pydantic import TypeAdapter, ValidationError
 from . import events
 from .arguments import validate_signal
 from .authoring import Call, Step, Workflow, adapter_for, check_call_name, outside_body
-from .bridge import off_loop
+from .bridge import bridged, in_thread, wait_futures
 from .children import ChildHandle, ChildRunner
 from .control import Reload, Suspended
 from .errors import (
@@ -194,16 +194,16 @@ class Context:
 
         workers = min(len(prepared), concurrency or len(prepared)) or 1
 
-        def run_branches() -> list[Future[Any]]:
-            with ThreadPoolExecutor(workers, thread_name_prefix="wf-persist-all") as pool:
-                # Each branch with this thread's context (an async body's loop, for async
-                # steps).
-                return [
-                    pool.submit(contextvars.copy_context().run, branch, i)
-                    for i in range(len(prepared))
-                ]
-
-        futures = off_loop(run_branches)  # the async worker's loop serves async branches
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="wf-persist-all")
+        try:
+            # Each branch with this thread's context (an async body's loop, for async steps).
+            futures = [
+                pool.submit(contextvars.copy_context().run, branch, i) for i in range(len(prepared))
+            ]
+            wait_futures(futures)  # on the async worker's loop, which serves async branches
+        finally:
+            # A bridged drive never blocks its loop (async branches run there).
+            pool.shutdown(wait=not bridged())
         for f in futures:  # control flow (lease lost, cancellation) wins over step errors
             exc = f.exception()
             if exc is not None and not isinstance(exc, Exception):
@@ -271,7 +271,7 @@ class Context:
         try:
             what = f"result of code block {name}"
             with outside_body(), self._driver.user_code():
-                produced = settle(off_loop(self._driver.code_function(name, fn)))
+                produced = settle(in_thread(self._driver.code_function(name, fn)))
             stored = to_json(adapter, produced, what)
             self._driver.check_size(what, stored)
         except Exception as exc:

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from . import events
 from .authoring import Step, Workflow, outside_body
-from .bridge import off_loop
+from .bridge import in_thread
 from .control import Suspended
 from .errors import InvalidPayloadError, StepExecutionError, error_document, rebuild_error
 from .events import Activity, NewEvent
@@ -364,8 +364,8 @@ class StepRunner:
             return settle(fn(**values), step.timeout, step.name)
         # In the async worker a synchronous step runs on a thread (off_loop).
         if step.timeout is None:
-            return off_loop(fn, **values)
-        return off_loop(call_within, fn, values, step.timeout, step.name, keep)
+            return in_thread(fn, **values)
+        return in_thread(call_within, fn, values, step.timeout, step.name, keep)
 
     def wait_until(self, when: dt.datetime | None, inline: bool) -> None:
         """Wait for a retry time: in this thread if it is soon (or inside ``ctx.all``),
@@ -479,7 +479,7 @@ class StepRunner:
         with outside_body(), self.driver.user_code():
             # New work like a step: not started without the lease (checked as late).
             self.driver.check_lease()
-            settle(off_loop(fn, comp.result, *bound.args, **kwargs), own_loop=True)
+            settle(in_thread(fn, comp.result, *bound.args, **kwargs), own_loop=True)
 
 
 def _recorded_step_error(step: Step[Any], failed: Any) -> BaseException:
