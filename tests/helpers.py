@@ -35,7 +35,7 @@ def wait_until(
 
 
 def wait_status(
-    client: wp.WorkflowClient, execution_id: str, status: str, timeout: float = 30
+    client: wp.WorkflowClient | wp.Client, execution_id: str, status: str, timeout: float = 30
 ) -> None:
     """Wait for a run driven elsewhere (a worker) to reach ``status``."""
     wait_until(lambda: client.status(execution_id) == status, timeout, f"{execution_id} {status}")

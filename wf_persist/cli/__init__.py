@@ -15,7 +15,7 @@ import typer
 from sqlalchemy.exc import DBAPIError
 
 from ..errors import WfPersistError
-from . import catalog, db, replay, runs
+from . import catalog, db, replay, runs, web
 from .common import EXIT_EPILOG, EXIT_ERROR, parse_age
 from .worker import load_runtime, worker
 
@@ -28,6 +28,7 @@ app.command(epilog=EXIT_EPILOG)(db.purge)
 app.command(epilog=EXIT_EPILOG)(catalog.workflows)
 app.command()(worker)
 app.command("replay-check", epilog=replay.REPLAY_EPILOG)(replay.replay_check)
+app.command()(web.web)
 
 
 def _print_version(value: bool) -> None:

@@ -1,0 +1,168 @@
+"""The web view's JSON API and pages over real HTTP (uvicorn), on every backend."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+import wf_persist as wp
+from wf_persist.web import create_app
+
+from .fixtures import workflows as w
+from .helpers import wait_until
+from .webserver import serving
+
+
+@pytest.fixture
+def served(runtime: wp.Runtime, db_url: str) -> Iterator[tuple[wp.Runtime, httpx.Client]]:
+    runtime.register(*w.ALL)
+    with (
+        wp.Client(db_url) as client,
+        serving(create_app(client=client)) as base,
+        httpx.Client(base_url=base, timeout=30) as http,
+    ):
+        yield runtime, http
+
+
+def _run_approval(rt: wp.Runtime) -> str:
+    run = rt.client().start(w.approval_wf, 30.0, actor="alice").execution_id
+    with pytest.raises(wp.ResultTimeoutError):
+        rt.client().result(run, timeout=1.5)  # driven here up to its signal wait
+    return run
+
+
+def test_the_api_lists_filters_and_pages_runs(
+    served: tuple[wp.Runtime, httpx.Client],
+) -> None:
+    rt, http = served
+    client = rt.client()
+    done = [client.start(w.echo_wf, i, actor="bob").execution_id for i in range(3)]
+    for run in done:
+        client.result(run, timeout=30)
+    waiting = _run_approval(rt)
+    everything = http.get("/api/runs").json()
+    assert [r["id"] for r in everything["runs"]] == [*done, waiting]  # oldest first
+    assert everything["nextCursor"] is None
+    assert [r["id"] for r in http.get("/api/runs", params={"actor": "alice"}).json()["runs"]] == [
+        waiting
+    ]
+    suspended = http.get("/api/runs", params={"status": "suspended"}).json()["runs"]
+    assert [r["id"] for r in suspended] == [waiting]
+    assert [r["workflow"] for r in suspended] == ["approval"]
+    page = http.get("/api/runs", params={"workflow": "echo", "limit": 2}).json()
+    assert [r["id"] for r in page["runs"]] == done[:2]
+    rest = http.get(
+        "/api/runs", params={"workflow": "echo", "limit": 2, "cursor": page["nextCursor"]}
+    ).json()
+    assert [r["id"] for r in rest["runs"]] == done[2:] and rest["nextCursor"] is None
+    later = (dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)).isoformat()
+    assert http.get("/api/runs", params={"after": later}).json()["runs"] == []
+    assert http.get("/api/runs", params={"workflow": "echo", "version": 2}).json()["runs"] == []
+
+
+def test_a_run_its_events_and_its_timeline(served: tuple[wp.Runtime, httpx.Client]) -> None:
+    rt, http = served
+    run = _run_approval(rt)
+    found = http.get(f"/api/runs/{run}").json()
+    assert found["run"]["status"] == "suspended" and found["run"]["input"] == 30.0
+    assert found["pendingSignals"][0]["name"] == "approval"
+    assert found["pendingSignals"][0]["schema"]["properties"]["approved"]["type"] == "boolean"
+    assert found["wait"]["kind"] == "signal"
+    labels = [t["label"] for t in found["timeline"]]
+    assert labels[:4] == ["first driven", "reserve_budget#1 attempt 1", "sleeps sleep:0.01s#1",
+                          "woke sleep:0.01s#1"]  # fmt: skip
+    assert labels[-1] == "waits for signal approval#1"
+    events = http.get(f"/api/runs/{run}/events").json()
+    assert events["run"]["id"] == run
+    assert [e["sequence"] for e in events["events"]] == list(range(1, len(events["events"]) + 1))
+    assert events["events"][0]["type"] == "execution.started"
+    catalog = http.get("/api/workflows").json()
+    assert {"name": "approval", "version": 1} in [
+        {"name": c["name"], "version": c["version"]} for c in catalog
+    ]
+
+
+def test_a_failed_run_shows_its_error_and_its_retries(
+    served: tuple[wp.Runtime, httpx.Client],
+) -> None:
+    rt, http = served
+    run = rt.client().start(w.explode_wf, "boom <b>").execution_id
+    assert isinstance(rt.client().result(run, timeout=30), wp.Failed)
+    found = http.get(f"/api/runs/{run}").json()
+    assert found["run"]["error"]["message"].endswith("boom <b>")
+    attempts = [t for t in found["timeline"] if t["kind"] == "step"]
+    assert [t["outcome"] for t in attempts] == ["failed"] * len(attempts)
+    assert found["timeline"][-1]["label"] == "failed"
+    html = http.get(f"/runs/{run}").text
+    assert "boom &lt;b&gt;" in html and "boom <b>" not in html  # escaped
+    assert "Traceback" in html
+
+
+def test_unknown_runs_and_bad_filters_are_clear_errors(
+    served: tuple[wp.Runtime, httpx.Client],
+) -> None:
+    _rt, http = served
+    for path in ("/api/runs/nope", "/api/runs/nope/events"):
+        answer = http.get(path)
+        assert answer.status_code == 404 and answer.json() == {"error": "Run not found"}
+    assert http.get("/runs/nope").status_code == 404
+    for params in ({"status": "bogus"}, {"limit": "0"}, {"limit": "x"}, {"after": "yesterday"},
+                   {"cursor": "garbage"}, {"version": "2"}):  # fmt: skip
+        answer = http.get("/api/runs", params=params)
+        assert answer.status_code == 400, params
+        assert set(answer.json()) == {"error"}
+        assert http.get("/", params=params).status_code == 400
+
+
+def test_pages_render(served: tuple[wp.Runtime, httpx.Client]) -> None:
+    rt, http = served
+    run = _run_approval(rt)
+    listing = http.get("/").text
+    assert run in listing and "approval" in listing
+    page = http.get(f"/runs/{run}").text
+    assert "Waiting for signals" in page and "signal-form" not in page  # read-only
+    assert "approval" in http.get("/workflows").text
+    assert http.get("/static/app.js").status_code == 200
+
+
+def test_actions_need_the_flag_and_the_token(
+    runtime: wp.Runtime, db_url: str, tmp_path: Path
+) -> None:
+    runtime.register(*w.ALL)
+    run = _run_approval(runtime)
+    with wp.Client(db_url) as client:
+        with serving(create_app(client=client)) as base, httpx.Client(base_url=base) as http:
+            refused = http.post(f"/api/runs/{run}/cancel", json={})
+            assert refused.status_code == 403  # read-only: no token opens it
+        app = create_app(client=client, allow_actions=True, token="s3cret")
+        with serving(app) as base, httpx.Client(base_url=base) as http:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+                answer = http.post(f"/api/runs/{run}/cancel", json={}, headers=headers)
+                assert answer.status_code == 401
+            assert client.status(run) == "suspended"  # nothing was done
+            token = {"Authorization": "Bearer s3cret"}
+            bad = http.post(
+                f"/api/runs/{run}/signal",
+                json={"name": "approval", "payload": {"approved": "maybe"}},
+                headers=token,
+            )
+            assert bad.status_code == 400 and "approved" in bad.json()["error"]
+            broken = http.post(f"/api/runs/{run}/signal", content=b"[", headers=token)
+            assert broken.status_code == 400
+            ok = http.post(
+                f"/api/runs/{run}/signal",
+                json={"name": "approval", "payload": {"approved": True}},
+                headers=token,
+            )
+            assert ok.status_code == 200
+            assert runtime.client().result(run, timeout=30).unwrap() == "approved"
+            again = http.post(f"/api/runs/{run}/retry", json={}, headers=token).json()
+            assert again["id"] != run
+            assert client.describe(again["id"]).input == 30.0
+            assert client.describe(again["id"]).actor == "web"
+            wait_until(lambda: client.status(again["id"]) in ("running", "suspended"))
+            assert http.post(f"/api/runs/{run}/cancel", json={}, headers=token).status_code == 400

@@ -1,0 +1,128 @@
+"""The web view in a real headless browser (Chromium from the distribution, driven by
+Playwright): the list, its filters and live refresh, a run's timeline, and a signal sent
+from the page resuming a run that a worker process drives."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from playwright.sync_api import Browser, Page, expect, sync_playwright
+
+import wf_persist as wp
+from wf_persist.web import create_app
+
+from .fixtures import workflows as w
+from .helpers import Processes, wait_status
+from .webserver import serving
+
+
+def chromium_path() -> str:
+    """``$WF_PERSIST_TEST_CHROMIUM``, else ``chromium`` on the PATH (``apt-get install
+    chromium``; ``.ci/run`` installs it). Missing, the tests fail: they are never skipped."""
+    found = os.environ.get("WF_PERSIST_TEST_CHROMIUM") or shutil.which("chromium")
+    if not found:
+        pytest.fail("no Chromium: apt-get install chromium, or set WF_PERSIST_TEST_CHROMIUM")
+    return found
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[Browser]:
+    with sync_playwright() as p:
+        launched = p.chromium.launch(executable_path=chromium_path(), args=["--no-sandbox"])
+        yield launched
+        launched.close()
+
+
+@pytest.fixture
+def page(browser: Browser) -> Iterator[Page]:
+    context = browser.new_context()
+    opened = context.new_page()
+    opened.set_default_timeout(20_000)
+    yield opened
+    context.close()
+
+
+@pytest.fixture
+def app_client(runtime: wp.Runtime, db_url: str) -> Iterator[wp.Client]:
+    runtime.register(*w.ALL)
+    with wp.Client(db_url) as client:
+        yield client
+
+
+def _labels(page: Page) -> list[str]:
+    return [t.strip() for t in page.locator("#timeline li .label").all_inner_texts()]
+
+
+def test_the_list_renders_filters_and_refreshes_itself(
+    runtime: wp.Runtime, app_client: wp.Client, page: Page
+) -> None:
+    echoes = [runtime.client().start(w.echo_wf, i).execution_id for i in range(2)]
+    for run in echoes:
+        runtime.client().result(run, timeout=30)
+    waiting = runtime.client().start(w.approval_wf, 30.0).execution_id
+    with serving(create_app(client=app_client)) as base:
+        page.goto(base + "/")
+        expect(page.locator("#runs tbody tr.run")).to_have_count(3)
+        page.select_option("select[name=workflow]", "approval")
+        page.click("#filters button[type=submit]")
+        expect(page.locator("#runs tbody tr.run")).to_have_count(1)
+        expect(page.locator("#runs tbody tr.run td a")).to_have_text(waiting)
+        assert "workflow=approval" in page.url
+        # A run started meanwhile appears without a reload (live refresh).
+        later = runtime.client().start(w.approval_wf, 5.5).execution_id
+        expect(page.locator(f"#runs tbody tr[data-id='{later}']")).to_have_count(1)
+        page.click(f"#runs tbody tr[data-id='{later}'] a")
+        expect(page.locator("h1")).to_contain_text("approval")
+        expect(page.locator("#input")).to_have_text("5.5")
+
+
+def test_a_runs_timeline_shows_its_steps_in_order(
+    runtime: wp.Runtime, app_client: wp.Client, page: Page, tmp_path: Path
+) -> None:
+    inp = w.CrashInput(marks=str(tmp_path / "marks"), hang_file=str(tmp_path / "absent"))
+    run = runtime.client().start(w.three_steps_wf, inp).execution_id
+    assert runtime.client().result(run, timeout=30).unwrap() == "abc"
+    with serving(create_app(client=app_client)) as base:
+        page.goto(f"{base}/runs/{run}")
+        expect(page.locator("#status")).to_have_text("completed")
+        steps = [label for label in _labels(page) if "attempt" in label]
+        assert steps == ["step_a#1 attempt 1", "step_b#1 attempt 1", "step_c#1 attempt 1"]
+        assert _labels(page)[-1] == "completed"
+        expect(page.locator("#result")).to_have_text('"abc"')
+
+
+def test_a_signal_sent_from_the_page_resumes_a_run_a_worker_drives(
+    runtime: wp.Runtime, app_client: wp.Client, page: Page, db_url: str, procs: Processes
+) -> None:
+    run = runtime.client().start(w.approval_wf, 60.0).execution_id
+    worker = procs.worker(db_url)
+    wait_status(app_client, run, "suspended")
+    app = create_app(client=app_client, allow_actions=True, token="page-token")
+    with serving(app) as base:
+        page.goto(f"{base}/runs/{run}")
+        form = page.locator("form.signal-form[data-name='approval']")
+        expect(form).to_be_visible()
+        form.locator("input[name=approved]").check()
+        form.locator("button[type=submit]").click()  # no token yet: refused
+        expect(page.locator("#action-result")).to_contain_text("refused")
+        assert app_client.status(run) == "suspended"
+        page.fill("#token", "page-token")
+        page.locator("#token").dispatch_event("change")
+        form.locator("button[type=submit]").click()
+        expect(page.locator("#status")).to_have_text("completed", timeout=30_000)
+        expect(page.locator("#result")).to_have_text('"approved"')
+    assert app_client.result(run, timeout=5).unwrap() == "approved"
+    assert "signal delivered approval#1" in [r for r in _labels_of(app_client, run)]
+    worker.stop()
+
+
+def _labels_of(client: wp.Client, run: str) -> list[str]:
+    from wf_persist.web import data
+
+    found: dict[str, Any] = data.run(client, run)
+    return [str(t["label"]) for t in found["timeline"]]

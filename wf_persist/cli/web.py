@@ -1,0 +1,55 @@
+"""``wf-persist web``: the web view of runs, on this machine by default."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from ..errors import WfPersistError
+from .common import err
+
+
+def web(
+    url: Annotated[
+        str | None,
+        typer.Option(
+            help="Database URL (default $WF_PERSIST_DATABASE_URL, else ./wf_persist.sqlite3)."
+        ),
+    ] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 4787,
+    allow_actions: Annotated[
+        bool,
+        typer.Option(
+            "--allow-actions",
+            help="Allow signal, cancel and retry from the pages and the API (with a token).",
+        ),
+    ] = False,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            envvar="WF_PERSIST_WEB_TOKEN",
+            help="The actions' token (default: a new random one, printed at start).",
+        ),
+    ] = None,
+) -> None:
+    """Serve the web view of runs: the runs, each run's timeline, the catalog, a JSON API.
+
+    Read-only unless --allow-actions; it never runs workflow code.
+    """
+    try:
+        import uvicorn
+
+        from ..web import create_app
+    except ImportError as exc:
+        raise WfPersistError(
+            f"the web view needs its extra: pip install 'wf-persist[web]' ({exc})"
+        ) from exc
+    app = create_app(url, allow_actions=allow_actions, token=token)
+    view = app.state.view
+    mode = "actions allowed" if allow_actions else "read-only"
+    err.print(f"wf-persist web: http://{host}:{port}/ ({mode})")
+    if allow_actions and token is None:
+        err.print(f"actions token: {view.token}")
+    uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -1,0 +1,200 @@
+"""The web view: HTML pages and a JSON API over one database, read-only by default.
+
+Pages: the runs (filters, keyset paging, live refresh), a run (input, outcome, pending
+signals, timeline), the catalog. The JSON API mirrors them (``/api/workflows``,
+``/api/runs``, ``/api/runs/{id}``, ``/api/runs/{id}/events``; 404 for an unknown run).
+Actions (signal, cancel, retry) exist only when the app is made with ``allow_actions`` and
+need ``Authorization: Bearer <token>``: a browser never sends that header on its own, so
+another site cannot make a visitor's browser act. The server never runs workflow code.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import secrets
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from ..client import Client
+from ..errors import (
+    InvalidArgumentError,
+    UnknownExecutionError,
+    WfPersistError,
+)
+from . import data
+
+_HERE = Path(__file__).parent
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class WebView:
+    """The app's state: the client it reads through, and whether actions are allowed."""
+
+    def __init__(self, client: Client, *, allow_actions: bool, token: str | None) -> None:
+        self.client = client
+        self.allow_actions = allow_actions
+        self.token = token if token else (secrets.token_urlsafe(24) if allow_actions else None)
+        self.templates = Environment(
+            loader=FileSystemLoader(_HERE / "templates"),
+            autoescape=select_autoescape(["html"]),
+        )
+        self.templates.filters["pretty"] = lambda v: json.dumps(v, indent=2, ensure_ascii=False)
+
+    def page(self, name: str, status: int = 200, **context: Any) -> HTMLResponse:
+        html = self.templates.get_template(name).render(actions=self.allow_actions, **context)
+        return HTMLResponse(html, status_code=status)
+
+    def authorized(self, request: Request) -> bool:
+        given = request.headers.get("authorization", "")
+        expected = f"Bearer {self.token}"
+        return self.allow_actions and hmac.compare_digest(given.encode(), expected.encode())
+
+
+def _errors(view: WebView, api: bool) -> Callable[[Handler], Handler]:
+    """Typed errors as 404 (an unknown run) or 400, in JSON or as a page; nothing else of
+    the library's raw errors leaves the server."""
+
+    def wrap(handler: Handler) -> Handler:
+        async def run(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except UnknownExecutionError:
+                if api:
+                    return JSONResponse({"error": "Run not found"}, status_code=404)
+                return view.page("error.html", 404, message="Run not found")
+            except WfPersistError as exc:
+                if api:
+                    return JSONResponse({"error": str(exc)}, status_code=400)
+                return view.page("error.html", 400, message=str(exc))
+
+        return run
+
+    return wrap
+
+
+def create_app(
+    database: Any = None,
+    *,
+    allow_actions: bool = False,
+    token: str | None = None,
+    client: Client | None = None,
+) -> Starlette:
+    """The web view's ASGI app over ``database`` (a URL or an engine; default
+    ``$WF_PERSIST_DATABASE_URL``), or over ``client``. With ``allow_actions`` the pages and
+    the API can signal, cancel and retry runs given the ``token`` (made up if not given:
+    ``app.state.view.token``)."""
+    view = WebView(
+        client if client is not None else Client(database),
+        allow_actions=allow_actions,
+        token=token,
+    )
+    c = view.client
+    page_errors, api_errors = _errors(view, api=False), _errors(view, api=True)
+
+    async def call(fn: Callable[..., Any], *args: Any) -> Any:
+        return await run_in_threadpool(fn, *args)
+
+    @page_errors
+    async def runs_page(request: Request) -> Response:
+        where = data.RunFilter.parse(request.query_params)
+        found = await call(data.runs, c, where)
+        names = sorted({w["name"] for w in await call(data.workflows, c)})
+        return view.page("runs.html", where=where, page=found, names=names)
+
+    @page_errors
+    async def run_page(request: Request) -> Response:
+        found = await call(data.run, c, request.path_params["run_id"])
+        return view.page("run.html", found=found)
+
+    @page_errors
+    async def workflows_page(request: Request) -> Response:
+        return view.page("workflows.html", workflows=await call(data.workflows, c))
+
+    @api_errors
+    async def api_workflows(request: Request) -> Response:
+        return JSONResponse(await call(data.workflows, c))
+
+    @api_errors
+    async def api_runs(request: Request) -> Response:
+        where = data.RunFilter.parse(request.query_params)
+        return JSONResponse(await call(data.runs, c, where))
+
+    @api_errors
+    async def api_run(request: Request) -> Response:
+        return JSONResponse(await call(data.run, c, request.path_params["run_id"]))
+
+    @api_errors
+    async def api_events(request: Request) -> Response:
+        return JSONResponse(await call(data.events, c, request.path_params["run_id"]))
+
+    def action(fn: Callable[[str, dict[str, Any]], Any]) -> Handler:
+        @api_errors
+        async def act(request: Request) -> Response:
+            if not view.allow_actions:
+                return JSONResponse({"error": "actions are not allowed here"}, status_code=403)
+            if not view.authorized(request):
+                return JSONResponse({"error": "a valid token is needed"}, status_code=401)
+            try:
+                body = await request.json() if await request.body() else {}
+            except ValueError:
+                raise InvalidArgumentError("the request body must be JSON") from None
+            if not isinstance(body, dict):
+                raise InvalidArgumentError("the request body must be a JSON object")
+            result = await call(fn, request.path_params["run_id"], body)
+            return JSONResponse(result)
+
+        return act
+
+    def signal(run_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        name = body.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidArgumentError("a signal needs a name")
+        c.signal(run_id, name, body.get("payload"), actor=_actor(body))
+        return {"ok": True}
+
+    def cancel(run_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        compensate = body.get("compensate", True)
+        if not isinstance(compensate, bool):
+            raise InvalidArgumentError("compensate must be true or false")
+        c.cancel(run_id, compensate=compensate, actor=_actor(body))
+        return {"ok": True}
+
+    def retry(run_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A new run of the same workflow version with the same input."""
+        info = c.describe(run_id)
+        handle = c.start(info.workflow_name, info.input, version=info.version, actor=_actor(body))
+        return {"ok": True, "id": handle.execution_id}
+
+    routes = [
+        Route("/", runs_page),
+        Route("/runs/{run_id}", run_page),
+        Route("/workflows", workflows_page),
+        Route("/api/workflows", api_workflows),
+        Route("/api/runs", api_runs),
+        Route("/api/runs/{run_id}", api_run),
+        Route("/api/runs/{run_id}/events", api_events),
+        Route("/api/runs/{run_id}/signal", action(signal), methods=["POST"]),
+        Route("/api/runs/{run_id}/cancel", action(cancel), methods=["POST"]),
+        Route("/api/runs/{run_id}/retry", action(retry), methods=["POST"]),
+        Mount("/static", StaticFiles(directory=_HERE / "static"), name="static"),
+    ]
+    app = Starlette(routes=routes)
+    app.state.view = view
+    return app
+
+
+def _actor(body: dict[str, Any]) -> str:
+    actor = body.get("actor") or "web"
+    if not isinstance(actor, str):
+        raise InvalidArgumentError("actor must be text")
+    return actor
