@@ -253,3 +253,40 @@ def test_the_environment_decides(
 ) -> None:
     assert telemetry_sdk.wanted(env, "TRACES") == traces
     assert telemetry_sdk.wanted(env, "METRICS") == metrics
+
+
+def test_the_standard_variables_turn_it_on(procs: Processes, db_url: str) -> None:
+    """``OTEL_TRACES_EXPORTER=console``: the first runtime installs the SDK; its spans
+    print when the process exits."""
+    script = (
+        "import wf_persist as wp\n"
+        "from tests.fixtures import traced as tf\n"
+        f"rt = wp.Runtime({db_url!r})\n"
+        "rt.register(*tf.ALL)\n"
+        "c = rt.client()\n"
+        "h = c.start(tf.traced_child, 1)\n"
+        "assert c.result(h.execution_id, timeout=30).unwrap() == 11\n"
+        "assert 'traceparent' in c.history(h.execution_id)[0].event['trace']\n"
+        "rt.close()\n"
+    )
+    done = procs.run(
+        [sys.executable, "-c", script],
+        env={"OTEL_TRACES_EXPORTER": "console", "OTEL_SERVICE_NAME": "wf-test"},
+    )
+    names = {json.loads(s)["name"] for s in _console_spans(done.stdout)}
+    assert names == {"wf.start", "wf.drive", "wf.step"}
+    assert '"service.name": "wf-test"' in done.stdout
+
+
+def _console_spans(out: str) -> list[str]:
+    """The JSON documents the console exporter printed, one per span."""
+    found, depth, begun = [], 0, 0
+    for i, ch in enumerate(out):
+        if ch == "{":
+            begun = i if depth == 0 else begun
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                found.append(out[begun : i + 1])
+    return found

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import os
 import threading
 import time
 import weakref
@@ -60,6 +61,19 @@ class _Api:
         self.trace: ModuleType = trace
         self.propagator = TraceContextTextMapPropagator()
         self.noop_tracers = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
+        # The installed providers, read where the API keeps them (None: none installed):
+        # get_*_provider() looks at the environment on every call, too slow for each step.
+        internal: Any = getattr(metrics, "_internal", None)
+        self.global_tracer_provider: Callable[[], Any] = (
+            (lambda: trace._TRACER_PROVIDER)
+            if hasattr(trace, "_TRACER_PROVIDER")
+            else trace.get_tracer_provider
+        )
+        self.global_meter_provider: Callable[[], Any] = (
+            (lambda: internal._METER_PROVIDER)
+            if hasattr(internal, "_METER_PROVIDER")
+            else metrics.get_meter_provider
+        )
         # The proxy the API hands out before a provider is installed has no public name.
         proxy = getattr(getattr(metrics, "_internal", None), "_ProxyMeterProvider", None)
         self.noop_meters: tuple[type, ...] = (metrics.NoOpMeterProvider,) + (
@@ -116,11 +130,11 @@ def _tracer() -> Tracer | None:
     api = _STATE.api if _STATE.api is not None else _api()
     if api is None:
         return None
-    provider = _STATE.tracer_provider or api.trace.get_tracer_provider()
+    provider = _STATE.tracer_provider or api.global_tracer_provider()
     if provider is not _STATE.tracer_of:
         _STATE.tracer = (
             None
-            if isinstance(provider, api.noop_tracers)
+            if provider is None or isinstance(provider, api.noop_tracers)
             else provider.get_tracer(SCOPE, _version())
         )
         _STATE.tracer_of = provider
@@ -132,12 +146,14 @@ def _instruments() -> Instruments | None:
     api = _STATE.api if _STATE.api is not None else _api()
     if api is None:
         return None
-    provider = _STATE.meter_provider or api.metrics.get_meter_provider()
+    provider = _STATE.meter_provider or api.global_meter_provider()
     if provider is not _STATE.meters_of:
         with _STATE.lock:
             if provider is not _STATE.meters_of:
                 _STATE.instruments = (
-                    None if isinstance(provider, api.noop_meters) else _make_instruments(provider)
+                    None
+                    if provider is None or isinstance(provider, api.noop_meters)
+                    else _make_instruments(provider)
                 )
                 _STATE.meters_of = provider
     return _STATE.instruments
@@ -203,6 +219,11 @@ def configure() -> None:
     from . import telemetry_sdk
 
     telemetry_sdk.configure_from_environment()
+    named = ("OTEL_PYTHON_TRACER_PROVIDER", "OTEL_PYTHON_METER_PROVIDER")
+    api = _api() if any(n in os.environ for n in named) else None
+    if api is not None:  # a provider named so loads on the first ask for it
+        api.trace.get_tracer_provider()
+        api.metrics.get_meter_provider()
 
 
 # the trace context stored with a run ----------------------------------------------------
