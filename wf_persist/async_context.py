@@ -162,5 +162,7 @@ def call_body(wf: Workflow[Any, Any], ctx: Context, value: Any) -> Any:
             return await wf.fn(AsyncContext(ctx, pools), *args)
 
     if bridged:  # the async worker's loop runs it (this drive's greenlet waits)
-        return bridge.wait(main())
+        # As a task in this drive's context (its trace), not the loop's waiting one.
+        body = asyncio.get_running_loop().create_task(main(), context=contextvars.copy_context())
+        return bridge.wait(body)
     return on_own_loop(main(), "wf-persist-async-body")

@@ -17,7 +17,7 @@ from sqlalchemy import Connection, Engine, Row
 from sqlalchemy.engine import URL
 from sqlalchemy.orm import Session
 
-from . import arguments, events, lifecycle
+from . import arguments, events, lifecycle, telemetry
 from .authoring import Workflow
 from .backends import Backend
 from .database import Database
@@ -95,6 +95,7 @@ class Client(RunReader):
         clock: Clock = utc_now,
     ) -> None:
         positive(poll_interval, "poll_interval")
+        telemetry.configure()
         self._database: Database | None = Database(bind, auto_migrate=auto_migrate, schema=schema)
         self.backend: Backend = self._database.backend
         #: The engine this client works through.
@@ -247,7 +248,34 @@ class Client(RunReader):
             limit = self._workflow_timeout(name, pinned)
         deadline = None if limit is None else now + dt.timedelta(seconds=limit)
         execution_id = str(uuid.uuid4())
-        started = events.execution_started(execution_id, name, pinned, stored, actor, now)
+        with telemetry.operation("wf.start", _run_attributes(execution_id, name, pinned)) as span:
+            found = self._create(
+                execution_id, name, pinned, stored, idempotency_key, actor, now, deadline, session
+            )
+            if span is not None and not found.created:  # the run an earlier start made
+                span.set_attribute("wf.execution.id", found.execution_id)
+                span.set_attribute("wf.start.created", False)
+        if found.created:
+            telemetry.run_started(name, found.version)
+        return ExecutionHandle(found.execution_id, name, found.version, created=found.created)
+
+    def _create(
+        self,
+        execution_id: str,
+        name: str,
+        pinned: int,
+        stored: Any,
+        idempotency_key: str | None,
+        actor: str | None,
+        now: dt.datetime,
+        deadline: dt.datetime | None,
+        session: Session | Connection | None,
+    ) -> executions.Created:
+        """Write the run (in ``session``, else in a transaction of its own) with the
+        caller's trace context, which its drives continue."""
+        started = events.execution_started(
+            execution_id, name, pinned, stored, actor, now, telemetry.carrier()
+        )
 
         def write(conn: Executor, lease: tuple[str, float] | None = None) -> executions.Created:
             return executions.create(
@@ -278,7 +306,7 @@ class Client(RunReader):
                     self._started(executions.Created(execution_id, pinned, False), True, asked)
                 raise
             self._started(found, lease is not None, asked)
-        return ExecutionHandle(found.execution_id, name, found.version, created=found.created)
+        return found
 
     def result(self, execution_id: str, timeout: float | None = None) -> Outcome:
         """Wait for the run to finish and return its outcome.
@@ -448,10 +476,14 @@ class Client(RunReader):
             return stored
 
         now = self._now()
-        with self.backend.begin() as conn:
-            buffered = signals.deliver(
-                conn, self.backend, execution_id, name, validate, actor, now, buffer=buffer
-            )
+        attributes = {"wf.execution.id": execution_id, "wf.signal.name": name}
+        with telemetry.operation("wf.signal", attributes) as span:
+            with self.backend.begin() as conn:
+                buffered = signals.deliver(
+                    conn, self.backend, execution_id, name, validate, actor, now, buffer=buffer
+                )
+            if span is not None:
+                span.set_attribute("wf.signal.outcome", "buffered" if buffered else "delivered")
         self._notify()
         return "buffered" if buffered else "delivered"
 
@@ -513,6 +545,14 @@ class Client(RunReader):
                 on_batch(deleted)
             if deleted < batch_size:
                 return total
+
+
+def _run_attributes(execution_id: str, name: str, version: int) -> dict[str, Any]:
+    return {
+        "wf.execution.id": execution_id,
+        "wf.workflow.name": name,
+        "wf.workflow.version": version,
+    }
 
 
 def _cataloged_document(what: str, payload: Any, schema: Any) -> Any:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import select
 
-from . import bridge, events, lifecycle
+from . import bridge, events, lifecycle, telemetry
 from .async_context import call_body
 from .authoring import Step, Workflow
 from .backends import Claim, Fenced
@@ -265,6 +265,7 @@ class RunDriver:
         if self.deadline is not None and (wake_at is None or wake_at > self.deadline):
             wake_at = self.deadline  # woken to time out, whoever is alive then
         self._locked(evs, True, wake_at)
+        telemetry.parked(evs, wake_at)
         if wake_at is not None:  # this process's worker fires the timer on time
             self.runtime.timer_set()
 
@@ -390,7 +391,9 @@ class RunDriver:
             rt.ensure_registered(workflow)
         now = self.clock()
         deadline = None if wf.timeout is None else now + dt.timedelta(seconds=wf.timeout)
-        started = events.execution_started(child_id, wf.name, wf.version, stored, None, now)
+        # The child's drives continue this drive's trace.
+        trace = telemetry.carrier()
+        started = events.execution_started(child_id, wf.name, wf.version, stored, None, now, trace)
         mark = events.child_started(who, child_id, wf.name, wf.version, cancel_with_parent, now)
         with self.conn_lock:
             evs = [*self._deferred, mark]
@@ -427,6 +430,7 @@ class RunDriver:
             self._deferred.clear()
             self._reset = {}
         self.runtime._notify()  # this process's worker may take the child at once
+        telemetry.run_started(wf.name, wf.version)
         return wf
 
     def child_definition(self, name: str, version: int) -> Workflow[Any, Any] | None:
@@ -486,6 +490,7 @@ class RunDriver:
                 self._check_run()
             raise
         self.finished = (ok, value)
+        telemetry.run_ended(wf.name, wf.version, ok)
 
 
 def _or_halt(acquire: Callable[[], bool]) -> bool:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, Float, literal, select
 
-from . import bridge, events, lifecycle
+from . import bridge, events, lifecycle, telemetry
 from .backends import Claim
 from .backends.clock import db_later, db_now
 from .bridge import off_loop
@@ -45,13 +45,22 @@ def load_journal(conn: Connection, execution_id: str) -> tuple[Journal, int]:
     return Journal.from_events([r.event for r in rows]), int(rows[-1].sequence) if rows else 0
 
 
-def start_drive(runtime: Runtime, claim: Claim) -> tuple[Journal, int]:
+def start_drive(
+    runtime: Runtime,
+    claim: Claim,
+    traced: telemetry.DriveTrace | telemetry.NoDrive = telemetry.NO_DRIVE,
+) -> tuple[Journal, int]:
     """The journal of a claimed run and the last sequence read, its history read (and
-    ``workflow.started`` recorded) by the claim itself or now (:meth:`Backend.open_claim`)."""
+    ``workflow.started`` recorded) by the claim itself or now (:meth:`Backend.open_claim`);
+    ``traced``'s span starts then, continuing the trace stored with the run."""
     if claim.history is None:
         claim = off_loop(_open, runtime, claim)
     history = claim.history or ()
-    if history and _left_in_flight(claim, history[-1][1]):
+    takeover = bool(history) and _left_in_flight(claim, history[-1][1])
+    if traced.wanted:
+        traced.open(_stored_trace(runtime, claim, history), takeover)
+    if takeover:
+        telemetry.took_over(claim.workflow_name)
         log.info(
             "run %s (%s): resuming a run an earlier driver left in flight (claim %d)",
             claim.execution_id,
@@ -60,6 +69,24 @@ def start_drive(runtime: Runtime, claim: Claim) -> tuple[Journal, int]:
             extra=run_fields(claim.execution_id, claim.workflow_name),
         )
     return Journal.from_events([e for _, e in history]), claim.next_seq - 1
+
+
+def _stored_trace(
+    runtime: Runtime, claim: Claim, history: tuple[tuple[int, dict[str, Any]], ...]
+) -> Mapping[str, str] | None:
+    """The trace context stored with the run: known when it was started here, in the
+    history when the claim read its first event, else read (a run's first drive)."""
+    if claim.trace is not None:
+        return claim.trace
+    if history and history[0][0] == 1:
+        return telemetry.stored_trace(history[0][1])
+    started = off_loop(_first_event, runtime, claim.execution_id)
+    return None if started is None else telemetry.stored_trace(started)
+
+
+def _first_event(runtime: Runtime, execution_id: str) -> dict[str, Any] | None:
+    with runtime.backend.read() as conn:
+        return history.first(conn, execution_id)
 
 
 def _open(runtime: Runtime, claim: Claim) -> Claim:
@@ -122,8 +149,10 @@ def drive(
             if driver is not None and driver.handing_over and not lease.lost:
                 # Stopped by close() or a caller's deadline, not by a takeover: hand the run
                 # over now (its lease is forgotten below, so close() would not release it).
+                telemetry.drive_outcome("handed_over")
                 release(runtime, claim)
             else:
+                telemetry.drive_outcome("lease_lost")
                 log.warning(
                     "run %s (%s): lease lost, stopped (another runtime may drive it)",
                     claim.execution_id,
@@ -158,6 +187,7 @@ def _reload(runtime: Runtime, lender: Lender, execution_id: str) -> tuple[Journa
 def failed(runtime: Runtime, claim: Claim, exc: BaseException) -> None:
     """Count a failed drive on the run; past the limit, fail the run. Fenced by the epoch
     (a run someone else claimed meanwhile is theirs), on a fresh connection."""
+    telemetry.drive_outcome("drive_failed", exc)
     off_loop(_failed, runtime, claim, exc)
 
 
@@ -207,6 +237,8 @@ def _failed(runtime: Runtime, claim: Claim, exc: BaseException) -> None:
             history.append(
                 conn, backend, execution_id, evs, now=now, epoch=claim.epoch, values=values
             )
+        if count >= limit:
+            telemetry.run_ended(claim.workflow_name, claim.workflow_version, False)
         log.error(
             "run %s (%s): drive %d of at most %d failed: %s%s",
             execution_id,

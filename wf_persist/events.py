@@ -10,6 +10,7 @@ to is the lifecycle's business (:data:`wf_persist.lifecycle.EVENT_STATUS`), not 
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -75,19 +76,27 @@ def _plain(kind: str, who: Activity, at: dt.datetime, **fields: Any) -> NewEvent
 
 
 def execution_started(
-    execution_id: str, workflow: str, version: int, payload: Any, actor: str | None, at: dt.datetime
+    execution_id: str,
+    workflow: str,
+    version: int,
+    payload: Any,
+    actor: str | None,
+    at: dt.datetime,
+    trace: Mapping[str, str] | None = None,
 ) -> NewEvent:
-    return NewEvent(
-        {
-            "type": "execution.started",
-            "executionId": execution_id,
-            "workflowName": workflow,
-            "version": version,
-            "payload": payload,
-            "actor": actor,
-        },
-        at,
-    )
+    """``trace``: the starter's trace context (W3C ``traceparent``, ``tracestate``), which
+    the run's drives continue (:mod:`wf_persist.telemetry`); absent while tracing is off."""
+    event = {
+        "type": "execution.started",
+        "executionId": execution_id,
+        "workflowName": workflow,
+        "version": version,
+        "payload": payload,
+        "actor": actor,
+    }
+    if trace:
+        event["trace"] = dict(trace)
+    return NewEvent(event, at)
 
 
 def workflow_started(execution_id: str, workflow: str, version: int, at: dt.datetime) -> NewEvent:

@@ -9,7 +9,8 @@ pipeline indexes them without parsing text. The loggers, all under ``wf_persist`
 - ``wf_persist.steps``: step attempts that failed (and are retried, or not), compensations
   that failed;
 - ``wf_persist.leases``: the lease keeper — outages, leases found lost;
-- ``wf_persist.worker``: the claim loop — outages, unexpected errors.
+- ``wf_persist.worker``: the claim loop — outages, unexpected errors;
+- ``wf_persist.telemetry``: OpenTelemetry asked for by ``OTEL_*`` variables but not installed.
 """
 
 from __future__ import annotations

@@ -68,6 +68,7 @@ def on_own_loop(coro: Coroutine[Any, Any, Any], name: str = "wf-persist-async") 
     except RuntimeError:
         return asyncio.run(coro)
     outcome: list[tuple[bool, Any]] = []
+    context = contextvars.copy_context()  # the caller's (its drive's trace, say)
 
     def own_thread() -> None:
         try:
@@ -75,7 +76,7 @@ def on_own_loop(coro: Coroutine[Any, Any, Any], name: str = "wf-persist-async") 
         except BaseException as exc:  # raised in the caller's thread below
             outcome.append((False, exc))
 
-    thread = threading.Thread(target=own_thread, name=name)
+    thread = threading.Thread(target=context.run, args=(own_thread,), name=name)
     thread.start()
     thread.join()
     ok, found = outcome[0]

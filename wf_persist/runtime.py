@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import URL
 
-from . import drives
+from . import drives, telemetry
 from .authoring import Step
 from .backends import Claim
 from .bridge import off_loop
@@ -37,6 +37,7 @@ from .errors import (
 from .leases import LeaseKeeper
 from .registry import Registry
 from .secrets import SecretResolver
+from .store import executions
 from .timers import Timers
 from .wakeups import Wakeups
 
@@ -133,6 +134,7 @@ class Runtime(Registry):
             raise InvalidArgumentError(
                 f"max_drive_failures must be a positive integer, got {max_drive_failures!r}"
             )
+        telemetry.configure()
         self.database = Database(bind, auto_migrate=auto_migrate, schema=schema)
         self.backend = self.database.backend
         self.schema = schema
@@ -244,14 +246,16 @@ class Runtime(Registry):
     def _drive(self, claim: Claim, asked: float | None = None, until: float | None = None) -> Any:
         keeper = self.keeper()
         lease = keeper.hold(claim.execution_id, claim.epoch, asked)
-        try:
-            self.definition(claim.workflow_name, claim.workflow_version)
-            loaded = drives.start_drive(self, claim)
-        except Exception as exc:
-            keeper.forget(lease)
-            drives.failed(self, claim, exc)
-            return None
-        finished = drives.drive(self, claim, lease, loaded, until)
+        with telemetry.drive(claim) as traced:
+            try:
+                self.definition(claim.workflow_name, claim.workflow_version)
+                loaded = drives.start_drive(self, claim, traced)
+            except Exception as exc:
+                keeper.forget(lease)
+                drives.failed(self, claim, exc)
+                return None
+            finished = drives.drive(self, claim, lease, loaded, until)
+            traced.finished(finished)
         if finished is not None:
             with self._lock:
                 self._finished[claim.execution_id] = (
@@ -333,6 +337,11 @@ class Runtime(Registry):
         with self.backend.read() as conn:
             due, now = self.backend.next_wake(conn, workflows)
         return None if due is None else (due - now).total_seconds()
+
+    def due_backlog(self) -> int:
+        """How many runs are due now and not claimed (any workflow: the metrics' gauge)."""
+        with self.backend.read() as conn:
+            return executions.due_count(conn)
 
     def _ttl(self) -> float:
         return self.lease_ttl.total_seconds()

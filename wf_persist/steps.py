@@ -22,7 +22,7 @@ from typing import Any, Protocol, TypeVar
 
 from pydantic import ValidationError
 
-from . import events
+from . import events, telemetry
 from .authoring import Step, Workflow, outside_body
 from .bridge import in_thread
 from .control import Suspended
@@ -269,16 +269,23 @@ class StepRunner:
         while True:
             started = events.step_started(who, attempt, inputs, self.driver.clock())
             watch = _StartWatch(self.driver, started, self.write_lock)
+            traced = telemetry.step_attempt(
+                self.execution_id, self.driver.workflow, call.activity, step.name, attempt
+            )
             try:
                 result, stored = self._attempt(step, inputs)
             except BaseException as exc:
                 if not isinstance(exc, Exception):  # control flow: this attempt just ends
+                    if traced is not None:
+                        traced.end("interrupted")
                     watch.finish(quiet=True)
                     raise
-                pending = watch.finish()
-                cause = self.error_document(exc)
                 terminal = step.is_terminal(exc)
                 final = terminal or failures + 1 >= step.retry.attempts
+                if traced is not None:
+                    traced.end("failed" if final else "retrying", exc)
+                pending = watch.finish()
+                cause = self.error_document(exc)
                 retry_at = None
                 if not final:
                     delay = step.retry.delay(failures + 2, _random.random)
@@ -304,6 +311,8 @@ class StepRunner:
                 self.wait_until(retry_at, inline)
                 attempt += 1
                 continue
+            if traced is not None:
+                traced.end("completed")
             done = [
                 *watch.finish(),
                 events.step_completed(who, attempt, stored, self.driver.clock()),

@@ -20,6 +20,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Final
 
+from . import telemetry
 from .async_worker import EventLoopDriver, check_available
 from .errors import InvalidArgumentError
 from .leases import Outage
@@ -181,6 +182,7 @@ class Worker:
         """
         rt = self.runtime
         rt.attach(self)
+        telemetry.watch_backlog(rt)
         rt.keeper().warm()
         rt.wakeups()
         if self._event_loop:

@@ -60,6 +60,8 @@ class Claim(NamedTuple):
     history: tuple[tuple[int, dict[str, Any]], ...] | None = None
     #: Created claimed by the process that drives it (its starter waits for it there).
     started_here: bool = False
+    #: The trace context its starter stored, when known without a read (started here).
+    trace: Mapping[str, str] | None = None
 
 
 class Fenced(NamedTuple):

@@ -11,11 +11,11 @@ import datetime as dt
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from sqlalchemy import Row, delete, select, update
+from sqlalchemy import Row, delete, func, select, update
 
 from .. import lifecycle
 from ..backends.clock import db_now
-from ..backends.sql import P_ID, Claim
+from ..backends.sql import P_ID, Claim, due
 from ..errors import CannotCancelError, IdempotencyConflictError, UnknownExecutionError
 from ..events import NewEvent
 from ..models import executions_table as ex
@@ -94,7 +94,11 @@ def create(
         if found is None:  # the winner is not visible to this transaction's snapshot
             raise IdempotencyConflictError(workflow_name, idempotency_key)
         return Created(str(found.id), int(found.workflow_version), False)
-    return Created(execution_id, workflow_version, True, None if inserted is True else inserted)
+    if inserted is True:
+        return Created(execution_id, workflow_version, True)
+    trace = started.event.get("trace")  # its drive, here, continues the starter's trace
+    claim = inserted if trace is None else inserted._replace(trace=trace)
+    return Created(execution_id, workflow_version, True, claim)
 
 
 def cancel(
@@ -251,3 +255,9 @@ def purge_batch(
         core.execute(delete(hist).where(hist.c.execution_id.in_(ids)))
         core.execute(delete(ex).where(ex.c.id.in_(ids), ex.c.status.in_(wanted)))
     return len(ids)
+
+
+def due_count(conn: Executor) -> int:
+    """How many runs are due now and not claimed (the unfinished-run index's range)."""
+    query = select(func.count()).select_from(ex).where(due())
+    return int(connection_of(conn).execute(query).scalar_one())

@@ -182,6 +182,18 @@ def load(conn: Executor, execution_id: str) -> Sequence[Row[Any, Any, Any]]:
     return connection_of(conn).execute(_LOAD, {"p_id": execution_id}).all()
 
 
+def first(conn: Executor, execution_id: str) -> dict[str, Any] | None:
+    """The run's ``execution.started`` (sequence 1): one primary-key read."""
+    found = (
+        connection_of(conn)
+        .execute(
+            select(hist.c.event).where(hist.c.execution_id == execution_id, hist.c.sequence == 1)
+        )
+        .scalar()
+    )
+    return None if found is None else dict(found)
+
+
 def dedupe_keys(conn: Executor, execution_id: str) -> set[str]:
     """The dedupe keys of a run's events: a keyed event whose key is among them would be
     appended as nothing."""
