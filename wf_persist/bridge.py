@@ -19,14 +19,11 @@ greenlet may hold (its locks are taken inside :func:`off_loop` calls, on real th
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import functools
-import sys
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor, Future
 from concurrent.futures import wait as wait_all
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -133,17 +130,3 @@ def pause(seconds: float, blocking: Callable[[float], None]) -> None:
         wait(asyncio.sleep(seconds))
     else:
         blocking(seconds)
-
-
-@contextlib.contextmanager
-def threaded(manager: AbstractContextManager[T]) -> Iterator[T]:
-    """``manager`` entered and exited by :func:`in_thread` (a slot it waits for, a
-    connection it holds, is taken and given back on threads)."""
-    value = in_thread(manager.__enter__)
-    try:
-        yield value
-    except BaseException:
-        if not in_thread(manager.__exit__, *sys.exc_info()):
-            raise
-    else:
-        in_thread(manager.__exit__, None, None, None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -201,6 +202,11 @@ class RunDriver:
 
     def defer(self, evs: Sequence[NewEvent]) -> None:
         """Write ``evs`` with the next write, at the latest by :meth:`flush`."""
+        # conn_lock is held through writes (the timer thread's start record, a ctx.all
+        # branch's): waited for on a thread when bridged, never on the loop thread.
+        off_loop(self._defer_now, evs)
+
+    def _defer_now(self, evs: Sequence[NewEvent]) -> None:
         with self.conn_lock:
             self._deferred.extend(evs)
 
@@ -320,28 +326,34 @@ class RunDriver:
     def code_function(self, name: str, fn: Callable[[], T]) -> Callable[[], T]:
         return fn
 
-    def concurrency_slot(self, step: Step[Any], key: str) -> AbstractContextManager[None]:
-        """Hold one of ``step``'s slots for ``key``, checking meanwhile that the run is
-        still ours (a run cancelled while it queues never starts the step). Taken and
-        given back on a thread when bridged (it waits, and talks to the database)."""
-        slot = self._slot(step, key)
-        return bridge.threaded(slot) if bridge.bridged() else slot
-
     @contextmanager
-    def _slot(self, step: Step[Any], key: str) -> Iterator[None]:
+    def concurrency_slot(self, step: Step[Any], key: str) -> Iterator[None]:
+        """Hold one of ``step``'s slots for ``key``, checking meanwhile that the run is
+        still ours (a run cancelled while it queues never starts the step). When bridged,
+        each try and the slot's taking and giving back are short calls on an ``io`` thread
+        and the pauses between tries are on the loop: a queued run holds no thread (runs
+        queueing by the hundred would otherwise take every thread, the holder's release
+        among them)."""
         limit = step.concurrency
         assert limit is not None
         last_check = time.monotonic()
         delay = 0.002
-        with self.backend.slots.slot(step.name, key, limit.limit) as acquire:
-            while not _or_halt(acquire):
+        held = self.backend.slots.slot(step.name, key, limit.limit)
+        acquire = off_loop(held.__enter__)
+        try:
+            while not off_loop(_or_halt, acquire):
                 if time.monotonic() - last_check > 0.2:
                     last_check = time.monotonic()
                     self.check_lease()
                     self._check_run()
-                time.sleep(delay)
+                bridge.pause(delay, time.sleep)
                 delay = min(delay * 2, 0.05)
             yield
+        except BaseException:
+            off_loop(held.__exit__, *sys.exc_info())
+            raise
+        else:
+            off_loop(held.__exit__, None, None, None)
 
     def _check_run(self) -> None:
         """Is the run still ours, and not cancelled meanwhile? (A read, not a write.)"""

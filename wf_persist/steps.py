@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from . import events, telemetry
 from .authoring import Step, Workflow, outside_body
-from .bridge import in_thread
+from .bridge import in_thread, off_loop
 from .control import Suspended
 from .errors import InvalidPayloadError, StepExecutionError, error_document, rebuild_error
 from .events import Activity, NewEvent
@@ -183,10 +183,15 @@ class _StartWatch:
             except BaseException as exc:  # the completion write reports it
                 self.error = exc
 
-    def finish(self, *, quiet: bool = False) -> list[NewEvent]:
-        """Stop watching; the events the outcome write must include."""
+    def _stop(self) -> None:
         with self._state:
             self._done = True
+
+    def finish(self, *, quiet: bool = False) -> list[NewEvent]:
+        """Stop watching; the events the outcome write must include."""
+        # On a thread when bridged: the timer thread holds _state through its write (which
+        # may wait for a row lock or a connection); the loop thread must not wait for it.
+        off_loop(self._stop)
         if self._cancel is not None:
             self._cancel()
         if self.error is not None and not quiet:

@@ -73,22 +73,39 @@ class SessionLockSlots(Slots):
 
     @contextmanager
     def slot(self, step_name: str, key: str, limit: int) -> Iterator[Acquire]:
+        # A connection only while a slot is held: each try takes one and gives it back
+        # if every slot is taken. Runs queueing for a slot (hundreds, on the async worker)
+        # would otherwise each hold a pooled connection for nothing, and the pool would
+        # have none left for the writes of the runs that hold the slots.
         k1 = lock_key(step_name, key)
-        held: int | None = None
-        with self.engine.connect() as conn:
-            conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+        held: tuple[Connection, int] | None = None
 
-            def acquire() -> bool:
-                nonlocal held
-                if held is None:
-                    held = next((s for s in range(limit) if self.try_lock(conn, k1, s)), None)
-                return held is not None
+        def acquire() -> bool:
+            nonlocal held
+            if held is None:
+                conn = self.engine.connect()
+                try:
+                    conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+                    got = next((s for s in range(limit) if self.try_lock(conn, k1, s)), None)
+                except BaseException:
+                    conn.invalidate()  # a lock it may have taken goes with its session
+                    conn.close()
+                    raise
+                if got is None:
+                    conn.close()
+                else:
+                    held = (conn, got)
+            return held is not None
 
-            try:
-                yield acquire
-            finally:
-                if held is not None:
-                    self._release(conn, k1, held)
+        try:
+            yield acquire
+        finally:
+            if held is not None:
+                conn, got = held
+                try:
+                    self._release(conn, k1, got)
+                finally:
+                    conn.close()
 
     def _release(self, conn: Connection, k1: int, slot: int) -> None:
         """Unlock the slot; if that fails, close the connection instead (the server then

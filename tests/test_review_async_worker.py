@@ -1,0 +1,136 @@
+"""Review of the async worker (bridge / async_worker): regression tests for problems found.
+
+Each test drives real runs on a real worker (``event_loop=True``) against every listed
+backend; no mocks."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+from sqlalchemy import func, select
+
+import wf_persist as wp
+from wf_persist.models import executions_table as ex
+
+from .helpers import wait_until
+
+CALLS: Counter[str] = Counter()
+N_RUNS = 90
+
+
+@pytest.fixture(autouse=True)
+def _reset() -> None:
+    CALLS.clear()
+
+
+def _count(rt: wp.Runtime, status: str) -> int:
+    with rt.backend.read() as conn:
+        return int(conn.execute(select(func.count()).where(ex.c.status == status)).scalar_one())
+
+
+# 1. Waiting for a concurrency slot holds a "user" thread per waiting run ----------------
+
+
+@wp.step(concurrency=wp.Limit(1))
+async def review_one_at_a_time(n: int) -> int:
+    CALLS["limited"] += 1
+    await asyncio.sleep(0.005)
+    return n
+
+
+@wp.workflow(name="review_limited", version=1)
+async def review_limited_wf(ctx: wp.AsyncContext, n: int) -> int:
+    return await ctx.run(review_one_at_a_time, n)
+
+
+def test_many_runs_queueing_for_a_limited_step_do_not_wedge_the_loop(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """More runs queue for a ``Limit(1)`` step than the async worker has user threads (64):
+    each queued run's slot wait (``bridge.threaded``) occupies a user thread, polling, so
+    the holder's ``__exit__`` (also ``in_thread``) never gets one: the slot is never given
+    back and every run on the worker waits forever."""
+    rt = make_runtime()
+    rt.register(review_limited_wf)
+    client = rt.client()
+    runs = [client.start(review_limited_wf, i).execution_id for i in range(N_RUNS)]
+    rt.start_worker(concurrency=100, poll_interval=0.05, event_loop=True)
+    wait_until(
+        lambda: _count(rt, "completed") == len(runs), timeout=60, what="every run", every=0.1
+    )
+    assert CALLS["limited"] == len(runs)
+
+
+# 2. The loop thread blocks on a lock a thread holds through a database write ------------
+
+STEP_RUNNING = threading.Event()
+TICKS: list[float] = []
+
+
+@wp.step
+async def review_slow_step(seconds: float) -> float:
+    STEP_RUNNING.set()
+    await asyncio.sleep(seconds)
+    return seconds
+
+
+@wp.workflow(name="review_slow", version=1)
+async def review_slow_wf(ctx: wp.AsyncContext, seconds: float) -> float:
+    return await ctx.run(review_slow_step, seconds)
+
+
+@wp.step
+async def review_ticker_step(ticks: int) -> int:
+    for _ in range(ticks):
+        TICKS.append(time.monotonic())
+        await asyncio.sleep(0.05)
+    return ticks
+
+
+@wp.workflow(name="review_ticker", version=1)
+async def review_ticker_wf(ctx: wp.AsyncContext, ticks: int) -> int:
+    return await ctx.run(review_ticker_step, ticks)
+
+
+@pytest.mark.needs("server")
+def test_a_run_whose_row_is_locked_does_not_freeze_every_run_on_the_loop(
+    make_runtime: Callable[..., wp.Runtime], db_engine: object
+) -> None:
+    """A step runs past ``record_start_after``: the timer thread records its start, holding
+    the attempt's ``_StartWatch._state`` and the drive's ``conn_lock`` through that write.
+    If the write waits (a row lock held by another transaction, a pool with no connection
+    left), the step's end calls ``watch.finish()`` and ``driver.defer()`` ON THE LOOP THREAD,
+    which block on those locks: every other run on the loop stops until the write is done
+    (here, 3 s of a ticker that ticks every 50 ms stalls)."""
+    from sqlalchemy import Engine, text
+
+    assert isinstance(db_engine, Engine)
+    STEP_RUNNING.clear()
+    TICKS.clear()
+    rt = make_runtime(record_start_after=0.3)
+    rt.register(review_slow_wf, review_ticker_wf)
+    client = rt.client()
+    ticker = client.start(review_ticker_wf, 120).execution_id  # about 6 s of ticks
+    rt.start_worker(concurrency=10, poll_interval=0.05, event_loop=True)
+    wait_until(lambda: len(TICKS) > 5, timeout=30, what="the ticker")
+    victim = client.start(review_slow_wf, 0.8).execution_id
+    assert STEP_RUNNING.wait(30)
+    with db_engine.connect() as conn, conn.begin():
+        # Another transaction holds the victim's row (a host's, a client's): the start
+        # record of its step (at 0.3 s) waits for it; the step ends at 0.8 s.
+        conn.execute(text("SELECT id FROM wf_executions WHERE id = :id FOR UPDATE"), {"id": victim})
+        held_from = time.monotonic()
+        time.sleep(3.0)
+        held_to = time.monotonic()
+        conn.rollback()
+    assert client.result(victim, timeout=30).unwrap() == 0.8
+    assert client.result(ticker, timeout=30).unwrap() == 120
+    during = [t for t in TICKS if held_from - 0.2 <= t <= held_to + 0.5]
+    gaps = [b - a for a, b in itertools.pairwise(during)]
+    assert gaps and max(gaps) < 1.0, f"the loop stalled {max(gaps):.2f}s"
