@@ -134,3 +134,51 @@ def test_a_run_whose_row_is_locked_does_not_freeze_every_run_on_the_loop(
     during = [t for t in TICKS if held_from - 0.2 <= t <= held_to + 0.5]
     gaps = [b - a for a, b in itertools.pairwise(during)]
     assert gaps and max(gaps) < 1.0, f"the loop stalled {max(gaps):.2f}s"
+
+
+BROKEN = threading.Event()
+
+
+@wp.step
+async def review_wait_for_break() -> None:
+    BROKEN.wait(10)  # the test breaks the worker's user pool meanwhile
+
+
+@wp.step
+def review_sync_after(seconds: float) -> float:
+    CALLS["sync_after"] += 1
+    return seconds
+
+
+@wp.workflow(name="review_breaks", version=1)
+async def review_breaks_wf(ctx: wp.AsyncContext, seconds: float) -> float:
+    await ctx.run(review_wait_for_break)
+    return await ctx.run(review_sync_after, seconds)  # a synchronous step: on a user thread
+
+
+def test_a_runtime_that_cannot_hand_work_to_a_thread_never_fails_the_run(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """A pool that cannot take work any more (shut down at exit, no thread to be had)
+    stops the drive like a database outage: the run is not failed with the pool's
+    RuntimeError (nor is its step); another runtime finishes it."""
+    BROKEN.clear()
+    first = make_runtime(lease_ttl=1.0)
+    first.register(review_breaks_wf)
+    run = first.client().start(review_breaks_wf, 0.05).execution_id
+    worker = first.start_worker(concurrency=4, poll_interval=0.05, event_loop=True)
+    wait_until(lambda: worker._loop is not None, what="the worker's loop")
+    loop = worker._loop
+    assert loop is not None and loop.pools.user is not None
+    loop.pools.user.shutdown(wait=False)  # fault injection: the user threads are gone
+    BROKEN.set()
+    time.sleep(1.0)
+    assert first.client().status(run) != "failed"
+    assert CALLS["sync_after"] == 0
+    failures = [r for r in first.client().history(run) if r.event["type"] == "step.failed"]
+    assert failures == []  # the runtime's failure is not the step's
+    first.close()
+    second = make_runtime(lease_ttl=1.0)
+    second.register(review_breaks_wf)
+    assert second.client().result(run, timeout=30).unwrap() == 0.05
+    assert CALLS["sync_after"] == 1

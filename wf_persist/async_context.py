@@ -59,7 +59,7 @@ class AsyncContext:
                     return await bridge.spawn(call, pools=self._pools)
                 context = contextvars.copy_context()  # carries the body's loop to the thread
                 call = functools.partial(context.run, fn, *args, **kwargs)
-                return await asyncio.get_running_loop().run_in_executor(None, call)
+                return await bridge.hand_over(None, call)
             except (Suspended, Reload, Halt) as stop:
                 self._stopped = stop  # before the next call's turn
                 raise

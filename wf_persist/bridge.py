@@ -27,6 +27,8 @@ from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from .control import Halt
+
 T = TypeVar("T")
 
 
@@ -96,7 +98,17 @@ def wait(awaitable: Awaitable[T]) -> T:
 
 def _run_on(executor: Executor | None, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
-    return wait(asyncio.get_running_loop().run_in_executor(executor, call))
+    return wait(hand_over(executor, call))
+
+
+def hand_over(executor: Executor | None, call: Callable[[], T]) -> asyncio.Future[T]:
+    """``call`` on ``executor``'s threads, as a future of this loop. A pool that cannot take
+    it (shut down at exit, no thread to be had) stops the drive (:class:`Halt`): it is
+    the runtime's failure, never the workflow's."""
+    try:
+        return asyncio.get_running_loop().run_in_executor(executor, call)
+    except RuntimeError as exc:
+        raise Halt(exc) from exc
 
 
 def off_loop(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
