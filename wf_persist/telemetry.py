@@ -21,7 +21,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
@@ -243,10 +243,33 @@ def carrier() -> dict[str, str] | None:
     return headers or None
 
 
+#: The W3C headers a stored trace context may hold, and the longest value of each kept.
+_TRACE_HEADERS: Final = {"traceparent": 512, "tracestate": 8192}
+
+
 def stored_trace(started: Mapping[str, Any]) -> Mapping[str, str] | None:
-    """The trace context an ``execution.started`` event carries."""
+    """The trace context an ``execution.started`` event carries: its W3C headers that are
+    text of a sane length (anyone may write that event: a wrong type or a huge value is
+    ignored, never a reason for a drive to fail)."""
     found = started.get(TRACE_KEY)
-    return found if isinstance(found, Mapping) else None
+    if not isinstance(found, Mapping):
+        return None
+    kept = {
+        key: value
+        for key, most in _TRACE_HEADERS.items()
+        if isinstance(value := found.get(key), str) and len(value) <= most
+    }
+    return kept if "traceparent" in kept else None
+
+
+def _quietly(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args)``, a call into the tracer: whatever it raises is logged, never the run's
+    or the caller's failure (``None`` then)."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:
+        log.warning("OpenTelemetry failed to %s (ignored): %s", what, exc, exc_info=True)
+        return None
 
 
 # spans of clients ---------------------------------------------------------------------
@@ -254,12 +277,34 @@ def stored_trace(started: Mapping[str, Any]) -> Mapping[str, str] | None:
 
 def operation(name: str, attributes: Mapping[str, Any]) -> AbstractContextManager[Span | None]:
     """A client operation's span (``wf.start``, ``wf.signal``), current while it lasts;
-    an exception ends it with an error status."""
+    an exception ends it with an error status. A tracer that raises changes nothing of the
+    operation (a start it made is not reported as failed)."""
     tracer = _tracer()
     if tracer is None:
         return _NOTHING
-    kind = _STATE.api.trace.SpanKind.PRODUCER  # type: ignore[union-attr]
-    return tracer.start_as_current_span(name, kind=kind, attributes=dict(attributes))
+    return _operation(tracer, name, dict(attributes))
+
+
+@contextlib.contextmanager
+def _operation(tracer: Tracer, name: str, attributes: dict[str, Any]) -> Iterator[Span | None]:
+    api = _STATE.api
+    assert api is not None
+    kind = api.trace.SpanKind.PRODUCER
+    span = _quietly("start a span", tracer.start_span, name, kind=kind, attributes=attributes)
+    if span is None:
+        yield None
+        return
+    token = _quietly("attach a span", api.context.attach, api.trace.set_span_in_context(span))
+    try:
+        yield span
+    except BaseException as exc:
+        _quietly("record an exception", span.record_exception, exc)
+        _quietly("set a status", _error, span, f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        if token is not None:
+            api.context.detach(token)
+        _quietly("end a span", span.end)
 
 
 def run_started(workflow: str, version: int) -> None:
@@ -305,20 +350,28 @@ class DriveTrace:
             "wf.workflow.name": claim.workflow_name,
             "wf.workflow.version": claim.workflow_version,
         }
-        context = api.propagator.extract(parent) if parent else api.context.Context()
+        context = (
+            _quietly("read a stored trace context", api.propagator.extract, parent)
+            if parent
+            else None
+        ) or api.context.Context()
         attributes: dict[str, Any] = {
             **run,
             "wf.claim.epoch": claim.epoch,
             "wf.takeover": takeover,
             "wf.drive.outcome": "stopped",
         }
-        span = self._tracer.start_span(
+        span = _quietly(
+            "start a span",
+            self._tracer.start_span,
             "wf.drive",
             context=context,
             kind=api.trace.SpanKind.CONSUMER,
             attributes=attributes,
             start_time=self._t0,
         )
+        if span is None:  # a tracer that raises: this drive goes untraced
+            span = api.trace.INVALID_SPAN
         if takeover:
             span.add_event("wf.takeover")
         self._span = span
@@ -347,7 +400,7 @@ class DriveTrace:
             token, run = self._tokens
             _RUN.reset(run)
             _STATE.api.context.detach(token)  # type: ignore[union-attr]
-        span.end()
+        _quietly("end a span", span.end)
 
 
 class NoDrive:
@@ -449,8 +502,11 @@ class StepTrace:
         if tracer is not None:
             api = _STATE.api
             assert api is not None
-            self._span = tracer.start_span("wf.step", attributes=attributes)
-            self._token = api.context.attach(api.trace.set_span_in_context(self._span))
+            self._span = _quietly(
+                "start a span", tracer.start_span, "wf.step", attributes=attributes
+            )
+            if self._span is not None:
+                self._token = api.context.attach(api.trace.set_span_in_context(self._span))
         self._t0 = time.perf_counter()
 
     def end(self, outcome: str, exc: BaseException | None = None) -> None:
@@ -464,10 +520,12 @@ class StepTrace:
                 span.record_exception(exc)
                 _error(span, type(exc).__name__)
             _STATE.api.context.detach(self._token)  # type: ignore[union-attr]
-            span.end()
+            _quietly("end a span", span.end)
         if self._instruments is not None:
             self._metric["wf.step.outcome"] = outcome
-            self._instruments.step_duration.record(elapsed, self._metric)
+            _quietly(
+                "record a metric", self._instruments.step_duration.record, elapsed, self._metric
+            )
 
 
 def step_attempt(

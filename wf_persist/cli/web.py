@@ -46,7 +46,11 @@ def web(
         raise WfPersistError(
             f"the web view needs its extra: pip install 'wf-persist[web]' ({exc})"
         ) from exc
-    app = create_app(url, allow_actions=allow_actions, token=token)
+    # On this machine only, only this machine's names: another site's page whose name
+    # rebinds to 127.0.0.1 (DNS rebinding) would otherwise read every run's data.
+    local = host in ("127.0.0.1", "localhost")
+    allowed = ["127.0.0.1", "localhost"] if local else None
+    app = create_app(url, allow_actions=allow_actions, token=token, allowed_hosts=allowed)
     view = app.state.view
     mode = "actions allowed" if allow_actions else "read-only"
     err.print(f"wf-persist web: http://{host}:{port}/ ({mode})")

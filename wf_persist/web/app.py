@@ -13,13 +13,15 @@ from __future__ import annotations
 import hmac
 import json
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
@@ -88,11 +90,13 @@ def create_app(
     allow_actions: bool = False,
     token: str | None = None,
     client: Client | None = None,
+    allowed_hosts: Sequence[str] | None = None,
 ) -> Starlette:
     """The web view's ASGI app over ``database`` (a URL or an engine; default
     ``$WF_PERSIST_DATABASE_URL``), or over ``client``. With ``allow_actions`` the pages and
     the API can signal, cancel and retry runs given the ``token`` (made up if not given:
-    ``app.state.view.token``)."""
+    ``app.state.view.token``). ``allowed_hosts``: the only ``Host`` headers answered (a
+    page of another site that rebinds its name to this address reads nothing)."""
     view = WebView(
         client if client is not None else Client(database),
         allow_actions=allow_actions,
@@ -188,7 +192,12 @@ def create_app(
         Route("/api/runs/{run_id}/retry", action(retry), methods=["POST"]),
         Mount("/static", StaticFiles(directory=_HERE / "static"), name="static"),
     ]
-    app = Starlette(routes=routes)
+    middleware = (
+        []
+        if allowed_hosts is None
+        else [Middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts)]
+    )
+    app = Starlette(routes=routes, middleware=middleware)
     app.state.view = view
     return app
 

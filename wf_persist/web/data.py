@@ -1,7 +1,9 @@
 """What the web view shows, read through a thin client (it never runs workflow code).
 
-Every page and every API response is built here from the client's reads and the SQL views
-(``wf_step_attempts``, ``wf_execution_waits``): the HTML and the JSON show the same data.
+Every page and every API response is built here from the client's reads and the SQL view
+``wf_execution_waits``: the HTML and the JSON show the same data. A run's step attempts are
+paired from the history it reads anyway, as ``wf_step_attempts`` pairs them (that view
+pairs them in a join quadratic in the run's history: minutes for a run of 10,000 steps).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import column, select, table
+from sqlalchemy import Column, MetaData, Table, select
 
 from ..cli.output import plain
 from ..client import Client
@@ -22,24 +24,12 @@ from ..records import ExecutionInfo, HistoryRecord
 MAX_LIMIT = 200
 DEFAULT_LIMIT = 50
 
-_ATTEMPTS = table(
-    "wf_step_attempts",
-    *(
-        column(c)
-        for c in (
-            "execution_id",
-            "activity_name",
-            "attempt",
-            "started_at",
-            "finished_at",
-            "outcome",
-            "duration_ms",
-        )
-    ),
-)
-_WAITS = table(
+# A Table, not a bare table(): the client's schema translation (a named schema, or one a
+# host's engine carries) renders only Tables in their schema.
+_WAITS = Table(
     "wf_execution_waits",
-    *(column(c) for c in ("execution_id", "waiting_kind", "waiting_for", "wake_at")),
+    MetaData(),
+    *(Column(c) for c in ("execution_id", "waiting_kind", "waiting_for", "wake_at")),
 )
 
 
@@ -180,7 +170,7 @@ def run(client: Client, execution_id: str) -> dict[str, Any]:
         },
         "pendingSignals": pending,
         "wait": _wait(client, execution_id),
-        "timeline": timeline(client, execution_id, history),
+        "timeline": timeline(client, execution_id, history, info.status),
     }
 
 
@@ -205,25 +195,59 @@ def _wait(client: Client, execution_id: str) -> dict[str, Any] | None:
     }
 
 
-def _attempts(client: Client, execution_id: str) -> list[dict[str, Any]]:
-    columns = ("activity_name", "attempt", "started_at", "finished_at", "outcome", "duration_ms")
-    with client.backend.read() as conn:
-        rows = conn.execute(
-            select(*(_ATTEMPTS.c[c] for c in columns))
-            .select_from(_ATTEMPTS)
-            .where(_ATTEMPTS.c.execution_id == execution_id)
-        ).mappings()
-        return [dict(r) for r in rows]
+def _attempts(history: list[HistoryRecord] | Any, status: str | None) -> list[dict[str, Any]]:
+    """The run's step attempts as ``wf_step_attempts`` has them, paired in one pass: each
+    ``step.started`` with the ``step.completed``/``step.failed`` of its attempt after it."""
+    started: list[tuple[HistoryRecord, str, Any]] = []
+    ends: dict[tuple[str, Any], list[HistoryRecord]] = {}
+    later_start: dict[str, int] = {}
+    for record in history:
+        kind, activity = record.event.get("type"), record.event.get("activityName")
+        if not isinstance(activity, str):
+            continue
+        attempt = record.event.get("attempt")
+        if kind == "step.started":
+            started.append((record, activity, attempt))
+            later_start[activity] = record.sequence
+        elif kind in ("step.completed", "step.failed"):
+            ends.setdefault((activity, attempt), []).append(record)
+    found = []
+    for s, activity, attempt in started:
+        f = next((r for r in ends.get((activity, attempt), ()) if r.sequence > s.sequence), None)
+        if f is not None:
+            outcome = "completed" if f.event["type"] == "step.completed" else "failed"
+        elif status in ("completed", "failed") or later_start[activity] > s.sequence:
+            outcome = "abandoned"
+        else:
+            outcome = "running"
+        found.append(
+            {
+                "activity_name": activity,
+                "attempt": attempt,
+                "started_at": s.created_at,
+                "finished_at": None if f is None else f.created_at,
+                "outcome": outcome,
+                "duration_ms": None
+                if f is None
+                else (_aware(f.created_at) - _aware(s.created_at)).total_seconds() * 1000,
+            }
+        )
+    return found
 
 
 def timeline(
-    client: Client, execution_id: str, history: list[HistoryRecord] | Any
+    client: Client,
+    execution_id: str,
+    history: list[HistoryRecord] | Any,
+    status: str | None = None,
 ) -> list[dict[str, Any]]:
-    """The run's story in order: step attempts (from ``wf_step_attempts``: retries, and
+    """The run's story in order: step attempts (as ``wf_step_attempts`` has them: retries, and
     attempts a crashed or paused driver left, taken over by the next), sleeps, signal
     waits, children, compensations, cancellations, failed drives, the outcome."""
     rows: list[tuple[Any, int, dict[str, Any]]] = []
-    attempts = _attempts(client, execution_id)
+    if status is None:
+        status = client.describe(execution_id).status
+    attempts = _attempts(history, status)
     latest: dict[str, int] = {}
     for a in attempts:
         latest[a["activity_name"]] = max(latest.get(a["activity_name"], 0), int(a["attempt"]))

@@ -30,11 +30,20 @@ function cell(row, value, className) {
 const runs = document.querySelector("#runs tbody");
 const live = document.getElementById("live");
 if (runs && live) {
+  let busy = false; // one request at a time: a slow answer is not asked for again meanwhile
   setInterval(async () => {
-    if (!live.checked) return;
-    const response = await fetch("/api/runs" + window.location.search);
-    if (!response.ok) return;
-    const page = await response.json();
+    if (!live.checked || busy) return;
+    busy = true;
+    let page;
+    try {
+      const response = await fetch("/api/runs" + window.location.search);
+      if (!response.ok) return;
+      page = await response.json();
+    } catch (error) {
+      return;
+    } finally {
+      busy = false;
+    }
     const body = document.createElement("tbody");
     for (const r of page.runs) {
       const row = document.createElement("tr");
@@ -67,11 +76,20 @@ const facts = document.querySelector("dl.facts");
 const status = document.getElementById("status");
 if (facts && status && !["completed", "failed"].includes(status.textContent)) {
   const seen = document.querySelectorAll("#timeline li").length;
+  let busy = false; // a long run's page may take a while: never two requests at once
   const timer = setInterval(async () => {
-    if (document.activeElement && document.activeElement.closest("form")) return;
-    const response = await fetch("/api/runs/" + encodeURIComponent(facts.dataset.run));
-    if (!response.ok) return;
-    const found = await response.json();
+    if (busy || (document.activeElement && document.activeElement.closest("form"))) return;
+    busy = true;
+    let found;
+    try {
+      const response = await fetch("/api/runs/" + encodeURIComponent(facts.dataset.run));
+      if (!response.ok) return;
+      found = await response.json();
+    } catch (error) {
+      return;
+    } finally {
+      busy = false;
+    }
     if (found.run.status !== status.textContent || found.timeline.length !== seen) {
       clearInterval(timer);
       window.location.reload();
