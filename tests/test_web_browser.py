@@ -30,8 +30,10 @@ def chromium_path() -> str:
     return found
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def browser() -> Iterator[Browser]:
+    # Per test, never longer: while Playwright's synchronous API is open it marks an event
+    # loop as running in this thread, and asyncio.run() (other tests') refuses to run.
     with sync_playwright() as p:
         launched = p.chromium.launch(executable_path=chromium_path(), args=["--no-sandbox"])
         yield launched
