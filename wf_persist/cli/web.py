@@ -54,6 +54,6 @@ def web(
     view = app.state.view
     mode = "actions allowed" if allow_actions else "read-only"
     err.print(f"wf-persist web: http://{host}:{port}/ ({mode})")
-    if allow_actions and token is None:
+    if allow_actions and not token:  # made up by the app: say it
         err.print(f"actions token: {view.token}")
     uvicorn.run(app, host=host, port=port, log_level="warning")
