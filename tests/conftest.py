@@ -80,6 +80,7 @@ CAPABILITY_NAMES = frozenset(
         "notify",
         "presence",
         "idle_limit",
+        "libpq",
     }
 )
 #: Capabilities of each listed backend, read from its backend object at session start.
@@ -106,6 +107,8 @@ def capabilities_of(backend: Backend) -> frozenset[str]:
         found.add("notify")  # LISTEN/NOTIFY wake-ups
     if kind.idle_timeout is not None:
         found.add("idle_limit")  # the server ends a write transaction of ours left idle
+    if getattr(backend, "wire", None) is not None:
+        found.add("libpq")  # statements on an idle connection go through libpq itself
     if backend.owner_mark():
         found.add("presence")  # presence locks: a dead worker's runs are taken over at once
     return frozenset(found)

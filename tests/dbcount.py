@@ -257,6 +257,8 @@ class DatabaseCounter:
         per ``Bind`` of a parsed or prepared statement, or per simple ``Query``), from the
         protocol trace: what statement hooks cannot see of the raw driver paths."""
         assert self.dialect == "postgresql"
+        from wf_persist.backends import pg_wire
+
         self.counts()  # flushes each connection's trace
         executed: list[str] = []
         with self._lock:
@@ -279,6 +281,9 @@ class DatabaseCounter:
                     m = re.match(r'"[^"]*" "([^"]*)"', rest)
                     if m and m.group(1) in parsed:
                         executed.append(parsed[m.group(1)])
+                    elif m and m.group(1).encode() in pg_wire.named:
+                        # Prepared on this connection before the trace began.
+                        executed.append(pg_wire.named[m.group(1).encode()].decode())
                 else:
                     executed.append(rest.strip().strip('"'))
         return executed

@@ -30,6 +30,7 @@ import pytest
 from sqlalchemy import Engine, event, insert, text
 
 import wf_persist as wp
+from wf_persist.backends import pg_wire
 from wf_persist.models import executions_table, history_table
 from wf_persist.records import encode_cursor
 
@@ -69,7 +70,7 @@ class Recorder:
 class Backend:
     """How statements are recorded and explained on one database, and what a bad plan is."""
 
-    def install(self, recorder: Recorder) -> None:
+    def install(self, recorder: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
         raise NotImplementedError
 
     def analyze(self, engine: Engine) -> None:
@@ -85,7 +86,7 @@ class Backend:
 
 
 class SQLite(Backend):
-    def install(self, recorder: Recorder) -> None:
+    def install(self, recorder: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
         @event.listens_for(recorder.engine, "checkout")
         def _trace(raw: Any, _record: Any, _proxy: Any) -> None:
             raw.set_trace_callback(recorder.record)  # SQLite's own text, values expanded
@@ -108,7 +109,15 @@ class SQLite(Backend):
 
 
 class PostgreSQL(Backend):
-    def install(self, recorder: Recorder) -> None:
+    def install(self, recorder: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
+        sent_by_libpq = pg_wire.execute  # statements on an idle connection skip the cursor
+
+        def recording(raw: Any, sql: str, params: Any) -> Any:
+            recorder.record(sql, params)
+            return sent_by_libpq(raw, sql, params)
+
+        monkeypatch.setattr(pg_wire, "execute", recording)
+
         class Recording(psycopg.Cursor[Any]):
             def execute(self, query: Any, params: Any = None, **kw: Any) -> Any:
                 recorder.record(str(query), params)
@@ -140,7 +149,7 @@ class PostgreSQL(Backend):
 
 
 class MySQL(Backend):
-    def install(self, recorder: Recorder) -> None:
+    def install(self, recorder: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
         @event.listens_for(recorder.engine, "after_cursor_execute")
         def _executed(conn: Any, cursor: Any, *_args: Any) -> None:
             executed = cursor._executed  # PyMySQL's text, values in place
@@ -220,7 +229,7 @@ def _load(engine: Engine) -> None:
 
 @pytest.fixture
 def loaded(
-    backend: str, make_runtime: Callable[..., wp.Runtime]
+    backend: str, make_runtime: Callable[..., wp.Runtime], monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[tuple[wp.Runtime, Backend, Recorder]]:
     rt = make_runtime()
     rt.register(w.echo_wf, w.two_approvals_wf)
@@ -234,7 +243,7 @@ def loaded(
     planner = BACKENDS[backend]
     planner.analyze(engine)
     recorder = Recorder(engine)
-    planner.install(recorder)
+    planner.install(recorder, monkeypatch)
     yield rt, planner, recorder
 
 

@@ -16,6 +16,7 @@ import datetime as dt
 import json
 import logging
 from collections.abc import Iterator, Mapping, Sequence
+from types import ModuleType
 from typing import Any, ClassVar, Final
 
 from sqlalchemy import (
@@ -90,6 +91,13 @@ class PostgreSQLBackend(Backend):
         #: Statements may go straight to psycopg (not through an asyncio engine's
         #: connections, which ``wp.AsyncClient`` uses: SQLAlchemy's execution there).
         self.raw_ok = not engine.dialect.is_async
+        #: libpq itself for a statement on an idle connection (psycopg 3 only, imported
+        #: here: the driver is an extra).
+        self.wire: ModuleType | None = None
+        if self.raw_ok and engine.dialect.driver == "psycopg":
+            from . import pg_wire
+
+            self.wire = pg_wire
         self._rendered: dict[Any, tuple[str, dict[str, Any]]] = {}
         idle_ms = int((self.idle_timeout or 0) * 1000)
         self._idle_sql = f"SET LOCAL idle_in_transaction_session_timeout = {idle_ms}"
@@ -263,6 +271,8 @@ class PostgreSQLBackend(Backend):
                 finally:
                     if not raw.closed:
                         raw.isolation_level = level
+            if self.wire is not None and self.wire.usable(raw):
+                return self.wire.execute(raw, sql, params)
             # As the connection was (a host engine's may be in AUTOCOMMIT already).
             was = raw.autocommit
             raw.autocommit = True
@@ -385,15 +395,18 @@ class PostgreSQLBackend(Backend):
         raw: Any = conn.connection.driver_connection
         cursor = None
         try:
-            was = raw.autocommit
-            raw.autocommit = True
-            try:
-                with raw.cursor() as cursor:
-                    cursor.execute(sql, params)
-                    rows = cursor.fetchall()
-            finally:
-                if not raw.closed:
-                    raw.autocommit = was
+            if self.wire is not None and self.wire.usable(raw):
+                rows = self.wire.execute(raw, sql, params)
+            else:
+                was = raw.autocommit
+                raw.autocommit = True
+                try:
+                    with raw.cursor() as cursor:
+                        cursor.execute(sql, params)
+                        rows = cursor.fetchall()
+                finally:
+                    if not raw.closed:
+                        raw.autocommit = was
         except Exception as exc:
             raise self.raw_failure(conn, exc, sql, cursor) from exc
         if len(rows) != n:

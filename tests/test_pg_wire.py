@@ -1,0 +1,93 @@
+"""Statements sent through libpq itself (PostgreSQL with psycopg 3): prepared once per
+connection, they must survive what a host does to its connections (forgetting prepared
+statements, refusing them, dying) and fail as every other path does."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from sqlalchemy import Engine, text
+from sqlalchemy.exc import OperationalError
+
+import wf_persist as wp
+
+from .fixtures import workflows as w
+
+pytestmark = pytest.mark.needs("libpq")
+
+
+def _ours_prepared(engine: Engine) -> int:
+    """How many of our prepared statements the pool's one connection holds."""
+    with engine.connect() as conn:
+        found = conn.execute(
+            text("SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'wfp\\_%'")
+        ).scalar_one()
+        conn.rollback()
+    return int(found)
+
+
+def _run(rt: wp.Runtime, n: int) -> list[int]:
+    client = rt.client()
+    handle = client.start(w.echo_wf, n)
+    assert rt.drive(handle.execution_id)
+    result: list[int] = client.result(handle.execution_id, timeout=10).unwrap()
+    return result
+
+
+@pytest.mark.parametrize("forget", ["DEALLOCATE ALL", "DISCARD ALL"])
+def test_statements_the_host_made_the_server_forget_are_prepared_again(
+    forget: str, db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    engine = make_engine(db_url, pool_size=1, max_overflow=0)
+    with wp.Runtime(engine, lease_ttl=5) as rt:
+        rt.register(w.echo_wf)
+        assert _run(rt, 3) == [1, 2, 3]
+        assert _ours_prepared(engine) > 0  # the steps went through libpq
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.exec_driver_sql(forget)
+        assert _ours_prepared(engine) == 0
+        assert _run(rt, 4) == [1, 2, 3, 4]
+        assert _ours_prepared(engine) > 0
+
+
+def test_a_connection_that_must_not_prepare_parses_each_statement(
+    db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """``prepare_threshold=None`` is psycopg's setting behind a transaction-mode pooler,
+    where a prepared statement may be on another server connection at the next use."""
+    engine = make_engine(
+        db_url, pool_size=1, max_overflow=0, connect_args={"prepare_threshold": None}
+    )
+    with wp.Runtime(engine, lease_ttl=5) as rt:
+        rt.register(w.echo_wf)
+        assert _run(rt, 5) == [1, 2, 3, 4, 5]
+        assert _ours_prepared(engine) == 0
+
+
+def test_a_connection_killed_between_writes_is_replaced(
+    db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """The server ends the pooled connection between two runs: the next write through
+    libpq fails as a disconnect (SQLAlchemy's error, the connection never reused)
+    and the run is driven to its end."""
+    engine = make_engine(db_url, pool_size=1, max_overflow=0)
+    admin = make_engine(db_url)
+    with wp.Runtime(engine, lease_ttl=1) as rt:
+        rt.register(w.echo_wf)
+        assert _run(rt, 2) == [1, 2]
+        with engine.connect() as conn:
+            pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+            conn.rollback()
+        with admin.begin() as conn:
+            conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        client = rt.client()
+        with pytest.raises(OperationalError) as failed:  # as the cursor's path reports it
+            client.start(w.echo_wf, 3)
+        assert failed.value.connection_invalidated
+        handle = client.start(w.echo_wf, 3)  # the dead connection was dropped
+        rt.drive(handle.execution_id)
+        assert client.result(handle.execution_id, timeout=10).unwrap() == [1, 2, 3]
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT pg_backend_pid()")).scalar_one() != pid
+            conn.rollback()
