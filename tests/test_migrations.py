@@ -485,3 +485,91 @@ def test_upgrade_to_deadlines_and_child_links_keeps_runs_and_they_run_on(
     engine.dispose()
     migrate.upgrade(blank_db_url)
     assert migrate.current(blank_db_url) == migrate.SCHEMA_HEAD
+
+
+def test_upgrade_to_the_partial_history_type_index_keeps_history_and_finds_by_type(
+    blank_db_url: str, backend: str, make_engine: Callable[..., Engine]
+) -> None:
+    """wf_0007 -> head with a history holding step events and others: every row is kept;
+    on PostgreSQL the type index leaves step events out and a query for another type still
+    reads it (the planner proves the predicate); elsewhere the index is the full one."""
+    from datetime import UTC, datetime
+
+    from sqlalchemy import insert, select
+
+    from wf_persist.models import history_table, workflows_table
+
+    migrate.upgrade(blank_db_url, "wf_0007")
+    now = datetime.now(UTC)
+    engine = make_engine(blank_db_url)
+    types = ["execution.started", "step.started", "step.completed", "signal.delivered"]
+    with engine.begin() as conn:
+        conn.execute(
+            insert(workflows_table),
+            {"name": "typed", "version": 1, "source_hash": "x" * 64, "registered_at": now},
+        )
+        conn.execute(
+            insert(executions_table),
+            {
+                "id": "run-1",
+                "workflow_name": "typed",
+                "workflow_version": 1,
+                "status": "running",
+                "next_seq": len(types) + 1,
+                "created_at": now,
+                "updated_at": now,
+            },
+        )
+        conn.execute(
+            insert(history_table),
+            [
+                {
+                    "execution_id": "run-1",
+                    "sequence": i + 1,
+                    "type": kind,
+                    "created_at": now,
+                    "event": {"type": kind},
+                }
+                for i, kind in enumerate(types)
+            ],
+        )
+        before = conn.execute(select(history_table).order_by(history_table.c.sequence)).all()
+    engine.dispose()
+
+    migrate.upgrade(blank_db_url)
+    assert migrate.current(blank_db_url) == migrate.SCHEMA_HEAD
+    index = "ix_wf_history__type_created_at"
+    with engine.connect() as conn:
+        assert (
+            conn.execute(select(history_table).order_by(history_table.c.sequence)).all() == before
+        )
+        found = {i["name"]: i for i in inspect(conn).get_indexes("wf_history")}
+        assert found[index]["column_names"] == ["type", "created_at"]
+        where = found[index].get("dialect_options", {}).get("postgresql_where")
+        if backend == "postgresql":
+            assert where is not None and "step.started" in str(where), found[index]
+            conn.execute(text("SET LOCAL enable_seqscan = off"))
+            plan = "\n".join(
+                str(r[0])
+                for r in conn.execute(
+                    text(
+                        "EXPLAIN SELECT execution_id FROM wf_history "
+                        "WHERE type = 'signal.delivered' ORDER BY created_at"
+                    )
+                )
+            )
+            assert index in plan, plan
+        else:
+            assert where is None and not found[index].get("dialect_options", {}).get(
+                "sqlite_where"
+            ), found[index]
+        conn.rollback()
+    engine.dispose()
+    migrate.downgrade(blank_db_url, "wf_0007")
+    with engine.connect() as conn:
+        found = {i["name"]: i for i in inspect(conn).get_indexes("wf_history")}
+        assert not found[index].get("dialect_options", {}).get("postgresql_where")
+        assert len(conn.execute(select(history_table)).all()) == len(types)
+    engine.dispose()
+    migrate.upgrade(blank_db_url)
+    assert migrate.current(blank_db_url) == migrate.SCHEMA_HEAD
