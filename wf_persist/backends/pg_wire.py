@@ -26,17 +26,30 @@ _UNKNOWN_STATEMENT: Final = "26000"
 _ALREADY_PREPARED: Final = "42P05"
 _OK: Final = (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK)
 
-#: Per connection: the names of our statements it has prepared.
-_prepared: weakref.WeakKeyDictionary[Any, set[bytes]] = weakref.WeakKeyDictionary()
+
+class _Session:
+    """What one connection keeps between our statements: the names it has prepared, and
+    a transformer (its dumpers and loaders found once per type, as a cursor keeps one)."""
+
+    __slots__ = ("names", "tx")
+
+    def __init__(self, raw: Any) -> None:
+        self.names: set[bytes] = set()
+        self.tx = Transformer.from_context(raw)
+
+
+#: Per libpq connection (a reconnect is a new one).
+_sessions: weakref.WeakKeyDictionary[Any, _Session] = weakref.WeakKeyDictionary()
 #: Every statement named so far, by name: what a protocol trace shows only as a name.
 named: Final[dict[bytes, bytes]] = {}
 
 
 @functools.lru_cache(maxsize=256)
-def converted(sql: str) -> tuple[bytes, bytes, tuple[str, ...]]:
+def converted(sql: str) -> tuple[bytes, bytes, tuple[str, ...], list[PyFormat]]:
     """``sql`` with ``%(name)s`` placeholders numbered ``$n`` (a name used twice is one
     parameter), its prepared statement's name (from its text: the same statement has the
-    same name in every process and runtime) and the parameters' names in order."""
+    same name in every process and runtime), the parameters' names in order and their
+    formats (text: the server infers each type from the statement)."""
     order: list[str] = []
 
     def number(match: re.Match[str]) -> str:
@@ -50,7 +63,7 @@ def converted(sql: str) -> tuple[bytes, bytes, tuple[str, ...]]:
     text = _PLACEHOLDER.sub(number, sql)
     name = b"wfp_" + hashlib.sha1(text.encode()).hexdigest()[:20].encode()
     named[name] = text.encode()
-    return text.encode(), name, tuple(order)
+    return text.encode(), name, tuple(order), [PyFormat.TEXT] * len(order)
 
 
 def usable(raw: Any) -> bool:
@@ -70,35 +83,43 @@ def execute(raw: Any, sql: str, params: Mapping[str, Any]) -> list[tuple[Any, ..
 
     A connection whose ``prepare_threshold`` is None (the setting for a transaction-mode
     pooler that cannot keep prepared statements) gets each statement parsed anew."""
-    query, name, order = converted(sql)
+    query, name, order, formats = converted(sql)
     pgconn = raw.pgconn
-    tx = Transformer.from_context(raw)
-    values = tx.dump_sequence([params[k] for k in order], [PyFormat.TEXT] * len(order))
-    encoding = raw.info.encoding
+    session = _sessions.get(pgconn)
+    if session is None:
+        session = _sessions[pgconn] = _Session(raw)
+    tx = session.tx
     with raw.lock:  # as psycopg's own execution: one statement at a time per connection
+        values = tx.dump_sequence([params[k] for k in order], formats)
         if raw.prepare_threshold is None:
             result = pgconn.exec_params(query, values)
         else:
-            names = _prepared.setdefault(pgconn, set())
+            names = session.names
             if name not in names:
-                _prepare(pgconn, name, query, encoding)
+                _prepare(raw, name, query)
                 names.add(name)
             result = pgconn.exec_prepared(name, values)
             if result.status not in _OK and _sqlstate(result) == _UNKNOWN_STATEMENT:
-                _prepare(pgconn, name, query, encoding)  # deallocated behind our back
+                _prepare(raw, name, query)  # deallocated behind our back: once more
                 result = pgconn.exec_prepared(name, values)
-    if result.status not in _OK:
-        if pgconn.status != pq.ConnStatus.OK:  # as psycopg reports a lost connection
-            raise errors.OperationalError(pgconn.get_error_message(encoding))
-        raise errors.error_from_result(result, encoding=encoding)
-    tx.set_pgresult(result)
-    return list(tx.load_rows(0, result.ntuples, tuple))
+        if result.status not in _OK:
+            raise _failure(raw, result)
+        tx.set_pgresult(result)
+        return list(tx.load_rows(0, result.ntuples, tuple))
 
 
-def _prepare(pgconn: Any, name: bytes, query: bytes, encoding: str) -> None:
-    result = pgconn.prepare(name, query)
+def _prepare(raw: Any, name: bytes, query: bytes) -> None:
+    result = raw.pgconn.prepare(name, query)
     if result.status != pq.ExecStatus.COMMAND_OK and _sqlstate(result) != _ALREADY_PREPARED:
-        raise errors.error_from_result(result, encoding=encoding)
+        raise _failure(raw, result)
+
+
+def _failure(raw: Any, result: Any) -> Exception:
+    """psycopg's error for a failed ``result``, as its own execution would raise it."""
+    encoding = raw.info.encoding
+    if raw.pgconn.status != pq.ConnStatus.OK:  # the connection was lost
+        return errors.OperationalError(raw.pgconn.get_error_message(encoding))
+    return errors.error_from_result(result, encoding=encoding)
 
 
 def _sqlstate(result: Any) -> str | None:
