@@ -112,9 +112,9 @@ class PostgreSQL(Backend):
     def install(self, recorder: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
         sent_by_libpq = pg_wire.execute  # statements on an idle connection skip the cursor
 
-        def recording(raw: Any, sql: str, params: Any) -> Any:
+        def recording(raw: Any, info: Any, sql: str, params: Any) -> Any:
             recorder.record(sql, params)
-            return sent_by_libpq(raw, sql, params)
+            return sent_by_libpq(raw, info, sql, params)
 
         monkeypatch.setattr(pg_wire, "execute", recording)
 

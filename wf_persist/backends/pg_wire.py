@@ -13,8 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
-import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any, Final
 
 from psycopg import errors, pq
@@ -29,17 +28,27 @@ _OK: Final = (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK)
 
 class _Session:
     """What one connection keeps between our statements: the names it has prepared, and
-    a transformer (its dumpers and loaders found once per type, as a cursor keeps one)."""
+    a transformer (its dumpers and loaders found once per type, as a cursor keeps one)
+    made for the connection's client encoding (a new one if the host changes it)."""
 
-    __slots__ = ("names", "tx")
+    __slots__ = ("encoding", "names", "tx")
 
-    def __init__(self, raw: Any) -> None:
+    def __init__(self) -> None:
         self.names: set[bytes] = set()
-        self.tx = Transformer.from_context(raw)
+        self.encoding: bytes | None = None
+        self.tx: Any = None
+
+    def transformer(self, raw: Any) -> Any:
+        encoding = raw.pgconn.parameter_status(b"client_encoding")
+        if self.tx is None or encoding != self.encoding:
+            self.tx = Transformer.from_context(raw)
+            self.encoding = encoding
+        return self.tx
 
 
-#: Per libpq connection (a reconnect is a new one).
-_sessions: weakref.WeakKeyDictionary[Any, _Session] = weakref.WeakKeyDictionary()
+#: The key of a connection's session in its pool entry's ``info``: kept as long as that
+#: DBAPI connection, dropped with it (and when the pool reconnects the entry).
+_SESSION: Final = "wf_persist.pg_wire"
 #: Every statement named so far, by name: what a protocol trace shows only as a name.
 named: Final[dict[bytes, bytes]] = {}
 
@@ -77,19 +86,25 @@ def usable(raw: Any) -> bool:
     )
 
 
-def execute(raw: Any, sql: str, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+def execute(
+    raw: Any, info: MutableMapping[Any, Any], sql: str, params: Mapping[str, Any]
+) -> list[tuple[Any, ...]]:
     """Run ``sql`` (psycopg's ``%(name)s`` style) on the idle connection ``raw``, committed
     on its own; its rows as psycopg would load them. Failures raise psycopg's errors.
+    ``info`` is the ``info`` of ``raw``'s pool entry, where what it keeps between
+    statements lives and dies with it.
 
     A connection whose ``prepare_threshold`` is None (the setting for a transaction-mode
     pooler that cannot keep prepared statements) gets each statement parsed anew."""
     query, name, order, formats = converted(sql)
     pgconn = raw.pgconn
-    session = _sessions.get(pgconn)
+    session = info.get(_SESSION)
     if session is None:
-        session = _sessions[pgconn] = _Session(raw)
-    tx = session.tx
-    with raw.lock:  # as psycopg's own execution: one statement at a time per connection
+        session = info[_SESSION] = _Session()
+    with raw.lock:
+        tx = session.transformer(
+            raw
+        )  # as psycopg's own execution: one statement at a time per connection
         values = tx.dump_sequence([params[k] for k in order], formats)
         if raw.prepare_threshold is None:
             result = pgconn.exec_params(query, values)
@@ -105,7 +120,10 @@ def execute(raw: Any, sql: str, params: Mapping[str, Any]) -> list[tuple[Any, ..
         if result.status not in _OK:
             raise _failure(raw, result)
         tx.set_pgresult(result)
-        return list(tx.load_rows(0, result.ntuples, tuple))
+        try:
+            return list(tx.load_rows(0, result.ntuples, tuple))
+        finally:
+            tx.set_pgresult(None)  # the session keeps no result (a claim's history)
 
 
 def _prepare(raw: Any, name: bytes, query: bytes) -> None:

@@ -272,7 +272,7 @@ class PostgreSQLBackend(Backend):
                     if not raw.closed:
                         raw.isolation_level = level
             if self.wire is not None and self.wire.usable(raw):
-                return self.wire.execute(raw, sql, params)
+                return self.wire.execute(raw, owner.info, sql, params)
             # As the connection was (a host engine's may be in AUTOCOMMIT already).
             was = raw.autocommit
             raw.autocommit = True
@@ -396,7 +396,7 @@ class PostgreSQLBackend(Backend):
         cursor = None
         try:
             if self.wire is not None and self.wire.usable(raw):
-                rows = self.wire.execute(raw, sql, params)
+                rows = self.wire.execute(raw, conn.info, sql, params)
             else:
                 was = raw.autocommit
                 raw.autocommit = True
