@@ -1,10 +1,12 @@
 """The libpq path (``pg_wire``): what each connection keeps between statements follows the
-connection (its encoding now, its lifetime), as a cursor's does."""
+connection (its encoding and time zone now, its lifetime), as a cursor's does, and a
+connection prepares a bounded number of statements."""
 
 from __future__ import annotations
 
 import gc
 from collections.abc import Callable
+from typing import Any
 
 import psycopg
 import pytest
@@ -12,6 +14,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.pool import NullPool
 
 import wf_persist as wp
+from wf_persist.backends import pg_wire
 
 from .fixtures import workflows as w
 
@@ -63,3 +66,39 @@ def test_a_closed_connection_leaves_nothing_behind(
             assert client.result(handle.execution_id, timeout=10).unwrap() == [1, 2, 3]
     engine.dispose()
     assert _live_connections() <= before
+
+
+def test_values_are_loaded_in_the_session_time_zone_the_host_set_later(
+    db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """A time read through libpq is in the session's time zone as a cursor would load it,
+    also after the host changed ``TimeZone`` on the connection."""
+    engine = make_engine(db_url, pool_size=1, max_overflow=0)
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        raw: Any = conn.connection.driver_connection
+        for zone in ("UTC", "Asia/Tokyo"):
+            conn.exec_driver_sql(f"SET TIME ZONE '{zone}'")
+            [(through_libpq,)] = pg_wire.execute(raw, conn.info, "SELECT now()", {})
+            with raw.cursor() as cursor:
+                (through_cursor,) = cursor.execute("SELECT now()").fetchone()
+            assert str(through_libpq.tzinfo) == str(through_cursor.tzinfo) == zone
+
+
+def test_past_the_prepared_limit_statements_are_parsed_each_time(
+    db_url: str, make_engine: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pg_wire, "MAX_PREPARED", 1)
+    engine = make_engine(db_url, pool_size=1, max_overflow=0)
+    with wp.Runtime(engine, lease_ttl=5) as rt:
+        rt.register(w.echo_wf)
+        client = rt.client()
+        for n in (2, 3):
+            handle = client.start(w.echo_wf, n)
+            assert rt.drive(handle.execution_id)
+            assert client.result(handle.execution_id, timeout=10).unwrap() == list(range(1, n + 1))
+    with engine.connect() as conn:
+        prepared = conn.execute(
+            text("SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'wfp\\_%'")
+        ).scalar_one()
+        conn.rollback()
+    assert prepared == 1

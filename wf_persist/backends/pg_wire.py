@@ -29,23 +29,28 @@ _OK: Final = (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK)
 class _Session:
     """What one connection keeps between our statements: the names it has prepared, and
     a transformer (its dumpers and loaders found once per type, as a cursor keeps one)
-    made for the connection's client encoding (a new one if the host changes it)."""
+    made for the session's settings that loading and dumping follow (client encoding,
+    time zone, date style): a new one if the host changes any of them."""
 
-    __slots__ = ("encoding", "names", "tx")
+    __slots__ = ("names", "settings", "tx")
 
     def __init__(self) -> None:
         self.names: set[bytes] = set()
-        self.encoding: bytes | None = None
+        self.settings: tuple[bytes | None, ...] = ()
         self.tx: Any = None
 
     def transformer(self, raw: Any) -> Any:
-        encoding = raw.pgconn.parameter_status(b"client_encoding")
-        if self.tx is None or encoding != self.encoding:
+        status = raw.pgconn.parameter_status
+        settings = (status(b"client_encoding"), status(b"TimeZone"), status(b"DateStyle"))
+        if self.tx is None or settings != self.settings:
             self.tx = Transformer.from_context(raw)
-            self.encoding = encoding
+            self.settings = settings
         return self.tx
 
 
+#: Statements prepared per connection at most; past it a new one is parsed each time
+#: (the few write shapes of ordinary runs stay far below).
+MAX_PREPARED: Final = 64
 #: The key of a connection's session in its pool entry's ``info``: kept as long as that
 #: DBAPI connection, dropped with it (and when the pool reconnects the entry).
 _SESSION: Final = "wf_persist.pg_wire"
@@ -101,21 +106,23 @@ def execute(
     session = info.get(_SESSION)
     if session is None:
         session = info[_SESSION] = _Session()
-    with raw.lock:
-        tx = session.transformer(
-            raw
-        )  # as psycopg's own execution: one statement at a time per connection
+    with raw.lock:  # as psycopg's own execution: one statement at a time per connection
+        tx = session.transformer(raw)
         values = tx.dump_sequence([params[k] for k in order], formats)
-        if raw.prepare_threshold is None:
+        names = session.names
+        if raw.prepare_threshold is None or (name not in names and len(names) >= MAX_PREPARED):
             result = pgconn.exec_params(query, values)
         else:
-            names = session.names
             if name not in names:
                 _prepare(raw, name, query)
                 names.add(name)
             result = pgconn.exec_prepared(name, values)
             if result.status not in _OK and _sqlstate(result) == _UNKNOWN_STATEMENT:
-                _prepare(raw, name, query)  # deallocated behind our back: once more
+                # Deallocated behind our back (DEALLOCATE ALL, DISCARD ALL): the others
+                # are likely gone too, and are prepared again as they come.
+                names.clear()
+                _prepare(raw, name, query)
+                names.add(name)
                 result = pgconn.exec_prepared(name, values)
         if result.status not in _OK:
             raise _failure(raw, result)
