@@ -30,6 +30,7 @@ EXPECTED_CAPABILITIES = {
         "notify",
         "presence",
         "idle_limit",
+        "libpq",
     },
     "mysql": {"server", "skip_locked", "shared_slots", "sql_mode"},
 }
