@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 
 from . import arguments, events, lifecycle, telemetry
 from .authoring import Workflow
-from .backends import Backend
+from .backends import Backend, Stale
 from .database import Database
 from .errors import (
     Cancelled,
@@ -105,6 +105,8 @@ class Client(RunReader):
         self._ended = threading.Condition()
         self._wakeups: Wakeups | None = None
         self._ends = Ends()
+        #: The newest cataloged version of each workflow started by name, as last read.
+        self._newest: dict[str, Row[Any]] = {}
 
     # hooks the embedded client overrides ------------------------------------------------
 
@@ -120,20 +122,31 @@ class Client(RunReader):
         version: int | None,
         payload: Any,
         session: Executor | None,
-    ) -> tuple[str, int, Any]:
-        """The (name, version) to start and the payload's stored form, from the catalog."""
+    ) -> tuple[str, int, Any, bool]:
+        """The (name, version) to start, the payload's stored form, from the catalog, and
+        whether the start must check the version is still the newest (it came from this
+        client's memory of the catalog)."""
         name = arguments.workflow_name(workflow)
         arguments.check_version(version)
-        with self._reading() as conn:
-            entry = catalog.entry(conn, self.backend, name, version)
+        # The newest version read before, where the start itself checks it still is (a
+        # cataloged version never changes; only a newer one can appear).
+        entry = self._newest.get(name) if version is None and self.backend.checks_newest else None
+        checked = entry is not None
         if entry is None:
-            if version is None:
-                raise UnknownWorkflowError(name, cataloged=True)
-            raise MissingWorkflowVersionError(name, version, cataloged=True)
+            with self._reading() as conn:
+                entry = catalog.entry(conn, self.backend, name, version)
+            if entry is None:
+                if version is None:
+                    raise UnknownWorkflowError(name, cataloged=True)
+                raise MissingWorkflowVersionError(name, version, cataloged=True)
+            if version is None and self.backend.checks_newest and entry.input_schema is not None:
+                # (A version cataloged without schemas gets them at its next registration:
+                # such an entry is read again each time.)
+                self._newest[name] = entry
         what = f"input of workflow {name}"
         stored = _cataloged_document(what, payload, entry.input_schema)
         self.backend.check_size(what, stored)
-        return name, int(entry.version), stored
+        return name, int(entry.version), stored, checked
 
     def _workflow_timeout(self, name: str, version: int) -> float | None:
         """The workflow's own timeout, where this client has its definition (a thin client
@@ -153,11 +166,19 @@ class Client(RunReader):
 
     def _started(self, created: executions.Created, leased: bool, asked: float) -> None:
         """A start of this client's own committed (not one in a host's transaction)."""
+        if created.created and self._announced():
+            self._ends.expect(created.execution_id)  # its end cannot go unheard
         self._notify()
 
     def _known(self, execution_id: str) -> Outcome | None:
-        """An outcome known without reading the database (a run finished here)."""
-        return None
+        """An outcome known without reading the database: one its end notification
+        carried (the embedded client: also a run finished here)."""
+        ended = self._ends.outcome(execution_id)
+        if ended is None:
+            return None
+        if ended.ok:
+            return Completed(execution_id, ended.value)
+        return Failed(execution_id, dict(ended.value))
 
     def _busy(self, execution_id: str) -> bool:
         """Whether this process drives the run now: wait for it without reading."""
@@ -173,6 +194,7 @@ class Client(RunReader):
         wait for a result)."""
         if self._wakeups is None and self.backend.can_listen:
             self._wakeups = Wakeups(self.backend)
+            self._wakeups.on_outcome(self._ends.carried)
             self._wakeups.on_end(self._ends.heard)
             self._wakeups.on_end(lambda _id: self._wake_waiters())
             self._wakeups.start()
@@ -242,19 +264,35 @@ class Client(RunReader):
         arguments.check_text("idempotency_key", idempotency_key)
         arguments.check_text("actor", actor)
         limit = None if timeout is None else duration_seconds(timeout, "timeout", positive=True)
-        name, pinned, stored = self._prepare_start(workflow, version, payload, session)
-        now = self._now()
-        if limit is None:
-            limit = self._workflow_timeout(name, pinned)
-        deadline = None if limit is None else now + dt.timedelta(seconds=limit)
-        execution_id = str(uuid.uuid4())
-        with telemetry.operation("wf.start", _run_attributes(execution_id, name, pinned)) as span:
-            found = self._create(
-                execution_id, name, pinned, stored, idempotency_key, actor, now, deadline, session
-            )
-            if span is not None and not found.created:  # the run an earlier start made
-                span.set_attribute("wf.execution.id", found.execution_id)
-                span.set_attribute("wf.start.created", False)
+        while True:
+            name, pinned, stored, newest = self._prepare_start(workflow, version, payload, session)
+            now = self._now()
+            seconds = self._workflow_timeout(name, pinned) if limit is None else limit
+            deadline = None if seconds is None else now + dt.timedelta(seconds=seconds)
+            execution_id = str(uuid.uuid4())
+            attributes = _run_attributes(execution_id, name, pinned)
+            with telemetry.operation("wf.start", attributes) as span:
+                found = self._create(
+                    execution_id,
+                    name,
+                    pinned,
+                    stored,
+                    idempotency_key,
+                    actor,
+                    now,
+                    deadline,
+                    session,
+                    newest,
+                )
+                if isinstance(found, Stale):
+                    # A newer version was cataloged since this client read the catalog:
+                    # nothing was written; read it again (and validate against it).
+                    self._newest.pop(name, None)
+                    continue
+                if span is not None and not found.created:  # the run an earlier start made
+                    span.set_attribute("wf.execution.id", found.execution_id)
+                    span.set_attribute("wf.start.created", False)
+            break
         if found.created:
             telemetry.run_started(name, found.version)
         return ExecutionHandle(found.execution_id, name, found.version, created=found.created)
@@ -270,14 +308,18 @@ class Client(RunReader):
         now: dt.datetime,
         deadline: dt.datetime | None,
         session: Session | Connection | None,
-    ) -> executions.Created:
+        newest: bool = False,
+    ) -> executions.Created | Stale:
         """Write the run (in ``session``, else in a transaction of its own) with the
-        caller's trace context, which its drives continue."""
+        caller's trace context, which its drives continue; ``newest``: only if ``pinned``
+        is still the newest version cataloged (else :data:`STALE`, nothing written)."""
         started = events.execution_started(
             execution_id, name, pinned, stored, actor, now, telemetry.carrier()
         )
 
-        def write(conn: Executor, lease: tuple[str, float] | None = None) -> executions.Created:
+        def write(
+            conn: Executor, lease: tuple[str, float] | None = None
+        ) -> executions.Created | Stale:
             return executions.create(
                 conn,
                 self.backend,
@@ -291,6 +333,7 @@ class Client(RunReader):
                 now=now,
                 lease=lease,
                 deadline=deadline,
+                newest=newest,
             )
 
         if session is not None:
@@ -305,6 +348,10 @@ class Client(RunReader):
                 if lease is not None:
                     self._started(executions.Created(execution_id, pinned, False), True, asked)
                 raise
+            if isinstance(found, Stale):
+                if lease is not None:
+                    self._started(executions.Created(execution_id, pinned, False), True, asked)
+                return found
             self._started(found, lease is not None, asked)
         return found
 
@@ -327,6 +374,9 @@ class Client(RunReader):
         delay = 0.002
         self._listen()
         with self._ends.watching(execution_id):
+            # A run this client started while ends were announced: nothing to read until
+            # its end is heard (or the listener reconnects, or the time is up).
+            unread = self._ends.unread(execution_id)
             while True:
                 known = self._known(execution_id)
                 if known is not None:
@@ -341,21 +391,25 @@ class Client(RunReader):
                     known = self._known(execution_id)
                     if known is not None:
                         return known
-                mark = self._ends.mark(execution_id)
-                with self._reading() as conn:
-                    row = self._row(conn, execution_id)
-                if row.status in lifecycle.TERMINAL:
-                    return self._outcome(row)
-                drove = (
-                    self._try_drive(row, deadline)
-                    if deadline is None or time.monotonic() < deadline
-                    else _WAIT
-                )
-                if not isinstance(drove, bool):
-                    return drove
-                if drove is _AGAIN:
-                    delay = 0.002
-                    continue
+                if unread is not None and (deadline is None or time.monotonic() < deadline):
+                    mark, unread = unread, None
+                else:
+                    unread = None
+                    mark = self._ends.mark(execution_id)
+                    with self._reading() as conn:
+                        row = self._row(conn, execution_id)
+                    if row.status in lifecycle.TERMINAL:
+                        return self._outcome(row)
+                    drove = (
+                        self._try_drive(row, deadline)
+                        if deadline is None or time.monotonic() < deadline
+                        else _WAIT
+                    )
+                    if not isinstance(drove, bool):
+                        return drove
+                    if drove is _AGAIN:
+                        delay = 0.002
+                        continue
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise ResultTimeoutError(execution_id, float(timeout or 0))

@@ -39,7 +39,7 @@ from .registry import Registry
 from .secrets import SecretResolver
 from .store import executions
 from .timers import Timers
-from .wakeups import Wakeups
+from .wakeups import DUE_NOW, Wakeups
 
 if TYPE_CHECKING:
     from .embedded import WorkflowClient
@@ -368,7 +368,8 @@ class Runtime(Registry):
             if found is None:
                 mark = self.backend.owner_mark()
                 found = Wakeups(self.backend, self._base_owner + mark if mark else None)
-                found.on_due(lambda _at: self._wake_worker())
+                # A run due now needs no new look at the timers; a timer or a reconnection does.
+                found.on_due(lambda at: self._wake_worker(timers=at != DUE_NOW))
                 found.on_end(lambda _id: self._notify(worker=False))
                 self._wakeups = found
                 fresh = True
@@ -387,10 +388,10 @@ class Runtime(Registry):
         """A run driven here parked until a time: the worker learns its new next wake."""
         self._wake_worker()
 
-    def _wake_worker(self) -> None:
+    def _wake_worker(self, timers: bool = True) -> None:
         worker = self._worker
         if worker is not None:
-            worker.wake()
+            worker.wake(timers)
 
     # time ---------------------------------------------------------------------------
 

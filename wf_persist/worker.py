@@ -43,6 +43,13 @@ class _Unknown:
 UNKNOWN: Final = _Unknown()
 
 
+class _Full:
+    """A claim took every free slot (more may be due)."""
+
+
+FULL: Final = _Full()
+
+
 class Worker:
     """Drives due runs of the workflows registered in ``runtime``.
 
@@ -97,6 +104,8 @@ class Worker:
         self._reserved = 0
         #: When the next timer known at the last look is due (monotonic).
         self._timer_at = 0.0
+        #: Whether timers may have changed since the last look asked for the next one.
+        self._timers_stale = True
         #: Whether the last look filled every free slot (more may be due: a run ending
         #: then wakes the loop).
         self._saturated = False
@@ -105,8 +114,12 @@ class Worker:
         self._event_loop = event_loop
         self._loop: EventLoopDriver | None = None
 
-    def wake(self) -> None:
-        """Look for work now (a run finished or parked here, a signal was sent from here)."""
+    def wake(self, timers: bool = True) -> None:
+        """Look for work now (a run finished or parked here, a signal was sent from here).
+        ``timers=False``: only runs due now are news (a notified start or signal), so a
+        look that claims one keeps the next timer it knew."""
+        if timers:
+            self._timers_stale = True
         self._wake.set()
 
     def start(self) -> Worker:
@@ -203,6 +216,7 @@ class Worker:
             while not self._stopping.is_set():
                 told = self._wake.is_set()
                 self._wake.clear()
+                timers_stale, self._timers_stale = self._timers_stale, False
                 try:
                     if self._reaping() and time.monotonic() >= reap_at:
                         reap_at = time.monotonic() + REAP_INTERVAL
@@ -230,8 +244,21 @@ class Worker:
                                 # No change signal: a poll first asks when the next run is
                                 # due (one index read); the claim, a write, only if one is.
                                 until = self._next_wake()
-                            if self._claim_due(until) and self._claim(pool):
-                                continue  # every free slot filled: maybe more is due
+                            if self._claim_due(until):
+                                claimed = self._claim(pool)
+                                if claimed is FULL:
+                                    continue  # every free slot filled: maybe more is due
+                                if (
+                                    claimed
+                                    and told
+                                    and not timers_stale
+                                    and now < look_at
+                                    and rt.listening()
+                                ):
+                                    # Told of runs due now, and took them: the next timer
+                                    # and safety-net look known before still hold (asking
+                                    # again would only hold up the drives just begun).
+                                    continue
                         look_at = time.monotonic() + self._idle_wait(quiet, until)
                 except Exception as exc:
                     self._wake.wait(self._outage.failed(exc))
@@ -248,13 +275,14 @@ class Worker:
             self._wake.set()
             wait(inflight)  # the runs on the event loop too
 
-    def _claim(self, pool: ThreadPoolExecutor) -> bool:
-        """Claim due runs for the free slots and start them; whether every slot is taken."""
+    def _claim(self, pool: ThreadPoolExecutor) -> int | _Full:
+        """Claim due runs for the free slots and start them: how many, or :data:`FULL` if
+        they took every slot."""
         with self._lock:
             free = self.concurrency - len(self._inflight) - self._reserved
             self._saturated = free <= 0
         if free <= 0:
-            return False
+            return 0
         claimed = self.runtime.claim_due(free)
         with self._lock:
             self._saturated = bool(claimed) and len(claimed) == free
@@ -267,7 +295,7 @@ class Worker:
             # Hand the interpreter to the drives now: this loop's own bookkeeping (the next
             # timer's query) would otherwise hold it for a millisecond or two first.
             time.sleep(0)
-        return bool(claimed) and len(claimed) == free
+        return FULL if claimed and len(claimed) == free else len(claimed)
 
     def _reaping(self) -> bool:
         mark = self.runtime.backend.owner_mark()

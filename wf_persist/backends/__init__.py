@@ -17,13 +17,15 @@ from ..errors import UnsupportedDatabaseError
 from .base import Backend
 from .mysql import MySQLBackend
 from .postgresql import PostgreSQLBackend
-from .sql import Claim, Fenced
+from .sql import STALE, Claim, Fenced, Stale
 from .sqlite import SQLiteBackend
 
 __all__ = [
+    "STALE",
     "Backend",
     "Claim",
     "Fenced",
+    "Stale",
     "create_engine",
     "dispose_engine",
     "open_backend",

@@ -54,6 +54,7 @@ from .sql import (
     P_TTL,
     Claim,
     Fenced,
+    Stale,
     WriteShape,
     active,
     bump_returning,
@@ -107,6 +108,10 @@ class Backend:
     #: Whether the database may notify listeners (confirmed when one connects:
     #: :meth:`listener`); without, workers poll.
     can_listen: ClassVar[bool] = False
+    #: Whether a start can check in its own statement that the version it names is still
+    #: the newest cataloged (``insert_run(newest=True)``): a thin client may then start
+    #: from a catalog entry it read before instead of reading it again.
+    checks_newest: ClassVar[bool] = False
 
     def __init__(self, engine: Engine, *, owned: bool, schema: str | None = None) -> None:
         if schema is not None and not self.supports_schemas:
@@ -332,11 +337,14 @@ class Backend:
         started: NewEvent,
         *,
         lease: tuple[str, float] | None = None,
-    ) -> Claim | bool:
+        newest: bool = False,
+    ) -> Claim | bool | Stale:
         """Insert a run due now and its ``execution.started`` (sequence 1), in the caller's
         transaction. ``False``: its (workflow, idempotency key) is taken (that conflict and
         no other is ignored). With ``lease=(owner, ttl)`` the run is claimed by ``owner``
-        and opened (:meth:`open_claim`) in the same transaction: the :class:`Claim`."""
+        and opened (:meth:`open_claim`) in the same transaction: the :class:`Claim`.
+        ``newest`` (only where :attr:`checks_newest`): insert only if the run's version is
+        the newest cataloged of its workflow, else :data:`STALE`."""
         options = self.statement_options
         if row["idempotency_key"] is None:
             conn.execute(CREATE_RUN, dict(row), execution_options=options)

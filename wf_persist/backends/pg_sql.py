@@ -30,6 +30,7 @@ from sqlalchemy.dialects import postgresql
 from ..models import UTC_DATETIME, JSONDoc
 from ..models import executions_table as ex
 from ..models import history_table as hist
+from ..models import workflows_table as wf
 from .clock import db_later, db_now
 from .sql import (
     CLAIM_COLUMNS,
@@ -180,12 +181,13 @@ def _started_event(c: Any) -> Any:
     )
 
 
-@functools.lru_cache(maxsize=16)
-def start_statement(idempotent: bool, leased: bool, notify: bool) -> Any:
+@functools.lru_cache(maxsize=32)
+def start_statement(idempotent: bool, leased: bool, notify: bool, newest: bool = False) -> Any:
     """A start in ONE statement: the run, its ``execution.started`` and, for a run its
     starter drives (``leased``), the claim and ``workflow.started``; ``notify`` tells
     listening workers a run is due. An idempotency key already taken inserts nothing and
-    returns no row."""
+    returns no row; so does, with ``newest``, a version that is no longer the newest
+    cataloged of its workflow."""
     values: dict[str, Any] = {c: bindparam(f"r_{c}", type_=ex.c[c].type) for c in RUN_COLUMNS}
     if leased:
         values.update(
@@ -198,7 +200,18 @@ def start_statement(idempotent: bool, leased: bool, notify: bool) -> Any:
         )
     else:
         values.update(wake_at=db_now(), next_seq=literal_column("2"))
-    created = postgresql.insert(ex).values(values)
+    created = postgresql.insert(ex)
+    if newest:
+        latest = select(func.max(wf.c.version)).where(wf.c.name == values["workflow_name"])
+        names = list(values)
+        created = created.from_select(
+            names,
+            select(*(values[n].label(n) for n in names)).where(
+                latest.scalar_subquery() == values["workflow_version"]
+            ),
+        )
+    else:
+        created = created.values(values)
     if idempotent:
         created = created.on_conflict_do_nothing(
             index_elements=[ex.c.workflow_name, ex.c.idempotency_key]

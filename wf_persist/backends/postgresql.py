@@ -32,6 +32,7 @@ from sqlalchemy.exc import DBAPIError
 from ..errors import LeaseLostError
 from ..events import NewEvent
 from ..models import executions_table as ex
+from ..models import workflows_table as wf
 from ..wakeups import DUE, NOT_AVAILABLE, Listener
 from .base import Backend
 from .pg_presence import PRESENT_MARK, REAP, UNSUPPORTED, PGListener, advisory_locks_work
@@ -47,8 +48,10 @@ from .pg_sql import (
 )
 from .slots import SessionLockSlots
 from .sql import (
+    STALE,
     Claim,
     Fenced,
+    Stale,
     WriteShape,
 )
 
@@ -69,6 +72,7 @@ class AdvisorySlots(SessionLockSlots):
 
 class PostgreSQLBackend(Backend):
     can_listen: ClassVar[bool] = True
+    checks_newest: ClassVar[bool] = True
     names: ClassVar[tuple[str, ...]] = ("postgresql",)
     async_driver: ClassVar[str] = "psycopg"
     extra: ClassVar[str | None] = "postgresql"
@@ -171,11 +175,15 @@ class PostgreSQLBackend(Backend):
         started: NewEvent,
         *,
         lease: tuple[str, float] | None = None,
-    ) -> Claim | bool:
+        newest: bool = False,
+    ) -> Claim | bool | Stale:
         """One statement (see :func:`start_statement`), atomic on its own: in a host's
-        transaction through SQLAlchemy, else sent straight to psycopg in autocommit."""
+        transaction through SQLAlchemy, else sent straight to psycopg in autocommit. A
+        start with ``newest`` that inserted nothing asks the catalog why (rare: a key
+        already taken, or a new version cataloged since the client read it)."""
         notify = lease is None and self._listen_ok is not False
-        stmt = start_statement(row["idempotency_key"] is not None, lease is not None, notify)
+        idempotent = row["idempotency_key"] is not None
+        stmt = start_statement(idempotent, lease is not None, notify, newest)
         params: dict[str, Any] = {f"r_{c}": row[c] for c in RUN_COLUMNS}
         params["p_at"] = started.created_at
         if notify:
@@ -191,8 +199,17 @@ class PostgreSQLBackend(Backend):
             params["r_input"] = json.dumps(row["input"]) if row["input"] is not None else None
             found = self._raw(stmt, params, conn)
         if not found:
+            if newest and not self._still_newest(conn, row):
+                return STALE
             return False
         return True if lease is None else claims_of(found)[0]._replace(started_here=True)
+
+    def _still_newest(self, conn: Connection, row: Mapping[str, Any]) -> bool:
+        latest = conn.execute(
+            select(func.max(wf.c.version)).where(wf.c.name == row["workflow_name"]),
+            execution_options=self.statement_options,
+        ).scalar()
+        return bool(latest == row["workflow_version"])
 
     @contextlib.contextmanager
     def begin(self, conn: Connection | None = None, *, ours: bool = True) -> Iterator[Connection]:

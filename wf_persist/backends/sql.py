@@ -10,7 +10,7 @@ import datetime as dt
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 from sqlalchemy import (
     Float,
@@ -33,6 +33,14 @@ from ..models import UTC_DATETIME, JSONDoc
 from ..models import executions_table as ex
 from ..models import history_table as hist
 from .clock import db_later, db_now
+
+
+class Stale:
+    """A start refused because its version is no longer the newest cataloged (see
+    :meth:`Backend.insert_run`)."""
+
+
+STALE: Final = Stale()
 
 
 class Claim(NamedTuple):

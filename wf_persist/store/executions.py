@@ -15,7 +15,7 @@ from sqlalchemy import Row, delete, func, select, update
 
 from .. import lifecycle
 from ..backends.clock import db_now
-from ..backends.sql import P_ID, Claim, due
+from ..backends.sql import P_ID, Claim, Stale, due
 from ..errors import CannotCancelError, IdempotencyConflictError, UnknownExecutionError
 from ..events import NewEvent
 from ..models import executions_table as ex
@@ -57,7 +57,8 @@ def create(
     lease: tuple[str, float] | None = None,
     deadline: dt.datetime | None = None,
     parent_id: str | None = None,
-) -> Created:
+    newest: bool = False,
+) -> Created | Stale:
     """Insert a run and its ``execution.started`` event (sequence 1) atomically.
 
     With an idempotency key the insert ignores a conflict on (workflow_name, key) and only
@@ -65,7 +66,9 @@ def create(
     losers get the winner's id and record nothing. The run is due at once by the database's
     clock, or with ``lease=(owner, ttl)`` created claimed by ``owner`` and ready to drive
     (``workflow.started`` recorded: the starting process drives it itself). ``deadline``:
-    when the run times out; ``parent_id``: the run starting it as its child.
+    when the run times out; ``parent_id``: the run starting it as its child. ``newest``
+    (where the backend :attr:`~Backend.checks_newest`): create nothing and return
+    :data:`STALE` unless ``workflow_version`` is still the newest cataloged.
     """
     core = connection_of(conn)
     row = {
@@ -82,7 +85,9 @@ def create(
         "deadline_at": deadline,
         "parent_id": parent_id,
     }
-    inserted = backend.insert_run(core, row, started, lease=lease)
+    inserted = backend.insert_run(core, row, started, lease=lease, newest=newest)
+    if isinstance(inserted, Stale):
+        return inserted
     if inserted is False:
         assert idempotency_key is not None  # the only conflict an insert ignores
         found = core.execute(
