@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from . import arguments, events, lifecycle, telemetry
 from .authoring import Workflow
+from .awaiting import RunAwaiter
 from .backends import Backend, Stale
 from .database import Database
 from .errors import (
@@ -27,11 +28,9 @@ from .errors import (
     InvalidPayloadError,
     MissingWorkflowVersionError,
     NotSerializableError,
-    ResultTimeoutError,
     UnknownWorkflowError,
     error_document,
 )
-from .reading import RunReader
 from .records import (
     Completed,
     ExecutionHandle,
@@ -65,11 +64,8 @@ __all__ = [
     "WorkflowEntry",
 ]
 
-#: What :meth:`Client.result` returns to when it has driven a run (or nothing was due).
-_AGAIN, _WAIT = True, False
 
-
-class Client(RunReader):
+class Client(RunAwaiter):
     """Starts, signals, cancels, awaits and inspects runs; never runs workflow code.
 
     Needs only the database: start a workflow by its cataloged name (the input is validated
@@ -153,12 +149,6 @@ class Client(RunReader):
         does not: the run's driver applies it from the run's creation)."""
         return None
 
-    def _try_drive(self, row: Row[Any], deadline: float | None) -> Outcome | bool:
-        """While :meth:`result` waits (until ``deadline``, monotonic): the outcome if this
-        call finished the run, ``_AGAIN`` to look at the run again at once, ``_WAIT`` to
-        wait. A thin client only waits."""
-        return _WAIT
-
     def _lease(self) -> tuple[str, float] | None:
         """``(owner, ttl)`` to create a new run claimed by, when this process drives it
         itself at once (the embedded client with a worker); ``None`` to create it due."""
@@ -169,48 +159,6 @@ class Client(RunReader):
         if created.created and self._announced():
             self._ends.expect(created.execution_id)  # its end cannot go unheard
         self._notify()
-
-    def _known(self, execution_id: str) -> Outcome | None:
-        """An outcome known without reading the database: one its end notification
-        carried (the embedded client: also a run finished here)."""
-        ended = self._ends.outcome(execution_id)
-        if ended is None:
-            return None
-        if ended.ok:
-            return Completed(execution_id, ended.value)
-        return Failed(execution_id, dict(ended.value))
-
-    def _busy(self, execution_id: str) -> bool:
-        """Whether this process drives the run now: wait for it without reading."""
-        return False
-
-    def _outcome(self, row: Row[Any]) -> Outcome:
-        if row.status == "failed":
-            return Failed(row.id, dict(row.error or {}))
-        return Completed(row.id, row.result)
-
-    def _listen(self) -> None:
-        """Hear of runs ending at once where the database notifies (started on the first
-        wait for a result)."""
-        if self._wakeups is None and self.backend.can_listen:
-            self._wakeups = Wakeups(self.backend)
-            self._wakeups.on_outcome(self._ends.carried)
-            self._wakeups.on_end(self._ends.heard)
-            self._wakeups.on_end(lambda _id: self._wake_waiters())
-            self._wakeups.start()
-
-    def _announced(self) -> bool:
-        """Whether ends of runs reach this client as notifications now (then a wait looks
-        again when its run's end is heard, else after each poll delay)."""
-        return self._wakeups is not None and self._wakeups.listening
-
-    def _wake_waiters(self) -> None:
-        with self._ended:
-            self._ended.notify_all()
-
-    def _wait(self, seconds: float) -> None:
-        with self._ended:
-            self._ended.wait(seconds)
 
     def close(self) -> None:
         """Dispose of the engine if this client created it. Idempotent."""
@@ -354,82 +302,6 @@ class Client(RunReader):
                 return found
             self._started(found, lease is not None, asked)
         return found
-
-    def result(self, execution_id: str, timeout: float | None = None) -> Outcome:
-        """Wait for the run to finish and return its outcome.
-
-        This client only waits (workers drive the run): it looks at the run after 2 ms,
-        then twice as long each time, at most every ``poll_interval``. Where the database
-        announces ends (PostgreSQL) it looks again when the run's end is heard, and every
-        ``poll_interval`` (a run a runtime started and drives itself announces nothing).
-        The value of a :class:`Completed` is the stored JSON document (the embedded client
-        validates it into the workflow's output type when it has the definition).
-
-        Raises:
-            UnknownExecutionError, ResultTimeoutError; for the embedded client also
-            MissingWorkflowVersionError (see :meth:`WorkflowClient.result`).
-        """
-        arguments.check_timeout(timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        delay = 0.002
-        self._listen()
-        with self._ends.watching(execution_id):
-            # A run this client started while ends were announced: nothing to read until
-            # its end is heard (or the listener reconnects, or the time is up).
-            unread = self._ends.unread(execution_id)
-            while True:
-                known = self._known(execution_id)
-                if known is not None:
-                    return known
-                if self._busy(execution_id):
-                    # Driven in this process, which says when that drive ends; another
-                    # process may end the run meanwhile (a cancellation): it is read every
-                    # poll interval.
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    wait = self._poll()
-                    self._wait(wait if remaining is None else max(0.0, min(wait, remaining)))
-                    known = self._known(execution_id)
-                    if known is not None:
-                        return known
-                if unread is not None and (deadline is None or time.monotonic() < deadline):
-                    mark, unread = unread, None
-                else:
-                    unread = None
-                    mark = self._ends.mark(execution_id)
-                    with self._reading() as conn:
-                        row = self._row(conn, execution_id)
-                    if row.status in lifecycle.TERMINAL:
-                        return self._outcome(row)
-                    drove = (
-                        self._try_drive(row, deadline)
-                        if deadline is None or time.monotonic() < deadline
-                        else _WAIT
-                    )
-                    if not isinstance(drove, bool):
-                        return drove
-                    if drove is _AGAIN:
-                        delay = 0.002
-                        continue
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise ResultTimeoutError(execution_id, float(timeout or 0))
-                if self._announced():
-                    # Its end will be heard: look again then (or after a reconnection), and
-                    # every poll interval for an end nobody announces.
-                    wait = self._poll()
-                    self._ends.wait(
-                        execution_id, mark, wait if remaining is None else min(wait, remaining)
-                    )
-                    continue
-                wait = min(delay, self._poll())
-                self._wait(wait if remaining is None else min(wait, remaining))
-                delay = min(delay * 2, self._poll())
-
-    def outcome(self, execution_id: str) -> Outcome | None:
-        """The run's outcome if it has ended, else ``None``: one read, never a wait."""
-        with self._reading() as conn:
-            row = self._row(conn, execution_id)
-        return self._outcome(row) if row.status in lifecycle.TERMINAL else None
 
     def cancel(
         self, execution_id: str, *, compensate: bool = True, actor: str | None = None

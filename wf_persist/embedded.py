@@ -13,7 +13,8 @@ from sqlalchemy import Row
 
 from . import arguments
 from .authoring import Workflow
-from .client import _AGAIN, _WAIT, Client
+from .awaiting import _AGAIN, _WAIT
+from .client import Client
 from .records import Completed, Failed, Outcome
 from .runtime import NOT_DRIVEN
 from .store import Executor, executions

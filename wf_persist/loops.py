@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import inspect
 import threading
 from collections.abc import Callable, Coroutine
@@ -25,7 +26,9 @@ BODY_LOOP: Final[contextvars.ContextVar[asyncio.AbstractEventLoop | None]] = con
 )
 
 
+@functools.lru_cache(maxsize=1024)
 def is_async(fn: Callable[..., Any]) -> bool:
+    """Asked for every step call: remembered per function (a few per process)."""
     return inspect.iscoroutinefunction(fn)
 
 

@@ -23,8 +23,9 @@ from sqlalchemy import select
 
 from . import backends
 from .authoring import Step, Workflow
+from .awaiting import _AGAIN, _WAIT
 from .backends.clock import db_now, use_virtual_clock
-from .client import _AGAIN, _WAIT, Outcome
+from .client import Outcome
 from .embedded import WorkflowClient
 from .errors import InvalidArgumentError, WfPersistError
 from .records import ExecutionHandle, HistoryRecord

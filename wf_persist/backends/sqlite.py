@@ -47,6 +47,10 @@ _TIME_COLUMNS = frozenset(
 )
 
 
+#: The driver's legacy transaction control (Python 3.12+; always so before).
+_LEGACY: Final = getattr(sqlite3, "LEGACY_TRANSACTION_CONTROL", None)
+
+
 def _take_control(raw: Any) -> tuple[Any, Any]:
     """Put the driver in legacy mode with no implicit BEGIN; return what to restore."""
     legacy = getattr(sqlite3, "LEGACY_TRANSACTION_CONTROL", None)
@@ -186,6 +190,12 @@ class SQLiteBackend(Backend):
             if not conn.invalidated:
                 _restore(raw, saved)
 
+    @staticmethod
+    def _ours(raw: Any) -> bool:
+        """Whether the driver connection already leaves BEGIN to us (wf_persist's own
+        engines, always): nothing to take over and give back around a write."""
+        return raw.isolation_level is None and getattr(raw, "autocommit", _LEGACY) == _LEGACY
+
     @contextlib.contextmanager
     def _transaction(self, conn: Connection, begin: str) -> Iterator[Connection]:
         if conn.in_transaction():  # nested in a transaction of ours: it already holds the lock
@@ -303,11 +313,11 @@ class SQLiteBackend(Backend):
         rows = []
         for ev in events:
             row = history_row(execution_id, 0, ev)
-            row["created_at"] = _ts(ev.created_at)
+            row["created_at"] = params["p_now"] if ev.created_at is now else _ts(ev.created_at)
             row["event"] = json.dumps(ev.event)
             rows.append(row)
-        with self._controlled(conn):
-            raw: Any = conn.connection.driver_connection
+        raw: Any = conn.connection.driver_connection
+        with contextlib.nullcontext() if self._ours(raw) else self._controlled(conn):
             cursor = raw.cursor()
             statement = update_sql
             try:
