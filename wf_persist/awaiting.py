@@ -1,6 +1,6 @@
-"""Waiting for a run's outcome (:meth:`Client.result`): from the end a notification
-carried, or by looking at the run when its end is heard, or by polling where nothing is
-announced; the embedded client may also drive the run meanwhile."""
+"""Waiting for a run's outcome (:meth:`Client.result`): looking at the run when its end is
+heard, or by polling where nothing is announced; the embedded client may also drive the
+run meanwhile."""
 
 from __future__ import annotations
 
@@ -36,14 +36,9 @@ class RunAwaiter(RunReader):
         return _WAIT
 
     def _known(self, execution_id: str) -> Outcome | None:
-        """An outcome known without reading the database: one its end notification
-        carried (the embedded client: also a run finished here)."""
-        ended = self._ends.outcome(execution_id)
-        if ended is None:
-            return None
-        if ended.ok:
-            return Completed(execution_id, ended.value)
-        return Failed(execution_id, dict(ended.value))
+        """An outcome known without reading the database (the embedded client: a run
+        finished here)."""
+        return None
 
     def _busy(self, execution_id: str) -> bool:
         """Whether this process drives the run now: wait for it without reading."""
@@ -57,12 +52,16 @@ class RunAwaiter(RunReader):
     def _listen(self) -> None:
         """Hear of runs ending at once where the database notifies (started on the first
         wait for a result)."""
-        if self._wakeups is None and self.backend.can_listen:
-            self._wakeups = Wakeups(self.backend)
-            self._wakeups.on_outcome(self._ends.carried)
-            self._wakeups.on_end(self._ends.heard)
-            self._wakeups.on_end(lambda _id: self._wake_waiters())
-            self._wakeups.start()
+        if self._wakeups is not None or not self.backend.can_listen:
+            return
+        with self._ended:  # two first waits at once start one listener
+            if self._wakeups is not None:
+                return
+            found = Wakeups(self.backend)
+            found.on_end(self._ends.heard)
+            found.on_end(lambda _id: self._wake_waiters())
+            self._wakeups = found
+        found.start()
 
     def _announced(self) -> bool:
         """Whether ends of runs reach this client as notifications now (then a wait looks
@@ -83,7 +82,8 @@ class RunAwaiter(RunReader):
         This client only waits (workers drive the run): it looks at the run after 2 ms,
         then twice as long each time, at most every ``poll_interval``. Where the database
         announces ends (PostgreSQL) it looks again when the run's end is heard, and every
-        ``poll_interval`` (a run a runtime started and drives itself announces nothing).
+        ``poll_interval`` (a run a runtime started and drives itself announces nothing); a
+        run this client started while listening is not looked at before its end is heard.
         The value of a :class:`Completed` is the stored JSON document (the embedded client
         validates it into the workflow's output type when it has the definition).
 

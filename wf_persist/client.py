@@ -118,31 +118,38 @@ class Client(RunAwaiter):
         version: int | None,
         payload: Any,
         session: Executor | None,
-    ) -> tuple[str, int, Any, bool]:
-        """The (name, version) to start, the payload's stored form, from the catalog, and
-        whether the start must check the version is still the newest (it came from this
-        client's memory of the catalog)."""
+    ) -> tuple[str, int, Any, str | None]:
+        """The (name, version) to start and the payload's stored form, from the catalog;
+        and, if the entry came from this client's memory, its source hash: the start must
+        check it is still the newest version, with that source."""
         name = arguments.workflow_name(workflow)
         arguments.check_version(version)
+        what = f"input of workflow {name}"
         # The newest version read before, where the start itself checks it still is (a
         # cataloged version never changes; only a newer one can appear).
         entry = self._newest.get(name) if version is None and self.backend.checks_newest else None
-        checked = entry is not None
+        if entry is not None:
+            try:
+                stored = _cataloged_document(what, payload, entry.input_schema)
+            except InvalidPayloadError:
+                # Perhaps valid for a version cataloged since: judged by the catalog as is.
+                self._newest.pop(name, None)
+            else:
+                self.backend.check_size(what, stored)
+                return name, int(entry.version), stored, str(entry.source_hash)
+        with self._reading() as conn:
+            entry = catalog.entry(conn, self.backend, name, version)
         if entry is None:
-            with self._reading() as conn:
-                entry = catalog.entry(conn, self.backend, name, version)
-            if entry is None:
-                if version is None:
-                    raise UnknownWorkflowError(name, cataloged=True)
-                raise MissingWorkflowVersionError(name, version, cataloged=True)
-            if version is None and self.backend.checks_newest and entry.input_schema is not None:
-                # (A version cataloged without schemas gets them at its next registration:
-                # such an entry is read again each time.)
-                self._newest[name] = entry
-        what = f"input of workflow {name}"
+            if version is None:
+                raise UnknownWorkflowError(name, cataloged=True)
+            raise MissingWorkflowVersionError(name, version, cataloged=True)
+        if version is None and self.backend.checks_newest and entry.input_schema is not None:
+            # (A version cataloged without schemas gets them at its next registration: such
+            # an entry is read again each time.)
+            self._newest[name] = entry
         stored = _cataloged_document(what, payload, entry.input_schema)
         self.backend.check_size(what, stored)
-        return name, int(entry.version), stored, checked
+        return name, int(entry.version), stored, None
 
     def _workflow_timeout(self, name: str, version: int) -> float | None:
         """The workflow's own timeout, where this client has its definition (a thin client
@@ -156,9 +163,15 @@ class Client(RunAwaiter):
 
     def _started(self, created: executions.Created, leased: bool, asked: float) -> None:
         """A start of this client's own committed (not one in a host's transaction)."""
-        if created.created and self._announced():
-            self._ends.expect(created.execution_id)  # its end cannot go unheard
         self._notify()
+
+    def _expect(self, execution_id: str) -> bool:
+        """Before a start of this client's own is sent: while ends are announced, the run's
+        end will be heard whenever it comes, so a wait for it needs no first look."""
+        if not self._announced():
+            return False
+        self._ends.expect(execution_id)
+        return True
 
     def close(self) -> None:
         """Dispose of the engine if this client created it. Idempotent."""
@@ -256,11 +269,12 @@ class Client(RunAwaiter):
         now: dt.datetime,
         deadline: dt.datetime | None,
         session: Session | Connection | None,
-        newest: bool = False,
+        newest: str | None = None,
     ) -> executions.Created | Stale:
         """Write the run (in ``session``, else in a transaction of its own) with the
         caller's trace context, which its drives continue; ``newest``: only if ``pinned``
-        is still the newest version cataloged (else :data:`STALE`, nothing written)."""
+        is still the newest version cataloged, with this source hash (else :data:`STALE`,
+        nothing written)."""
         started = events.execution_started(
             execution_id, name, pinned, stored, actor, now, telemetry.carrier()
         )
@@ -289,13 +303,18 @@ class Client(RunAwaiter):
         else:
             lease = self._lease()
             asked = time.monotonic()  # before the claim: see Lease.confirmed
+            expected = self._expect(execution_id)
             try:
                 with self.backend.atomic() as conn:
                     found = write(conn, lease)
             except BaseException:
+                if expected:
+                    self._ends.unexpect(execution_id)
                 if lease is not None:
                     self._started(executions.Created(execution_id, pinned, False), True, asked)
                 raise
+            if expected and (isinstance(found, Stale) or not found.created):
+                self._ends.unexpect(execution_id)
             if isinstance(found, Stale):
                 if lease is not None:
                     self._started(executions.Created(execution_id, pinned, False), True, asked)

@@ -44,7 +44,7 @@ from .replay import Journal
 from .secrets import SecretResolver
 from .store import children, executions, history
 from .values import to_json
-from .wakeups import NOTIFIED_POLL_INTERVAL, WAKE, end_note
+from .wakeups import END, NOTIFIED_POLL_INTERVAL, WAKE
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -487,8 +487,7 @@ class RunDriver:
         }
         guard = lifecycle.COMPLETABLE if ok else lifecycle.FAILABLE
         event = events.workflow_finished(self.execution_id, wf.name, ok, value, now)
-        # Callers waiting elsewhere hear the outcome with the end (small ones: see end_note).
-        note = end_note(self.execution_id, ok, value) if self._announce_end else None
+        note = END + self.execution_id if self._announce_end else None
         try:
             if self.parent_id is None:
                 self._write([event], values, tuple(sorted(guard)), note)

@@ -30,6 +30,7 @@ from .models import executions_table as ex
 from .replay import Journal
 from .store import history
 from .timeouts import run_deadline
+from .wakeups import END
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -237,8 +238,12 @@ def _failed(runtime: Runtime, claim: Claim, exc: BaseException) -> None:
             history.append(
                 conn, backend, execution_id, evs, now=now, epoch=claim.epoch, values=values
             )
+            if count >= limit:  # callers waiting elsewhere hear of it as of any end
+                backend.announce(conn, END + execution_id)
         if count >= limit:
             telemetry.run_ended(claim.workflow_name, claim.workflow_version, False)
+        else:
+            runtime.timer_set()  # due again after the backoff: this worker's next wake
         log.error(
             "run %s (%s): drive %d of at most %d failed: %s%s",
             execution_id,

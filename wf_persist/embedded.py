@@ -58,7 +58,7 @@ class WorkflowClient(Client):
         version: int | None,
         payload: Any,
         session: Executor | None,
-    ) -> tuple[str, int, Any, bool]:
+    ) -> tuple[str, int, Any, str | None]:
         rt = self.runtime
         wf = rt.choose(workflow, version)
         stored = rt.validate_input(wf, payload)  # before anything is written, the catalog too
@@ -66,7 +66,7 @@ class WorkflowClient(Client):
             # In a host transaction, even cataloging a new workflow goes into that
             # transaction: a second write transaction of our own would wait on the host's lock.
             rt.ensure_registered(workflow, session=session)
-        return wf.name, wf.version, stored, False
+        return wf.name, wf.version, stored, None
 
     def _workflow_timeout(self, name: str, version: int) -> float | None:
         return self.runtime.definition(name, version).timeout

@@ -17,14 +17,13 @@ since notifications sent meanwhile are lost.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Final, Literal, Protocol
 
 from .leases import Outage
 
@@ -42,47 +41,8 @@ ANY_END: Final = ""
 #: What ``on_due`` subscribers hear for a run due now (a start, a signal, a released lease),
 #: as opposed to a timer's time or ``None`` (a (re)connection: anything may be due, timers too).
 DUE_NOW: Final = "now"
-#: The longest notification payload that carries a run's outcome (PostgreSQL refuses
-#: payloads of 8000 bytes or more; a larger outcome is read from the run instead).
-MAX_END_PAYLOAD: Final = 4000
-#: Outcomes heard for runs a client expects to await (see :meth:`Ends.expect`), at most.
+#: Runs a client remembers it started and will await (see :meth:`Ends.expect`), at most.
 MAX_EXPECTED: Final = 1_000
-
-
-class Ended(NamedTuple):
-    """A run's outcome as its end notification carried it: the stored document of its
-    result (``ok``) or error."""
-
-    ok: bool
-    value: Any
-
-
-def end_note(execution_id: str, ok: bool, value: Any) -> str:
-    """The notification of a run's end: its id, and its outcome when that fits (a waiting
-    client then need not read the run back). ASCII JSON, whatever the server's encoding."""
-    note = END + execution_id
-    try:
-        body = json.dumps([ok, value], separators=(",", ":"), allow_nan=False)
-    except (TypeError, ValueError):
-        return note
-    full = f"{note} {body}"
-    return full if len(full) <= MAX_END_PAYLOAD else note
-
-
-def parse_end(rest: str) -> tuple[str, Ended | None]:
-    """The id and (if carried) the outcome of an END payload's remainder."""
-    execution_id, _, body = rest.partition(" ")
-    if not body:
-        return execution_id, None
-    try:
-        ok, value = json.loads(body)
-    except (ValueError, TypeError):
-        return execution_id, None
-    if not isinstance(ok, bool) or (not ok and not isinstance(value, dict)):
-        return execution_id, None
-    return execution_id, Ended(ok, value)
-
-
 #: How long one wait for notifications lasts (the listener looks at its stop flag between).
 LISTEN_TICK: Final = 0.2
 #: The safety-net poll of a worker that notifications reach (seconds): it looks for due
@@ -117,7 +77,6 @@ class Wakeups:
         self.presence = presence
         self._due: list[Callable[[dt.datetime | Literal["now"] | None], None]] = []
         self._end: list[Callable[[str], None]] = []
-        self._outcome: list[Callable[[str, Ended], None]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -138,11 +97,6 @@ class Wakeups:
     def on_end(self, fn: Callable[[str], None]) -> None:
         with self._lock:
             self._end.append(fn)
-
-    def on_outcome(self, fn: Callable[[str, Ended], None]) -> None:
-        """Hear the outcome an end notification carries (before its ``on_end``)."""
-        with self._lock:
-            self._outcome.append(fn)
 
     def start(self, wait: float = 5.0) -> bool:
         """Start listening (once) and wait up to ``wait`` seconds for the first connection;
@@ -221,15 +175,8 @@ class Wakeups:
                 at = None
             self._announce_due(at)
         elif payload.startswith(END) and len(payload) > len(END):
-            with self._lock:
-                subscribers = list(self._outcome)
-            if not subscribers:  # a worker: the id is all it needs
-                execution_id = payload[len(END) :].partition(" ")[0]
-            else:
-                execution_id, ended = parse_end(payload[len(END) :])
-                if execution_id and ended is not None:
-                    for fn in subscribers:
-                        fn(execution_id, ended)
+            # The id alone: an end is a hint to look at the run, whatever else follows.
+            execution_id = payload[len(END) :].partition(" ")[0]
             if execution_id:
                 self._announce_end(execution_id)
 
@@ -257,10 +204,9 @@ class Ends:
     for one run each compare with their own mark, so one caller's next look never hides
     an end from the others.
 
-    A run this client started while ends were announced is :meth:`expect`-ed: its end is
-    kept even if it comes before anyone waits, so the wait needs no first look
-    (:meth:`unread`). An outcome an end notification carried is kept beside it
-    (:meth:`outcome`): the caller need not read the run back.
+    A run this client starts while ends are announced is :meth:`expect`-ed (before its
+    start is sent): its end is kept even if it comes before anyone waits, so the wait needs
+    no look before the end is heard (:meth:`unread`).
     """
 
     def __init__(self) -> None:
@@ -272,7 +218,6 @@ class Ends:
         self._resets = 0
         #: Runs started here while ends were announced, with the resets at their start.
         self._expected: OrderedDict[str, int] = OrderedDict()
-        self._outcomes: dict[str, Ended] = {}
 
     def heard(self, execution_id: str) -> None:
         """The ``on_end`` subscriber (see :class:`Wakeups`)."""
@@ -285,22 +230,25 @@ class Ends:
                 return
             self._cond.notify_all()
 
-    def carried(self, execution_id: str, ended: Ended) -> None:
-        """The ``on_outcome`` subscriber: keep the outcome of a run awaited here."""
-        with self._cond:
-            if execution_id in self._watched or execution_id in self._expected:
-                self._outcomes[execution_id] = ended
-
     def expect(self, execution_id: str) -> None:
-        """A run this client has just started, with ends announced (its end cannot come
-        before this): keep its end for a wait to come. The oldest of more than
-        :data:`MAX_EXPECTED` are forgotten (their waits then look first)."""
+        """A run this client is about to start (its end cannot come before this): keep its
+        end for a wait to come. The oldest of more than :data:`MAX_EXPECTED` are forgotten
+        (their waits then look first)."""
         with self._cond:
             self._expected[execution_id] = self._resets
             while len(self._expected) > MAX_EXPECTED:
                 oldest, _ = self._expected.popitem(last=False)
                 if oldest not in self._watched:
-                    self._forget(oldest)
+                    self._ended.pop(oldest, None)
+
+    def unexpect(self, execution_id: str) -> None:
+        """The start did not create that run (it failed, or its key was taken)."""
+        with self._cond:
+            if (
+                self._expected.pop(execution_id, None) is not None
+                and execution_id not in self._watched
+            ):
+                self._ended.pop(execution_id, None)
 
     def unread(self, execution_id: str) -> tuple[int, int] | None:
         """The mark a wait for an expected run can start from without looking at it
@@ -308,14 +256,6 @@ class Ends:
         with self._cond:
             resets = self._expected.get(execution_id)
             return None if resets is None or resets != self._resets else (resets, 0)
-
-    def outcome(self, execution_id: str) -> Ended | None:
-        with self._cond:
-            return self._outcomes.get(execution_id)
-
-    def _forget(self, execution_id: str) -> None:
-        self._ended.pop(execution_id, None)
-        self._outcomes.pop(execution_id, None)
 
     @contextmanager
     def watching(self, execution_id: str) -> Iterator[None]:
@@ -331,7 +271,7 @@ class Ends:
                 else:
                     # Awaited: a later wait for it reads it (or hears a new end).
                     self._expected.pop(execution_id, None)
-                    self._forget(execution_id)
+                    self._ended.pop(execution_id, None)
 
     def mark(self, execution_id: str) -> tuple[int, int]:
         """Before a look at the run: what :meth:`wait` compares against."""

@@ -187,7 +187,8 @@ def start_statement(idempotent: bool, leased: bool, notify: bool, newest: bool =
     starter drives (``leased``), the claim and ``workflow.started``; ``notify`` tells
     listening workers a run is due. An idempotency key already taken inserts nothing and
     returns no row; so does, with ``newest``, a version that is no longer the newest
-    cataloged of its workflow."""
+    cataloged of its workflow or no longer has the source (``p_source_hash``) it was read
+    with (the tables were made again)."""
     values: dict[str, Any] = {c: bindparam(f"r_{c}", type_=ex.c[c].type) for c in RUN_COLUMNS}
     if leased:
         values.update(
@@ -202,13 +203,16 @@ def start_statement(idempotent: bool, leased: bool, notify: bool, newest: bool =
         values.update(wake_at=db_now(), next_seq=literal_column("2"))
     created = postgresql.insert(ex)
     if newest:
-        latest = select(func.max(wf.c.version)).where(wf.c.name == values["workflow_name"])
+        name, version = values["workflow_name"], values["workflow_version"]
+        newer = exists().where(wf.c.name == name, wf.c.version > version)
+        same = exists().where(
+            wf.c.name == name,
+            wf.c.version == version,
+            wf.c.source_hash == bindparam("p_source_hash", type_=String()),
+        )
         names = list(values)
         created = created.from_select(
-            names,
-            select(*(values[n].label(n) for n in names)).where(
-                latest.scalar_subquery() == values["workflow_version"]
-            ),
+            names, select(*(values[n].label(n) for n in names)).where(same, ~newer)
         )
     else:
         created = created.values(values)

@@ -175,7 +175,7 @@ class PostgreSQLBackend(Backend):
         started: NewEvent,
         *,
         lease: tuple[str, float] | None = None,
-        newest: bool = False,
+        newest: str | None = None,
     ) -> Claim | bool | Stale:
         """One statement (see :func:`start_statement`), atomic on its own: in a host's
         transaction through SQLAlchemy, else sent straight to psycopg in autocommit. A
@@ -183,7 +183,7 @@ class PostgreSQLBackend(Backend):
         already taken, or a new version cataloged since the client read it)."""
         notify = lease is None and self._listen_ok is not False
         idempotent = row["idempotency_key"] is not None
-        stmt = start_statement(idempotent, lease is not None, notify, newest)
+        stmt = start_statement(idempotent, lease is not None, notify, newest is not None)
         params: dict[str, Any] = {f"r_{c}": row[c] for c in RUN_COLUMNS}
         params["p_at"] = started.created_at
         if notify:
@@ -191,6 +191,8 @@ class PostgreSQLBackend(Backend):
             params["p_payload"] = DUE
         if lease is not None:
             params["p_owner"], params["p_ttl"] = lease
+        if newest is not None:
+            params["p_source_hash"] = newest
         if conn.in_transaction() or not self.raw_ok:
             params["p_event"] = started.event
             found = conn.execute(stmt, params, execution_options=self.statement_options).all()
@@ -199,17 +201,20 @@ class PostgreSQLBackend(Backend):
             params["r_input"] = json.dumps(row["input"]) if row["input"] is not None else None
             found = self._raw(stmt, params, conn)
         if not found:
-            if newest and not self._still_newest(conn, row):
+            if newest is not None and not self._still_newest(conn, row, newest):
                 return STALE
             return False
         return True if lease is None else claims_of(found)[0]._replace(started_here=True)
 
-    def _still_newest(self, conn: Connection, row: Mapping[str, Any]) -> bool:
+    def _still_newest(self, conn: Connection, row: Mapping[str, Any], source_hash: str) -> bool:
         latest = conn.execute(
-            select(func.max(wf.c.version)).where(wf.c.name == row["workflow_name"]),
+            select(wf.c.version, wf.c.source_hash)
+            .where(wf.c.name == row["workflow_name"])
+            .order_by(wf.c.version.desc())
+            .limit(1),
             execution_options=self.statement_options,
-        ).scalar()
-        return bool(latest == row["workflow_version"])
+        ).one_or_none()
+        return latest is not None and tuple(latest) == (row["workflow_version"], source_hash)
 
     @contextlib.contextmanager
     def begin(self, conn: Connection | None = None, *, ours: bool = True) -> Iterator[Connection]:

@@ -20,7 +20,7 @@ from ..errors import CannotCancelError, IdempotencyConflictError, UnknownExecuti
 from ..events import NewEvent
 from ..models import executions_table as ex
 from ..models import history_table as hist
-from ..wakeups import DUE
+from ..wakeups import DUE, END
 from . import Executor, connection_of, history, rowcount
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ def create(
     lease: tuple[str, float] | None = None,
     deadline: dt.datetime | None = None,
     parent_id: str | None = None,
-    newest: bool = False,
+    newest: str | None = None,
 ) -> Created | Stale:
     """Insert a run and its ``execution.started`` event (sequence 1) atomically.
 
@@ -67,8 +67,9 @@ def create(
     clock, or with ``lease=(owner, ttl)`` created claimed by ``owner`` and ready to drive
     (``workflow.started`` recorded: the starting process drives it itself). ``deadline``:
     when the run times out; ``parent_id``: the run starting it as its child. ``newest``
-    (where the backend :attr:`~Backend.checks_newest`): create nothing and return
-    :data:`STALE` unless ``workflow_version`` is still the newest cataloged.
+    (where the backend :attr:`~Backend.checks_newest`): the source hash the version was
+    read with; create nothing and return :data:`STALE` unless ``workflow_version`` is still
+    the newest cataloged, with that source.
     """
     core = connection_of(conn)
     row = {
@@ -157,6 +158,8 @@ def cancel(
             "claim_epoch": ex.c.claim_epoch + 1,
         },
     )
+    # It ended without a drive: tell the callers waiting for it, as a drive's end would.
+    backend.announce(core, END + execution_id)
 
 
 def get(
