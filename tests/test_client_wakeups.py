@@ -9,8 +9,12 @@ runs and the catalog through SQLAlchemy.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
+import gc
 import time
+import uuid
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -302,3 +306,122 @@ def test_a_notified_claim_keeps_the_known_timer_unless_a_timer_was_announced(
             conn.commit()
         assert client.result(handle.execution_id, timeout=30).unwrap() == [1, 2, 3]
         wait_until(lambda: len(asked) > before, what="the next timer asked for", timeout=5)
+
+
+@wp.step
+def _nap(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+@wp.workflow(name="test_client_wakeups_nap", version=1)
+def _napping(ctx: wp.Context, seconds: float) -> float:
+    return ctx.run(_nap, seconds)
+
+
+@pytest.mark.needs("notify")
+def test_a_timer_announced_with_more_runs_than_slots_is_still_asked_for(
+    db_url: str, make_runtime: Callable[..., wp.Runtime]
+) -> None:
+    """A timer and three runs announced at once to a worker with two slots: the look that
+    fills both slots asks for no timer; the one that takes the third run must."""
+    rt = make_runtime(poll_interval=30)
+    rt.register(_napping)
+    asked: list[float] = []
+    seconds_to_next_wake = rt.seconds_to_next_wake
+
+    def counted() -> float | None:
+        asked.append(time.monotonic())
+        return seconds_to_next_wake()
+
+    rt.seconds_to_next_wake = counted  # type: ignore[method-assign]
+    rt.start_worker(concurrency=2)
+    wait_until(rt.listening, what="the worker listening")
+    with wp.Client(db_url) as client:
+        client.result(client.start("test_client_wakeups_nap", 0.0).execution_id, timeout=30)
+        time.sleep(0.2)
+        before = len(asked)
+        at = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=60)
+        with rt.backend.engine.connect() as conn:
+            rt.backend.announce(conn, WAKE + at.isoformat())
+            ids = [
+                client.start("test_client_wakeups_nap", 0.3, session=conn).execution_id
+                for _ in range(3)
+            ]
+            conn.commit()
+        for execution_id in ids:
+            assert client.result(execution_id, timeout=30).unwrap() == 0.3
+        wait_until(lambda: len(asked) > before, what="the next timer asked for", timeout=5)
+
+
+@pytest.mark.needs("notify")
+@pytest.mark.needs("schemas")
+def test_a_worker_on_a_schema_mapping_engine_hears_a_client_of_that_schema(
+    db_url: str, make_engine: Callable[..., Any]
+) -> None:
+    """The channel is the schema holding the tables, however each side names it: a host
+    engine's translation on one side, ``schema=`` on the other."""
+    from sqlalchemy import text
+
+    from wf_persist import migrate
+
+    name = f"wf_chan_{uuid.uuid4().hex[:8]}"
+    admin = make_engine(db_url)
+    with admin.begin() as conn:
+        conn.execute(text(f"CREATE SCHEMA {name}"))
+    try:
+        mapped = make_engine(db_url).execution_options(schema_translate_map={None: name})
+        migrate.upgrade(mapped)
+        with wp.Runtime(mapped, poll_interval=30) as rt:
+            rt.register(w.echo_wf)
+            rt.start_worker()
+            wait_until(rt.listening, what="the worker listening")
+            with wp.Client(db_url, schema=name, poll_interval=30) as client:
+                for n in (2, 3):
+                    began = time.monotonic()
+                    handle = client.start("echo", n)
+                    assert client.result(handle.execution_id, timeout=20).unwrap() == list(
+                        range(1, n + 1)
+                    )
+                    assert time.monotonic() - began < 5, "not heard: found by a 30 s poll"
+    finally:
+        with admin.begin() as conn:
+            conn.execute(text(f"DROP SCHEMA {name} CASCADE"))
+
+
+@dataclasses.dataclass
+class _Double:
+    """A callable object that cannot be hashed (a dataclass with ``eq``)."""
+
+    n: int
+
+    def __call__(self) -> int:
+        return self.n * 2
+
+
+class _Big:
+    def __init__(self) -> None:
+        self.data = bytearray(1024)
+
+
+_CODE_SEEN: list[weakref.ref[_Big]] = []
+
+
+@wp.workflow(name="test_client_wakeups_code", version=1)
+def _code_wf(ctx: wp.Context, n: int) -> int:
+    big = _Big()
+    _CODE_SEEN.append(weakref.ref(big))
+    doubled = ctx.code("double", _Double(n))
+    return doubled + ctx.code("size", lambda: len(big.data))
+
+
+def test_code_blocks_may_be_any_callable_and_are_not_kept(runtime: wp.Runtime) -> None:
+    """An unhashable callable object works as a code block, and a closure (with what it
+    captured) is not kept once its run is done."""
+    runtime.register(_code_wf)
+    client = runtime.client()
+    _CODE_SEEN.clear()
+    for n in (1, 2, 3):
+        assert client.result(client.start(_code_wf, n).execution_id).unwrap() == n * 2 + 1024
+    gc.collect()
+    assert _CODE_SEEN and all(ref() is None for ref in _CODE_SEEN)

@@ -16,6 +16,8 @@ from .reading import RunReader
 from .records import Completed, Failed, Outcome
 from .wakeups import Ends, Wakeups
 
+#: The longest wait for the end of a run this client started before it looks at the run.
+UNREAD_WAIT = 0.1
 #: What :meth:`RunAwaiter._try_drive` returns to look at the run again at once (it was
 #: driven here) or to wait (nothing was due).
 _AGAIN, _WAIT = True, False
@@ -113,8 +115,12 @@ class RunAwaiter(RunReader):
                     known = self._known(execution_id)
                     if known is not None:
                         return known
+                first_wait = None
                 if unread is not None and (deadline is None or time.monotonic() < deadline):
                     mark, unread = unread, None
+                    # An end nobody announces (a worker of an older version, a lost
+                    # notification) costs at most this, not a poll interval.
+                    first_wait = UNREAD_WAIT
                 else:
                     unread = None
                     mark = self._ends.mark(execution_id)
@@ -138,7 +144,7 @@ class RunAwaiter(RunReader):
                 if self._announced():
                     # Its end will be heard: look again then (or after a reconnection), and
                     # every poll interval for an end nobody announces.
-                    wait = self._poll()
+                    wait = self._poll() if first_wait is None else min(first_wait, self._poll())
                     self._ends.wait(
                         execution_id, mark, wait if remaining is None else min(wait, remaining)
                     )

@@ -118,10 +118,10 @@ class Client(RunAwaiter):
         version: int | None,
         payload: Any,
         session: Executor | None,
-    ) -> tuple[str, int, Any, str | None]:
+    ) -> tuple[str, int, Any, dt.datetime | None]:
         """The (name, version) to start and the payload's stored form, from the catalog;
-        and, if the entry came from this client's memory, its source hash: the start must
-        check it is still the newest version, with that source."""
+        and, if the entry came from this client's memory, when it was cataloged: the start
+        must check it is still the newest version, and that very entry."""
         name = arguments.workflow_name(workflow)
         arguments.check_version(version)
         what = f"input of workflow {name}"
@@ -136,7 +136,7 @@ class Client(RunAwaiter):
                 self._newest.pop(name, None)
             else:
                 self.backend.check_size(what, stored)
-                return name, int(entry.version), stored, str(entry.source_hash)
+                return name, int(entry.version), stored, entry.registered_at
         with self._reading() as conn:
             entry = catalog.entry(conn, self.backend, name, version)
         if entry is None:
@@ -248,6 +248,9 @@ class Client(RunAwaiter):
                 if isinstance(found, Stale):
                     # A newer version was cataloged since this client read the catalog:
                     # nothing was written; read it again (and validate against it).
+                    if span is not None:
+                        span.set_attribute("wf.start.created", False)
+                        span.set_attribute("wf.start.stale_catalog", True)
                     self._newest.pop(name, None)
                     continue
                 if span is not None and not found.created:  # the run an earlier start made
@@ -269,12 +272,12 @@ class Client(RunAwaiter):
         now: dt.datetime,
         deadline: dt.datetime | None,
         session: Session | Connection | None,
-        newest: str | None = None,
+        newest: dt.datetime | None = None,
     ) -> executions.Created | Stale:
         """Write the run (in ``session``, else in a transaction of its own) with the
         caller's trace context, which its drives continue; ``newest``: only if ``pinned``
-        is still the newest version cataloged, with this source hash (else :data:`STALE`,
-        nothing written)."""
+        is still the newest version cataloged, the entry cataloged at that time (else
+        :data:`STALE`, nothing written)."""
         started = events.execution_started(
             execution_id, name, pinned, stored, actor, now, telemetry.carrier()
         )

@@ -58,7 +58,7 @@ class WorkflowClient(Client):
         version: int | None,
         payload: Any,
         session: Executor | None,
-    ) -> tuple[str, int, Any, str | None]:
+    ) -> tuple[str, int, Any, dt.datetime | None]:
         rt = self.runtime
         wf = rt.choose(workflow, version)
         stored = rt.validate_input(wf, payload)  # before anything is written, the catalog too

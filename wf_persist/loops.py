@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import functools
 import inspect
 import threading
 from collections.abc import Callable, Coroutine
@@ -26,9 +25,7 @@ BODY_LOOP: Final[contextvars.ContextVar[asyncio.AbstractEventLoop | None]] = con
 )
 
 
-@functools.lru_cache(maxsize=1024)
 def is_async(fn: Callable[..., Any]) -> bool:
-    """Asked for every step call: remembered per function (a few per process)."""
     return inspect.iscoroutinefunction(fn)
 
 

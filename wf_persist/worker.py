@@ -104,7 +104,8 @@ class Worker:
         self._reserved = 0
         #: When the next timer known at the last look is due (monotonic).
         self._timer_at = 0.0
-        #: Whether timers may have changed since the last look asked for the next one.
+        #: Whether timers may have changed since the loop last asked for the next one (set
+        #: by :meth:`wake`, cleared by :meth:`_next_wake` just before it asks).
         self._timers_stale = True
         #: Whether the last look filled every free slot (more may be due: a run ending
         #: then wakes the loop).
@@ -214,9 +215,10 @@ class Worker:
             look_at = reap_at = 0.0
             changes = rt.backend.changes()
             while not self._stopping.is_set():
+                # Cleared only when set: a wake landing between the two is this look's too.
                 told = self._wake.is_set()
-                self._wake.clear()
-                timers_stale, self._timers_stale = self._timers_stale, False
+                if told:
+                    self._wake.clear()
                 try:
                     if self._reaping() and time.monotonic() >= reap_at:
                         reap_at = time.monotonic() + REAP_INTERVAL
@@ -251,7 +253,7 @@ class Worker:
                                 if (
                                     claimed
                                     and told
-                                    and not timers_stale
+                                    and not self._timers_stale
                                     and now < look_at
                                     and rt.listening()
                                 ):
@@ -304,6 +306,8 @@ class Worker:
     def _next_wake(self) -> float | _Unknown | None:
         """Seconds until the next run this worker can drive is due (None: none scheduled;
         :data:`UNKNOWN` if the database could not say)."""
+        # What this asks covers every timer set so far; one set from now on says so again.
+        self._timers_stale = False
         try:
             return self.runtime.seconds_to_next_wake()
         except Exception:

@@ -109,7 +109,7 @@ class Backend:
     #: :meth:`listener`); without, workers poll.
     can_listen: ClassVar[bool] = False
     #: Whether a start can check in its own statement that the version it names is still
-    #: the newest cataloged, with the source it was read with (``insert_run(newest=...)``):
+    #: the newest cataloged, the entry it was read from (``insert_run(newest=...)``):
     #: a thin client may then start from a catalog entry it read before instead of reading
     #: it again.
     checks_newest: ClassVar[bool] = False
@@ -338,15 +338,15 @@ class Backend:
         started: NewEvent,
         *,
         lease: tuple[str, float] | None = None,
-        newest: str | None = None,
+        newest: dt.datetime | None = None,
     ) -> Claim | bool | Stale:
         """Insert a run due now and its ``execution.started`` (sequence 1), in the caller's
         transaction. ``False``: its (workflow, idempotency key) is taken (that conflict and
         no other is ignored). With ``lease=(owner, ttl)`` the run is claimed by ``owner``
         and opened (:meth:`open_claim`) in the same transaction: the :class:`Claim`.
-        ``newest`` (only where :attr:`checks_newest`): the source hash the version was read
-        with; insert only if it is still the newest cataloged of its workflow with that
-        source, else :data:`STALE`."""
+        ``newest`` (only where :attr:`checks_newest`): when the version was cataloged, as
+        read; insert only if it is still the newest of its workflow, that very entry, else
+        :data:`STALE`."""
         options = self.statement_options
         if row["idempotency_key"] is None:
             conn.execute(CREATE_RUN, dict(row), execution_options=options)

@@ -165,8 +165,12 @@ class PostgreSQLBackend(Backend):
     # runs and claims ---------------------------------------------------------------
 
     def channel(self) -> str:
-        """The channel of this database's wake-up notifications."""
-        return "wf_persist" if self.schema is None else f"wf_persist.{self.schema}"
+        """The channel of this database's wake-up notifications: one per schema holding
+        the tables, however it is named (``schema=``, or a host engine's translation)."""
+        schema = self.schema
+        if schema is None and self.schema_map:
+            schema = self.schema_map.get(None)
+        return "wf_persist" if schema is None else f"wf_persist.{schema}"
 
     def insert_run(
         self,
@@ -175,7 +179,7 @@ class PostgreSQLBackend(Backend):
         started: NewEvent,
         *,
         lease: tuple[str, float] | None = None,
-        newest: str | None = None,
+        newest: dt.datetime | None = None,
     ) -> Claim | bool | Stale:
         """One statement (see :func:`start_statement`), atomic on its own: in a host's
         transaction through SQLAlchemy, else sent straight to psycopg in autocommit. A
@@ -192,7 +196,7 @@ class PostgreSQLBackend(Backend):
         if lease is not None:
             params["p_owner"], params["p_ttl"] = lease
         if newest is not None:
-            params["p_source_hash"] = newest
+            params["p_registered_at"] = newest
         if conn.in_transaction() or not self.raw_ok:
             params["p_event"] = started.event
             found = conn.execute(stmt, params, execution_options=self.statement_options).all()
@@ -206,15 +210,15 @@ class PostgreSQLBackend(Backend):
             return False
         return True if lease is None else claims_of(found)[0]._replace(started_here=True)
 
-    def _still_newest(self, conn: Connection, row: Mapping[str, Any], source_hash: str) -> bool:
+    def _still_newest(self, conn: Connection, row: Mapping[str, Any], at: dt.datetime) -> bool:
         latest = conn.execute(
-            select(wf.c.version, wf.c.source_hash)
+            select(wf.c.version, wf.c.registered_at)
             .where(wf.c.name == row["workflow_name"])
             .order_by(wf.c.version.desc())
             .limit(1),
             execution_options=self.statement_options,
         ).one_or_none()
-        return latest is not None and tuple(latest) == (row["workflow_version"], source_hash)
+        return latest is not None and tuple(latest) == (row["workflow_version"], at)
 
     @contextlib.contextmanager
     def begin(self, conn: Connection | None = None, *, ours: bool = True) -> Iterator[Connection]:

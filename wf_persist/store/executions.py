@@ -57,7 +57,7 @@ def create(
     lease: tuple[str, float] | None = None,
     deadline: dt.datetime | None = None,
     parent_id: str | None = None,
-    newest: str | None = None,
+    newest: dt.datetime | None = None,
 ) -> Created | Stale:
     """Insert a run and its ``execution.started`` event (sequence 1) atomically.
 
@@ -67,9 +67,9 @@ def create(
     clock, or with ``lease=(owner, ttl)`` created claimed by ``owner`` and ready to drive
     (``workflow.started`` recorded: the starting process drives it itself). ``deadline``:
     when the run times out; ``parent_id``: the run starting it as its child. ``newest``
-    (where the backend :attr:`~Backend.checks_newest`): the source hash the version was
-    read with; create nothing and return :data:`STALE` unless ``workflow_version`` is still
-    the newest cataloged, with that source.
+    (where the backend :attr:`~Backend.checks_newest`): when the version was cataloged, as
+    read; create nothing and return :data:`STALE` unless ``workflow_version`` is still the
+    newest cataloged, that very entry (not one cataloged again since).
     """
     core = connection_of(conn)
     row = {
