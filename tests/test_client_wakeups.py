@@ -267,6 +267,30 @@ def test_a_version_cataloged_again_with_another_source_is_read_again(
         assert client.start("test_client_wakeups_versions", "x").version == 1
 
 
+def test_a_version_cataloged_again_at_the_same_time_is_still_told_apart(
+    db_url: str, make_runtime: Callable[..., wp.Runtime]
+) -> None:
+    """A runtime clock that gives the same time twice: the entry cataloged again is another
+    entry all the same (its source differs)."""
+    at = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+
+    @wp.workflow(name="test_client_wakeups_versions", version=1)
+    def text_v1(ctx: wp.Context, s: str) -> str:
+        return s
+
+    make_runtime(clock=lambda: at).register(_numbers_v1)
+    with wp.Client(db_url) as client:
+        assert client.start("test_client_wakeups_versions", 1).version == 1
+        with client.backend.engine.begin() as conn:
+            conn.execute(delete(hist))
+            conn.execute(delete(ex))
+            conn.execute(delete(wf).where(wf.c.name == "test_client_wakeups_versions"))
+        make_runtime(clock=lambda: at).register(text_v1)
+        with pytest.raises(wp.InvalidPayloadError):
+            client.start("test_client_wakeups_versions", 5)
+        assert _runs(client) == 0
+
+
 # the worker after a notified claim -------------------------------------------------------
 
 
@@ -356,16 +380,18 @@ def test_a_timer_announced_with_more_runs_than_slots_is_still_asked_for(
 
 @pytest.mark.needs("notify")
 @pytest.mark.needs("schemas")
+@pytest.mark.parametrize("length", [16, 63])
 def test_a_worker_on_a_schema_mapping_engine_hears_a_client_of_that_schema(
-    db_url: str, make_engine: Callable[..., Any]
+    db_url: str, make_engine: Callable[..., Any], length: int
 ) -> None:
     """The channel is the schema holding the tables, however each side names it: a host
-    engine's translation on one side, ``schema=`` on the other."""
+    engine's translation on one side, ``schema=`` on the other; a name too long for a
+    channel of its own is hashed into one."""
     from sqlalchemy import text
 
     from wf_persist import migrate
 
-    name = f"wf_chan_{uuid.uuid4().hex[:8]}"
+    name = f"wf_chan_{uuid.uuid4().hex}"[:length].ljust(length, "x")
     admin = make_engine(db_url)
     with admin.begin() as conn:
         conn.execute(text(f"CREATE SCHEMA {name}"))

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from . import arguments, events, lifecycle, telemetry
 from .authoring import Workflow
 from .awaiting import RunAwaiter
-from .backends import Backend, Stale
+from .backends import Backend, Cataloged, Stale
 from .database import Database
 from .errors import (
     Cancelled,
@@ -118,10 +118,10 @@ class Client(RunAwaiter):
         version: int | None,
         payload: Any,
         session: Executor | None,
-    ) -> tuple[str, int, Any, dt.datetime | None]:
+    ) -> tuple[str, int, Any, Cataloged | None]:
         """The (name, version) to start and the payload's stored form, from the catalog;
-        and, if the entry came from this client's memory, when it was cataloged: the start
-        must check it is still the newest version, and that very entry."""
+        and, if the entry came from this client's memory, the entry as read: the start must
+        check it is still the newest version, that very entry."""
         name = arguments.workflow_name(workflow)
         arguments.check_version(version)
         what = f"input of workflow {name}"
@@ -136,7 +136,8 @@ class Client(RunAwaiter):
                 self._newest.pop(name, None)
             else:
                 self.backend.check_size(what, stored)
-                return name, int(entry.version), stored, entry.registered_at
+                remembered = Cataloged(str(entry.source_hash), entry.registered_at)
+                return name, int(entry.version), stored, remembered
         with self._reading() as conn:
             entry = catalog.entry(conn, self.backend, name, version)
         if entry is None:
@@ -272,12 +273,12 @@ class Client(RunAwaiter):
         now: dt.datetime,
         deadline: dt.datetime | None,
         session: Session | Connection | None,
-        newest: dt.datetime | None = None,
+        newest: Cataloged | None = None,
     ) -> executions.Created | Stale:
         """Write the run (in ``session``, else in a transaction of its own) with the
         caller's trace context, which its drives continue; ``newest``: only if ``pinned``
-        is still the newest version cataloged, the entry cataloged at that time (else
-        :data:`STALE`, nothing written)."""
+        is still the newest version cataloged, the entry as read (else :data:`STALE`,
+        nothing written)."""
         started = events.execution_started(
             execution_id, name, pinned, stored, actor, now, telemetry.carrier()
         )

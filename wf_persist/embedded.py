@@ -14,6 +14,7 @@ from sqlalchemy import Row
 from . import arguments
 from .authoring import Workflow
 from .awaiting import _AGAIN, _WAIT
+from .backends import Cataloged
 from .client import Client
 from .records import Completed, Failed, Outcome
 from .runtime import NOT_DRIVEN
@@ -58,7 +59,7 @@ class WorkflowClient(Client):
         version: int | None,
         payload: Any,
         session: Executor | None,
-    ) -> tuple[str, int, Any, dt.datetime | None]:
+    ) -> tuple[str, int, Any, Cataloged | None]:
         rt = self.runtime
         wf = rt.choose(workflow, version)
         stored = rt.validate_input(wf, payload)  # before anything is written, the catalog too

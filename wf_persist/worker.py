@@ -311,6 +311,7 @@ class Worker:
         try:
             return self.runtime.seconds_to_next_wake()
         except Exception:
+            self._timers_stale = True  # not asked after all
             return UNKNOWN
 
     @staticmethod

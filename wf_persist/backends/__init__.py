@@ -17,12 +17,13 @@ from ..errors import UnsupportedDatabaseError
 from .base import Backend
 from .mysql import MySQLBackend
 from .postgresql import PostgreSQLBackend
-from .sql import STALE, Claim, Fenced, Stale
+from .sql import STALE, Cataloged, Claim, Fenced, Stale
 from .sqlite import SQLiteBackend
 
 __all__ = [
     "STALE",
     "Backend",
+    "Cataloged",
     "Claim",
     "Fenced",
     "Stale",

@@ -52,6 +52,7 @@ from .sql import (
     LOAD_HISTORY,
     LOCK_RUN,
     P_TTL,
+    Cataloged,
     Claim,
     Fenced,
     Stale,
@@ -338,14 +339,14 @@ class Backend:
         started: NewEvent,
         *,
         lease: tuple[str, float] | None = None,
-        newest: dt.datetime | None = None,
+        newest: Cataloged | None = None,
     ) -> Claim | bool | Stale:
         """Insert a run due now and its ``execution.started`` (sequence 1), in the caller's
         transaction. ``False``: its (workflow, idempotency key) is taken (that conflict and
         no other is ignored). With ``lease=(owner, ttl)`` the run is claimed by ``owner``
         and opened (:meth:`open_claim`) in the same transaction: the :class:`Claim`.
-        ``newest`` (only where :attr:`checks_newest`): when the version was cataloged, as
-        read; insert only if it is still the newest of its workflow, that very entry, else
+        ``newest`` (only where :attr:`checks_newest`): the version's catalog entry as read;
+        insert only if it is still the newest of its workflow, that very entry, else
         :data:`STALE`."""
         options = self.statement_options
         if row["idempotency_key"] is None:

@@ -70,7 +70,8 @@ class PGListener:
             self._raw = raw
             raw.autocommit = True
             raw.execute(f"SET application_name = '{APPLICATION_NAME}'")  # for operators
-            raw.execute(f'LISTEN "{backend.channel()}"')
+            quoted = backend.channel().replace('"', '""')
+            raw.execute(f'LISTEN "{quoted}"')
             #: The owner whose presence lock this connection should hold (None: no lock).
             self._owner = (
                 owner if owner is not None and backend.presence_ok(self._engine, raw) else None

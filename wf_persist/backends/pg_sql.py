@@ -187,8 +187,8 @@ def start_statement(idempotent: bool, leased: bool, notify: bool, newest: bool =
     starter drives (``leased``), the claim and ``workflow.started``; ``notify`` tells
     listening workers a run is due. An idempotency key already taken inserts nothing and
     returns no row; so does, with ``newest``, a version that is no longer the newest
-    cataloged of its workflow, or no longer the entry cataloged at ``p_registered_at`` (the
-    tables were made again, the version cataloged anew)."""
+    cataloged of its workflow, or no longer the entry read (``p_source_hash`` and
+    ``p_registered_at``: the tables were made again, the version cataloged anew)."""
     values: dict[str, Any] = {c: bindparam(f"r_{c}", type_=ex.c[c].type) for c in RUN_COLUMNS}
     if leased:
         values.update(
@@ -208,6 +208,7 @@ def start_statement(idempotent: bool, leased: bool, notify: bool, newest: bool =
         same = exists().where(
             wf.c.name == name,
             wf.c.version == version,
+            wf.c.source_hash == bindparam("p_source_hash", type_=String()),
             wf.c.registered_at == bindparam("p_registered_at", type_=UTC_DATETIME),
         )
         names = list(values)

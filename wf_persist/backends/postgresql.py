@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import hashlib
 import json
 import logging
 from collections.abc import Iterator, Mapping, Sequence
@@ -49,6 +50,7 @@ from .pg_sql import (
 from .slots import SessionLockSlots
 from .sql import (
     STALE,
+    Cataloged,
     Claim,
     Fenced,
     Stale,
@@ -57,6 +59,8 @@ from .sql import (
 
 log = logging.getLogger("wf_persist.worker")
 
+#: The longest channel name PostgreSQL takes is one byte short of this (NAMEDATALEN).
+CHANNEL_BYTES: Final = 64
 #: Key of the advisory lock that serializes concurrent migrations.
 MIGRATION_LOCK_KEY: Final = 0x77665F70657273  # "wf_pers"
 _JSON_COLUMNS = frozenset({"event", "result", "error", "input"})
@@ -170,7 +174,12 @@ class PostgreSQLBackend(Backend):
         schema = self.schema
         if schema is None and self.schema_map:
             schema = self.schema_map.get(None)
-        return "wf_persist" if schema is None else f"wf_persist.{schema}"
+        if schema is None:
+            return "wf_persist"
+        channel = f"wf_persist.{schema}"
+        if len(channel.encode()) >= CHANNEL_BYTES:  # the server refuses longer names
+            channel = f"wf_persist.{hashlib.sha256(schema.encode()).hexdigest()[:32]}"
+        return channel
 
     def insert_run(
         self,
@@ -179,7 +188,7 @@ class PostgreSQLBackend(Backend):
         started: NewEvent,
         *,
         lease: tuple[str, float] | None = None,
-        newest: dt.datetime | None = None,
+        newest: Cataloged | None = None,
     ) -> Claim | bool | Stale:
         """One statement (see :func:`start_statement`), atomic on its own: in a host's
         transaction through SQLAlchemy, else sent straight to psycopg in autocommit. A
@@ -196,7 +205,7 @@ class PostgreSQLBackend(Backend):
         if lease is not None:
             params["p_owner"], params["p_ttl"] = lease
         if newest is not None:
-            params["p_registered_at"] = newest
+            params["p_source_hash"], params["p_registered_at"] = newest
         if conn.in_transaction() or not self.raw_ok:
             params["p_event"] = started.event
             found = conn.execute(stmt, params, execution_options=self.statement_options).all()
@@ -210,15 +219,15 @@ class PostgreSQLBackend(Backend):
             return False
         return True if lease is None else claims_of(found)[0]._replace(started_here=True)
 
-    def _still_newest(self, conn: Connection, row: Mapping[str, Any], at: dt.datetime) -> bool:
+    def _still_newest(self, conn: Connection, row: Mapping[str, Any], read: Cataloged) -> bool:
         latest = conn.execute(
-            select(wf.c.version, wf.c.registered_at)
+            select(wf.c.version, wf.c.source_hash, wf.c.registered_at)
             .where(wf.c.name == row["workflow_name"])
             .order_by(wf.c.version.desc())
             .limit(1),
             execution_options=self.statement_options,
         ).one_or_none()
-        return latest is not None and tuple(latest) == (row["workflow_version"], at)
+        return latest is not None and tuple(latest) == (row["workflow_version"], *read)
 
     @contextlib.contextmanager
     def begin(self, conn: Connection | None = None, *, ours: bool = True) -> Iterator[Connection]:

@@ -43,6 +43,15 @@ class Stale:
 STALE: Final = Stale()
 
 
+class Cataloged(NamedTuple):
+    """A catalog entry as a client read it: what a start checks is still there, the newest
+    of its workflow (a version cataloged again, after the tables were made anew, differs
+    in one or the other)."""
+
+    source_hash: str
+    registered_at: dt.datetime
+
+
 class Claim(NamedTuple):
     """A run this runtime now drives, fenced by ``epoch``; ``db_now`` is the database's time
     at the claim (drives measure time from it, not from the worker's clock)."""

@@ -15,7 +15,7 @@ from sqlalchemy import Row, delete, func, select, update
 
 from .. import lifecycle
 from ..backends.clock import db_now
-from ..backends.sql import P_ID, Claim, Stale, due
+from ..backends.sql import P_ID, Cataloged, Claim, Stale, due
 from ..errors import CannotCancelError, IdempotencyConflictError, UnknownExecutionError
 from ..events import NewEvent
 from ..models import executions_table as ex
@@ -57,7 +57,7 @@ def create(
     lease: tuple[str, float] | None = None,
     deadline: dt.datetime | None = None,
     parent_id: str | None = None,
-    newest: dt.datetime | None = None,
+    newest: Cataloged | None = None,
 ) -> Created | Stale:
     """Insert a run and its ``execution.started`` event (sequence 1) atomically.
 
@@ -67,8 +67,8 @@ def create(
     clock, or with ``lease=(owner, ttl)`` created claimed by ``owner`` and ready to drive
     (``workflow.started`` recorded: the starting process drives it itself). ``deadline``:
     when the run times out; ``parent_id``: the run starting it as its child. ``newest``
-    (where the backend :attr:`~Backend.checks_newest`): when the version was cataloged, as
-    read; create nothing and return :data:`STALE` unless ``workflow_version`` is still the
+    (where the backend :attr:`~Backend.checks_newest`): the version's catalog entry as read;
+    create nothing and return :data:`STALE` unless ``workflow_version`` is still the
     newest cataloged, that very entry (not one cataloged again since).
     """
     core = connection_of(conn)
