@@ -242,53 +242,32 @@ def test_a_payload_valid_only_for_a_newer_version_is_started_with_it(
         assert client.start("test_client_wakeups_versions", "a").version == 2
 
 
+@pytest.mark.parametrize("same_time", [False, True])
 def test_a_version_cataloged_again_with_another_source_is_read_again(
-    db_url: str, make_runtime: Callable[..., wp.Runtime]
+    db_url: str, make_runtime: Callable[..., wp.Runtime], same_time: bool
 ) -> None:
     """The tables emptied and the same version cataloged with other code (and schema)
-    under a long-lived client: its start is judged by the new entry, not the one it
-    remembered."""
+    under a long-lived client, even at the very same time by a runtime clock that repeats
+    itself: its start is judged by the new entry, not the one it remembered."""
 
     @wp.workflow(name="test_client_wakeups_versions", version=1)
     def text_v1(ctx: wp.Context, s: str) -> str:
         return s
 
-    make_runtime().register(_numbers_v1)
+    at = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    clock: dict[str, Any] = {"clock": lambda: at} if same_time else {}
+    make_runtime(**clock).register(_numbers_v1)
     with wp.Client(db_url) as client:
         assert client.start("test_client_wakeups_versions", 1).version == 1
         with client.backend.engine.begin() as conn:
             conn.execute(delete(hist))
             conn.execute(delete(ex))
             conn.execute(delete(wf).where(wf.c.name == "test_client_wakeups_versions"))
-        make_runtime().register(text_v1)
+        make_runtime(**clock).register(text_v1)
         with pytest.raises(wp.InvalidPayloadError):
             client.start("test_client_wakeups_versions", 5)
         assert _runs(client) == 0
         assert client.start("test_client_wakeups_versions", "x").version == 1
-
-
-def test_a_version_cataloged_again_at_the_same_time_is_still_told_apart(
-    db_url: str, make_runtime: Callable[..., wp.Runtime]
-) -> None:
-    """A runtime clock that gives the same time twice: the entry cataloged again is another
-    entry all the same (its source differs)."""
-    at = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
-
-    @wp.workflow(name="test_client_wakeups_versions", version=1)
-    def text_v1(ctx: wp.Context, s: str) -> str:
-        return s
-
-    make_runtime(clock=lambda: at).register(_numbers_v1)
-    with wp.Client(db_url) as client:
-        assert client.start("test_client_wakeups_versions", 1).version == 1
-        with client.backend.engine.begin() as conn:
-            conn.execute(delete(hist))
-            conn.execute(delete(ex))
-            conn.execute(delete(wf).where(wf.c.name == "test_client_wakeups_versions"))
-        make_runtime(clock=lambda: at).register(text_v1)
-        with pytest.raises(wp.InvalidPayloadError):
-            client.start("test_client_wakeups_versions", 5)
-        assert _runs(client) == 0
 
 
 # the worker after a notified claim -------------------------------------------------------
