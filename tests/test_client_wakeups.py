@@ -30,6 +30,7 @@ from wf_persist.wakeups import END, MAX_EXPECTED, WAKE, Ends
 
 from .fixtures import workflows as w
 from .helpers import Processes, wait_until
+from .test_wakeups import _napping
 
 RUN_READ = "FROM wf_executions"
 CATALOG_READ = "FROM wf_workflows"
@@ -273,14 +274,8 @@ def test_a_version_cataloged_again_with_another_source_is_read_again(
 # the worker after a notified claim -------------------------------------------------------
 
 
-@pytest.mark.needs("notify")
-def test_a_notified_claim_keeps_the_known_timer_unless_a_timer_was_announced(
-    db_url: str, make_runtime: Callable[..., wp.Runtime]
-) -> None:
-    """Runs announced as due now are claimed without asking for the next timer again; a
-    timer announced with them makes the look ask."""
-    rt = make_runtime(poll_interval=30)
-    rt.register(w.echo_wf)
+def _timer_questions(rt: wp.Runtime) -> list[float]:
+    """When the runtime's worker asks the database for its next timer, from now on."""
     asked: list[float] = []
     seconds_to_next_wake = rt.seconds_to_next_wake
 
@@ -289,6 +284,18 @@ def test_a_notified_claim_keeps_the_known_timer_unless_a_timer_was_announced(
         return seconds_to_next_wake()
 
     rt.seconds_to_next_wake = counted  # type: ignore[method-assign]
+    return asked
+
+
+@pytest.mark.needs("notify")
+def test_a_notified_claim_keeps_the_known_timer_unless_a_timer_was_announced(
+    db_url: str, make_runtime: Callable[..., wp.Runtime]
+) -> None:
+    """Runs announced as due now are claimed without asking for the next timer again; a
+    timer announced with them makes the look ask."""
+    rt = make_runtime(poll_interval=30)
+    rt.register(w.echo_wf)
+    asked = _timer_questions(rt)
     rt.start_worker()
     wait_until(rt.listening, what="the worker listening")
     with wp.Client(db_url) as client:
@@ -311,17 +318,6 @@ def test_a_notified_claim_keeps_the_known_timer_unless_a_timer_was_announced(
         wait_until(lambda: len(asked) > before, what="the next timer asked for", timeout=5)
 
 
-@wp.step
-def _nap(seconds: float) -> float:
-    time.sleep(seconds)
-    return seconds
-
-
-@wp.workflow(name="test_client_wakeups_nap", version=1)
-def _napping(ctx: wp.Context, seconds: float) -> float:
-    return ctx.run(_nap, seconds)
-
-
 @pytest.mark.needs("notify")
 def test_a_timer_announced_with_more_runs_than_slots_is_still_asked_for(
     db_url: str, make_runtime: Callable[..., wp.Runtime]
@@ -330,25 +326,18 @@ def test_a_timer_announced_with_more_runs_than_slots_is_still_asked_for(
     fills both slots asks for no timer; the one that takes the third run must."""
     rt = make_runtime(poll_interval=30)
     rt.register(_napping)
-    asked: list[float] = []
-    seconds_to_next_wake = rt.seconds_to_next_wake
-
-    def counted() -> float | None:
-        asked.append(time.monotonic())
-        return seconds_to_next_wake()
-
-    rt.seconds_to_next_wake = counted  # type: ignore[method-assign]
+    asked = _timer_questions(rt)
     rt.start_worker(concurrency=2)
     wait_until(rt.listening, what="the worker listening")
     with wp.Client(db_url) as client:
-        client.result(client.start("test_client_wakeups_nap", 0.0).execution_id, timeout=30)
+        client.result(client.start("test_wakeups_napping", 0.0).execution_id, timeout=30)
         time.sleep(0.2)
         before = len(asked)
         at = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=60)
         with rt.backend.engine.connect() as conn:
             rt.backend.announce(conn, WAKE + at.isoformat())
             ids = [
-                client.start("test_client_wakeups_nap", 0.3, session=conn).execution_id
+                client.start("test_wakeups_napping", 0.3, session=conn).execution_id
                 for _ in range(3)
             ]
             conn.commit()

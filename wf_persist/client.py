@@ -127,6 +127,7 @@ class Client(RunAwaiter):
         what = f"input of workflow {name}"
         # The newest version read before, where the start itself checks it still is (a
         # cataloged version never changes; only a newer one can appear).
+        remembered: Cataloged | None = None
         entry = self._newest.get(name) if version is None and self.backend.checks_newest else None
         if entry is not None:
             try:
@@ -134,23 +135,23 @@ class Client(RunAwaiter):
             except InvalidPayloadError:
                 # Perhaps valid for a version cataloged since: judged by the catalog as is.
                 self._newest.pop(name, None)
+                entry = None
             else:
-                self.backend.check_size(what, stored)
                 remembered = Cataloged(str(entry.source_hash), entry.registered_at)
-                return name, int(entry.version), stored, remembered
-        with self._reading() as conn:
-            entry = catalog.entry(conn, self.backend, name, version)
         if entry is None:
-            if version is None:
-                raise UnknownWorkflowError(name, cataloged=True)
-            raise MissingWorkflowVersionError(name, version, cataloged=True)
-        if version is None and self.backend.checks_newest and entry.input_schema is not None:
-            # (A version cataloged without schemas gets them at its next registration: such
-            # an entry is read again each time.)
-            self._newest[name] = entry
-        stored = _cataloged_document(what, payload, entry.input_schema)
+            with self._reading() as conn:
+                entry = catalog.entry(conn, self.backend, name, version)
+            if entry is None:
+                if version is None:
+                    raise UnknownWorkflowError(name, cataloged=True)
+                raise MissingWorkflowVersionError(name, version, cataloged=True)
+            if version is None and self.backend.checks_newest and entry.input_schema is not None:
+                # (A version cataloged without schemas gets them at its next registration:
+                # such an entry is read again each time.)
+                self._newest[name] = entry
+            stored = _cataloged_document(what, payload, entry.input_schema)
         self.backend.check_size(what, stored)
-        return name, int(entry.version), stored, None
+        return name, int(entry.version), stored, remembered
 
     def _workflow_timeout(self, name: str, version: int) -> float | None:
         """The workflow's own timeout, where this client has its definition (a thin client

@@ -41,6 +41,8 @@ ANY_END: Final = ""
 #: What ``on_due`` subscribers hear for a run due now (a start, a signal, a released lease),
 #: as opposed to a timer's time or ``None`` (a (re)connection: anything may be due, timers too).
 DUE_NOW: Final = "now"
+#: What an ``on_due`` subscriber hears (see :data:`DUE_NOW`).
+Due = dt.datetime | Literal["now"] | None
 #: Runs a client remembers it started and will await (see :meth:`Ends.expect`), at most.
 MAX_EXPECTED: Final = 1_000
 #: How long one wait for notifications lasts (the listener looks at its stop flag between).
@@ -75,7 +77,7 @@ class Wakeups:
     def __init__(self, backend: Backend, presence: str | None = None) -> None:
         self.backend = backend
         self.presence = presence
-        self._due: list[Callable[[dt.datetime | Literal["now"] | None], None]] = []
+        self._due: list[Callable[[Due], None]] = []
         self._end: list[Callable[[str], None]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -90,7 +92,7 @@ class Wakeups:
         self.connections = 0
         self._outage = Outage(log, "listening for wake-ups", 0.1)
 
-    def on_due(self, fn: Callable[[dt.datetime | Literal["now"] | None], None]) -> None:
+    def on_due(self, fn: Callable[[Due], None]) -> None:
         with self._lock:
             self._due.append(fn)
 
@@ -186,7 +188,7 @@ class Wakeups:
         for fn in subscribers:
             fn(execution_id)
 
-    def _announce_due(self, at: dt.datetime | Literal["now"] | None) -> None:
+    def _announce_due(self, at: Due) -> None:
         with self._lock:
             subscribers = list(self._due)
         for fn in subscribers:

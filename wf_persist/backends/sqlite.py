@@ -53,10 +53,9 @@ _LEGACY: Final = getattr(sqlite3, "LEGACY_TRANSACTION_CONTROL", None)
 
 def _take_control(raw: Any) -> tuple[Any, Any]:
     """Put the driver in legacy mode with no implicit BEGIN; return what to restore."""
-    legacy = getattr(sqlite3, "LEGACY_TRANSACTION_CONTROL", None)
-    autocommit = getattr(raw, "autocommit", legacy)
-    if autocommit != legacy:
-        raw.autocommit = legacy  # Python 3.12+: ends the implicit transaction it keeps open
+    autocommit = getattr(raw, "autocommit", _LEGACY)
+    if autocommit != _LEGACY:
+        raw.autocommit = _LEGACY  # Python 3.12+: ends the implicit transaction it keeps open
     level = raw.isolation_level
     if level is not None:
         if raw.in_transaction:
