@@ -61,7 +61,11 @@ class Timers:
 
     def _due(self) -> list[Callable[[], None]]:
         now = time.monotonic()
-        due = [k for k, (at, _) in list(self._armed.items()) if at <= now]
+        # Copied, not iterated: iterating allocates, an allocation may collect garbage, and a
+        # finalizer (or another thread, once the collector ran Python code) may arm a timer in
+        # between ("dictionary changed size during iteration" killed this thread). ``copy``
+        # clones the table before it allocates anything that can collect.
+        due = [k for k, (at, _) in self._armed.copy().items() if at <= now]
         fns = []
         for key in due:
             found = self._armed.pop(key, None)
