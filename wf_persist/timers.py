@@ -76,7 +76,12 @@ class Timers:
     def _run(self) -> None:
         while not self._stopped:
             time.sleep(TICK)
-            for fn in self._due():
+            try:
+                due = self._due()
+            except Exception:  # looked at again next tick rather than never
+                log.exception("wf_persist timers could not be looked at")
+                continue
+            for fn in due:
                 try:
                     fn()
                 except Exception:  # a timer must never kill the thread that serves the others
