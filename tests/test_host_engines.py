@@ -213,13 +213,21 @@ def test_a_host_engine_that_maps_the_default_schema(
 
 
 @pytest.mark.needs("server")
+@pytest.mark.parametrize("engine_of", ["host", "own"])
 def test_a_session_default_above_read_committed_does_not_fail_fenced_writes(
-    backend: str, db_url: str, make_engine: Callable[..., Engine], tmp_path: Path
+    backend: str,
+    db_url: str,
+    make_engine: Callable[..., Engine],
+    tmp_path: Path,
+    engine_of: str,
 ) -> None:
     """Sessions whose default isolation is SERIALIZABLE (the host's connect options, or
     the database's own setting): a step's fenced write that meets a concurrent update of its
     run (a lease renewal, say; here a host's) re-checks the run and is recorded, instead of
-    failing with a serialization error and counting a failed drive."""
+    failing with a serialization error and counting a failed drive. An engine wf_persist
+    makes itself from such a URL sets READ COMMITTED once per connection (not at every
+    checkout): its connections stay there, also after a user of ``runtime.engine`` chose
+    another level for one of them."""
     from .conftest import has
 
     f.reset()
@@ -228,10 +236,24 @@ def test_a_session_default_above_read_committed_does_not_fail_fenced_writes(
         if has(backend, "sql_mode")
         else {"options": "-c default_transaction_isolation=serializable"}
     )
-    engine = make_engine(db_url, connect_args=connect_args)
+    bind: Engine | str = (
+        make_engine(db_url, connect_args=connect_args)
+        if engine_of == "host"
+        else make_url(db_url).update_query_dict(connect_args).render_as_string(False)
+    )
     holder = make_engine(db_url)
     marks, release = tmp_path / "marks", tmp_path / "release"
-    with wp.Runtime(engine, lease_ttl=30) as rt:
+    with wp.Runtime(bind, lease_ttl=30) as rt:
+        if engine_of == "own":
+            with rt.engine.connect() as mine:  # an application's use of our engine
+                mine.execution_options(isolation_level="SERIALIZABLE")
+                with mine.begin():
+                    assert mine.get_isolation_level() == "SERIALIZABLE"
+            taken = [rt.backend.engine.connect() for _ in range(3)]  # the same one among them
+            for conn in taken:
+                with conn.begin():
+                    assert conn.get_isolation_level() == "READ COMMITTED"
+                conn.close()
         rt.register(*f.ALL)
         client = rt.client()
         handle = client.start(f.fenced_wf, {"marks": str(marks), "release": str(release)})

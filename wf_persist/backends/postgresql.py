@@ -28,6 +28,7 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 
 from ..errors import LeaseLostError
@@ -86,6 +87,16 @@ class PostgreSQLBackend(Backend):
     idle_timeout: ClassVar[float | None] = 15.0
 
     def __init__(self, engine: Engine, *, owned: bool, schema: str | None = None) -> None:
+        # Whether every connection of the pool is at READ COMMITTED by construction: an
+        # engine of our own (made with that level, see configure_engine) sets it on each
+        # new connection, and its pool puts back any other level a user of it chose. Then
+        # the view needs no per-checkout isolation level, which costs a listener, a set and
+        # a reset at every connection taken. A host's engine keeps the per-checkout level.
+        with engine.connect() as conn:
+            default = conn.exec_driver_sql("SHOW default_transaction_isolation").scalar()
+            level = conn.get_isolation_level()  # AUTOCOMMIT is a driver setting it omits
+            autocommit = conn.dialect.detect_autocommit_setting(conn.connection.dbapi_connection)
+        self._pool_level_ours = owned and level == "READ COMMITTED" and not autocommit
         super().__init__(engine, owned=owned, schema=schema)
         self.slots = AdvisorySlots(self.engine)
         self._sql: dict[WriteShape, str] = {}
@@ -93,8 +104,6 @@ class PostgreSQLBackend(Backend):
         # (the host's connect options or the database's setting may raise it): above READ
         # COMMITTED its compare-and-set fails on any concurrent update of the run instead of
         # re-checking it, so it is used only where that default is READ COMMITTED.
-        with engine.connect() as conn:
-            default = conn.exec_driver_sql("SHOW default_transaction_isolation").scalar()
         self.autocommit_writes = default == "read committed"
         #: Statements may go straight to psycopg (not through an asyncio engine's
         #: connections, which ``wp.AsyncClient`` uses: SQLAlchemy's execution there).
@@ -113,8 +122,17 @@ class PostgreSQLBackend(Backend):
         self._listen_ok: bool | None = None
         self._presence_ok: bool | None = None
 
+    @classmethod
+    def configure_engine(cls, url: URL, kwargs: dict[str, Any]) -> tuple[URL, dict[str, Any]]:
+        # wf_persist's level on every connection once, when it connects (see view_options).
+        kwargs.setdefault("isolation_level", "READ COMMITTED")
+        return url, kwargs
+
     def view_options(self) -> dict[str, Any]:
-        return {**super().view_options(), "isolation_level": "READ COMMITTED"}
+        options = super().view_options()
+        if not self._pool_level_ours:
+            options["isolation_level"] = "READ COMMITTED"
+        return options
 
     def requirement_problem(self, version: tuple[int, ...] | None) -> str | None:
         if version is not None and version < (12,):
@@ -447,3 +465,4 @@ class PostgreSQLBackend(Backend):
         if len(rows) != n:
             raise LeaseLostError(execution_id)
         return Fenced(sorted(int(r[0]) for r in rows), str(rows[0][1]))
+
