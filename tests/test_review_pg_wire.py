@@ -102,3 +102,45 @@ def test_past_the_prepared_limit_statements_are_parsed_each_time(
         ).scalar_one()
         conn.rollback()
     assert prepared == 1
+
+
+def test_a_plan_made_while_a_table_was_tiny_is_made_again_as_it_grows(
+    db_url: str, make_engine: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server keeps the plan a prepared statement settled on after a few executions.
+    Made while a table was tiny (a new database, analyzed while empty), that plan scans the
+    whole table; with nothing to analyze it again (autovacuum off) every execution would go
+    on scanning it as it grows to millions of rows. A statement is prepared again after
+    ``REPLAN_AFTER`` executions, and then plans with the index."""
+    monkeypatch.setattr(pg_wire, "REPLAN_AFTER", 30)
+    engine = make_engine(db_url, pool_size=1, max_overflow=0)
+    table = "wf_test_replan"
+    lookup = f"SELECT v FROM {table} WHERE k = %(k)s"
+
+    def plan(conn: Any) -> str:
+        _, name, _, _ = pg_wire.converted(lookup)
+        rows = conn.exec_driver_sql(f"EXPLAIN EXECUTE {name.decode()}('k1')").all()
+        conn.rollback()
+        return "\n".join(r[0] for r in rows)
+
+    with engine.connect() as conn:
+        conn.exec_driver_sql(f"DROP TABLE IF EXISTS {table}")
+        conn.exec_driver_sql(f"CREATE TABLE {table} (k TEXT PRIMARY KEY, v INT NOT NULL)")
+        conn.exec_driver_sql(f"ANALYZE {table}")  # while empty, as a new database's was
+        conn.commit()
+        raw: Any = conn.connection.driver_connection
+        try:
+            for _ in range(10):  # the server settles on the tiny table's plan
+                assert pg_wire.execute(raw, conn.info, lookup, {"k": "k1"}) == []
+            conn.exec_driver_sql(
+                f"INSERT INTO {table} SELECT 'k' || i, i FROM generate_series(1, 50000) i"
+            )
+            conn.commit()
+            assert "Seq Scan" in plan(conn)  # what the kept plan does now
+            for _ in range(30):
+                assert pg_wire.execute(raw, conn.info, lookup, {"k": "k1"}) == [(1,)]
+            assert "Index" in plan(conn) and "Seq Scan" not in plan(conn)
+        finally:
+            conn.rollback()
+            conn.exec_driver_sql(f"DROP TABLE {table}")
+            conn.commit()

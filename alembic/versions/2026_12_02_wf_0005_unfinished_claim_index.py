@@ -11,8 +11,11 @@ the full ``(status, wake_at)`` index stays as it is, its leading ``status`` maki
 claim's ``status IN (...) AND wake_at <= now`` a range over unfinished runs' entries too.
 
 PostgreSQL is analyzed afterwards so the new index has statistics at once (autovacuum would
-get there later); SQLite is not: its planner takes a partial index whose predicate the query
-repeats without them.
+get there later), but only a table that has rows: an empty table analyzed is taken for a
+small one from then on (a never-analyzed one is assumed to be at least 10 pages), so the
+plans prepared on a new database while it is tiny would scan the whole table, and with
+autovacuum off keep doing so as it grows. SQLite is not analyzed: its planner takes a partial
+index whose predicate the query repeats without statistics.
 
 Downgrade recreates the full index on PostgreSQL and SQLite; no data is touched.
 
@@ -53,8 +56,11 @@ def upgrade() -> None:
         postgresql_where=_UNFINISHED,
         sqlite_where=_UNFINISHED,
     )
-    if op.get_bind().dialect.name == "postgresql":
-        op.execute("ANALYZE wf_executions")
+    if op.get_bind().dialect.name == "postgresql":  # also as offline SQL: decided there
+        op.execute(
+            "DO $$ BEGIN IF EXISTS (SELECT 1 FROM wf_executions) THEN ANALYZE wf_executions; "
+            "END IF; END $$"
+        )
 
 
 def downgrade() -> None:

@@ -27,15 +27,16 @@ _OK: Final = (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK)
 
 
 class _Session:
-    """What one connection keeps between our statements: the names it has prepared, and
-    a transformer (its dumpers and loaders found once per type, as a cursor keeps one)
-    made for the session's settings that loading and dumping follow (client encoding,
-    time zone, date style): a new one if the host changes any of them."""
+    """What one connection keeps between our statements: the names it has prepared (each
+    with how many more executions its plan serves), and a transformer (its dumpers and
+    loaders found once per type, as a cursor keeps one) made for the session's settings that
+    loading and dumping follow (client encoding, time zone, date style): a new one if the
+    host changes any of them."""
 
     __slots__ = ("names", "settings", "tx")
 
     def __init__(self) -> None:
-        self.names: set[bytes] = set()
+        self.names: dict[bytes, int] = {}
         self.settings: tuple[bytes | None, ...] = ()
         self.tx: Any = None
 
@@ -51,6 +52,12 @@ class _Session:
 #: Statements prepared per connection at most; past it a new one is parsed each time
 #: (the few write shapes of ordinary runs stay far below).
 MAX_PREPARED: Final = 64
+#: Executions of a prepared statement before it is prepared again. The server keeps the
+#: plan it settled on after a few executions for as long as the statement lives, and a plan
+#: made while a table was tiny (a new database) scans the whole table: without autovacuum,
+#: whose statistics would make the server plan again, that would go on as the table grows
+#: to millions of rows. Preparing again costs two round trips per this many executions.
+REPLAN_AFTER: Final = 1000
 #: The key of a connection's session in its pool entry's ``info``: kept as long as that
 #: DBAPI connection, dropped with it (and when the pool reconnects the entry).
 _SESSION: Final = "wf_persist.pg_wire"
@@ -113,16 +120,20 @@ def execute(
         if raw.prepare_threshold is None or (name not in names and len(names) >= MAX_PREPARED):
             result = pgconn.exec_params(query, values)
         else:
-            if name not in names:
+            left = names.get(name)
+            if left is None or left <= 0:
+                if left is not None:  # planned for the tables as they were: plan anew
+                    _deallocate(raw, name)
                 _prepare(raw, name, query)
-                names.add(name)
+                left = REPLAN_AFTER
+            names[name] = left - 1
             result = pgconn.exec_prepared(name, values)
             if result.status not in _OK and _sqlstate(result) == _UNKNOWN_STATEMENT:
                 # Deallocated behind our back (DEALLOCATE ALL, DISCARD ALL): the others
                 # are likely gone too, and are prepared again as they come.
                 names.clear()
                 _prepare(raw, name, query)
-                names.add(name)
+                names[name] = REPLAN_AFTER - 1
                 result = pgconn.exec_prepared(name, values)
         if result.status not in _OK:
             raise _failure(raw, result)
@@ -136,6 +147,12 @@ def execute(
 def _prepare(raw: Any, name: bytes, query: bytes) -> None:
     result = raw.pgconn.prepare(name, query)
     if result.status != pq.ExecStatus.COMMAND_OK and _sqlstate(result) != _ALREADY_PREPARED:
+        raise _failure(raw, result)
+
+
+def _deallocate(raw: Any, name: bytes) -> None:
+    result = raw.pgconn.exec_(b"DEALLOCATE " + name)  # a name of ours: wfp_ and hex digits
+    if result.status != pq.ExecStatus.COMMAND_OK and _sqlstate(result) != _UNKNOWN_STATEMENT:
         raise _failure(raw, result)
 
 

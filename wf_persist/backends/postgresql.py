@@ -465,4 +465,3 @@ class PostgreSQLBackend(Backend):
         if len(rows) != n:
             raise LeaseLostError(execution_id)
         return Fenced(sorted(int(r[0]) for r in rows), str(rows[0][1]))
-
