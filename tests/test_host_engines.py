@@ -271,3 +271,36 @@ def test_a_session_default_above_read_committed_does_not_fail_fenced_writes(
         types = [r.event["type"] for r in client.history(handle.execution_id)]
         assert "drive.failed" not in types
         assert client.result(handle.execution_id, timeout=20).unwrap() == ["held", "one", "two"]
+
+
+@pytest.mark.needs("libpq")
+def test_driver_state_an_application_leaves_on_a_raw_connection_is_put_back(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """An application borrows connections of ``runtime.engine`` raw (as SQLAlchemy documents
+    for driver-level work: ``CREATE INDEX CONCURRENTLY`` wants autocommit), changes their
+    driver state and gives them back; the pool undoes only changes made through SQLAlchemy.
+    wf_persist's transactions must still run at READ COMMITTED and still be transactions."""
+    import psycopg
+
+    rt = make_runtime()
+
+    def leave(**state: Any) -> None:
+        borrowed = [rt.engine.raw_connection() for _ in range(4)]
+        for fairy in borrowed:
+            for name, value in state.items():
+                setattr(fairy.driver_connection, name, value)
+        for fairy in borrowed:
+            fairy.close()
+
+    leave(isolation_level=psycopg.IsolationLevel.SERIALIZABLE, read_only=True)
+    with rt.transaction() as conn:
+        assert conn.get_isolation_level() == "READ COMMITTED"
+        assert conn.exec_driver_sql("SHOW transaction_read_only").scalar() == "off"
+    with rt.backend.begin() as conn:
+        assert conn.get_isolation_level() == "READ COMMITTED"
+
+    leave(autocommit=True)
+    with rt.transaction() as conn:
+        first = conn.exec_driver_sql("SELECT txid_current()").scalar()
+        assert conn.exec_driver_sql("SELECT txid_current()").scalar() == first

@@ -1,5 +1,5 @@
-"""The runtime's timer thread: one timer armed while the thread looks at the others must
-never kill the thread that serves every step attempt's timer."""
+"""Threads that serve the others must not trip over what other threads add meanwhile: the
+runtime's timer thread (every step attempt's timer) and the metric reader's backlog gauge."""
 
 from __future__ import annotations
 
@@ -58,3 +58,31 @@ def test_a_timer_armed_while_the_thread_looks_does_not_kill_it(eager_gc: None) -
         _ArmsWhenCollected.active = False
         gc.collect()
         timers.stop()
+
+
+def test_the_backlog_gauge_copies_the_watched_runtimes_under_the_lock_adding_takes() -> None:
+    """The metric reader's thread copies the set of runtimes it reports while a worker's
+    thread may add one: a WeakSet is copied one item at a time, so an add in between raised
+    'Set changed size during iteration' and lost that collection. Both take one lock: an
+    add waits while the reader holds it."""
+    from wf_persist import telemetry
+
+    class Watched:
+        closing = True  # not counted: only the copying is under test
+
+    runtime = Watched()
+    added = threading.Event()
+
+    def add() -> None:
+        telemetry.watch_backlog(runtime)
+        added.set()
+
+    with telemetry._STATE.lock:  # as the reader holds it while it copies
+        adder = threading.Thread(target=add)
+        adder.start()
+        assert not added.wait(0.2)
+    assert added.wait(5)
+    adder.join(5)
+    assert runtime in telemetry._STATE.watched
+    assert list(telemetry._due_backlog(None)) == []  # copies under the lock, no deadlock
+    telemetry._STATE.watched.discard(runtime)

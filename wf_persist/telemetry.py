@@ -552,7 +552,8 @@ def step_attempt(
 
 def watch_backlog(runtime: Any) -> None:
     """Report ``runtime``'s due backlog while metrics are on (its worker runs here)."""
-    _STATE.watched.add(runtime)
+    with _STATE.lock:  # the metric reader's thread copies the set under it
+        _STATE.watched.add(runtime)
     _instruments()
 
 
@@ -561,7 +562,9 @@ def _due_backlog(options: Any) -> Iterable[Observation]:
     from opentelemetry.metrics import Observation
 
     seen: dict[str, Callable[[], int]] = {}
-    for runtime in list(_STATE.watched):
+    with _STATE.lock:  # a WeakSet is copied one item at a time: not atomic
+        watched = list(_STATE.watched)
+    for runtime in watched:
         if runtime.closing:
             continue
         url = runtime.engine.url

@@ -100,7 +100,9 @@ def create_engine(url: str | URL | None = None, **kwargs: Any) -> Engine:
 
     SQLite gets WAL, ``synchronous=FULL`` (a commit survives power loss), foreign keys, a busy
     timeout and ``BEGIN IMMEDIATE`` for write transactions; ``sqlite://`` (in memory) works,
-    shared by every thread. MySQL/MariaDB get READ COMMITTED and strict mode. Engines a host
+    shared by every thread. PostgreSQL gets READ COMMITTED (wf_persist's level, set once per
+    connection, whatever the database's default), MySQL/MariaDB READ COMMITTED and strict
+    mode. Engines a host
     hands to wf_persist are never changed; this function is only for engines it owns (and
     for applications that want the same settings).
     """

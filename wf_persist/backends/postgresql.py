@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Final
 from sqlalchemy import (
     Connection,
     Engine,
+    event,
     func,
     select,
     text,
@@ -89,14 +90,24 @@ class PostgreSQLBackend(Backend):
     def __init__(self, engine: Engine, *, owned: bool, schema: str | None = None) -> None:
         # Whether every connection of the pool is at READ COMMITTED by construction: an
         # engine of our own (made with that level, see configure_engine) sets it on each
-        # new connection, and its pool puts back any other level a user of it chose. Then
-        # the view needs no per-checkout isolation level, which costs a listener, a set and
-        # a reset at every connection taken. A host's engine keeps the per-checkout level.
+        # new connection; its pool puts back a level chosen through SQLAlchemy, and
+        # _as_created (at each checkout, attribute reads only) one an application left on
+        # a connection it borrowed raw. Then the view needs no per-checkout isolation
+        # level, which costs a listener, a set and a reset at every connection taken. A
+        # host's engine keeps the per-checkout level.
         with engine.connect() as conn:
             default = conn.exec_driver_sql("SHOW default_transaction_isolation").scalar()
             level = conn.get_isolation_level()  # AUTOCOMMIT is a driver setting it omits
-            autocommit = conn.dialect.detect_autocommit_setting(conn.connection.dbapi_connection)
-        self._pool_level_ours = owned and level == "READ COMMITTED" and not autocommit
+            raw: Any = conn.connection.dbapi_connection
+            autocommit = conn.dialect.detect_autocommit_setting(raw)
+        self._pool_level_ours = (
+            owned
+            and engine.dialect.driver == "psycopg"
+            and level == "READ COMMITTED"
+            and not autocommit
+        )
+        if self._pool_level_ours:
+            event.listen(engine, "checkout", _as_created)
         super().__init__(engine, owned=owned, schema=schema)
         self.slots = AdvisorySlots(self.engine)
         self._sql: dict[WriteShape, str] = {}
@@ -465,3 +476,23 @@ class PostgreSQLBackend(Backend):
         if len(rows) != n:
             raise LeaseLostError(execution_id)
         return Fenced(sorted(int(r[0]) for r in rows), str(rows[0][1]))
+
+
+def _as_created(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
+    """A connection of our own engine leaves the pool as it was created (READ COMMITTED,
+    not in autocommit, neither read-only nor deferrable) whatever an application that
+    borrowed it raw (``runtime.engine.raw_connection()``) left on its driver connection:
+    the pool only undoes changes made through SQLAlchemy."""
+    from psycopg import IsolationLevel, pq
+
+    conn = dbapi_connection
+    if conn.pgconn.transaction_status != pq.TransactionStatus.IDLE:
+        return  # cannot happen after the pool's reset; a setter would refuse it
+    if conn.autocommit:
+        conn.autocommit = False
+    if conn.isolation_level != IsolationLevel.READ_COMMITTED:
+        conn.isolation_level = IsolationLevel.READ_COMMITTED
+    if conn.read_only is not None:
+        conn.read_only = None
+    if conn.deferrable is not None:
+        conn.deferrable = None
