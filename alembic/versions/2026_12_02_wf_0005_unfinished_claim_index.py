@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import sqlalchemy as sa
 
-from alembic import op
+from alembic import context, op
 
 revision: str = "wf_0005"
 down_revision: str | Sequence[str] | None = "wf_0004"
@@ -56,11 +56,15 @@ def upgrade() -> None:
         postgresql_where=_UNFINISHED,
         sqlite_where=_UNFINISHED,
     )
-    if op.get_bind().dialect.name == "postgresql":  # also as offline SQL: decided there
+    if op.get_bind().dialect.name != "postgresql":
+        return
+    if context.is_offline_mode():  # the script decides when it runs (needs PL/pgSQL)
         op.execute(
             "DO $$ BEGIN IF EXISTS (SELECT 1 FROM wf_executions) THEN ANALYZE wf_executions; "
             "END IF; END $$"
         )
+    elif op.get_bind().execute(sa.text("SELECT EXISTS (SELECT 1 FROM wf_executions)")).scalar():
+        op.execute("ANALYZE wf_executions")
 
 
 def downgrade() -> None:
