@@ -151,7 +151,12 @@ def _prepare(raw: Any, name: bytes, query: bytes) -> None:
 
 
 def _deallocate(raw: Any, name: bytes) -> None:
-    result = raw.pgconn.exec_(b"DEALLOCATE " + name)  # a name of ours: wfp_ and hex digits
+    """Forget a statement we prepared: by the protocol's Close where libpq has it (17+), as
+    a pooler that keeps prepared statements itself expects, else by ``DEALLOCATE``."""
+    try:
+        result = raw.pgconn.close_prepared(name)
+    except (AttributeError, errors.NotSupportedError):  # psycopg < 3.2, libpq < 17
+        result = raw.pgconn.exec_(b"DEALLOCATE " + name)  # a name of ours: wfp_, hex digits
     if result.status != pq.ExecStatus.COMMAND_OK and _sqlstate(result) != _UNKNOWN_STATEMENT:
         raise _failure(raw, result)
 
