@@ -225,3 +225,67 @@ def test_a_cancel_landing_between_a_batch_claim_and_its_first_drive_is_not_lost(
     rt.drive_claim(claim)
     outcome = client.result(handle.execution_id, timeout=30)
     assert isinstance(outcome, wp.Failed) and outcome.error["name"] == "Cancelled"
+
+
+_PRESENCE_CALLS: list[str] = []
+
+
+@wp.step(retry=wp.Retry(attempts=2, backoff="exponential", base=0.9, jitter=False))
+def _presence_flaky() -> str:
+    _PRESENCE_CALLS.append(threading.current_thread().name)
+    if len(_PRESENCE_CALLS) == 1:
+        raise RuntimeError("the first attempt fails")
+    return "done"
+
+
+@wp.workflow(name="t_presence_backoff", version=1)
+def _presence_backoff_wf(ctx: wp.Context) -> str:
+    return ctx.run(_presence_flaky)
+
+
+@pytest.mark.needs("presence")
+def test_a_runtime_that_lost_its_presence_asks_before_its_next_attempt(
+    make_runtime: Callable[..., wp.Runtime], db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """A drive waits out a retry's backoff trusting its lease (confirmed moments ago, 30 s
+    long) when its listening connection dies (a server restart, a terminated backend): its
+    presence lock is free at once, and another worker takes the run over and records the
+    retry. The first drive must ask the database before its own retry, not run a step
+    whose outcome another process already recorded (seen in the fault suite)."""
+    _PRESENCE_CALLS.clear()
+    holder, other = make_runtime(lease_ttl=30), make_runtime(lease_ttl=30)
+    for rt in (holder, other):
+        rt.register(_presence_backoff_wf)
+    wakeups = holder.wakeups()
+    assert holder.owner.endswith("!") and wakeups.present
+    execution_id = holder.client().start(_presence_backoff_wf).execution_id
+    driving = threading.Thread(target=holder.drive, args=(execution_id,), name="holder")
+    driving.start()
+    other.wakeups()  # listening already, as a worker is
+    wait_until(lambda: len(_PRESENCE_CALLS) == 1, what="the first attempt", timeout=10)
+    admin = make_engine(db_url)
+    with admin.connect() as conn:
+        conn.execute(
+            text(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE application_name = 'wf_persist listener' AND datname = current_database()"
+            )
+        )
+        # What another worker's reaper does the moment the lock is free.
+        conn.execute(
+            text(
+                "UPDATE wf_executions SET wake_at = clock_timestamp(), "
+                "lease_expires_at = clock_timestamp() WHERE id = :i"
+            ),
+            {"i": execution_id},
+        )
+        conn.commit()
+    threading.current_thread().name, name = "other", threading.current_thread().name
+    try:
+        assert other.drive(execution_id) is True
+    finally:
+        threading.current_thread().name = name
+    driving.join(20)
+    assert not driving.is_alive()
+    assert _PRESENCE_CALLS == ["holder", "other"]
+    assert other.client().result(execution_id, timeout=10).unwrap() == "done"

@@ -278,7 +278,8 @@ class RunDriver:
     def check_lease(self) -> None:
         """Before anything new starts: is the run still ours? The keeper says so every
         quarter of the TTL; if its word is older than half the TTL (the keeper lags, or this
-        process was paused), ask the database now, fenced by the epoch."""
+        process was paused), or this process's presence lock was lost since, ask the
+        database now, fenced by the epoch."""
         lease = self.lease
         if lease.lost:
             raise Halt(LeaseLostError(self.execution_id))
@@ -287,7 +288,12 @@ class RunDriver:
             self.handing_over = True
             raise Halt(LeaseLostError(self.execution_id))
         ttl = self.runtime.lease_ttl.total_seconds()
-        if time.monotonic() - lease.confirmed <= ttl / 2:
+        # Where a presence lock stands for this process, others take its runs as soon as
+        # that lock is free (its connection died, the server restarted): a confirmation is
+        # trusted only if the lock was held when it was asked and ever since.
+        held_since = self.runtime.presence_since()
+        trusted = held_since is None or held_since <= lease.confirmed
+        if trusted and time.monotonic() - lease.confirmed <= ttl / 2:
             return
         asked = time.monotonic()
         try:

@@ -379,6 +379,15 @@ class Runtime(Registry):
             self.owner = found.presence
         return found
 
+    def presence_since(self) -> float | None:
+        """Since when (monotonic) this runtime's presence lock has been held without a break
+        (+inf while it is not held); ``None`` where its runs are not named after one (no
+        such lock here): then only leases lapse."""
+        found = self._wakeups
+        if found is None or found.presence is None or self.owner != found.presence:
+            return None
+        return found.held_since
+
     def listening(self) -> bool:
         """Whether notifications reach this runtime now (else its worker polls)."""
         found = self._wakeups

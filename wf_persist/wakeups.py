@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -88,6 +89,8 @@ class Wakeups:
         self.listening = False
         #: Whether the presence lock is held now.
         self.present = False
+        #: Since when (monotonic) it has been held without a break; +inf while it is not.
+        self.held_since = math.inf
         #: How many times a listening connection was made (a reconnection adds one).
         self.connections = 0
         self._outage = Outage(log, "listening for wake-ups", 0.1)
@@ -142,7 +145,7 @@ class Wakeups:
                 self._ready.set()
                 return
             self._listener = listener
-            self.present = listener.present
+            self._presence(listener.present)
             self.connections += 1
             self.listening = True
             self._ready.set()
@@ -153,7 +156,7 @@ class Wakeups:
             try:
                 while not self._stop.is_set():
                     payloads = listener.wait(LISTEN_TICK)
-                    self.present = listener.present  # retaken after a reconnection
+                    self._presence(listener.present)  # retaken after a reconnection
                     for payload in payloads:
                         self._dispatch(payload)
             except Exception as exc:
@@ -161,11 +164,20 @@ class Wakeups:
             finally:
                 # Not listening from the moment the connection failed: callers poll meanwhile.
                 self.listening = False
-                self.present = False
+                self._presence(False)
                 self._listener = None
                 listener.close()
             if failure is not None:
                 time.sleep(self._outage.failed(failure))
+
+    def _presence(self, held: bool) -> None:
+        """Whether the presence lock is held; when it was lost, others may take this
+        runtime's runs at once (see :meth:`Runtime.presence_since`)."""
+        if held and not self.present:
+            self.held_since = time.monotonic()  # after it was taken: errs towards asking
+        elif not held:
+            self.held_since = math.inf
+        self.present = held
 
     def _dispatch(self, payload: str) -> None:
         if payload == DUE:
