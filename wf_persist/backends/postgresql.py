@@ -16,7 +16,7 @@ import datetime as dt
 import hashlib
 import json
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import ModuleType
 from typing import Any, ClassVar, Final
 
@@ -107,7 +107,8 @@ class PostgreSQLBackend(Backend):
             and not autocommit
         )
         if self._pool_level_ours:
-            event.listen(engine, "checkout", _as_created)
+            event.listen(engine, "checkout", _as_created())
+        self._channel: str | None = None
         super().__init__(engine, owned=owned, schema=schema)
         self.slots = AdvisorySlots(self.engine)
         self._sql: dict[WriteShape, str] = {}
@@ -200,15 +201,16 @@ class PostgreSQLBackend(Backend):
     def channel(self) -> str:
         """The channel of this database's wake-up notifications: one per schema holding
         the tables, however it is named (``schema=``, or a host engine's translation)."""
-        schema = self.schema
-        if schema is None and self.schema_map:
-            schema = self.schema_map.get(None)
-        if schema is None:
-            return "wf_persist"
-        channel = f"wf_persist.{schema}"
-        if len(channel.encode()) >= CHANNEL_BYTES:  # the server refuses longer names
-            channel = f"wf_persist.{hashlib.sha256(schema.encode()).hexdigest()[:32]}"
-        return channel
+        if self._channel is None:  # fixed once the engine is open; sent with every start
+            schema = self.schema
+            if schema is None and self.schema_map:
+                schema = self.schema_map.get(None)
+            channel = "wf_persist" if schema is None else f"wf_persist.{schema}"
+            if schema is not None and len(channel.encode()) >= CHANNEL_BYTES:
+                # The server refuses longer names.
+                channel = f"wf_persist.{hashlib.sha256(schema.encode()).hexdigest()[:32]}"
+            self._channel = channel
+        return self._channel
 
     def insert_run(
         self,
@@ -478,21 +480,26 @@ class PostgreSQLBackend(Backend):
         return Fenced(sorted(int(r[0]) for r in rows), str(rows[0][1]))
 
 
-def _as_created(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
-    """A connection of our own engine leaves the pool as it was created (READ COMMITTED,
-    not in autocommit, neither read-only nor deferrable) whatever an application that
-    borrowed it raw (``runtime.engine.raw_connection()``) left on its driver connection:
-    the pool only undoes changes made through SQLAlchemy."""
+def _as_created() -> Callable[[Any, Any, Any], None]:
+    """The pool's checkout listener of an engine of our own: its connections leave the pool
+    as they were created (READ COMMITTED, not in autocommit, neither read-only nor
+    deferrable) whatever an application that borrowed one raw
+    (``runtime.engine.raw_connection()``) left on its driver connection: the pool only
+    undoes changes made through SQLAlchemy. Attribute reads only at each checkout."""
     from psycopg import IsolationLevel, pq
 
-    conn = dbapi_connection
-    if conn.pgconn.transaction_status != pq.TransactionStatus.IDLE:
-        return  # cannot happen after the pool's reset; a setter would refuse it
-    if conn.autocommit:
-        conn.autocommit = False
-    if conn.isolation_level != IsolationLevel.READ_COMMITTED:
-        conn.isolation_level = IsolationLevel.READ_COMMITTED
-    if conn.read_only is not None:
-        conn.read_only = None
-    if conn.deferrable is not None:
-        conn.deferrable = None
+    idle, read_committed = pq.TransactionStatus.IDLE, IsolationLevel.READ_COMMITTED
+
+    def reset(conn: Any, _record: Any, _proxy: Any) -> None:
+        if conn.pgconn.transaction_status != idle:
+            return  # cannot happen after the pool's reset; a setter would refuse it
+        if conn.autocommit:
+            conn.autocommit = False
+        if conn.isolation_level != read_committed:
+            conn.isolation_level = read_committed
+        if conn.read_only is not None:
+            conn.read_only = None
+        if conn.deferrable is not None:
+            conn.deferrable = None
+
+    return reset
