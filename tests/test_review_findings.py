@@ -13,6 +13,7 @@ from sqlalchemy import Column, Engine, Integer, MetaData, Table, func, select, t
 
 import wf_persist as wp
 
+from .fixtures import fencing as f
 from .fixtures import workflows as w
 from .helpers import wait_until
 
@@ -115,7 +116,6 @@ def test_a_live_runtime_whose_listener_reconnected_is_never_reaped(
     yet (the old session lingers on the server, or a reaper is trying it at that moment).
     The runtime's claims still carry the present owner's name: once the lock is free, the
     runtime must take it again, or every other worker reaps a live runtime's runs."""
-    from .fixtures import fencing as f
 
     holder, other = make_runtime(lease_ttl=30), make_runtime(lease_ttl=30)
     holder.register(*f.ALL)
@@ -227,22 +227,6 @@ def test_a_cancel_landing_between_a_batch_claim_and_its_first_drive_is_not_lost(
     assert isinstance(outcome, wp.Failed) and outcome.error["name"] == "Cancelled"
 
 
-_PRESENCE_CALLS: list[str] = []
-
-
-@wp.step(retry=wp.Retry(attempts=2, backoff="exponential", base=0.9, jitter=False))
-def _presence_flaky() -> str:
-    _PRESENCE_CALLS.append(threading.current_thread().name)
-    if len(_PRESENCE_CALLS) == 1:
-        raise RuntimeError("the first attempt fails")
-    return "done"
-
-
-@wp.workflow(name="t_presence_backoff", version=1)
-def _presence_backoff_wf(ctx: wp.Context) -> str:
-    return ctx.run(_presence_flaky)
-
-
 @pytest.mark.needs("presence")
 def test_a_runtime_that_lost_its_presence_asks_before_its_next_attempt(
     make_runtime: Callable[..., wp.Runtime], db_url: str, make_engine: Callable[..., Engine]
@@ -252,17 +236,17 @@ def test_a_runtime_that_lost_its_presence_asks_before_its_next_attempt(
     presence lock is free at once, and another worker takes the run over and records the
     retry. The first drive must ask the database before its own retry, not run a step
     whose outcome another process already recorded (seen in the fault suite)."""
-    _PRESENCE_CALLS.clear()
+    f.PRESENCE_CALLS.clear()
     holder, other = make_runtime(lease_ttl=30), make_runtime(lease_ttl=30)
     for rt in (holder, other):
-        rt.register(_presence_backoff_wf)
+        rt.register(f.presence_backoff_wf)
     wakeups = holder.wakeups()
     assert holder.owner.endswith("!") and wakeups.present
-    execution_id = holder.client().start(_presence_backoff_wf).execution_id
+    execution_id = holder.client().start(f.presence_backoff_wf).execution_id
     driving = threading.Thread(target=holder.drive, args=(execution_id,), name="holder")
     driving.start()
     other.wakeups()  # listening already, as a worker is
-    wait_until(lambda: len(_PRESENCE_CALLS) == 1, what="the first attempt", timeout=10)
+    wait_until(lambda: len(f.PRESENCE_CALLS) == 1, what="the first attempt", timeout=10)
     admin = make_engine(db_url)
     with admin.connect() as conn:
         conn.execute(
@@ -280,12 +264,8 @@ def test_a_runtime_that_lost_its_presence_asks_before_its_next_attempt(
             {"i": execution_id},
         )
         conn.commit()
-    threading.current_thread().name, name = "other", threading.current_thread().name
-    try:
+
+    def drive() -> None:
         assert other.drive(execution_id) is True
-    finally:
-        threading.current_thread().name = name
-    driving.join(20)
-    assert not driving.is_alive()
-    assert _PRESENCE_CALLS == ["holder", "other"]
-    assert other.client().result(execution_id, timeout=10).unwrap() == "done"
+
+    f.presence_taken_over(driving, other, execution_id, drive)

@@ -288,9 +288,10 @@ class RunDriver:
             self.handing_over = True
             raise Halt(LeaseLostError(self.execution_id))
         ttl = self.runtime.lease_ttl.total_seconds()
-        # Where a presence lock stands for this process, others take its runs as soon as
+        # Where a presence lock stands for this process, others take its runs soon after
         # that lock is free (its connection died, the server restarted): a confirmation is
-        # trusted only if the lock was held when it was asked and ever since.
+        # trusted only if the lock was held when it was asked and ever since, as a
+        # heartbeat sent moments ago vouches (a connection may die without a word).
         held_since = self.runtime.presence_since()
         trusted = held_since is None or held_since <= lease.confirmed
         if trusted and time.monotonic() - lease.confirmed <= ttl / 2:

@@ -39,7 +39,7 @@ from .registry import Registry
 from .secrets import SecretResolver
 from .store import executions
 from .timers import Timers
-from .wakeups import DUE_NOW, Wakeups
+from .wakeups import DUE_NOW, PRESENCE_GRACE, Wakeups
 
 if TYPE_CHECKING:
     from .embedded import WorkflowClient
@@ -356,7 +356,7 @@ class Runtime(Registry):
 
     def reap(self) -> list[str]:
         """Make runs whose owner's process is gone due now (see :meth:`Backend.reap`)."""
-        return self.backend.reap(self.owner)
+        return self.backend.reap(self.owner, PRESENCE_GRACE)
 
     # wake-ups ---------------------------------------------------------------------------
 
@@ -380,13 +380,14 @@ class Runtime(Registry):
         return found
 
     def presence_since(self) -> float | None:
-        """Since when (monotonic) this runtime's presence lock has been held without a break
-        (+inf while it is not held); ``None`` where its runs are not named after one (no
-        such lock here): then only leases lapse."""
+        """Since when (monotonic) this runtime's presence lock has been held without a break,
+        as a recent heartbeat vouches (+inf otherwise, see :meth:`Wakeups.trusted_since`);
+        ``None`` where its runs are not named after one (no such lock here): then only
+        leases lapse."""
         found = self._wakeups
         if found is None or found.presence is None or self.owner != found.presence:
             return None
-        return found.held_since
+        return found.trusted_since()
 
     def listening(self) -> bool:
         """Whether notifications reach this runtime now (else its worker polls)."""

@@ -48,6 +48,19 @@ Due = dt.datetime | Literal["now"] | None
 MAX_EXPECTED: Final = 1_000
 #: How long one wait for notifications lasts (the listener looks at its stop flag between).
 LISTEN_TICK: Final = 0.2
+#: Presence, as far as it can be trusted: the listening connection may die without a word
+#: reaching this process (see :mod:`wf_persist.backends.pg_presence`), so a drive trusts its
+#: lock only while the last heartbeat (a round trip on that connection) was sent less than
+#: :data:`PRESENCE_TRUST` seconds ago, and a reaper makes a free lock's runs due only
+#: :data:`PRESENCE_GRACE` seconds after it found it free. The difference is the margin for a
+#: drive's thread between its check and the step it starts.
+HEARTBEAT: Final = 0.025
+PRESENCE_TRUST: Final = 0.075
+PRESENCE_GRACE: Final = 0.15
+#: Heartbeats go on this long (seconds) after the listener connects or a drive last asked
+#: for its presence: a process that drives nothing sends none. The first drive after a
+#: quiet spell asks the database once, and wakes the listener to beat again.
+BEAT_FOR: Final = 5.0
 #: The safety-net poll of a worker that notifications reach (seconds): it looks for due
 #: runs this often in case a notification was lost; a timer nearer than this is announced.
 NOTIFIED_POLL_INTERVAL: Final = 5.0
@@ -58,9 +71,15 @@ class Listener(Protocol):
 
     #: Whether this connection holds the runtime's presence lock.
     present: bool
+    #: When (monotonic) the last round trip that found the lock held was sent.
+    heard: float
 
-    def wait(self, timeout: float) -> list[str]:
-        """Payloads received within ``timeout`` seconds (at once if some are pending)."""
+    def wait(self, timeout: float, beat: bool = False) -> list[str]:
+        """Payloads received within ``timeout`` seconds (at once if some are pending);
+        ``beat``: a round trip first, if the lock is held (it updates :attr:`heard`)."""
+
+    def interrupt(self) -> None:
+        """End the current (or next) :meth:`wait` early; safe from any thread."""
 
     def close(self) -> None:
         """Close the connection (the presence lock goes with it)."""
@@ -91,6 +110,9 @@ class Wakeups:
         self.present = False
         #: Since when (monotonic) it has been held without a break; +inf while it is not.
         self.held_since = math.inf
+        #: When (monotonic) the last heartbeat that found it held was sent.
+        self.heard = -math.inf
+        self._beat_until = 0.0
         #: How many times a listening connection was made (a reconnection adds one).
         self.connections = 0
         self._outage = Outage(log, "listening for wake-ups", 0.1)
@@ -120,6 +142,9 @@ class Wakeups:
 
     def stop(self) -> None:
         self._stop.set()
+        listener = self._listener
+        if listener is not None:
+            listener.interrupt()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=LISTEN_TICK + 5)
@@ -145,7 +170,8 @@ class Wakeups:
                 self._ready.set()
                 return
             self._listener = listener
-            self._presence(listener.present)
+            self._beat_until = time.monotonic() + BEAT_FOR
+            self._presence(listener)
             self.connections += 1
             self.listening = True
             self._ready.set()
@@ -155,8 +181,8 @@ class Wakeups:
             failure: Exception | None = None
             try:
                 while not self._stop.is_set():
-                    payloads = listener.wait(LISTEN_TICK)
-                    self._presence(listener.present)  # retaken after a reconnection
+                    payloads = listener.wait(*self._tick())
+                    self._presence(listener)  # retaken after a reconnection
                     for payload in payloads:
                         self._dispatch(payload)
             except Exception as exc:
@@ -164,19 +190,46 @@ class Wakeups:
             finally:
                 # Not listening from the moment the connection failed: callers poll meanwhile.
                 self.listening = False
-                self._presence(False)
+                self._presence(None)
                 self._listener = None
                 listener.close()
             if failure is not None:
                 time.sleep(self._outage.failed(failure))
 
-    def _presence(self, held: bool) -> None:
-        """Whether the presence lock is held; when it was lost, others may take this
-        runtime's runs at once (see :meth:`Runtime.presence_since`)."""
+    def trusted_since(self) -> float:
+        """Since when (monotonic) the presence lock has been held without a break, as far
+        as a heartbeat sent less than :data:`PRESENCE_TRUST` ago vouches for it (+inf
+        otherwise: the caller asks the database). Asking keeps the heartbeats going."""
+        now = time.monotonic()
+        quiet = now >= self._beat_until
+        self._beat_until = now + BEAT_FOR
+        listener = self._listener
+        if quiet and listener is not None:
+            listener.interrupt()  # beat now, not at the end of a long tick
+        # Read before held_since: a reconnection sets held_since anew before heard.
+        heard = self.heard
+        return self.held_since if now - heard < PRESENCE_TRUST else math.inf
+
+    def _tick(self) -> tuple[float, bool]:
+        """The next wait on the listening connection: how long, and whether a heartbeat
+        goes first (due every :data:`HEARTBEAT` while the lock is held and wanted)."""
+        now = time.monotonic()
+        if not self.present or now >= self._beat_until:
+            return LISTEN_TICK, False
+        due = self.heard + HEARTBEAT - now
+        if due <= 0:
+            return HEARTBEAT, True
+        return min(due, LISTEN_TICK), False
+
+    def _presence(self, listener: Listener | None) -> None:
+        """Whether the presence lock is held (``None``: the connection failed); once it was
+        lost, others may take this runtime's runs (see :meth:`Runtime.presence_since`)."""
+        held = listener is not None and listener.present
         if held and not self.present:
             self.held_since = time.monotonic()  # after it was taken: errs towards asking
         elif not held:
             self.held_since = math.inf
+        self.heard = listener.heard if listener is not None and held else -math.inf
         self.present = held
 
     def _dispatch(self, payload: str) -> None:
@@ -308,9 +361,13 @@ class _NotAvailable:
     """What :meth:`Backend.listener` returns for a database without notifications."""
 
     present = False
+    heard = -math.inf
 
-    def wait(self, timeout: float) -> list[str]:
+    def wait(self, timeout: float, beat: bool = False) -> list[str]:
         return []
+
+    def interrupt(self) -> None:
+        return None
 
     def close(self) -> None:
         return None

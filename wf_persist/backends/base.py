@@ -291,9 +291,10 @@ class Backend:
         """Notify listeners when ``conn``'s transaction commits (nothing where nobody can
         listen: workers poll)."""
 
-    def reap(self, owner: str) -> list[str]:
-        """Make the runs of owners whose process is gone due now (their presence lock is
-        free); the ids. Where there are no presence locks, leases lapse instead."""
+    def reap(self, owner: str, grace: float) -> list[str]:
+        """Make the runs of owners whose process is gone (their presence lock is free) due
+        ``grace`` seconds from now; the ids. Where there are no presence locks, leases
+        lapse instead."""
         return []
 
     def owner_mark(self) -> str:

@@ -7,16 +7,33 @@ lets another worker take the runs over at once (:data:`REAP`) rather than after 
 A runtime whose lock is held shows in ``lease_owner`` with :data:`PRESENT_MARK` at the end:
 only such owners are ever reaped (a runtime without the lock, e.g. one that could not take
 it, is recovered by lease expiry as before).
+
+A connection can die without a word reaching its process (a failover to a standby, a NAT or
+firewall entry dropped, a proxy's host gone): the server frees the lock, the process still
+believes it holds it. So the process trusts its lock only as far as its last heartbeat (a
+round trip on this connection, see :meth:`PGListener.wait`) vouches for it, and a reaper
+makes the runs due only a grace period after it found the lock free, longer than that
+trust lasts (see :mod:`wf_persist.wakeups`). The socket fails within seconds rather than
+after the kernel's retransmissions, so notifications and the lock come back soon.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
+import os
+import select
+import socket
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Final
 
+from psycopg import errors, pq
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
+
+from . import pg_wire
 
 if TYPE_CHECKING:
     from .postgresql import PostgreSQLBackend
@@ -35,26 +52,38 @@ _KEY: Final = "hashtextextended(%s, 0)"
 LOCK_TRIES: Final = 5
 LOCK_RETRY: Final = 0.01
 
-#: Runs leased by owners whose presence lock is free: their process is gone. The lock is
-#: tried at transaction level, so it is released when this statement (in autocommit) ends.
-#: The statuses are spelled as the partial claim index's predicate: both lookups read that
-#: index's unfinished runs, never the finished ones.
+#: How soon a silent listening connection fails on either side: TCP keepalives while it is
+#: idle, and an unacknowledged write (a heartbeat) failing after this many milliseconds.
+KEEPALIVE_IDLE: Final = 5
+KEEPALIVE_INTERVAL: Final = 1
+KEEPALIVE_COUNT: Final = 3
+USER_TIMEOUT_MS: Final = 5_000
+
+#: Runs leased by owners whose presence lock is free: their process is gone, or it lost its
+#: listening connection and stops trusting its leases within less than ``grace`` seconds
+#: (its last heartbeat is older), so the runs are due ``grace`` seconds after the lock was
+#: found free (read after the lock was tried; a later look never extends it). The lock is
+#: tried at transaction level, so it is released when this statement (in autocommit)
+#: ends. The statuses are spelled as the partial claim index's predicate: both lookups
+#: read that index's unfinished runs, never the finished ones.
 REAP: Final = """
 WITH owners AS (
     SELECT DISTINCT lease_owner FROM {table}
     WHERE lease_owner IS NOT NULL AND status IN ('compensating', 'running', 'suspended')
 ),
 dead AS (
-    SELECT lease_owner FROM owners
+    SELECT lease_owner, clock_timestamp() + make_interval(secs => %(grace)s) AS due
+    FROM owners
     WHERE lease_owner LIKE '%%!' AND lease_owner <> %(me)s
       AND pg_try_advisory_xact_lock(hashtextextended(lease_owner, 0))
 )
-UPDATE {table}
-SET wake_at = clock_timestamp(), lease_expires_at = clock_timestamp()
-WHERE lease_owner IN (SELECT lease_owner FROM dead)
-  AND status IN ('compensating', 'running', 'suspended')
-  AND lease_expires_at > clock_timestamp()
-RETURNING id
+UPDATE {table} AS run
+SET wake_at = LEAST(run.wake_at, dead.due), lease_expires_at = dead.due
+FROM dead
+WHERE run.lease_owner = dead.lease_owner
+  AND run.status IN ('compensating', 'running', 'suspended')
+  AND run.lease_expires_at > dead.due
+RETURNING run.id
 """
 
 
@@ -62,6 +91,8 @@ class PGListener:
     """One connection of the process's own, in autocommit: LISTEN, and the presence lock."""
 
     def __init__(self, backend: PostgreSQLBackend, owner: str | None) -> None:
+        self._nudge_lock = threading.Lock()
+        self._nudge_r = self._nudge_w = -1
         self._engine: Engine = backend.side_engine()
         try:
             fairy = self._engine.raw_connection()
@@ -70,6 +101,7 @@ class PGListener:
             self._raw = raw
             raw.autocommit = True
             raw.execute(f"SET application_name = '{APPLICATION_NAME}'")  # for operators
+            _fail_fast(raw)
             quoted = backend.channel().replace('"', '""')
             raw.execute(f'LISTEN "{quoted}"')
             #: The owner whose presence lock this connection should hold (None: no lock).
@@ -77,6 +109,18 @@ class PGListener:
                 owner if owner is not None and backend.presence_ok(self._engine, raw) else None
             )
             self.present = False
+            #: When (monotonic) the last round trip that found the lock held was sent.
+            self.heard = -math.inf
+            # From here on libpq is used directly (psycopg's notifies() costs a millisecond
+            # of CPU per call, at every tick): notifications stay in libpq's queue.
+            self._info: dict[Any, Any] = {}
+            self._encoding = raw.info.encoding
+            self._poll = select.poll()
+            self._poll.register(raw.pgconn.socket, select.POLLIN)
+            # interrupt() ends a wait early: a byte down a pipe the wait polls too.
+            self._nudge_r, self._nudge_w = os.pipe()
+            os.set_blocking(self._nudge_w, False)
+            self._poll.register(self._nudge_r, select.POLLIN)
             self._relock()
         except BaseException:
             self.close()
@@ -90,18 +134,62 @@ class PGListener:
         if self._owner is None or self.present:
             return
         for attempt in range(LOCK_TRIES):
-            cursor = self._raw.execute(f"SELECT pg_try_advisory_lock({_KEY})", [self._owner])
-            if cursor.fetchone()[0]:
+            sent = time.monotonic()
+            if self._ask(f"SELECT pg_try_advisory_lock({_KEY})", self._owner):
                 self.present = True
+                self.heard = sent
                 return
             if attempt + 1 < LOCK_TRIES:
                 time.sleep(LOCK_RETRY)
 
-    def wait(self, timeout: float) -> list[str]:
-        self._relock()
-        return [n.payload for n in self._raw.notifies(timeout=timeout, stop_after=1)]
+    def wait(self, timeout: float, beat: bool = False) -> list[str]:
+        """``beat``: while the lock is held, a round trip first. A session that answers
+        still holds its session locks, so the lock was held when the server read it, at
+        the earliest when it was sent (:attr:`heard`); a connection that died silently
+        never answers (it fails within :data:`USER_TIMEOUT_MS`)."""
+        if not self.present:
+            self._relock()
+        elif beat:
+            sent = time.monotonic()
+            self._ask("SELECT true", None)
+            self.heard = sent
+        payloads = self._received()
+        if payloads:
+            return payloads
+        ready = dict(self._poll.poll(max(0.0, timeout) * 1000))
+        if self._nudge_r in ready:
+            os.read(self._nudge_r, 512)
+        return self._received(consume=True) if len(ready) > (self._nudge_r in ready) else []
+
+    def interrupt(self) -> None:
+        with self._nudge_lock:  # never a write to a descriptor closed (and reused) meanwhile
+            if self._nudge_w >= 0:
+                with contextlib.suppress(BlockingIOError):  # nudged already
+                    os.write(self._nudge_w, b".")
+
+    def _ask(self, sql: str, value: str | None) -> bool:
+        rows = pg_wire.execute(self._raw, self._info, sql.replace("%s", "%(v)s"), {"v": value})
+        return bool(rows[0][0])
+
+    def _received(self, consume: bool = False) -> list[str]:
+        """The notifications libpq has read (after reading what the socket holds)."""
+        pgconn = self._raw.pgconn
+        with self._raw.lock:
+            if consume:
+                pgconn.consume_input()  # raises if the connection is lost
+                if pgconn.status != pq.ConnStatus.OK:
+                    raise errors.OperationalError("the listening connection was lost")
+            found = []
+            while (notify := pgconn.notifies()) is not None:
+                found.append(notify.extra.decode(self._encoding, "replace"))
+        return found
 
     def close(self) -> None:
+        with self._nudge_lock:
+            for fd in (self._nudge_r, self._nudge_w):
+                if fd >= 0:
+                    os.close(fd)
+            self._nudge_r = self._nudge_w = -1
         raw = getattr(self, "_raw", None)
         if raw is not None and not raw.closed:
             try:
@@ -109,6 +197,43 @@ class PGListener:
             except Exception as exc:  # closing a broken connection
                 log.debug("closing the listening connection: %s", exc)
         self._engine.dispose()
+
+
+def _fail_fast(raw: Any) -> None:
+    """Make a dead TCP connection fail within seconds on both ends, whatever connected it
+    (a host's creator may not pass libpq's keepalive options): the client's socket gets
+    keepalives and a user timeout, the server's session the same settings (for operators
+    whose clients vanish: the lock is then freed without waiting for a lease)."""
+    try:
+        sock = socket.socket(fileno=os.dup(raw.pgconn.socket))
+    except OSError as exc:
+        log.debug("the listening connection's socket: %s", exc)
+        return
+    with sock:
+        if sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return  # a Unix socket: the server's end cannot vanish silently
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (
+            ("TCP_KEEPIDLE", KEEPALIVE_IDLE),
+            ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL),
+            ("TCP_KEEPCNT", KEEPALIVE_COUNT),
+            ("TCP_USER_TIMEOUT", USER_TIMEOUT_MS),
+        ):
+            if hasattr(socket, name):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    settings = {
+        "tcp_keepalives_idle": KEEPALIVE_IDLE,
+        "tcp_keepalives_interval": KEEPALIVE_INTERVAL,
+        "tcp_keepalives_count": KEEPALIVE_COUNT,
+        "tcp_user_timeout": USER_TIMEOUT_MS,
+    }
+    for name, value in settings.items():
+        try:
+            raw.execute("SELECT set_config(%s, %s, false)", [name, str(value)])
+        except Exception as exc:  # a PostgreSQL-compatible database without the setting
+            if getattr(exc, "sqlstate", None) is None:
+                raise
+            log.debug("the listening session keeps its %s: %s", name, exc)
 
 
 def advisory_locks_work(engine: Engine, raw: Any) -> bool:

@@ -187,11 +187,14 @@ class PostgreSQLBackend(Backend):
                 {"p_channel": self.channel(), "p_payload": payload},
             )
 
-    def reap(self, owner: str) -> list[str]:
+    def reap(self, owner: str, grace: float) -> list[str]:
         if not self._presence_ok:
             return []
         table = ex.name if not self.schema_map else f'"{self.schema_map.get(None)}".{ex.name}'
-        return [str(r[0]) for r in self._send_raw(REAP.format(table=table), {"me": owner})]
+        return [
+            str(r[0])
+            for r in self._send_raw(REAP.format(table=table), {"me": owner, "grace": grace})
+        ]
 
     def owner_mark(self) -> str:
         return PRESENT_MARK

@@ -1,0 +1,114 @@
+"""A TCP proxy in front of the test database that can make one connection die silently.
+
+A connection whose peer vanishes without a FIN or RST (a failover to a standby, a NAT or
+firewall entry dropped, a proxy's host gone) looks alive to the client: its writes are
+accepted, no answer ever comes. :meth:`TCPProxy.silence` does that to one proxied
+connection: the server side is closed (the server ends the session and frees its locks),
+the client side stays open and whatever the client sends is swallowed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Pair:
+    client: socket.socket
+    server: socket.socket
+    #: The server-side port of the proxy's outgoing connection (``client_port`` on the server).
+    port: int
+    silent: threading.Event = field(default_factory=threading.Event)
+
+
+class TCPProxy:
+    """Forwards ``127.0.0.1:<port>`` to ``target``; every connection in a thread pair."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self._target = target
+        self._listen = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._listen.getsockname()[1]
+        self._pairs: list[_Pair] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        threading.Thread(target=self._accept, name="tcp-proxy", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listen.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self._target)
+            pair = _Pair(client, server, server.getsockname()[1])
+            with self._lock:
+                if self._closed:
+                    client.close()
+                    server.close()
+                    return
+                self._pairs.append(pair)
+            threading.Thread(target=self._pump, args=(pair, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(pair, False), daemon=True).start()
+
+    @staticmethod
+    def _pump(pair: _Pair, upstream: bool) -> None:
+        source, sink = (pair.client, pair.server) if upstream else (pair.server, pair.client)
+        while True:
+            try:
+                data = source.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                if pair.silent.is_set():
+                    return  # the client's socket is closed at the end only
+                for sock in (pair.client, pair.server):
+                    _shut(sock)
+                return
+            if pair.silent.is_set():
+                continue  # swallowed: nothing reaches the server, nothing comes back
+            try:
+                sink.sendall(data)
+            except OSError:
+                if not pair.silent.is_set():
+                    for sock in (pair.client, pair.server):
+                        _shut(sock)
+                return
+
+    def silence(self, server_port: int) -> None:
+        """Cut the connection whose server side has that port, silently for its client."""
+        with self._lock:
+            found = [p for p in self._pairs if p.port == server_port]
+        assert found, f"no proxied connection from port {server_port}"
+        for pair in found:
+            pair.silent.set()
+            _shut(pair.server)
+
+    def hang_up(self, server_port: int) -> None:
+        """End a silenced connection for its client too (what its TCP timeouts do)."""
+        with self._lock:
+            found = [p for p in self._pairs if p.port == server_port]
+        for pair in found:
+            _shut(pair.client)
+
+    def server_ports(self) -> set[int]:
+        with self._lock:
+            return {p.port for p in self._pairs}
+
+    def close(self) -> None:
+        """Close everything, the silenced clients too (they then hear the end)."""
+        with self._lock:
+            self._closed = True
+            pairs = list(self._pairs)
+        self._listen.close()
+        for pair in pairs:
+            for sock in (pair.client, pair.server):
+                _shut(sock)
+
+
+def _shut(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()

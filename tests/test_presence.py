@@ -1,0 +1,226 @@
+"""Presence that can be trusted: a listening connection that dies without a word.
+
+The server frees a runtime's presence lock when its listening connection dies; the runtime
+hears of that at once after a restart or a terminated backend, but not when the connection
+dies silently (a failover, a dropped NAT entry): then only its heartbeats stop answering.
+A drive trusts its lease without asking the database only while a heartbeat vouches for the
+lock, and a reaper makes the runs due only a grace period after it finds the lock free.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from sqlalchemy import Engine, make_url, text
+
+import wf_persist as wp
+from wf_persist.backends.pg_presence import USER_TIMEOUT_MS
+from wf_persist.wakeups import PRESENCE_GRACE, PRESENCE_TRUST
+
+from .fixtures import fencing as f
+from .helpers import wait_until
+from .tcpproxy import TCPProxy
+
+pytestmark = pytest.mark.needs("presence")
+
+
+@pytest.fixture
+def proxied(db_url: str) -> Iterator[tuple[TCPProxy, str]]:
+    """A proxy to the test database, and the database's URL through it."""
+    url = make_url(db_url)
+    proxy = TCPProxy((url.host or "127.0.0.1", url.port or 5432))
+    try:
+        yield proxy, url.set(host="127.0.0.1", port=proxy.port).render_as_string(False)
+    finally:
+        proxy.close()  # first: a silenced listener then hears the end and stops
+
+
+def _listener_port(admin: Engine, proxy: TCPProxy) -> int:
+    """The server-side port of the proxied runtime's listening connection."""
+    with admin.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT client_port FROM pg_stat_activity "
+                "WHERE application_name = 'wf_persist listener' AND datname = current_database()"
+            )
+        ).scalars()
+        ports = set(rows) & proxy.server_ports()
+    assert len(ports) == 1, ports
+    port: int = ports.pop()
+    return port
+
+
+def _gone(admin: Engine, port: int) -> bool:
+    with admin.connect() as conn:
+        found = conn.execute(
+            text("SELECT count(*) FROM pg_stat_activity WHERE client_port = :p"), {"p": port}
+        ).scalar()
+    return found == 0
+
+
+def _silence_listener(admin: Engine, proxy: TCPProxy) -> int:
+    port = _listener_port(admin, proxy)
+    proxy.silence(port)
+    wait_until(lambda: _gone(admin, port), what="the server to end the session", timeout=10)
+    return port
+
+
+def test_a_runtime_whose_listener_died_silently_asks_before_its_next_attempt(
+    proxied: tuple[TCPProxy, str],
+    db_url: str,
+    make_runtime: Callable[..., wp.Runtime],
+    make_engine: Callable[..., Engine],
+) -> None:
+    """A drive waits out a retry's backoff when its listening connection dies without a
+    FIN reaching it: its process still believes it holds its presence lock, the server has
+    freed it, and another worker reaps the run and records the retry. The first drive's
+    heartbeats go unanswered, so it must ask the database before its own retry rather than
+    run a step another process recorded (it ran it: ``['holder', 'other', 'holder']``)."""
+    proxy, proxy_url = proxied
+    f.PRESENCE_CALLS.clear()
+    holder = wp.Runtime(proxy_url, lease_ttl=30)
+    try:
+        other = make_runtime(lease_ttl=30)
+        for rt in (holder, other):
+            rt.register(f.presence_backoff_wf)
+        wakeups = holder.wakeups()
+        other.wakeups()
+        assert holder.owner.endswith("!") and wakeups.present
+        execution_id = holder.client().start(f.presence_backoff_wf).execution_id
+        driving = threading.Thread(target=holder.drive, args=(execution_id,), name="holder")
+        driving.start()
+        wait_until(lambda: len(f.PRESENCE_CALLS) == 1, what="the first attempt", timeout=10)
+        admin = make_engine(db_url)
+        _silence_listener(admin, proxy)
+        assert wakeups.present, "nothing told the holder"
+        wait_until(lambda: execution_id in other.reap(), what="the reap", timeout=10)
+        f.presence_taken_over(
+            driving,
+            other,
+            execution_id,
+            lambda: wait_until(lambda: other.drive(execution_id), what="the takeover"),
+        )
+    finally:
+        proxy.close()
+        holder.close()
+
+
+def test_heartbeats_stop_vouching_for_a_silently_dead_listener(
+    proxied: tuple[TCPProxy, str], db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """While its heartbeats answer, a runtime's presence is vouched for since the lock was
+    taken; once the listening connection dies silently, within :data:`PRESENCE_TRUST` of
+    the last answer it is not (the listener itself still believes it holds the lock). The
+    socket fails a silent peer within seconds (keepalives, a user timeout)."""
+    proxy, proxy_url = proxied
+    with wp.Runtime(proxy_url, lease_ttl=30) as rt:
+        wakeups = rt.wakeups()
+        since = rt.presence_since()
+        assert since is not None and since < math.inf
+        listener = wakeups._listener
+        assert listener is not None
+        raw = listener._raw  # type: ignore[attr-defined]
+        with socket.socket(fileno=raw.pgconn.socket) as sock:
+            try:
+                assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+                timeout = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)
+                assert timeout == USER_TIMEOUT_MS
+            finally:
+                sock.detach()  # the connection's own descriptor
+        first = wakeups.heard
+        wait_until(lambda: wakeups.heard > first, what="a heartbeat", timeout=2)
+        assert rt.presence_since() == since, "a heartbeat vouches for the same lock"
+        admin = make_engine(db_url)
+        port = _silence_listener(admin, proxy)
+        wait_until(lambda: rt.presence_since() == math.inf, what="distrust", timeout=2)
+        assert wakeups.present, "the listener itself heard nothing"
+        proxy.hang_up(port)  # what the socket's user timeout does
+        wait_until(lambda: wakeups.connections >= 2, what="a new connection", timeout=20)
+        wait_until(lambda: (rt.presence_since() or math.inf) < math.inf, what="trust again")
+
+
+def test_a_reaped_run_is_due_only_after_the_grace(
+    proxied: tuple[TCPProxy, str],
+    db_url: str,
+    make_runtime: Callable[..., wp.Runtime],
+    make_engine: Callable[..., Engine],
+) -> None:
+    """A reaper that finds a presence lock free makes the run due :data:`PRESENCE_GRACE`
+    from then, longer than the owner's trust in its last heartbeat lasts (the owner may not
+    know yet); a second look neither pushes that time out nor reports the run again, and
+    once it has passed another worker takes the run over."""
+    assert PRESENCE_GRACE > PRESENCE_TRUST
+    proxy, proxy_url = proxied
+    holder = wp.Runtime(proxy_url, lease_ttl=30)
+    try:
+        other = make_runtime(lease_ttl=30)
+        for rt in (holder, other):
+            rt.register(*f.ALL)
+        holder.wakeups()
+        other.wakeups()
+        handle = holder.client().start(f.nap_wf, 3600)
+        with holder.backend.begin() as conn:
+            assert holder.backend.claim(conn, handle.execution_id, holder.owner, 30) is not None
+        admin = make_engine(db_url)
+
+        def now() -> dt.datetime:
+            with admin.connect() as conn:
+                found: dt.datetime = conn.execute(text("SELECT clock_timestamp()")).scalar_one()
+                return found
+
+        def expiry() -> tuple[dt.datetime, dt.datetime]:
+            with admin.connect() as conn:
+                row = conn.execute(
+                    text("SELECT lease_expires_at, wake_at FROM wf_executions WHERE id = :i"),
+                    {"i": handle.execution_id},
+                ).one()
+            return row[0], row[1]
+
+        _silence_listener(admin, proxy)
+        grace = dt.timedelta(seconds=PRESENCE_GRACE)
+        before = now()
+        while handle.execution_id not in other.reap():
+            before = now()
+        after = now()
+        lease, wake = expiry()
+        assert before + grace <= lease <= after + grace
+        assert wake == lease
+        assert other.reap() == []  # looked at again: not pushed out, not reported again
+        assert expiry() == (lease, wake)
+        assert other.drive(handle.execution_id) is False or now() >= lease
+        wait_until(lambda: now() > lease, what="the grace", timeout=5)
+        assert other.drive(handle.execution_id) is True
+        assert other.client().describe(handle.execution_id).status == "suspended"
+    finally:
+        proxy.close()
+        holder.close()
+
+
+def test_heartbeats_pause_while_nothing_is_driven_and_resume_when_asked(
+    db_url: str, make_runtime: Callable[..., wp.Runtime], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process that drives nothing sends no heartbeats once :data:`BEAT_FOR` has passed
+    (an idle worker stays idle); the first drive to ask for its presence then is not
+    vouched for (it asks the database) and wakes the listener, which beats at once rather
+    than at the end of its tick."""
+    from wf_persist import wakeups as wu
+
+    monkeypatch.setattr(wu, "BEAT_FOR", 0.3)
+    monkeypatch.setattr(wu, "LISTEN_TICK", 5.0)
+    rt = make_runtime(lease_ttl=30)
+    wakeups = rt.wakeups()
+    assert rt.presence_since() is not None
+    time.sleep(0.7)  # past BEAT_FOR and PRESENCE_TRUST, into a 5 s tick
+    quiet = wakeups.heard
+    time.sleep(0.3)
+    assert wakeups.heard == quiet, "no heartbeat while nothing asks"
+    asked = time.monotonic()
+    assert rt.presence_since() == math.inf
+    wait_until(lambda: wakeups.heard > asked, what="a heartbeat", timeout=2.5)
+    assert (rt.presence_since() or math.inf) < math.inf
