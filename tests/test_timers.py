@@ -51,7 +51,7 @@ def test_a_timer_armed_while_the_thread_looks_does_not_kill_it(eager_gc: None) -
     _ArmsWhenCollected(timers)
     try:
         for _ in range(20):
-            for fn in timers._due():
+            for fn, _ in timers._due():
                 fn()
         assert fired.is_set()
     finally:
@@ -86,3 +86,34 @@ def test_the_backlog_gauge_copies_the_watched_runtimes_under_the_lock_adding_tak
     assert runtime in telemetry._STATE.watched
     assert list(telemetry._due_backlog(None)) == []  # copies under the lock, no deadlock
     telemetry._STATE.watched.discard(runtime)
+
+
+def test_a_timer_that_blocks_does_not_hold_up_the_others() -> None:
+    """A step's start record may wait for a pooled connection; on the timer thread it held up
+    every other timer, among them those that give lent connections back to that pool (a
+    drive in user code holds its connection until its release timer fires)."""
+    timers = Timers()
+    release = threading.Event()
+    blocked = threading.Event()
+    fired = threading.Event()
+
+    def wait_for_a_connection() -> None:
+        blocked.set()
+        release.wait(10)
+
+    try:
+        timers.after(0, wait_for_a_connection, blocking=True)
+        assert blocked.wait(5), "the blocking timer ran"
+        timers.after(0, fired.set)
+        assert fired.wait(2), "a timer due meanwhile fired while the other one waited"
+    finally:
+        release.set()
+        timers.stop()
+
+
+def test_a_blocking_timer_after_stop_is_dropped() -> None:
+    timers = Timers()
+    timers.stop()
+    ran = threading.Event()
+    timers.after(0, ran.set, blocking=True)
+    assert not ran.wait(0.3)

@@ -318,7 +318,7 @@ class RunDriver:
             return self.backend.renew_alone(conn, {self.execution_id: self.epoch}, ttl)
 
     def after(self, delay: float, fn: Callable[[], None]) -> Callable[[], None]:
-        return self.runtime.timers.after(delay, fn)
+        return self.runtime.timers.after(delay, fn, blocking=True)
 
     def pause(self, seconds: float) -> None:
         with self.lender.lent():

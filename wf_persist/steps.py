@@ -103,7 +103,8 @@ class Driver(Protocol):
         """The definition of a child's pinned version, where this process has it."""
 
     def after(self, delay: float, fn: Callable[[], None]) -> Callable[[], None]:
-        """Call ``fn`` on a timer thread after ``delay`` seconds; returns a cancel."""
+        """Call ``fn`` after ``delay`` seconds, off the caller's thread and off any thread
+        other timers need (it may wait for the database); returns a cancel."""
 
     def pause(self, seconds: float) -> None:
         """Wait in this thread (a short retry backoff); the test kit skips the time."""
