@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import sys
 import threading
+import time
 from dataclasses import dataclass, field
 
 
@@ -27,8 +29,10 @@ class _Pair:
 class TCPProxy:
     """Forwards ``127.0.0.1:<port>`` to ``target``; every connection in a thread pair."""
 
-    def __init__(self, target: tuple[str, int]) -> None:
+    def __init__(self, target: tuple[str, int], delay: float = 0.0) -> None:
         self._target = target
+        #: How long the server's data waits before it is passed on to the client.
+        self._delay = delay
         self._listen = socket.create_server(("127.0.0.1", 0))
         self.port: int = self._listen.getsockname()[1]
         self._pairs: list[_Pair] = []
@@ -53,8 +57,7 @@ class TCPProxy:
             threading.Thread(target=self._pump, args=(pair, True), daemon=True).start()
             threading.Thread(target=self._pump, args=(pair, False), daemon=True).start()
 
-    @staticmethod
-    def _pump(pair: _Pair, upstream: bool) -> None:
+    def _pump(self, pair: _Pair, upstream: bool) -> None:
         source, sink = (pair.client, pair.server) if upstream else (pair.server, pair.client)
         while True:
             try:
@@ -69,6 +72,8 @@ class TCPProxy:
                 return
             if pair.silent.is_set():
                 continue  # swallowed: nothing reaches the server, nothing comes back
+            if self._delay and not upstream:
+                time.sleep(self._delay)
             try:
                 sink.sendall(data)
             except OSError:
@@ -85,13 +90,6 @@ class TCPProxy:
         for pair in found:
             pair.silent.set()
             _shut(pair.server)
-
-    def hang_up(self, server_port: int) -> None:
-        """End a silenced connection for its client too (what its TCP timeouts do)."""
-        with self._lock:
-            found = [p for p in self._pairs if p.port == server_port]
-        for pair in found:
-            _shut(pair.client)
 
     def server_ports(self) -> set[int]:
         with self._lock:
@@ -112,3 +110,11 @@ def _shut(sock: socket.socket) -> None:
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
     sock.close()
+
+
+if __name__ == "__main__":
+    # A proxy in a process of its own (one in the test's process needs its interpreter):
+    # ``python -m tests.tcpproxy HOST PORT DELAY`` prints its port, serves until killed.
+    proxy = TCPProxy((sys.argv[1], int(sys.argv[2])), float(sys.argv[3]))
+    print(proxy.port, flush=True)
+    threading.Event().wait()

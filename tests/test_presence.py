@@ -20,7 +20,7 @@ import pytest
 from sqlalchemy import Engine, make_url, text
 
 import wf_persist as wp
-from wf_persist.backends.pg_presence import USER_TIMEOUT_MS
+from wf_persist.backends.pg_presence import BEAT_DEADLINE, USER_TIMEOUT_MS
 from wf_persist.wakeups import PRESENCE_GRACE, PRESENCE_TRUST
 
 from .fixtures import fencing as f
@@ -117,7 +117,8 @@ def test_heartbeats_stop_vouching_for_a_silently_dead_listener(
     """While its heartbeats answer, a runtime's presence is vouched for since the lock was
     taken; once the listening connection dies silently, within :data:`PRESENCE_TRUST` of
     the last answer it is not (the listener itself still believes it holds the lock). The
-    socket fails a silent peer within seconds (keepalives, a user timeout)."""
+    socket fails a silent peer within seconds (keepalives, a user timeout); a heartbeat
+    unanswered for :data:`BEAT_DEADLINE` ends it even where a hop keeps its TCP alive."""
     proxy, proxy_url = proxied
     with wp.Runtime(proxy_url, lease_ttl=30) as rt:
         wakeups = rt.wakeups()
@@ -137,11 +138,14 @@ def test_heartbeats_stop_vouching_for_a_silently_dead_listener(
         wait_until(lambda: wakeups.heard > first, what="a heartbeat", timeout=2)
         assert rt.presence_since() == since, "a heartbeat vouches for the same lock"
         admin = make_engine(db_url)
-        port = _silence_listener(admin, proxy)
+        _silence_listener(admin, proxy)
         wait_until(lambda: rt.presence_since() == math.inf, what="distrust", timeout=2)
         assert wakeups.present, "the listener itself heard nothing"
-        proxy.hang_up(port)  # what the socket's user timeout does
-        wait_until(lambda: wakeups.connections >= 2, what="a new connection", timeout=20)
+        # The proxy keeps the client's TCP alive (as a pooler or a sidecar would): the
+        # unanswered heartbeat itself ends the connection, and the listener connects anew.
+        silenced = time.monotonic()
+        wait_until(lambda: wakeups.connections >= 2, what="a new connection", timeout=10)
+        assert time.monotonic() - silenced < BEAT_DEADLINE + 3
         wait_until(lambda: (rt.presence_since() or math.inf) < math.inf, what="trust again")
 
 
@@ -224,3 +228,107 @@ def test_heartbeats_pause_while_nothing_is_driven_and_resume_when_asked(
     assert rt.presence_since() == math.inf
     wait_until(lambda: wakeups.heard > asked, what="a heartbeat", timeout=2.5)
     assert (rt.presence_since() or math.inf) < math.inf
+
+
+_BLOCKING = threading.Event()
+_BUSY = threading.Semaphore(0)
+_VICTIM_CALLS: list[str] = []
+
+
+@wp.step
+def _occupy(i: int) -> int:
+    _BUSY.release()
+    _BLOCKING.wait(60)
+    return i
+
+
+@wp.step
+def _charge() -> str:
+    _VICTIM_CALLS.append(threading.current_thread().name)
+    return "charged"
+
+
+@wp.workflow(name="t_presence_occupier", version=1)
+async def _occupier_wf(ctx: wp.AsyncContext, i: int) -> int:
+    return await ctx.run(_occupy, i)
+
+
+@wp.workflow(name="t_presence_charge", version=1)
+async def _charge_wf(ctx: wp.AsyncContext) -> str:
+    return await ctx.run(_charge)
+
+
+def test_a_step_queued_for_a_thread_checks_its_lease_on_that_thread(
+    proxied: tuple[TCPProxy, str],
+    db_url: str,
+    make_runtime: Callable[..., wp.Runtime],
+    make_engine: Callable[..., Engine],
+) -> None:
+    """The async worker checks a drive's lease on its loop, then hands a synchronous step to
+    its pool of user threads; with every thread busy the step waits in the queue. Meanwhile
+    the listening connection dies silently, another worker takes the run over and records
+    the step. When a thread frees up the step must not run again: the lease is checked on
+    that thread, right before the call (it ran twice, after the record)."""
+    from wf_persist.async_worker import USER_THREADS
+
+    proxy, proxy_url = proxied
+    _BLOCKING.clear()
+    _VICTIM_CALLS.clear()
+    holder = wp.Runtime(proxy_url, lease_ttl=30)
+    try:
+        other = make_runtime(lease_ttl=30)
+        for rt in (holder, other):
+            rt.register(_occupier_wf, _charge_wf)
+        other.wakeups()
+        holder.start_worker(concurrency=USER_THREADS + 8, event_loop=True, poll_interval=0.05)
+        client = holder.client()
+        for i in range(USER_THREADS):
+            client.start(_occupier_wf, i)
+        for _ in range(USER_THREADS):
+            assert _BUSY.acquire(timeout=60), "every user thread busy"
+        execution_id = client.start(_charge_wf).execution_id
+
+        def queued() -> bool:
+            row = other.client().describe(execution_id)
+            return row.lease_owner == holder.owner
+
+        wait_until(queued, what="the holder's claim", timeout=10)
+        time.sleep(0.2)  # its lease checked on the loop, its step in the queue
+        assert _VICTIM_CALLS == []
+        _silence_listener(make_engine(db_url), proxy)
+        wait_until(lambda: execution_id in other.reap(), what="the reap", timeout=10)
+        wait_until(lambda: other.drive(execution_id), what="the takeover", timeout=10)
+        assert other.client().result(execution_id, timeout=10).unwrap() == "charged"
+        _BLOCKING.set()  # the holder's user threads free up
+        time.sleep(1.0)
+        assert len(_VICTIM_CALLS) == 1, _VICTIM_CALLS
+    finally:
+        _BLOCKING.set()
+        proxy.close()
+        holder.close()
+
+
+def test_heartbeats_are_never_prepared_statements(
+    make_runtime: Callable[..., wp.Runtime], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A statement prepared through ``pg_wire`` is prepared again every thousand runs, and
+    the protocol's Close that forgets it holds the interpreter's lock for a round trip:
+    forty heartbeats a second would freeze the whole process every half a minute (for
+    seconds, on a connection that just died). Heartbeats and lock tries are sent as they
+    are, never through it."""
+    from wf_persist.backends import pg_wire
+
+    sent_by: list[str] = []
+    execute = pg_wire.execute
+
+    def recording(*args: object, **kwargs: object) -> object:
+        sent_by.append(threading.current_thread().name)
+        return execute(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pg_wire, "execute", recording)
+    rt = make_runtime(lease_ttl=30)
+    wakeups = rt.wakeups()
+    assert rt.presence_since() is not None
+    first = wakeups.heard
+    wait_until(lambda: wakeups.heard > first + 0.1, what="heartbeats", timeout=5)
+    assert "wf-persist-wakeups" not in sent_by

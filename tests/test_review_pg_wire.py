@@ -5,12 +5,16 @@ connection prepares a bounded number of statements."""
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, make_url, text
 from sqlalchemy.pool import NullPool
 
 import wf_persist as wp
@@ -144,3 +148,55 @@ def test_a_plan_made_while_a_table_was_tiny_is_made_again_as_it_grows(
             conn.rollback()
             conn.exec_driver_sql(f"DROP TABLE {table}")
             conn.commit()
+
+
+def test_forgetting_a_statement_lets_other_threads_run(db_url: str) -> None:
+    """A statement is prepared anew every thousand runs; forgetting the old one is a round
+    trip, and libpq's blocking Close held the interpreter's lock through it (every thread
+    of the process stopped; for seconds on a connection that had just died). Through a
+    proxy that delays the server's answers by 0.2 s, another thread runs meanwhile."""
+    url = make_url(db_url)
+    proxy = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.tcpproxy",
+            url.host or "127.0.0.1",
+            str(url.port or 5432),
+            "0.2",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proxy.stdout is not None
+        port = int(proxy.stdout.readline())
+        raw = psycopg.connect(
+            host="127.0.0.1", port=port, user=url.username, dbname=url.database, autocommit=True
+        )
+        try:
+            raw.pgconn.prepare(b"wfp_probe", b"SELECT 1")
+            ticks = [0]
+            stop = threading.Event()
+
+            def tick() -> None:
+                while not stop.is_set():
+                    ticks[0] += 1
+                    time.sleep(0.001)
+
+            ticker = threading.Thread(target=tick)
+            ticker.start()
+            try:
+                time.sleep(0.05)
+                before = ticks[0]
+                pg_wire._deallocate(raw, b"wfp_probe")
+                during = ticks[0] - before
+            finally:
+                stop.set()
+                ticker.join()
+            assert during >= 20, f"the other thread ran {during} times in 0.2 s"
+        finally:
+            raw.close()
+    finally:
+        proxy.kill()
+        proxy.communicate()

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from . import events, telemetry
 from .authoring import Step, Workflow, outside_body
-from .bridge import in_thread, off_loop
+from .bridge import bridged, in_thread, off_loop
 from .control import Suspended
 from .errors import InvalidPayloadError, StepExecutionError, error_document, rebuild_error
 from .events import Activity, NewEvent
@@ -377,7 +377,11 @@ class StepRunner:
         fn = self.driver.step_function(step)
         if is_async(fn):  # awaited on the async body's loop, cancelled at its timeout
             return settle(fn(**values), step.timeout, step.name)
-        # In the async worker a synchronous step runs on a thread (off_loop).
+        # In the async worker a synchronous step runs on a thread (off_loop), after a wait
+        # for one if all are busy: the lease is checked again there, right before the call
+        # (the check on the loop may be long past, and the run another worker's meanwhile).
+        if bridged():
+            fn = _checked_first(self.driver.check_lease, fn)
         if step.timeout is None:
             return in_thread(fn, **values)
         return in_thread(call_within, fn, values, step.timeout, step.name, keep)
@@ -508,3 +512,11 @@ def _recorded_step_error(step: Step[Any], failed: Any) -> BaseException:
         if declared is not None:
             return rebuild_error(declared, cause)
     return StepExecutionError(step.name, cause)
+
+
+def _checked_first(check: Callable[[], None], fn: Callable[..., T]) -> Callable[..., T]:
+    def checked(**values: Any) -> T:
+        check()
+        return fn(**values)
+
+    return checked

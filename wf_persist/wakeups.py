@@ -55,8 +55,8 @@ LISTEN_TICK: Final = 0.2
 #: :data:`PRESENCE_GRACE` seconds after it found it free. The difference is the margin for a
 #: drive's thread between its check and the step it starts.
 HEARTBEAT: Final = 0.025
-PRESENCE_TRUST: Final = 0.075
-PRESENCE_GRACE: Final = 0.15
+PRESENCE_TRUST: Final = 0.1
+PRESENCE_GRACE: Final = 0.2
 #: Heartbeats go on this long (seconds) after the listener connects or a drive last asked
 #: for its presence: a process that drives nothing sends none. The first drive after a
 #: quiet spell asks the database once, and wakes the listener to beat again.
@@ -76,7 +76,7 @@ class Listener(Protocol):
 
     def wait(self, timeout: float, beat: bool = False) -> list[str]:
         """Payloads received within ``timeout`` seconds (at once if some are pending);
-        ``beat``: a round trip first, if the lock is held (it updates :attr:`heard`)."""
+        ``beat``: a heartbeat, if the lock is held (its answer updates :attr:`heard`)."""
 
     def interrupt(self) -> None:
         """End the current (or next) :meth:`wait` early; safe from any thread."""
@@ -110,8 +110,6 @@ class Wakeups:
         self.present = False
         #: Since when (monotonic) it has been held without a break; +inf while it is not.
         self.held_since = math.inf
-        #: When (monotonic) the last heartbeat that found it held was sent.
-        self.heard = -math.inf
         self._beat_until = 0.0
         #: How many times a listening connection was made (a reconnection adds one).
         self.connections = 0
@@ -206,9 +204,17 @@ class Wakeups:
         listener = self._listener
         if quiet and listener is not None:
             listener.interrupt()  # beat now, not at the end of a long tick
-        # Read before held_since: a reconnection sets held_since anew before heard.
+        # Read before held_since: between a failure and the next connection's presence
+        # held_since is +inf, so a new connection's heartbeat never vouches for an old lock.
         heard = self.heard
         return self.held_since if now - heard < PRESENCE_TRUST else math.inf
+
+    @property
+    def heard(self) -> float:
+        """When (monotonic) the last heartbeat that found the lock held was sent (as the
+        listener saw it answered, not at the end of its wait)."""
+        listener = self._listener
+        return listener.heard if listener is not None else -math.inf
 
     def _tick(self) -> tuple[float, bool]:
         """The next wait on the listening connection: how long, and whether a heartbeat
@@ -216,7 +222,7 @@ class Wakeups:
         now = time.monotonic()
         if not self.present or now >= self._beat_until:
             return LISTEN_TICK, False
-        due = self.heard + HEARTBEAT - now
+        due = self.heard + HEARTBEAT - now  # an answer still on its way: due again
         if due <= 0:
             return HEARTBEAT, True
         return min(due, LISTEN_TICK), False
@@ -229,7 +235,6 @@ class Wakeups:
             self.held_since = time.monotonic()  # after it was taken: errs towards asking
         elif not held:
             self.held_since = math.inf
-        self.heard = listener.heard if listener is not None and held else -math.inf
         self.present = held
 
     def _dispatch(self, payload: str) -> None:

@@ -58,6 +58,8 @@ KEEPALIVE_IDLE: Final = 5
 KEEPALIVE_INTERVAL: Final = 1
 KEEPALIVE_COUNT: Final = 3
 USER_TIMEOUT_MS: Final = 5_000
+#: A heartbeat unanswered this long (seconds) fails the listening connection.
+BEAT_DEADLINE: Final = 2.0
 
 #: Runs leased by owners whose presence lock is free: their process is gone, or it lost its
 #: listening connection and stops trusting its leases within less than ``grace`` seconds
@@ -113,7 +115,7 @@ class PGListener:
             self.heard = -math.inf
             # From here on libpq is used directly (psycopg's notifies() costs a millisecond
             # of CPU per call, at every tick): notifications stay in libpq's queue.
-            self._info: dict[Any, Any] = {}
+            self._beat_sent: float | None = None
             self._encoding = raw.info.encoding
             self._poll = select.poll()
             self._poll.register(raw.pgconn.socket, select.POLLIN)
@@ -135,7 +137,7 @@ class PGListener:
             return
         for attempt in range(LOCK_TRIES):
             sent = time.monotonic()
-            if self._ask(f"SELECT pg_try_advisory_lock({_KEY})", self._owner):
+            if self._locked():
                 self.present = True
                 self.heard = sent
                 return
@@ -143,23 +145,34 @@ class PGListener:
                 time.sleep(LOCK_RETRY)
 
     def wait(self, timeout: float, beat: bool = False) -> list[str]:
-        """``beat``: while the lock is held, a round trip first. A session that answers
-        still holds its session locks, so the lock was held when the server read it, at
-        the earliest when it was sent (:attr:`heard`); a connection that died silently
-        never answers (it fails within :data:`USER_TIMEOUT_MS`)."""
+        """``beat``: while the lock is held, a heartbeat is sent (unless one is on its way).
+        A session that answers still holds its session locks, so the lock was held when
+        the server read it, at the earliest when it was sent (:attr:`heard` is then that
+        time). A heartbeat unanswered for :data:`BEAT_DEADLINE` fails the connection: a
+        hop in between (a pooler, a proxy) may keep its TCP alive for minutes after its
+        own upstream died."""
         if not self.present:
             self._relock()
-        elif beat:
-            sent = time.monotonic()
-            self._ask("SELECT true", None)
-            self.heard = sent
+        elif beat and self._beat_sent is None:
+            with self._raw.lock:
+                self._beat_sent = time.monotonic()
+                self._raw.pgconn.send_query(b"SELECT true")
+                self._flush()
         payloads = self._received()
         if payloads:
             return payloads
+        if self._beat_sent is not None:
+            timeout = min(timeout, self._beat_sent + BEAT_DEADLINE - time.monotonic())
         ready = dict(self._poll.poll(max(0.0, timeout) * 1000))
         if self._nudge_r in ready:
             os.read(self._nudge_r, 512)
-        return self._received(consume=True) if len(ready) > (self._nudge_r in ready) else []
+        if len(ready) > (self._nudge_r in ready):
+            payloads = self._received(consume=True)
+        if self._beat_sent is not None and time.monotonic() - self._beat_sent > BEAT_DEADLINE:
+            raise errors.OperationalError(
+                f"the listening connection did not answer a heartbeat within {BEAT_DEADLINE} s"
+            )
+        return payloads
 
     def interrupt(self) -> None:
         with self._nudge_lock:  # never a write to a descriptor closed (and reused) meanwhile
@@ -167,18 +180,39 @@ class PGListener:
                 with contextlib.suppress(BlockingIOError):  # nudged already
                     os.write(self._nudge_w, b".")
 
-    def _ask(self, sql: str, value: str | None) -> bool:
-        rows = pg_wire.execute(self._raw, self._info, sql.replace("%s", "%(v)s"), {"v": value})
-        return bool(rows[0][0])
+    def _flush(self) -> None:
+        """Send what libpq holds (the connection is in nonblocking mode)."""
+        pgconn = self._raw.pgconn
+        while pgconn.flush():
+            select.select([], [pgconn.socket], [], BEAT_DEADLINE)
+
+    def _locked(self) -> bool:
+        """Try the presence lock (unprepared: nothing to plan, nothing to re-prepare)."""
+        pgconn = self._raw.pgconn
+        with self._raw.lock:
+            result = pgconn.exec_params(
+                f"SELECT pg_try_advisory_lock({_KEY})".replace("%s", "$1").encode(),
+                [str(self._owner).encode(self._encoding)],
+            )
+        if result.status != pq.ExecStatus.TUPLES_OK:
+            raise pg_wire.failure(self._raw, result)
+        return bool(result.get_value(0, 0) == b"t")
 
     def _received(self, consume: bool = False) -> list[str]:
-        """The notifications libpq has read (after reading what the socket holds)."""
+        """The notifications libpq has read (after reading what the socket holds), and the
+        heartbeat's answer if it came."""
         pgconn = self._raw.pgconn
         with self._raw.lock:
             if consume:
                 pgconn.consume_input()  # raises if the connection is lost
                 if pgconn.status != pq.ConnStatus.OK:
                     raise errors.OperationalError("the listening connection was lost")
+            while self._beat_sent is not None and not pgconn.is_busy():
+                result = pgconn.get_result()
+                if result is None:  # the heartbeat's answer is complete
+                    self.heard, self._beat_sent = self._beat_sent, None
+                elif result.status != pq.ExecStatus.TUPLES_OK:
+                    raise pg_wire.failure(self._raw, result)
             found = []
             while (notify := pgconn.notifies()) is not None:
                 found.append(notify.extra.decode(self._encoding, "replace"))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
+import select
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Final
 
@@ -136,7 +137,7 @@ def execute(
                 names[name] = REPLAN_AFTER - 1
                 result = pgconn.exec_prepared(name, values)
         if result.status not in _OK:
-            raise _failure(raw, result)
+            raise failure(raw, result)
         tx.set_pgresult(result)
         try:
             return list(tx.load_rows(0, result.ntuples, tuple))
@@ -147,21 +148,43 @@ def execute(
 def _prepare(raw: Any, name: bytes, query: bytes) -> None:
     result = raw.pgconn.prepare(name, query)
     if result.status != pq.ExecStatus.COMMAND_OK and _sqlstate(result) != _ALREADY_PREPARED:
-        raise _failure(raw, result)
+        raise failure(raw, result)
 
 
 def _deallocate(raw: Any, name: bytes) -> None:
     """Forget a statement we prepared: by the protocol's Close where libpq has it (17+), as
-    a pooler that keeps prepared statements itself expects, else by ``DEALLOCATE``."""
+    a pooler that keeps prepared statements itself expects, else by ``DEALLOCATE``. The
+    Close is sent and awaited here (libpq's blocking call holds the interpreter's lock for
+    the whole round trip: every thread of the process would stop meanwhile)."""
+    pgconn = raw.pgconn
     try:
-        result = raw.pgconn.close_prepared(name)
+        pgconn.send_close_prepared(name)
     except (AttributeError, errors.NotSupportedError):  # psycopg < 3.2, libpq < 17
-        result = raw.pgconn.exec_(b"DEALLOCATE " + name)  # a name of ours: wfp_, hex digits
+        result = pgconn.exec_(b"DEALLOCATE " + name)  # a name of ours: wfp_, hex digits
+    else:
+        result = _awaited(pgconn)
     if result.status != pq.ExecStatus.COMMAND_OK and _sqlstate(result) != _UNKNOWN_STATEMENT:
-        raise _failure(raw, result)
+        raise failure(raw, result)
 
 
-def _failure(raw: Any, result: Any) -> Exception:
+def _awaited(pgconn: Any) -> Any:
+    """The result of the command just sent on ``pgconn`` (nonblocking, as psycopg leaves
+    it), waiting in ``select`` (which lets other threads run); its last result if several."""
+    sock = pgconn.socket
+    while pgconn.flush():
+        select.select([], [sock], [])
+    found = None
+    while True:
+        while pgconn.is_busy():
+            select.select([sock], [], [])
+            pgconn.consume_input()  # raises if the connection is lost
+        result = pgconn.get_result()
+        if result is None:
+            return found
+        found = result
+
+
+def failure(raw: Any, result: Any) -> Exception:
     """psycopg's error for a failed ``result``, as its own execution would raise it."""
     encoding = raw.info.encoding
     if raw.pgconn.status != pq.ConnStatus.OK:  # the connection was lost
