@@ -20,7 +20,7 @@ import pytest
 from sqlalchemy import Engine, make_url, text
 
 import wf_persist as wp
-from wf_persist.backends.pg_presence import BEAT_DEADLINE, USER_TIMEOUT_MS
+from wf_persist.backends.pg_presence import USER_TIMEOUT_MS
 from wf_persist.wakeups import PRESENCE_GRACE, PRESENCE_TRUST
 
 from .fixtures import fencing as f
@@ -112,13 +112,20 @@ def test_a_runtime_whose_listener_died_silently_asks_before_its_next_attempt(
 
 
 def test_heartbeats_stop_vouching_for_a_silently_dead_listener(
-    proxied: tuple[TCPProxy, str], db_url: str, make_engine: Callable[..., Engine]
+    proxied: tuple[TCPProxy, str],
+    db_url: str,
+    make_engine: Callable[..., Engine],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """While its heartbeats answer, a runtime's presence is vouched for since the lock was
     taken; once the listening connection dies silently, within :data:`PRESENCE_TRUST` of
     the last answer it is not (the listener itself still believes it holds the lock). The
     socket fails a silent peer within seconds (keepalives, a user timeout); a heartbeat
     unanswered for :data:`BEAT_DEADLINE` ends it even where a hop keeps its TCP alive."""
+    from wf_persist.backends import pg_presence
+
+    deadline = 2.0  # shorter than the default, for the test's sake
+    monkeypatch.setattr(pg_presence, "BEAT_DEADLINE", deadline)
     proxy, proxy_url = proxied
     with wp.Runtime(proxy_url, lease_ttl=30) as rt:
         wakeups = rt.wakeups()
@@ -145,7 +152,7 @@ def test_heartbeats_stop_vouching_for_a_silently_dead_listener(
         # unanswered heartbeat itself ends the connection, and the listener connects anew.
         silenced = time.monotonic()
         wait_until(lambda: wakeups.connections >= 2, what="a new connection", timeout=10)
-        assert time.monotonic() - silenced < BEAT_DEADLINE + 3
+        assert time.monotonic() - silenced < deadline + 3
         wait_until(lambda: (rt.presence_since() or math.inf) < math.inf, what="trust again")
 
 

@@ -182,3 +182,42 @@ def test_a_runtime_that_cannot_hand_work_to_a_thread_never_fails_the_run(
     second.register(review_breaks_wf)
     assert second.client().result(run, timeout=30).unwrap() == 0.05
     assert CALLS["sync_after"] == 1
+
+
+# A synchronous step's last lease check (on its thread) is not the step's time ------------
+
+
+@wp.step(timeout=0.5, retry=wp.Retry(attempts=1))
+def review_quick_with_timeout() -> str:
+    return "quick"
+
+
+@wp.workflow(name="review_quick_timeout", version=1)
+async def review_quick_timeout_wf(ctx: wp.AsyncContext) -> str:
+    return await ctx.run(review_quick_with_timeout)
+
+
+def test_a_slow_lease_check_on_the_steps_thread_is_not_its_timeout(
+    make_runtime: Callable[..., wp.Runtime], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The async worker checks a synchronous step's lease again on the thread that runs it
+    (the step may have waited there for a free thread). That check may ask the database and
+    wait (a row lock, a pooled connection): it must happen before the step's timeout
+    starts, or a step that never began fails with ``StepTimeoutError`` (and its abandoned
+    thread then runs it anyway)."""
+    from wf_persist.driver import RunDriver
+
+    check = RunDriver.check_lease
+
+    def slow_off_the_loop(self: RunDriver) -> None:
+        if threading.current_thread().name.startswith(("wf-persist-user", "wf-persist-step")):
+            time.sleep(1.0)  # a database round trip waiting for a row lock
+        check(self)
+
+    monkeypatch.setattr(RunDriver, "check_lease", slow_off_the_loop)
+    rt = make_runtime()
+    rt.register(review_quick_timeout_wf)
+    rt.start_worker(concurrency=4, poll_interval=0.05, event_loop=True)
+    client = rt.client()
+    execution_id = client.start(review_quick_timeout_wf).execution_id
+    assert client.result(execution_id, timeout=20).unwrap() == "quick"

@@ -200,3 +200,36 @@ def test_forgetting_a_statement_lets_other_threads_run(db_url: str) -> None:
     finally:
         proxy.kill()
         proxy.communicate()
+
+
+def test_a_connection_on_a_descriptor_past_1024_is_prepared_again(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A busy process has sockets past 1024, which ``select`` cannot watch: preparing a
+    statement again (forgetting the old one first) must wait some other way, or every
+    thousandth run of a statement fails and leaves its connection mid-command."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 2048:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(2048, hard), hard))
+    monkeypatch.setattr(pg_wire, "REPLAN_AFTER", 2)
+    filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        url = make_url(db_url)
+        raw = psycopg.connect(
+            host=url.host, port=url.port, user=url.username, dbname=url.database, autocommit=True
+        )
+        try:
+            assert raw.pgconn.socket >= 1024
+            info: dict[Any, Any] = {}
+            for i in range(7):  # prepared, then forgotten and prepared again, twice
+                rows = pg_wire.execute(raw, info, "SELECT %(x)s::int", {"x": i})
+                assert rows == [(i,)]
+        finally:
+            raw.close()
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

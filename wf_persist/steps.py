@@ -380,11 +380,13 @@ class StepRunner:
         # In the async worker a synchronous step runs on a thread (off_loop), after a wait
         # for one if all are busy: the lease is checked again there, right before the call
         # (the check on the loop may be long past, and the run another worker's meanwhile).
+        # Checked before a timeout's clock starts: a slow check is not the step's time.
+        call: Callable[..., Any] = fn if step.timeout is None else call_within
         if bridged():
-            fn = _checked_first(self.driver.check_lease, fn)
+            call = _checked_first(self.driver.check_lease, call)
         if step.timeout is None:
-            return in_thread(fn, **values)
-        return in_thread(call_within, fn, values, step.timeout, step.name, keep)
+            return in_thread(call, **values)
+        return in_thread(call, fn, values, step.timeout, step.name, keep)
 
     def wait_until(self, when: dt.datetime | None, inline: bool) -> None:
         """Wait for a retry time: in this thread if it is soon (or inside ``ctx.all``),
@@ -515,8 +517,8 @@ def _recorded_step_error(step: Step[Any], failed: Any) -> BaseException:
 
 
 def _checked_first(check: Callable[[], None], fn: Callable[..., T]) -> Callable[..., T]:
-    def checked(**values: Any) -> T:
+    def checked(*args: Any, **kwargs: Any) -> T:
         check()
-        return fn(**values)
+        return fn(*args, **kwargs)
 
     return checked

@@ -58,8 +58,9 @@ KEEPALIVE_IDLE: Final = 5
 KEEPALIVE_INTERVAL: Final = 1
 KEEPALIVE_COUNT: Final = 3
 USER_TIMEOUT_MS: Final = 5_000
-#: A heartbeat unanswered this long (seconds) fails the listening connection.
-BEAT_DEADLINE: Final = 2.0
+#: A heartbeat unanswered this long (seconds) fails the listening connection (and frees
+#: the lock: the process's runs are then taken over, so not a hiccup's length).
+BEAT_DEADLINE: Final = 10.0
 
 #: Runs leased by owners whose presence lock is free: their process is gone, or it lost its
 #: listening connection and stops trusting its leases within less than ``grace`` seconds
@@ -183,8 +184,10 @@ class PGListener:
     def _flush(self) -> None:
         """Send what libpq holds (the connection is in nonblocking mode)."""
         pgconn = self._raw.pgconn
+        writable = select.poll()
+        writable.register(pgconn.socket, select.POLLOUT)
         while pgconn.flush():
-            select.select([], [pgconn.socket], [], BEAT_DEADLINE)
+            writable.poll(BEAT_DEADLINE * 1000)
 
     def _locked(self) -> bool:
         """Try the presence lock (unprepared: nothing to plan, nothing to re-prepare)."""

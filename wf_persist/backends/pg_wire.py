@@ -169,14 +169,18 @@ def _deallocate(raw: Any, name: bytes) -> None:
 
 def _awaited(pgconn: Any) -> Any:
     """The result of the command just sent on ``pgconn`` (nonblocking, as psycopg leaves
-    it), waiting in ``select`` (which lets other threads run); its last result if several."""
+    it), waiting in ``poll`` (which lets other threads run, and takes any descriptor, not
+    only those below 1024 as ``select`` does); its last result if several."""
     sock = pgconn.socket
+    writable, readable = select.poll(), select.poll()
+    writable.register(sock, select.POLLOUT)
+    readable.register(sock, select.POLLIN)
     while pgconn.flush():
-        select.select([], [sock], [])
+        writable.poll()
     found = None
     while True:
         while pgconn.is_busy():
-            select.select([sock], [], [])
+            readable.poll()
             pgconn.consume_input()  # raises if the connection is lost
         result = pgconn.get_result()
         if result is None:
