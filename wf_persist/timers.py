@@ -25,7 +25,7 @@ log = logging.getLogger("wf_persist.runtime")
 #: How often armed timers are looked at: a timer fires up to this much late.
 TICK: Final = 0.05
 #: Threads for timers that may block (see :meth:`Timers.after`).
-BLOCKING_THREADS: Final = 4
+BLOCKING_THREADS: Final = 1
 
 
 class Timers:
