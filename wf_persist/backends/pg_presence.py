@@ -158,7 +158,7 @@ class PGListener:
             with self._raw.lock:
                 self._beat_sent = time.monotonic()
                 self._raw.pgconn.send_query(b"SELECT true")
-                self._flush()
+                pg_wire.flushed(self._raw.pgconn, BEAT_DEADLINE)
         payloads = self._received()
         if payloads:
             return payloads
@@ -180,14 +180,6 @@ class PGListener:
             if self._nudge_w >= 0:
                 with contextlib.suppress(BlockingIOError):  # nudged already
                     os.write(self._nudge_w, b".")
-
-    def _flush(self) -> None:
-        """Send what libpq holds (the connection is in nonblocking mode)."""
-        pgconn = self._raw.pgconn
-        writable = select.poll()
-        writable.register(pgconn.socket, select.POLLOUT)
-        while pgconn.flush():
-            writable.poll(BEAT_DEADLINE * 1000)
 
     def _locked(self) -> bool:
         """Try the presence lock (unprepared: nothing to plan, nothing to re-prepare)."""

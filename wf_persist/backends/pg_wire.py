@@ -167,16 +167,22 @@ def _deallocate(raw: Any, name: bytes) -> None:
         raise failure(raw, result)
 
 
+def flushed(pgconn: Any, timeout: float | None = None) -> None:
+    """Send what libpq holds for ``pgconn`` (nonblocking, as psycopg leaves it), waiting in
+    ``poll`` for the socket to take more (each wait at most ``timeout`` seconds)."""
+    writable = select.poll()
+    writable.register(pgconn.socket, select.POLLOUT)
+    while pgconn.flush():
+        writable.poll(None if timeout is None else timeout * 1000)
+
+
 def _awaited(pgconn: Any) -> Any:
     """The result of the command just sent on ``pgconn`` (nonblocking, as psycopg leaves
     it), waiting in ``poll`` (which lets other threads run, and takes any descriptor, not
     only those below 1024 as ``select`` does); its last result if several."""
-    sock = pgconn.socket
-    writable, readable = select.poll(), select.poll()
-    writable.register(sock, select.POLLOUT)
-    readable.register(sock, select.POLLIN)
-    while pgconn.flush():
-        writable.poll()
+    flushed(pgconn)
+    readable = select.poll()
+    readable.register(pgconn.socket, select.POLLIN)
     found = None
     while True:
         while pgconn.is_busy():
