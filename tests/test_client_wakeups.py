@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import gc
+import threading
 import time
 import uuid
 import weakref
@@ -38,16 +39,31 @@ CATALOG_READ = "FROM wf_workflows"
 
 @contextmanager
 def statements(client: wp.Client) -> Iterator[list[str]]:
-    """Every statement this client sends through SQLAlchemy while the block runs."""
+    """Every statement this client sends through SQLAlchemy while the block runs, and
+    every look at a run (which PostgreSQL sends straight to the driver)."""
     seen: list[str] = []
+    backend = client.backend
+    read_one = backend.read_one
+    looking = threading.local()
 
     def record(*args: Any) -> None:
-        seen.append(str(args[2]))
+        if not getattr(looking, "now", False):  # a look's own statement: counted below
+            seen.append(str(args[2]))
+
+    def look(stmt: Any, params: dict[str, Any]) -> Any:
+        seen.append(str(stmt.compile(dialect=client.engine.dialect)))
+        looking.now = True
+        try:
+            return read_one(stmt, params)
+        finally:
+            looking.now = False
 
     event.listen(client.engine, "before_cursor_execute", record)
+    backend.read_one = look  # type: ignore[method-assign]
     try:
         yield seen
     finally:
+        del backend.read_one
         event.remove(client.engine, "before_cursor_execute", record)
 
 

@@ -3,6 +3,7 @@ catalog's JSON Schemas, and never executes a step."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import math
 import sys
@@ -395,3 +396,36 @@ def test_filling_missing_schemas_never_erases_a_recorded_one(
     assert found == w.echo_wf.source_hash
     [entry] = thin.workflows()
     assert (entry.input_schema, entry.output_schema) == ({"type": "integer"}, {"type": "array"})
+
+
+def test_a_look_at_a_run_reads_what_a_transaction_reads(
+    runtime: wp.Runtime, thin: wp.Client
+) -> None:
+    """A client's look at a run (``result``, ``describe``) takes the backend's quickest read
+    (on PostgreSQL straight through the driver): the same row, value for value and type for
+    type, as SQLAlchemy's execution in a transaction gives, for every state of a run."""
+    from wf_persist.store import executions
+
+    runtime.register(w.echo_wf, w.explode_wf)
+    due = thin.start("echo", 2, idempotency_key="k\u00e9y")
+    done = runtime.client().start(w.echo_wf, 3)
+    failed = runtime.client().start(w.explode_wf, "bo\u2603m")
+    assert runtime.drive(done.execution_id) and runtime.drive(failed.execution_id)
+    backend = thin.backend
+    for handle in (due, done, failed):
+        looked = executions.look(backend, handle.execution_id)
+        with backend.read() as conn:
+            read = executions.get(conn, handle.execution_id)
+        assert looked is not None and read is not None
+        assert looked._asdict() == read._asdict()
+        assert [type(v) for v in looked] == [type(v) for v in read]
+        assert looked.created_at.tzinfo is dt.UTC
+    first = executions.look(backend, due.execution_id)
+    assert first is not None and first.due and first.status == "running"
+    assert executions.look(backend, "00000000-0000-0000-0000-000000000000") is None
+    info = thin.describe(failed.execution_id)
+    assert info.status == "failed" and "bo\u2603m" in json.dumps(info.error, ensure_ascii=False)
+    assert thin.describe(due.execution_id).idempotency_key == "k\u00e9y"
+    assert thin.result(done.execution_id, timeout=5).unwrap() == [1, 2, 3]
+    with pytest.raises(wp.UnknownExecutionError):
+        thin.describe("00000000-0000-0000-0000-000000000000")

@@ -124,8 +124,7 @@ class RunAwaiter(RunReader):
                 else:
                     unread = None
                     mark = self._ends.mark(execution_id)
-                    with self._reading() as conn:
-                        row = self._row(conn, execution_id)
+                    row = self._look(execution_id)
                     if row.status in lifecycle.TERMINAL:
                         return self._outcome(row)
                     drove = (
@@ -155,6 +154,5 @@ class RunAwaiter(RunReader):
 
     def outcome(self, execution_id: str) -> Outcome | None:
         """The run's outcome if it has ended, else ``None``: one read, never a wait."""
-        with self._reading() as conn:
-            row = self._row(conn, execution_id)
+        row = self._look(execution_id)
         return self._outcome(row) if row.status in lifecycle.TERMINAL else None

@@ -53,10 +53,16 @@ class RunReader:
             raise UnknownExecutionError(execution_id)
         return row
 
+    def _look(self, execution_id: str) -> Row[Any]:
+        """The run's row, read on its own (see :func:`executions.look`)."""
+        row = executions.look(self.backend, arguments.check_id(execution_id))
+        if row is None:
+            raise UnknownExecutionError(execution_id)
+        return row
+
     def describe(self, execution_id: str) -> ExecutionInfo:
         """The stored record of a run."""
-        with self._reading() as conn:
-            return ExecutionInfo.from_row(self._row(conn, execution_id))
+        return ExecutionInfo.from_row(self._look(execution_id))
 
     def status(self, execution_id: str) -> str:
         """The run's status: running, suspended, compensating, completed or failed."""

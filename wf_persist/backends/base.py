@@ -33,7 +33,7 @@ from sqlalchemy import (
     tuple_,
     update,
 )
-from sqlalchemy.engine import URL
+from sqlalchemy.engine import URL, Row
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import PoolProxiedConnection
 
@@ -195,6 +195,12 @@ class Backend:
             return
         with self.engine.connect() as fresh, fresh.begin():
             yield fresh
+
+    def read_one(self, stmt: Any, params: dict[str, Any]) -> Row[Any] | None:
+        """The one row (or None) of the read-only ``stmt``, read on its own: no caller's
+        transaction, the quickest way the backend has (a run's status, awaited)."""
+        with self.read() as conn:
+            return conn.execute(stmt, params).one_or_none()
 
     @contextlib.contextmanager
     def connection(self) -> Iterator[Connection]:

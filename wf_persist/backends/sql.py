@@ -10,7 +10,7 @@ import datetime as dt
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, NamedTuple
+from typing import Any, Final, NamedTuple, cast
 
 from sqlalchemy import (
     Float,
@@ -26,6 +26,8 @@ from sqlalchemy import (
     tuple_,
     update,
 )
+from sqlalchemy.engine import IteratorResult, Row
+from sqlalchemy.engine.result import SimpleResultMetaData
 
 from ..events import NewEvent
 from ..lifecycle import ACTIVE
@@ -232,3 +234,27 @@ def held_at(held: Mapping[str, int]) -> Any:
 
 #: JSON column type for raw statements rendered by SQLAlchemy.
 JSON_TYPE = JSONDoc
+
+
+class RowShape:
+    """What SQLAlchemy's execution makes of a statement's rows (column keys, each type's
+    result processor for the dialect), for rows a fast path read straight from the driver:
+    the same ``Row`` objects, with the same values, as ``conn.execute(stmt)`` gives."""
+
+    def __init__(self, stmt: Any, dialect: Any) -> None:
+        columns = list(stmt.selected_columns)
+        self._meta = SimpleResultMetaData([c.key for c in columns])
+        self._processors = [
+            c.type.dialect_impl(dialect).result_processor(dialect, None) for c in columns
+        ]
+
+    def one(self, rows: Sequence[Sequence[Any]]) -> Row[Any] | None:
+        """The one row of ``rows`` (None if none; more than one is an error, as
+        ``one_or_none``)."""
+        processors = self._processors
+        converted = [
+            tuple(v if p is None else p(v) for p, v in zip(processors, row, strict=True))
+            for row in rows
+        ]
+        result: Any = IteratorResult(self._meta, iter(converted))
+        return cast("Row[Any] | None", result.one_or_none())

@@ -173,6 +173,12 @@ def get(
     )
 
 
+def look(backend: Backend, execution_id: str) -> Row[Any] | None:
+    """The execution row (or ``None``) read on its own, outside any transaction: a client's
+    look at a run (its status, its outcome), by the backend's quickest read."""
+    return backend.read_one(_GET, {"p_id": execution_id})
+
+
 def park(conn: Executor, execution_id: str, epoch: int, wake_at: dt.datetime | None) -> None:
     """Give up the lease (if ``epoch`` is still current); the run sleeps until ``wake_at``
     (NULL: until a signal)."""
