@@ -7,12 +7,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, make_url, text
 from sqlalchemy.exc import OperationalError
 
 import wf_persist as wp
 
 from .fixtures import workflows as w
+from .tcpproxy import TCPProxy
 
 pytestmark = pytest.mark.needs("libpq")
 
@@ -91,3 +92,59 @@ def test_a_connection_killed_between_writes_is_replaced(
         with engine.connect() as conn:
             assert conn.execute(text("SELECT pg_backend_pid()")).scalar_one() != pid
             conn.rollback()
+
+
+def test_a_server_that_ended_every_connection_costs_one_failed_look(
+    db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """The server ends all of a pool's connections at once (a restart, a failover): the
+    first look that meets a dead one fails with SQLAlchemy's error, the server's SQLSTATE
+    kept, and the pool replaces the others before they are used (each would otherwise
+    fail a call of its own, as many calls as the pool had connections)."""
+    engine = make_engine(db_url, pool_size=5, max_overflow=0)
+    admin = make_engine(db_url)
+    with wp.Runtime(engine, lease_ttl=5) as rt:
+        rt.register(w.echo_wf)
+        handle = rt.client().start(w.echo_wf, 2)
+        assert rt.drive(handle.execution_id)
+        thin = wp.Client(engine)
+        held = [engine.connect() for _ in range(5)]
+        pids = [c.execute(text("SELECT pg_backend_pid()")).scalar_one() for c in held]
+        for conn in held:
+            conn.rollback()
+            conn.close()
+        with admin.begin() as conn:
+            for pid in pids:
+                conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        failures = []
+        for _ in range(7):
+            try:
+                assert thin.describe(handle.execution_id).status == "completed"
+            except OperationalError as exc:
+                failures.append(exc)
+        assert len(failures) == 1, failures
+        assert failures[0].connection_invalidated
+        assert thin.result(handle.execution_id, timeout=5).unwrap() == [1, 2]
+
+
+def test_a_look_at_an_unreachable_database_raises_sqlalchemys_error(
+    db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """Connecting fails (the server is gone): a look raises what ``engine.connect()``
+    raises, SQLAlchemy's OperationalError, not the driver's own."""
+    url = make_url(db_url)
+    proxy = TCPProxy((url.host or "127.0.0.1", url.port or 5432))
+    try:
+        engine = make_engine(url.set(host="127.0.0.1", port=proxy.port))
+        with wp.Runtime(engine, lease_ttl=5) as rt:
+            rt.register(w.echo_wf)
+            handle = rt.client().start(w.echo_wf, 2)
+            thin = wp.Client(engine)
+            assert thin.describe(handle.execution_id).status == "running"
+            proxy.close()
+            engine.dispose()
+            for look in (thin.describe, thin.outcome, thin.status):
+                with pytest.raises(OperationalError):
+                    look(handle.execution_id)
+    finally:
+        proxy.close()

@@ -623,7 +623,10 @@ class Backend:
     ) -> Exception:
         """A driver error from a raw fast path (on a Connection, or a pooled DBAPI
         connection), handled as SQLAlchemy would: a dead connection is invalidated (never
-        reused) and the error is wrapped."""
+        reused), and so is every connection the pool handed out before (a server restart
+        or failover ended them all: each would otherwise fail a call of its own), and the
+        error is wrapped. (SQLAlchemy's execution events, ``handle_error`` among them, do
+        not see a fast path's statements.)"""
         dialect = self.base_engine.dialect
         if isinstance(conn, Connection):
             raw = conn.connection.dbapi_connection
@@ -636,6 +639,16 @@ class Backend:
             return exc
         disconnect = dialect.is_disconnect(exc, raw, cursor)
         if disconnect and not invalidated:
+            # As Connection._handle_dbapi_exception: older connections are replaced at
+            # their next checkout (the pool's own, private, mark; skipped if it moved).
+            stale = getattr(self.base_engine.pool, "_invalidate", None)
+            if stale is not None:
+                with contextlib.suppress(Exception):
+                    stale(
+                        conn if isinstance(conn, PoolProxiedConnection) else conn.connection,
+                        exc,
+                        _checkin=False,
+                    )
             conn.invalidate(exc)
         return DBAPIError.instance(
             statement,

@@ -320,8 +320,27 @@ class PostgreSQLBackend(Backend):
         sql, defaults = self._render(stmt)
         return self._send_raw(sql, {**defaults, **params}, conn)
 
+    def _checkout(self) -> Any:
+        """A pooled DBAPI connection; failing to connect raises SQLAlchemy's error, as
+        ``engine.connect()`` would (``raw_connection`` leaves the driver's unwrapped)."""
+        try:
+            return self.base_engine.raw_connection()
+        except Exception as exc:
+            dialect = self.base_engine.dialect
+            if not isinstance(exc, dialect.loaded_dbapi.Error):
+                raise
+            raise DBAPIError.instance(
+                None,
+                None,
+                exc,
+                dialect.loaded_dbapi.Error,
+                hide_parameters=True,
+                connection_invalidated=dialect.is_disconnect(exc, None, None),
+                dialect=dialect,
+            ) from exc
+
     def _send_raw(self, sql: str, params: dict[str, Any], conn: Connection | None = None) -> Any:
-        owner: Any = conn if conn is not None else self.base_engine.raw_connection()
+        owner: Any = conn if conn is not None else self._checkout()
         raw: Any = (
             conn.connection.driver_connection if conn is not None else owner.driver_connection
         )
