@@ -5,9 +5,10 @@ statements, refusing them, dying) and fail as every other path does."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
-from sqlalchemy import Engine, make_url, text
+from sqlalchemy import Engine, event, make_url, text
 from sqlalchemy.exc import OperationalError
 
 import wf_persist as wp
@@ -148,3 +149,75 @@ def test_a_look_at_an_unreachable_database_raises_sqlalchemys_error(
                     look(handle.execution_id)
     finally:
         proxy.close()
+
+
+def _pids(engine: Engine, n: int) -> set[int]:
+    """The backends of ``n`` connections the pool hands out at once."""
+    held = [engine.connect() for _ in range(n)]
+    try:
+        return {c.execute(text("SELECT pg_backend_pid()")).scalar_one() for c in held}
+    finally:
+        for conn in held:
+            conn.rollback()
+            conn.close()
+
+
+def _terminate(admin: Engine, *pids: int) -> None:
+    with admin.begin() as conn:
+        for pid in pids:
+            conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+
+
+def test_a_lost_connection_of_another_pool_leaves_the_runs_pool_alone(
+    db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """A host's connection from an engine of its own dies under a start written in it: that
+    connection's pool is the one whose older connections are replaced, never the pool the
+    runtime's runs use (each of its connections would reconnect and prepare anew)."""
+    engine = make_engine(db_url, pool_size=2, max_overflow=0)
+    host = make_engine(db_url, pool_size=1, max_overflow=0)
+    admin = make_engine(db_url)
+    with wp.Runtime(engine, lease_ttl=5) as rt:
+        rt.register(w.echo_wf)
+        client = rt.client()
+        client.start(w.echo_wf, 1)
+        ours = _pids(engine, 2)
+        with host.connect() as conn:
+            pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+            conn.commit()
+            _terminate(admin, pid)
+            with pytest.raises(OperationalError) as failed:
+                client.start(w.echo_wf, 2, session=conn)
+            assert failed.value.connection_invalidated
+        assert _pids(engine, 2) == ours
+        assert pid not in _pids(host, 1)
+
+
+def test_a_host_whose_handle_error_keeps_the_pool_keeps_it(
+    db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """A host's ``handle_error`` listener may keep the pool on a disconnect
+    (``invalidate_pool_on_disconnect = False``); listeners never see a fast path's errors,
+    so on such an engine a lost connection replaces only itself."""
+    engine = make_engine(db_url, pool_size=2, max_overflow=0)
+
+    @event.listens_for(engine, "handle_error")
+    def keep_pool(ctx: Any) -> None:
+        ctx.invalidate_pool_on_disconnect = False
+
+    admin = make_engine(db_url)
+    with wp.Runtime(engine, lease_ttl=5) as rt:
+        rt.register(w.echo_wf)
+        handle = rt.client().start(w.echo_wf, 1)
+        thin = wp.Client(engine)
+        dead, alive = sorted(_pids(engine, 2))
+        _terminate(admin, dead)
+        failures = 0
+        for _ in range(2):  # one of the two looks meets the dead connection
+            try:
+                thin.describe(handle.execution_id)
+            except OperationalError as exc:
+                assert exc.connection_invalidated
+                failures += 1
+        assert failures == 1
+        assert alive in _pids(engine, 2)

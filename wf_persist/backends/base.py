@@ -614,6 +614,21 @@ class Backend:
 
     # raw driver paths --------------------------------------------------------------
 
+    def _invalidate_pool(self, conn: Connection | PoolProxiedConnection, exc: Exception) -> None:
+        """As ``Connection._handle_dbapi_exception`` after a disconnect: the connections the
+        same pool handed out before are replaced at their next checkout (the pool's own,
+        private, mark; skipped if it moved). The pool is the connection's own (the lease
+        keeper's, a host's), and an engine with ``handle_error`` listeners keeps its pool as
+        it is: one of them may have opted out, and they never see a fast path's errors."""
+        engine = conn.engine if isinstance(conn, Connection) else self.base_engine
+        fairy = conn.connection if isinstance(conn, Connection) else conn
+        if engine.dialect.dispatch.handle_error:
+            return
+        stale = getattr(engine.pool, "_invalidate", None)
+        if stale is not None:
+            with contextlib.suppress(Exception):
+                stale(fairy, exc, _checkin=False)
+
     def raw_failure(
         self,
         conn: Connection | PoolProxiedConnection,
@@ -639,16 +654,7 @@ class Backend:
             return exc
         disconnect = dialect.is_disconnect(exc, raw, cursor)
         if disconnect and not invalidated:
-            # As Connection._handle_dbapi_exception: older connections are replaced at
-            # their next checkout (the pool's own, private, mark; skipped if it moved).
-            stale = getattr(self.base_engine.pool, "_invalidate", None)
-            if stale is not None:
-                with contextlib.suppress(Exception):
-                    stale(
-                        conn if isinstance(conn, PoolProxiedConnection) else conn.connection,
-                        exc,
-                        _checkin=False,
-                    )
+            self._invalidate_pool(conn, exc)
             conn.invalidate(exc)
         return DBAPIError.instance(
             statement,
