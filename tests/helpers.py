@@ -6,13 +6,16 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 import pytest
+from sqlalchemy import event
 
 import wf_persist as wp
 
@@ -254,3 +257,33 @@ class Processes:
                 child.popen.stdout.close()
             for f in child.files:
                 f.close()
+
+
+@contextmanager
+def client_statements(client: wp.Client) -> Iterator[list[str]]:
+    """Every statement this client sends through SQLAlchemy while the block runs, and
+    every look at a run (which PostgreSQL sends straight to the driver)."""
+    seen: list[str] = []
+    backend = client.backend
+    read_one = backend.read_one
+    looking = threading.local()
+
+    def record(*args: Any) -> None:
+        if not getattr(looking, "now", False):  # a look's own statement: counted below
+            seen.append(str(args[2]))
+
+    def look(stmt: Any, params: dict[str, Any]) -> Any:
+        seen.append(str(stmt.compile(dialect=client.engine.dialect)))
+        looking.now = True
+        try:
+            return read_one(stmt, params)
+        finally:
+            looking.now = False
+
+    event.listen(client.engine, "before_cursor_execute", record)
+    backend.read_one = look  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        del backend.read_one
+        event.remove(client.engine, "before_cursor_execute", record)

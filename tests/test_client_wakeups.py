@@ -3,8 +3,8 @@ the client has just started, the catalog read before each start, and a worker's 
 about its next timer after a notified claim; and what they must never cost (an end nobody
 announces, a hostile payload on the channel).
 
-Reads are counted on the client's engine (``before_cursor_execute``): the thin client reads
-runs and the catalog through SQLAlchemy.
+Reads are counted on the client's engine (``before_cursor_execute``), and its looks at runs
+(which PostgreSQL sends straight to libpq) where the backend makes them.
 """
 
 from __future__ import annotations
@@ -12,16 +12,14 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import gc
-import threading
 import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from sqlalchemy import delete, event, func, select
+from sqlalchemy import delete, func, select
 
 import wf_persist as wp
 from wf_persist.models import executions_table as ex
@@ -30,41 +28,11 @@ from wf_persist.models import workflows_table as wf
 from wf_persist.wakeups import END, MAX_EXPECTED, WAKE, Ends
 
 from .fixtures import workflows as w
-from .helpers import Processes, wait_until
+from .helpers import Processes, client_statements, wait_until
 from .test_wakeups import _napping
 
 RUN_READ = "FROM wf_executions"
 CATALOG_READ = "FROM wf_workflows"
-
-
-@contextmanager
-def statements(client: wp.Client) -> Iterator[list[str]]:
-    """Every statement this client sends through SQLAlchemy while the block runs, and
-    every look at a run (which PostgreSQL sends straight to the driver)."""
-    seen: list[str] = []
-    backend = client.backend
-    read_one = backend.read_one
-    looking = threading.local()
-
-    def record(*args: Any) -> None:
-        if not getattr(looking, "now", False):  # a look's own statement: counted below
-            seen.append(str(args[2]))
-
-    def look(stmt: Any, params: dict[str, Any]) -> Any:
-        seen.append(str(stmt.compile(dialect=client.engine.dialect)))
-        looking.now = True
-        try:
-            return read_one(stmt, params)
-        finally:
-            looking.now = False
-
-    event.listen(client.engine, "before_cursor_execute", record)
-    backend.read_one = look  # type: ignore[method-assign]
-    try:
-        yield seen
-    finally:
-        del backend.read_one
-        event.remove(client.engine, "before_cursor_execute", record)
 
 
 def _reads(seen: list[str], what: str) -> int:
@@ -92,7 +60,7 @@ def test_a_run_this_client_started_is_read_only_once_its_end_is_heard(
     for workflow, payload in (("echo", 4), ("explode", "boom: ünïcode ✓")):
         handle = served.start(workflow, payload)
         began = time.monotonic()
-        with statements(served) as seen:
+        with client_statements(served) as seen:
             outcome = served.result(handle.execution_id, timeout=30)
         assert time.monotonic() - began < 5, "woken by the end, not by a 30 s poll"
         assert _reads(seen, RUN_READ) == 1, seen
@@ -149,7 +117,7 @@ def test_a_run_cancelled_without_compensation_wakes_its_waiter(
 def test_a_second_wait_for_an_awaited_run_reads_it_at_once(served: wp.Client) -> None:
     handle = served.start("echo", 3)
     served.result(handle.execution_id, timeout=30)
-    with statements(served) as seen:
+    with client_statements(served) as seen:
         again = served.result(handle.execution_id, timeout=30)
     assert _reads(seen, RUN_READ) == 1
     assert again.unwrap() == [1, 2, 3]
@@ -233,7 +201,7 @@ def test_a_start_by_name_takes_a_version_cataloged_since_the_client_last_read(
     make_runtime().register(_numbers_v1)
     with wp.Client(db_url) as client:
         assert client.start("test_client_wakeups_versions", 1).version == 1
-        with statements(client) as seen:
+        with client_statements(client) as seen:
             assert client.start("test_client_wakeups_versions", 2).version == 1
         assert _reads(seen, CATALOG_READ) == (0 if client.backend.checks_newest else 1)
         make_runtime().register(_text_v2)

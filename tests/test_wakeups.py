@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, event, select, text
+from sqlalchemy import create_engine, select, text
 
 import wf_persist as wp
 from wf_persist.models import executions_table as ex
@@ -24,7 +24,7 @@ from wf_persist.wakeups import ANY_END, Ends
 from .dbcount import counting
 from .fixtures import fencing as f
 from .fixtures import workflows as w
-from .helpers import Processes, wait_until
+from .helpers import Processes, client_statements, wait_until
 
 
 def _epoch(rt: wp.Runtime, execution_id: str) -> int:
@@ -190,17 +190,16 @@ def test_a_waiting_client_looks_at_its_run_again_only_when_its_end_is_heard(
         wait_until(
             lambda: bool(client.pending_signals(handle.execution_id)), what="the wait", timeout=20
         )
-        reads: list[str] = []
-        event.listen(client.engine, "before_cursor_execute", lambda *a: reads.append(str(a[2])))
         outcome: list[wp.Outcome] = []
-        waiter = threading.Thread(
-            target=lambda: outcome.append(client.result(handle.execution_id, timeout=60))
-        )
-        waiter.start()
-        time.sleep(1.5)  # backed-off polling would have looked about ten times by now
-        during = len(reads)
-        signaller.client().signal(handle.execution_id, "approval", {"approved": True})
-        waiter.join(20)
+        with client_statements(client) as reads:
+            waiter = threading.Thread(
+                target=lambda: outcome.append(client.result(handle.execution_id, timeout=60))
+            )
+            waiter.start()
+            time.sleep(1.5)  # backed-off polling would have looked about ten times by now
+            during = len(reads)
+            signaller.client().signal(handle.execution_id, "approval", {"approved": True})
+            waiter.join(20)
         assert outcome and outcome[0].status == "completed"
         assert during == 1, reads
         assert len(reads) == 2, reads
