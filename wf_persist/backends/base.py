@@ -656,11 +656,16 @@ class Backend:
         if disconnect and not invalidated:
             self._invalidate_pool(conn, exc)
             conn.invalidate(exc)
+        return self.wrapped(exc, statement, disconnect)
+
+    def wrapped(self, exc: Exception, statement: str | None, disconnect: bool) -> Exception:
+        """The driver's error ``exc`` as SQLAlchemy's own (parameters hidden)."""
+        dialect = self.base_engine.dialect
         return DBAPIError.instance(
             statement,
             None,
             exc,
-            dbapi.Error,
+            dialect.loaded_dbapi.Error,
             hide_parameters=True,
             dialect=dialect,
             connection_invalidated=disconnect,

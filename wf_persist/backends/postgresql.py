@@ -323,21 +323,11 @@ class PostgreSQLBackend(Backend):
     def _checkout(self) -> Any:
         """A pooled DBAPI connection; failing to connect raises SQLAlchemy's error, as
         ``engine.connect()`` would (``raw_connection`` leaves the driver's unwrapped)."""
+        dialect = self.base_engine.dialect
         try:
             return self.base_engine.raw_connection()
-        except Exception as exc:
-            dialect = self.base_engine.dialect
-            if not isinstance(exc, dialect.loaded_dbapi.Error):
-                raise
-            raise DBAPIError.instance(
-                None,
-                None,
-                exc,
-                dialect.loaded_dbapi.Error,
-                hide_parameters=True,
-                connection_invalidated=dialect.is_disconnect(exc, None, None),
-                dialect=dialect,
-            ) from exc
+        except dialect.loaded_dbapi.Error as exc:
+            raise self.wrapped(exc, None, dialect.is_disconnect(exc, None, None)) from exc
 
     def _send_raw(self, sql: str, params: dict[str, Any], conn: Connection | None = None) -> Any:
         owner: Any = conn if conn is not None else self._checkout()
