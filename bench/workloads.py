@@ -93,6 +93,21 @@ def sequential(client: wp.WorkflowClient | wp.Client, count: int, server: Server
     return {**rate.metrics(), "pickup_ms": statistics.median(pickups) * 1e3}
 
 
+def sequential_execute(client: wp.WorkflowClient, count: int, server: ServerCpu) -> Metrics:
+    """As :func:`sequential`, each run started and driven by one ``client.execute()`` (the
+    start writes the claim)."""
+    pickups: list[float] = []
+
+    def work() -> None:
+        for n in range(count):
+            began = time.time()
+            first = client.execute("bench_three_steps", n).unwrap()
+            pickups.append(float(first) - began)
+
+    rate = timed(count, work, server)
+    return {**rate.metrics(), "pickup_ms": statistics.median(pickups) * 1e3}
+
+
 def sequential_embedded(url: str, count: int, server: ServerCpu) -> Metrics:
     """As :func:`sequential`, with an embedded worker (``runtime.start_worker()``, its
     defaults) running."""
@@ -124,10 +139,11 @@ def concurrent(url: str, runs: int, concurrency: int, server: ServerCpu) -> Metr
         runtime.close()
 
 
-def round_trips(runtime: wp.Runtime) -> Metrics | None:
+def round_trips(runtime: wp.Runtime, execute: bool = False) -> Metrics | None:
     """What the database ran for one 3-step workflow started and awaited in this process
-    (no worker), counted by the test suite's ``DatabaseCounter`` (``tests/dbcount.py``);
-    None where that module is not importable (an installed package without the tests)."""
+    (no worker; with ``execute``, one ``client.execute()``), counted by the test suite's
+    ``DatabaseCounter`` (``tests/dbcount.py``); None where that module is not importable
+    (an installed package without the tests)."""
     try:
         from tests.dbcount import DatabaseCounter
     except ImportError:
@@ -137,8 +153,10 @@ def round_trips(runtime: wp.Runtime) -> Metrics | None:
     with tempfile.TemporaryDirectory(prefix="wf-persist-bench-count-") as tmp:
         counter = DatabaseCounter(runtime.engine, Path(tmp)).start()
         try:
-            handle = client.start(three_steps, 1)
-            client.result(handle.execution_id).unwrap()
+            if execute:
+                client.execute(three_steps, 1).unwrap()
+            else:
+                client.result(client.start(three_steps, 1).execution_id).unwrap()
         finally:
             counts = counter.stop()
     out = {"statements": float(counts.statements), "transactions": float(counts.transactions)}

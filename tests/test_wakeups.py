@@ -112,6 +112,89 @@ def test_a_start_with_a_taken_idempotency_key_claims_nothing(
     worker.unreserve()
 
 
+def test_execute_starts_the_run_claimed_and_drives_it_here_in_four_writes(
+    make_runtime: Callable[..., wp.Runtime], tmp_path: Path
+) -> None:
+    """``execute`` is start then result with the claim written by the start: four
+    transactions for a 3-step run (start-and-claim, two steps, the last step with the
+    outcome), one statement each on PostgreSQL; claimed once (epoch 1); the history is
+    what any run of it writes."""
+    rt = make_runtime(lease_ttl=300)
+    rt.register(w.echo_wf)
+    client = rt.client()
+    assert client.execute(w.echo_wf, 3).unwrap() == [1, 2, 3]  # warm: catalog, prepared SQL
+    with counting(rt.backend.base_engine, tmp_path / "run") as counter:
+        outcome = client.execute(w.echo_wf, 3)
+        counts = counter.counts()
+    assert isinstance(outcome, wp.Completed) and outcome.value == [1, 2, 3]
+    assert counts.transactions == 4, counts
+    assert counts.rollbacks == 0, counts
+    if rt.backend.can_listen:  # PostgreSQL: one statement per transaction
+        assert counts.statements == 4, counts
+    assert _epoch(rt, outcome.execution_id) == 1, "claimed by its start, never again"
+    assert client.status(outcome.execution_id) == "completed"
+    types = [r.event["type"] for r in client.history(outcome.execution_id)]
+    assert types == [
+        "execution.started",
+        "workflow.started",
+        *["step.started", "step.completed"] * 3,
+        "workflow.completed",
+    ]
+
+
+def test_execute_leaves_a_parked_run_to_workers_and_waits_for_it(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """A run that sleeps parks: the caller's drive ends there and the embedded worker
+    finishes it; ``execute`` returns its outcome. A failing run's outcome is returned, not
+    raised."""
+    rt = make_runtime(lease_ttl=300)
+    rt.register(w.napper_wf, w.explode_wf)
+    rt.start_worker(concurrency=2, poll_interval=0.05)
+    client = rt.client()
+    began = time.monotonic()
+    outcome = client.execute(w.napper_wf, 0.3)
+    assert outcome.unwrap() == "ok"
+    assert time.monotonic() - began >= 0.3
+    failed = client.execute(w.explode_wf, "boom")
+    assert isinstance(failed, wp.Failed) and "boom" in failed.message
+    assert client.status(failed.execution_id) == "failed"
+
+
+def test_execute_with_a_taken_idempotency_key_returns_that_runs_outcome(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """The key's run is not started again: its outcome comes back (driven here if due)."""
+    rt = make_runtime(lease_ttl=300)
+    rt.register(w.echo_wf)
+    client = rt.client()
+    first = client.start(w.echo_wf, 2, idempotency_key="k")
+    again = client.execute(w.echo_wf, 5, idempotency_key="k")
+    assert again.execution_id == first.execution_id
+    assert again.unwrap() == [1, 2]  # the first start's input, driven by this call
+    assert client.execute(w.echo_wf, 5, idempotency_key="k").unwrap() == [1, 2]
+    with rt.backend.read() as conn:
+        assert conn.execute(select(ex.c.id)).all() == [(first.execution_id,)]
+
+
+def test_a_refused_execute_writes_nothing_and_later_starts_go_to_the_worker(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """Bad input raises before anything is written; the next plain ``start`` on the same
+    thread is created claimed for the worker (its slot), not for this thread."""
+    rt = make_runtime(lease_ttl=300)
+    rt.register(w.echo_wf)
+    rt.start_worker(concurrency=1, poll_interval=30)
+    client = rt.client()
+    with pytest.raises(wp.InvalidPayloadError):
+        client.execute(w.echo_wf, "not a number")
+    with rt.backend.read() as conn:
+        assert conn.execute(select(ex.c.id)).all() == []
+    handle = client.start(w.echo_wf, 2)
+    assert client.result(handle.execution_id, timeout=10).unwrap() == [1, 2]
+    assert _epoch(rt, handle.execution_id) == 1
+
+
 # borrowed connections -------------------------------------------------------------------
 
 

@@ -231,6 +231,19 @@ class Runtime(Registry):
                 return NOT_DRIVEN
             return self._drive(claim, asked, until)
 
+    def drive_started(self, claim: Claim, asked: float) -> Any:
+        """Drive, in this thread, a run this thread just started claimed (see
+        :meth:`WorkflowClient.execute`); as :meth:`drive_for_outcome` returns."""
+        with self._driving_run(claim.execution_id, 0.5) as ours:
+            if not ours:  # cannot happen before its id was returned; due again at once
+                self.give_back(claim)
+                return NOT_DRIVEN
+            return self._drive(claim, asked)
+
+    def give_back(self, claim: Claim) -> None:
+        """Release a claim this process will not drive after all: due again at once."""
+        drives.release(self, claim)
+
     def drive_claim(self, claim: Claim) -> Any:
         """Drive a run a worker claimed (see :meth:`claim_due`)."""
         # Claims exclude runs this process drives, but a caller's ``result()`` may be just
