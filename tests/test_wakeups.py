@@ -24,7 +24,7 @@ from wf_persist.wakeups import ANY_END, Ends
 from .dbcount import counting
 from .fixtures import fencing as f
 from .fixtures import workflows as w
-from .helpers import Processes, client_statements, wait_until
+from .helpers import Processes, client_statements, history_types, wait_until
 
 
 def _epoch(rt: wp.Runtime, execution_id: str) -> int:
@@ -47,6 +47,14 @@ def _napping(ctx: wp.Context, seconds: float) -> float:
 
 # round trips ------------------------------------------------------------------------------
 
+#: What a 3-step run of ``echo_wf`` writes, one event at a time, however it is driven.
+THREE_STEPS_HISTORY = [
+    "execution.started",
+    "workflow.started",
+    *["step.started", "step.completed"] * 3,
+    "workflow.completed",
+]
+
 
 def test_a_three_step_run_started_and_awaited_here_is_five_writes_at_most(
     make_runtime: Callable[..., wp.Runtime], tmp_path: Path
@@ -67,13 +75,7 @@ def test_a_three_step_run_started_and_awaited_here_is_five_writes_at_most(
     assert counts.rollbacks == 0, counts
     if rt.backend.can_listen:  # PostgreSQL: one statement per transaction
         assert counts.statements <= 6, counts
-    types = [r.event["type"] for r in client.history(handle.execution_id)]
-    assert types == [
-        "execution.started",
-        "workflow.started",
-        *["step.started", "step.completed"] * 3,
-        "workflow.completed",
-    ]
+    assert history_types(client, handle.execution_id) == THREE_STEPS_HISTORY
 
 
 def test_a_run_started_beside_a_worker_is_driven_without_a_claim(
@@ -133,13 +135,7 @@ def test_execute_starts_the_run_claimed_and_drives_it_here_in_four_writes(
         assert counts.statements == 4, counts
     assert _epoch(rt, outcome.execution_id) == 1, "claimed by its start, never again"
     assert client.status(outcome.execution_id) == "completed"
-    types = [r.event["type"] for r in client.history(outcome.execution_id)]
-    assert types == [
-        "execution.started",
-        "workflow.started",
-        *["step.started", "step.completed"] * 3,
-        "workflow.completed",
-    ]
+    assert history_types(client, outcome.execution_id) == THREE_STEPS_HISTORY
 
 
 def test_execute_leaves_a_parked_run_to_workers_and_waits_for_it(
