@@ -380,7 +380,7 @@ def rows_for(backend: str, args: argparse.Namespace) -> list[Row]:
     rows.append(
         Row(
             "3",
-            "ours: worker process ÷ in-process (the better of 2a and 2b)",
+            "ours: worker process ÷ in-process (the best of the three ways in 2)",
             "proc.ours.per_s",
             "seq.ours_best.per_s",
             ".2f",

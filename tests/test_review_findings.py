@@ -3,6 +3,7 @@ step outcomes, PostgreSQL's raw statements, presence and wake-ups, embedded hand
 
 from __future__ import annotations
 
+import datetime as dt
 import threading
 import time
 from collections.abc import Callable
@@ -10,8 +11,10 @@ from typing import Any
 
 import pytest
 from sqlalchemy import Column, Engine, Integer, MetaData, Table, func, select, text
+from sqlalchemy.exc import DBAPIError
 
 import wf_persist as wp
+from wf_persist.events import NewEvent
 
 from .fixtures import fencing as f
 from .fixtures import workflows as w
@@ -269,3 +272,22 @@ def test_a_runtime_that_lost_its_presence_asks_before_its_next_attempt(
         assert other.drive(execution_id) is True
 
     f.presence_taken_over(driving, other, execution_id, drive)
+
+
+@pytest.mark.needs("embedded")
+def test_a_sqlite_write_on_a_connection_closed_under_it_raises_sqlalchemys_error(
+    runtime: wp.Runtime,
+) -> None:
+    """A step write on SQLite goes straight to the driver; on a driver connection closed
+    behind SQLAlchemy's back it fails at its first touch (making the cursor): as
+    SQLAlchemy's error, the connection invalidated, like every other failure there (it was
+    ``sqlite3.ProgrammingError``, unwrapped, and the dead connection went back to the pool)."""
+    now = dt.datetime.now(dt.UTC)
+    event = NewEvent({"type": "test.closed"}, now)
+    with runtime.engine.connect() as conn:
+        raw = conn.connection.driver_connection
+        assert raw is not None
+        raw.close()
+        with pytest.raises(DBAPIError, match="closed database"):
+            runtime.backend.write(conn, "no-such-run", 1, [event], now=now)
+        assert conn.invalidated

@@ -316,10 +316,11 @@ class SQLiteBackend(Backend):
             row["event"] = json.dumps(ev.event)
             rows.append(row)
         raw: Any = conn.connection.driver_connection
-        with contextlib.nullcontext() if self._ours(raw) else self._controlled(conn):
-            cursor = raw.cursor()
-            statement = update_sql
-            try:
+        cursor = None
+        statement = update_sql
+        try:  # a connection closed under us fails at its first touch: the cursor, say
+            with contextlib.nullcontext() if self._ours(raw) else self._controlled(conn):
+                cursor = raw.cursor()
                 cursor.execute("BEGIN IMMEDIATE")
                 try:
                     cursor.execute(update_sql, [params[k] for k in update_order])
@@ -337,8 +338,9 @@ class SQLiteBackend(Backend):
                     if raw.in_transaction:
                         raw.rollback()
                     raise
-            except sqlite3.Error as exc:
-                raise self.raw_failure(conn, exc, statement, cursor) from exc
-            finally:
+        except sqlite3.Error as exc:
+            raise self.raw_failure(conn, exc, statement, cursor) from exc
+        finally:
+            if cursor is not None:
                 cursor.close()
         return Fenced([base + i for i in range(n)], status)
