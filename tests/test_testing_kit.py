@@ -121,6 +121,16 @@ def test_compensations_are_recorded_in_unwind_order(wf_runtime: TestRuntime) -> 
     ]
 
 
+def test_compensations_of_a_run_executed_are_recorded_too(wf_runtime: TestRuntime) -> None:
+    """``client.execute`` returns the outcome of a run it drove to its end without
+    ``result``: the compensations are collected all the same."""
+    wf_runtime.register(s.saga_wf)
+    log = wf_runtime.record_compensations()
+    outcome = wf_runtime.client().execute(s.saga_wf, 1)
+    assert isinstance(outcome, wp.Failed)
+    assert [entry["step"] for entry in log] == ["second_step", "first_step"]
+
+
 def test_secrets_are_set_on_the_test_runtime(wf_runtime: TestRuntime) -> None:
     wf_runtime.register(kit.secret_wf)
     wf_runtime.set_secret("partner-key", "k" * 12)

@@ -191,6 +191,129 @@ def test_a_refused_execute_writes_nothing_and_later_starts_go_to_the_worker(
     assert _epoch(rt, handle.execution_id) == 1
 
 
+_gate = threading.Event()
+
+
+@wp.step
+def _gated(path: str) -> str:
+    w.mark(path, "begin")
+    _gate.wait(30)
+    time.sleep(0.5)
+    w.mark(path, "end")
+    return "done"
+
+
+@wp.workflow(name="test_wakeups_gated", version=1)
+def _gated_wf(ctx: wp.Context, path: str) -> str:
+    return ctx.run(_gated, path)
+
+
+def _lease_owner(rt: wp.Runtime, execution_id: str) -> str | None:
+    with rt.backend.read() as conn:
+        found = conn.execute(select(ex.c.lease_owner).where(ex.c.id == execution_id)).scalar()
+    return None if found is None else str(found)
+
+
+@pytest.mark.needs("presence")
+def test_execute_holds_its_runs_under_the_presence_lock(
+    make_runtime: Callable[..., wp.Runtime], tmp_path: Path
+) -> None:
+    """A process that only ever calls ``execute`` (no worker, no ``result``) takes its
+    presence lock before its first start: the run's owner is the locked name (ending in
+    ``!``), which others take over from at once if the process dies (it was the plain
+    name, taken over only after the lease)."""
+    rt = make_runtime(lease_ttl=300)
+    rt.register(_gated_wf)
+    client = rt.client()
+    marks = str(tmp_path / "marks")
+    _gate.clear()
+    done: list[wp.Outcome] = []
+    driver = threading.Thread(target=lambda: done.append(client.execute(_gated_wf, marks)))
+    driver.start()
+    try:
+        wait_until(lambda: "begin" in w.marks(marks), what="the step")
+        with rt.backend.read() as conn:
+            (run,) = conn.execute(select(ex.c.id)).scalars().all()
+        owner = _lease_owner(rt, run)
+        assert owner is not None and owner.endswith("!"), owner
+    finally:
+        _gate.set()
+        driver.join(30)
+    assert done[0].unwrap() == "done"
+
+
+def test_close_waits_for_a_run_a_caller_drives_beside_a_worker(
+    make_runtime: Callable[..., wp.Runtime], tmp_path: Path
+) -> None:
+    """``close()`` with a worker running also lets a run driven in a caller's thread
+    (``execute``) finish its step before releasing the leases: another runtime must not
+    take the run while its step still runs (``close`` returned at once and released it)."""
+    rt = make_runtime(lease_ttl=300)
+    rt.register(_gated_wf)
+    rt.start_worker(concurrency=2, poll_interval=30)
+    client = rt.client()
+    marks = str(tmp_path / "marks")
+    _gate.clear()
+    outcomes: list[object] = []
+
+    def drive() -> None:
+        try:
+            outcomes.append(client.execute(_gated_wf, marks))
+        except wp.WfPersistError as exc:  # closed under it: handed over
+            outcomes.append(exc)
+
+    driver = threading.Thread(target=drive)
+    driver.start()
+    wait_until(lambda: "begin" in w.marks(marks), what="the step")
+    _gate.set()
+    rt.close()
+    assert "end" in w.marks(marks), "close() returned while the step still ran"
+    driver.join(30)
+    assert outcomes
+
+
+def test_execute_on_a_closed_runtime_starts_nothing(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    rt = make_runtime(lease_ttl=300)
+    rt.register(w.echo_wf)
+    with rt.backend.read() as conn:  # the tables, before the engine goes
+        assert conn.execute(select(ex.c.id)).all() == []
+    other = make_runtime(lease_ttl=300)
+    rt.close()
+    with pytest.raises(wp.WfPersistError, match="closed"):
+        rt.client().execute(w.echo_wf, 2)
+    with other.backend.read() as conn:
+        assert conn.execute(select(ex.c.id)).all() == []
+
+
+def test_a_start_failing_after_its_claimed_run_was_written_leaves_the_run_due(
+    make_runtime: Callable[..., wp.Runtime], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A start created claimed that fails after its statement (committed on PostgreSQL,
+    rolled back elsewhere) leaves no run claimed by nobody: any run it made is due at once,
+    for ``execute`` and for a start handed to the worker alike."""
+    rt = make_runtime(lease_ttl=300)
+    rt.register(w.echo_wf)
+    backend = rt.backend
+    real = backend.insert_run
+
+    def insert_then_fail(*args: object, **kwargs: object) -> object:
+        real(*args, **kwargs)  # type: ignore[arg-type]
+        raise RuntimeError("lost after the insert")
+
+    monkeypatch.setattr(backend, "insert_run", insert_then_fail)
+    client = rt.client()
+    with pytest.raises(RuntimeError, match="lost after"):
+        client.execute(w.echo_wf, 2)
+    rt.start_worker(concurrency=1, poll_interval=30)
+    with pytest.raises(RuntimeError, match="lost after"):
+        client.start(w.echo_wf, 3)
+    with backend.read() as conn:
+        rows = conn.execute(select(ex.c.lease_owner, ex.c.claim_epoch)).all()
+    assert all(owner is None for owner, _ in rows), rows
+
+
 # borrowed connections -------------------------------------------------------------------
 
 

@@ -167,6 +167,10 @@ class Client(RunAwaiter):
         """A start of this client's own committed (not one in a host's transaction)."""
         self._notify()
 
+    def _abandoned(self, execution_id: str, workflow: str) -> None:
+        """A start created claimed (:meth:`_lease`) failed, maybe after it committed (its
+        answer lost, an interrupt): the run, if it exists, must not wait out the lease."""
+
     def _expect(self, execution_id: str) -> bool:
         """Before a start of this client's own is sent: while ends are announced, the run's
         end will be heard whenever it comes, so a wait for it needs no first look."""
@@ -317,6 +321,7 @@ class Client(RunAwaiter):
                     self._ends.unexpect(execution_id)
                 if lease is not None:
                     self._started(executions.Created(execution_id, pinned, False), True, asked)
+                    self._abandoned(execution_id, name)
                 raise
             if expected and (isinstance(found, Stale) or not found.created):
                 self._ends.unexpect(execution_id)

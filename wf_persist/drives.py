@@ -151,7 +151,7 @@ def drive(
                 # Stopped by close() or a caller's deadline, not by a takeover: hand the run
                 # over now (its lease is forgotten below, so close() would not release it).
                 telemetry.drive_outcome("handed_over")
-                release(runtime, claim)
+                release(runtime, claim.execution_id, claim.epoch, claim.workflow_name)
             else:
                 telemetry.drive_outcome("lease_lost")
                 log.warning(
@@ -170,7 +170,8 @@ def drive(
             with contextlib.suppress(Exception, Halt):
                 driver.flush()
         off_loop(lender.release)
-        release(runtime, claim)  # due again at once elsewhere
+        # Due again at once elsewhere.
+        release(runtime, claim.execution_id, claim.epoch, claim.workflow_name)
         raise
     finally:
         off_loop(lender.release)
@@ -266,20 +267,20 @@ def _failed(runtime: Runtime, claim: Claim, exc: BaseException) -> None:
         )
 
 
-def release(runtime: Runtime, claim: Claim) -> None:
-    """Give the run's lease up at once (best effort)."""
-    off_loop(_release, runtime, claim)
+def release(runtime: Runtime, execution_id: str, epoch: int, workflow: str) -> None:
+    """Give the run's lease up at once, if ``epoch`` is still its own (best effort)."""
+    off_loop(_release, runtime, execution_id, epoch, workflow)
 
 
-def _release(runtime: Runtime, claim: Claim) -> None:
+def _release(runtime: Runtime, execution_id: str, epoch: int, workflow: str) -> None:
     try:
         with runtime.backend.begin() as conn:
-            runtime.backend.release(conn, {claim.execution_id: claim.epoch})
+            runtime.backend.release(conn, {execution_id: epoch})
     except Exception as exc:
         log.warning(
             "run %s (%s): could not release its lease: %s",
-            claim.execution_id,
-            claim.workflow_name,
+            execution_id,
+            workflow,
             brief(exc),
-            extra=run_fields(claim.execution_id, claim.workflow_name),
+            extra=run_fields(execution_id, workflow),
         )

@@ -85,8 +85,15 @@ class WorkflowClient(Client):
     def _lease(self) -> tuple[str, float] | None:
         rt = self.runtime
         if getattr(self._here, "wanted", False):  # execute(): this thread drives it
-            return None if rt.closing else (rt.owner, rt.lease_ttl.total_seconds())
+            if rt.closing:
+                return None
+            rt.wakeups()  # the presence lock first: its owner name is the lease's
+            return rt.owner, rt.lease_ttl.total_seconds()
         return (rt.owner, rt.lease_ttl.total_seconds()) if rt.reserve_drive() else None
+
+    def _abandoned(self, execution_id: str, workflow: str) -> None:
+        # A run created claimed has epoch 1; a release of a run never created matches none.
+        self.runtime.give_back(execution_id, 1, workflow)
 
     def _started(self, created: executions.Created, leased: bool, asked: float) -> None:
         if leased and getattr(self._here, "wanted", False):
@@ -117,6 +124,7 @@ class WorkflowClient(Client):
         due). The arguments are :meth:`start`'s (``timeout`` is the run's, not a bound on
         this wait: use ``start`` and ``result(timeout=...)`` for that).
         """
+        self.runtime._check_open()  # nothing is started on a closed runtime
         here = self._here
         here.wanted, here.claim = True, None
         try:
@@ -131,7 +139,8 @@ class WorkflowClient(Client):
         except BaseException:
             claimed, here.claim = here.claim, None
             if claimed is not None:  # made claimed, then interrupted: due again at once
-                self.runtime.give_back(claimed[0])
+                claim = claimed[0]
+                self.runtime.give_back(claim.execution_id, claim.epoch, claim.workflow_name)
             raise
         finally:
             here.wanted = False
@@ -142,7 +151,6 @@ class WorkflowClient(Client):
             if isinstance(drove, tuple):
                 known = self._known(execution_id)
                 if known is not None:
-                    self._ends.unexpect(execution_id)  # heard here: no end to keep
                     return known
         return self.result(execution_id)
 

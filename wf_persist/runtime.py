@@ -235,14 +235,17 @@ class Runtime(Registry):
         """Drive, in this thread, a run this thread just started claimed (see
         :meth:`WorkflowClient.execute`); as :meth:`drive_for_outcome` returns."""
         with self._driving_run(claim.execution_id, 0.5) as ours:
-            if not ours:  # cannot happen before its id was returned; due again at once
-                self.give_back(claim)
+            # Closing (close() waits for the runs marked as driven here, so this is seen
+            # in time), or another thread here holds it: due again at once.
+            if not ours or self.closing:
+                self.give_back(claim.execution_id, claim.epoch, claim.workflow_name)
                 return NOT_DRIVEN
             return self._drive(claim, asked)
 
-    def give_back(self, claim: Claim) -> None:
-        """Release a claim this process will not drive after all: due again at once."""
-        drives.release(self, claim)
+    def give_back(self, execution_id: str, epoch: int, workflow: str) -> None:
+        """Release a claim this process will not drive after all (if ``epoch`` is still
+        the run's): due again at once."""
+        drives.release(self, execution_id, epoch, workflow)
 
     def drive_claim(self, claim: Claim) -> Any:
         """Drive a run a worker claimed (see :meth:`claim_due`)."""
@@ -252,7 +255,7 @@ class Runtime(Registry):
             with self._lock:
                 self._dispatched.discard(claim.execution_id)
             if not ours:
-                drives.release(self, claim)
+                self.give_back(claim.execution_id, claim.epoch, claim.workflow_name)
                 return NOT_DRIVEN
             return self._drive(claim)
 
@@ -318,7 +321,7 @@ class Runtime(Registry):
             with self._lock:
                 self._dispatched.discard(claim.execution_id)
             keeper.forget(lease)
-            drives.release(self, claim)
+            self.give_back(claim.execution_id, claim.epoch, claim.workflow_name)
 
     def claim_due(self, limit: int) -> list[Claim]:
         """Claim up to ``limit`` due runs this runtime can drive (for workers)."""
@@ -518,9 +521,10 @@ class Runtime(Registry):
             self._closed = True
             self.closing = True
             worker, keeper = self._worker, self._keeper
+        deadline = time.monotonic() + timeout
         if worker is not None:
             worker.stop(timeout)
-        deadline = time.monotonic() + (0 if worker is not None else timeout)
+        # Runs driven in callers' threads (result(), execute()) stop at their next step too.
         while time.monotonic() < deadline:
             with self._lock:
                 if not self._driving:

@@ -78,6 +78,11 @@ class TestClient(WorkflowClient):
         self.runtime._collect(execution_id)
         return outcome
 
+    def execute(self, *args: Any, **kwargs: Any) -> Outcome:
+        outcome = super().execute(*args, **kwargs)
+        self.runtime._collect(outcome.execution_id)
+        return outcome
+
 
 class TestRuntime(Runtime):
     """A runtime on a private, temporary SQLite database with a virtual clock.
