@@ -9,6 +9,7 @@ figures.
 from __future__ import annotations
 
 import signal
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, select, text
+from sqlalchemy.exc import OperationalError
 
 import wf_persist as wp
 from wf_persist.models import executions_table as ex
@@ -312,6 +314,158 @@ def test_a_start_failing_after_its_claimed_run_was_written_leaves_the_run_due(
     with backend.read() as conn:
         rows = conn.execute(select(ex.c.lease_owner, ex.c.claim_epoch)).all()
     assert all(owner is None for owner, _ in rows), rows
+
+
+@pytest.mark.needs("presence")
+def test_threads_executing_at_once_first_all_claim_under_the_presence_lock(
+    make_runtime: Callable[..., wp.Runtime], tmp_path: Path
+) -> None:
+    """Eight threads' first ``execute`` calls at once: the ones that find the listener
+    being started wait for the presence lock, so every run carries the locked name (seven
+    carried the plain one, freed only by a lapsed lease)."""
+    rt = make_runtime(lease_ttl=300)
+    rt.register(_gated_wf)
+    client = rt.client()
+    _gate.clear()
+    files = [str(tmp_path / f"marks-{i}") for i in range(8)]
+    threads = [threading.Thread(target=client.execute, args=(_gated_wf, f)) for f in files]
+    for thread in threads:
+        thread.start()
+    try:
+        wait_until(lambda: all("begin" in w.marks(f) for f in files), what="every step")
+        with rt.backend.read() as conn:
+            owners = conn.execute(select(ex.c.lease_owner)).scalars().all()
+        assert len(owners) == 8 and all(o is not None and o.endswith("!") for o in owners)
+    finally:
+        _gate.set()
+        for thread in threads:
+            thread.join(30)
+
+
+_closing: list[wp.Runtime] = []
+
+
+@wp.step
+def _close_runtime(path: str) -> float:
+    began = time.monotonic()
+    _closing[0].close(timeout=4)
+    with _closing[1].backend.read() as conn:
+        owners = conn.execute(select(ex.c.lease_owner)).scalars().all()
+    w.mark(path, f"owner:{owners[0]}")
+    return time.monotonic() - began
+
+
+@wp.step
+def _after_close(path: str) -> str:
+    w.mark(path, "second")
+    return "second"
+
+
+@wp.workflow(name="test_wakeups_closes", version=1)
+def _closes_wf(ctx: wp.Context, path: str) -> str:
+    ctx.run(_close_runtime, path)
+    return ctx.run(_after_close, path)
+
+
+def test_close_from_a_step_it_drives_neither_waits_for_nor_releases_that_run(
+    make_runtime: Callable[..., wp.Runtime], tmp_path: Path
+) -> None:
+    """``close()`` called in a thread that drives a run (from its step, or a signal handler
+    interrupting it) cannot see that drive end before it returns: beside a worker it does
+    not wait its timeout for it (it did), and it does not release the run's lease while the
+    step still runs; the drive hands the run over at its next step, where another runtime
+    finishes it."""
+    rt = make_runtime(lease_ttl=300)
+    rt.register(_closes_wf)
+    rt.start_worker(concurrency=1, poll_interval=30)
+    other = make_runtime(lease_ttl=300)
+    other.register(_closes_wf)
+    marks = str(tmp_path / "marks")
+    _closing[:] = [rt, other]
+    client = rt.client()
+    try:
+        with pytest.raises(wp.WfPersistError, match="closed"):  # handed over, not awaited
+            client.execute(_closes_wf, marks)
+    finally:
+        _closing.clear()
+    with other.backend.read() as conn:
+        (run,) = conn.execute(select(ex.c.id)).scalars().all()
+    assert other.client().result(run, timeout=30).unwrap() == "second"
+    owner = next(m for m in w.marks(marks) if m.startswith("owner:"))
+    assert owner != "owner:None", "released while its step still ran"
+    (closing_took,) = [
+        r.event["result"]
+        for r in other.client().history(run)
+        if r.event["type"] == "step.completed" and r.event["stepName"].endswith("close_runtime")
+    ]
+    assert closing_took < 2, f"close() waited {closing_took:.1f}s for its own thread's run"
+    assert w.marks(marks).count("second") == 1
+
+
+@pytest.mark.needs("embedded")
+def test_a_claimed_start_refused_by_a_locked_database_is_not_written_twice(
+    tmp_path: Path,
+) -> None:
+    """SQLite rolls a failed start back: nothing can have committed, so there is no lease
+    to give back (a second write waited out the busy timeout again)."""
+    path = tmp_path / "locked.sqlite3"
+    host = create_engine(f"sqlite:///{path}", connect_args={"timeout": 1.0})
+    rt = wp.Runtime(host, auto_migrate=True)
+    try:
+        rt.register(w.echo_wf)
+        client = rt.client()
+        assert client.execute(w.echo_wf, 1).unwrap() == [1, 2]
+        blocker = sqlite3.connect(path, isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")
+        try:
+            began = time.monotonic()
+            with pytest.raises(OperationalError, match="locked"):
+                client.execute(w.echo_wf, 2)
+            took = time.monotonic() - began
+        finally:
+            blocker.execute("ROLLBACK")
+            blocker.close()
+        assert took < 1.8, f"{took:.2f}s: the busy timeout was waited twice"
+    finally:
+        rt.close()
+        host.dispose()
+
+
+class _Interrupt(BaseException):
+    """Stands for KeyboardInterrupt (which pytest would take as its own)."""
+
+
+def test_an_interrupt_while_a_drive_opens_gives_the_run_back(
+    make_runtime: Callable[..., wp.Runtime], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Interrupted after its claim but before its body runs, a drive forgets its lease
+    (it was renewed for ever by nobody's drive) and releases the run: due at once."""
+    from wf_persist import drives
+
+    rt = make_runtime(lease_ttl=300)
+    rt.register(w.echo_wf)
+
+    def interrupted(*args: object, **kwargs: object) -> object:
+        raise _Interrupt
+
+    monkeypatch.setattr(drives, "start_drive", interrupted)
+    with pytest.raises(_Interrupt):
+        rt.client().execute(w.echo_wf, 2)
+    assert rt.keeper().held() == {}
+    with rt.backend.read() as conn:
+        assert conn.execute(select(ex.c.lease_owner)).scalars().all() == [None]
+
+
+def test_a_closed_runtime_starts_no_new_lease_keeper(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    rt = make_runtime(lease_ttl=300)
+    rt.register(w.echo_wf)
+    assert rt.client().execute(w.echo_wf, 1).unwrap() == [1, 2]
+    rt.close()
+    rt.keeper()  # as a drive still finishing would
+    names = [t.name for t in threading.enumerate() if t.is_alive()]
+    assert "wf-persist-lease-keeper" not in names, names
 
 
 # borrowed connections -------------------------------------------------------------------

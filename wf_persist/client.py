@@ -168,7 +168,7 @@ class Client(RunAwaiter):
         self._notify()
 
     def _abandoned(self, execution_id: str, workflow: str) -> None:
-        """A start created claimed (:meth:`_lease`) failed, maybe after it committed (its
+        """A start created claimed (:meth:`_lease`) failed after it may have committed (its
         answer lost, an interrupt): the run, if it exists, must not wait out the lease."""
 
     def _expect(self, execution_id: str) -> bool:
@@ -316,12 +316,13 @@ class Client(RunAwaiter):
             try:
                 with self.backend.atomic() as conn:
                     found = write(conn, lease)
-            except BaseException:
+            except BaseException as exc:
                 if expected:
                     self._ends.unexpect(execution_id)
                 if lease is not None:
                     self._started(executions.Created(execution_id, pinned, False), True, asked)
-                    self._abandoned(execution_id, name)
+                    if self.backend.may_have_committed(exc):
+                        self._abandoned(execution_id, name)
                 raise
             if expected and (isinstance(found, Stale) or not found.created):
                 self._ends.unexpect(execution_id)

@@ -15,6 +15,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -176,9 +177,10 @@ class LeaseKeeper(threading.Thread):
             return []  # said at the next renewal
         return [i for i, lease in current.items() if epochs.get(i) != lease.epoch]
 
-    def release_all(self) -> int:
-        """Give up every held lease now (the runs are due at once for other workers)."""
-        held = self.held()
+    def release_all(self, keep: Collection[str] = ()) -> int:
+        """Give up every held lease now but those of ``keep`` (the runs are due at once for
+        other workers)."""
+        held = {i: epoch for i, epoch in self.held().items() if i not in keep}
         if not held:
             return 0
         try:

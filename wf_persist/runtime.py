@@ -53,6 +53,9 @@ Clock = Callable[[], dt.datetime]
 NOT_DRIVEN: Any = object()
 #: How many outcomes of runs finished here a runtime keeps for its waiters.
 FINISHED_KEPT = 4096
+#: Seconds a thread waits for another to settle this runtime's lease owner name (the
+#: listener's start waits 5 s at most for its connection and the presence lock).
+OWNER_SETTLE_WAIT = 10.0
 #: A pool this large serves a worker of any concurrency without runs queueing for long.
 COMFORTABLE_POOL = 10
 
@@ -157,7 +160,10 @@ class Runtime(Registry):
         self._registry = {}
         self._latest = {}
         self._lock = threading.Lock()
-        self._driving: set[str] = set()
+        #: Runs driven in this process now, with the thread driving each.
+        self._driving: dict[str, int] = {}
+        #: Set once :attr:`owner` is what it will be (the presence lock taken, or not).
+        self._owner_settled = threading.Event()
         #: Runs started claimed here and handed to the worker, not yet being driven.
         self._dispatched: set[str] = set()
         #: Outcomes of runs finished here lately: ``(name, version, ok, stored value)``.
@@ -193,7 +199,7 @@ class Runtime(Registry):
         while True:
             with self._lock:
                 if execution_id not in self._driving:
-                    self._driving.add(execution_id)
+                    self._driving[execution_id] = threading.get_ident()
                     break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -204,7 +210,7 @@ class Runtime(Registry):
             yield True
         finally:
             with self._lock:
-                self._driving.discard(execution_id)
+                self._driving.pop(execution_id, None)
                 last = self._closed and not self._driving
             self._notify(worker=False)  # a drive's end frees a worker slot: see Worker._done
             if last:  # close() left the engine to the drives still in flight
@@ -270,6 +276,10 @@ class Runtime(Registry):
                 keeper.forget(lease)
                 drives.failed(self, claim, exc)
                 return None
+            except BaseException:  # interrupted: not held on (renewed) by nobody's drive
+                keeper.forget(lease)
+                self.give_back(claim.execution_id, claim.epoch, claim.workflow_name)
+                raise
             finished = drives.drive(self, claim, lease, loaded, until)
             traced.finished(finished)
         if finished is not None:
@@ -365,10 +375,11 @@ class Runtime(Registry):
     def keeper(self) -> LeaseKeeper:
         """The lease keeper (started on first use)."""
         with self._lock:
-            if self._keeper is None or not self._keeper.is_alive():
-                self._keeper = LeaseKeeper(self.backend, self._ttl())
-                self._keeper.start()
-            return self._keeper
+            found = self._keeper
+            if found is None or (not found.is_alive() and not self._closed):
+                found = self._keeper = LeaseKeeper(self.backend, self._ttl())
+                found.start()
+            return found  # after close: the stopped one (nothing renews any more)
 
     def reap(self) -> list[str]:
         """Make runs whose owner's process is gone due now (see :meth:`Backend.reap`)."""
@@ -388,11 +399,21 @@ class Runtime(Registry):
                 found.on_due(lambda at: self._wake_worker(timers=at != DUE_NOW))
                 found.on_end(lambda _id: self._notify(worker=False))
                 self._wakeups = found
-                fresh = True
+                fresh = not self._closed  # a closed runtime starts no listener
+                if not fresh:
+                    self._owner_settled.set()
             else:
                 fresh = False
-        if fresh and found.start() and found.present and found.presence is not None:
-            self.owner = found.presence
+        if not fresh:
+            # Another thread is taking the presence lock: a claim made before it settles
+            # would carry the plain name, which only a lapsed lease frees.
+            self._owner_settled.wait(OWNER_SETTLE_WAIT)
+            return found
+        try:
+            if found.start() and found.present and found.presence is not None:
+                self.owner = found.presence
+        finally:
+            self._owner_settled.set()
         return found
 
     def presence_since(self) -> float | None:
@@ -524,14 +545,19 @@ class Runtime(Registry):
         deadline = time.monotonic() + timeout
         if worker is not None:
             worker.stop(timeout)
-        # Runs driven in callers' threads (result(), execute()) stop at their next step too.
+        # Runs driven in callers' threads (result(), execute()) stop at their next step too;
+        # those of the thread closing (from a step, a signal handler) cannot until it
+        # returns: they are not waited for, and they hand themselves over then.
+        here = threading.get_ident()
         while time.monotonic() < deadline:
             with self._lock:
-                if not self._driving:
+                if all(thread == here for thread in self._driving.values()):
                     break
             self.wait_for_change(0.05)
         if keeper is not None:
-            keeper.release_all()
+            with self._lock:
+                mine = {i for i, thread in self._driving.items() if thread == here}
+            keeper.release_all(keep=mine)
             keeper.stop()
         self.timers.stop()
         if self._wakeups is not None:

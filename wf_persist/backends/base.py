@@ -186,6 +186,11 @@ class Backend:
         with self.begin() as conn:
             yield conn
 
+    def may_have_committed(self, exc: BaseException) -> bool:
+        """Whether a store call made atomic by :meth:`atomic` may have committed although it
+        raised ``exc``: only if its connection was lost (and the commit's answer with it)."""
+        return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
+
     @contextlib.contextmanager
     def read(self, conn: Connection | None = None) -> Iterator[Connection]:
         """A read-only transaction, on ``conn`` or a pooled connection."""
