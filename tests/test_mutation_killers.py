@@ -966,7 +966,7 @@ def test_claimed_runs_are_held_from_before_the_claim_and_never_twice(
     assert before <= lease.confirmed <= after, "confirmed from when the claim was sent"
 
     with rt._lock:  # this process drives it (the driving thread is elsewhere)
-        rt._driving[first.execution_id] = 0
+        rt._driving.add(first.execution_id)
     with rt.transaction() as conn:  # its lease looks expired to the database
         conn.execute(
             ex.update()
@@ -975,7 +975,7 @@ def test_claimed_runs_are_held_from_before_the_claim_and_never_twice(
         )
     assert rt.claim_due(10) == [], "never a run this process still drives"
     with rt._lock:
-        rt._driving.pop(first.execution_id)
+        rt._driving.discard(first.execution_id)
     rt.closing = True
     assert rt.claim_due(10) == [], "a closing runtime claims nothing"
     rt.closing = False

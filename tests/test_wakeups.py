@@ -8,11 +8,12 @@ figures.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -345,14 +346,24 @@ def test_threads_executing_at_once_first_all_claim_under_the_presence_lock(
 _closing: list[wp.Runtime] = []
 
 
-@wp.step
-def _close_runtime(path: str) -> float:
+def _close_and_look(path: str) -> float:
+    """Close the first runtime from inside a step; mark the run's lease owner just after."""
     began = time.monotonic()
     _closing[0].close(timeout=4)
     with _closing[1].backend.read() as conn:
         owners = conn.execute(select(ex.c.lease_owner)).scalars().all()
     w.mark(path, f"owner:{owners[0]}")
     return time.monotonic() - began
+
+
+@wp.step(name="test_wakeups_close_plain")
+def _close_plain(path: str) -> float:
+    return _close_and_look(path)
+
+
+@wp.step(name="test_wakeups_close_timed", timeout=60)  # runs on a thread of its own
+def _close_timed(path: str) -> float:
+    return _close_and_look(path)
 
 
 @wp.step
@@ -362,19 +373,26 @@ def _after_close(path: str) -> str:
 
 
 @wp.workflow(name="test_wakeups_closes", version=1)
-def _closes_wf(ctx: wp.Context, path: str) -> str:
-    ctx.run(_close_runtime, path)
+def _closes_wf(ctx: wp.Context, args: dict[str, str]) -> str:
+    path, how = args["path"], args["how"]
+    if how == "branch":  # a ctx.all branch runs on a thread of the block's
+        ctx.all([wp.call(_close_plain, path)])
+    else:
+        ctx.run(_close_timed if how == "timed" else _close_plain, path)
     return ctx.run(_after_close, path)
 
 
-def test_close_from_a_step_it_drives_neither_waits_for_nor_releases_that_run(
-    make_runtime: Callable[..., wp.Runtime], tmp_path: Path
+@pytest.mark.parametrize("how", ["caller", "worker", "timed", "branch"])
+def test_close_from_inside_a_run_neither_waits_for_nor_releases_that_run(
+    make_runtime: Callable[..., wp.Runtime], tmp_path: Path, how: str
 ) -> None:
-    """``close()`` called in a thread that drives a run (from its step, or a signal handler
-    interrupting it) cannot see that drive end before it returns: beside a worker it does
-    not wait its timeout for it (it did), and it does not release the run's lease while the
-    step still runs; the drive hands the run over at its next step, where another runtime
-    finishes it."""
+    """``close()`` called from inside a run (its step, on the driving thread or on a step's
+    or branch's own thread; or a signal handler interrupting it) cannot see that run stop
+    before it returns: it does not wait its timeout for it (it did, beside a worker: the
+    worker's loop waited for that very run), and it does not release the run's lease while
+    the step still runs (it did from a step's or a branch's thread: another runtime then
+    ran the same step at once); the drive hands the run over at its next step, where
+    another runtime finishes it."""
     rt = make_runtime(lease_ttl=300)
     rt.register(_closes_wf)
     rt.start_worker(concurrency=1, poll_interval=30)
@@ -384,22 +402,56 @@ def test_close_from_a_step_it_drives_neither_waits_for_nor_releases_that_run(
     _closing[:] = [rt, other]
     client = rt.client()
     try:
-        with pytest.raises(wp.WfPersistError, match="closed"):  # handed over, not awaited
-            client.execute(_closes_wf, marks)
+        if how == "worker":  # handed to the worker: driven on its thread
+            run = client.start(_closes_wf, {"path": marks, "how": how}).execution_id
+            wait_until(lambda: any(m.startswith("owner:") for m in w.marks(marks)), 30)
+        else:
+            with pytest.raises(wp.WfPersistError, match="closed"):  # handed over, not awaited
+                client.execute(_closes_wf, {"path": marks, "how": how})
+            with other.backend.read() as conn:
+                (run,) = conn.execute(select(ex.c.id)).scalars().all()
+        assert other.client().result(run, timeout=30).unwrap() == "second"
     finally:
         _closing.clear()
-    with other.backend.read() as conn:
-        (run,) = conn.execute(select(ex.c.id)).scalars().all()
-    assert other.client().result(run, timeout=30).unwrap() == "second"
     owner = next(m for m in w.marks(marks) if m.startswith("owner:"))
     assert owner != "owner:None", "released while its step still ran"
     (closing_took,) = [
         r.event["result"]
         for r in other.client().history(run)
-        if r.event["type"] == "step.completed" and r.event["stepName"].endswith("close_runtime")
+        if r.event["type"] == "step.completed"
+        and r.event["stepName"].startswith("test_wakeups_close_")
     ]
-    assert closing_took < 2, f"close() waited {closing_took:.1f}s for its own thread's run"
+    assert closing_took < 2, f"close() waited {closing_took:.1f}s for the run inside it"
     assert w.marks(marks).count("second") == 1
+    steps_begun = [r for r in other.client().history(run) if r.event["type"] == "step.started"]
+    assert len(steps_begun) == 2, "each step began once"
+
+
+def test_an_interrupt_just_after_a_claimed_start_committed_gives_the_run_back(
+    make_runtime: Callable[..., wp.Runtime], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An interrupt that lands after a start created claimed committed (while the driver
+    waits for the commit's answer, say): the run is released, not left leased by nobody's
+    drive (it waited out the lease on SQLite and MySQL)."""
+    rt = make_runtime(lease_ttl=300)
+    rt.register(w.echo_wf)
+    backend = rt.backend
+    real = backend.atomic
+
+    @contextlib.contextmanager
+    def atomic_then_interrupt() -> Iterator[object]:
+        with real() as conn:
+            yield conn
+        raise _Interrupt
+
+    monkeypatch.setattr(backend, "atomic", atomic_then_interrupt)
+    with pytest.raises(_Interrupt):
+        rt.client().execute(w.echo_wf, 2)
+    monkeypatch.undo()
+    with backend.read() as conn:
+        rows = conn.execute(select(ex.c.id, ex.c.lease_owner)).all()
+    assert [owner for _, owner in rows] == [None], rows
+    assert rt.client().result(rows[0][0], timeout=30).unwrap() == [1, 2]
 
 
 @pytest.mark.needs("embedded")

@@ -212,7 +212,7 @@ def test_suspended_runs_cost_the_worker_no_memory(runtime: wp.Runtime) -> None:
     assert client.list(w.two_approvals_wf, status="suspended").items.__len__() == 300
     loaded = idle_allocations()
     assert loaded - baseline < 256 * 1024, (baseline, loaded)
-    assert runtime._driving == {}
+    assert runtime._driving == set()
 
 
 def test_sigterm_stops_a_worker_process_at_the_next_step_and_hands_the_run_over(

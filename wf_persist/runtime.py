@@ -19,7 +19,8 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, Final
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import URL
@@ -53,6 +54,9 @@ Clock = Callable[[], dt.datetime]
 NOT_DRIVEN: Any = object()
 #: How many outcomes of runs finished here a runtime keeps for its waiters.
 FINISHED_KEPT = 4096
+#: The run the code running now belongs to: set for a drive, and inherited by its step
+#: threads and ``ctx.all`` branches (their contexts are copies).
+DRIVING_RUN: Final[ContextVar[str | None]] = ContextVar("wf_persist_driving_run", default=None)
 #: Seconds a thread waits for another to settle this runtime's lease owner name (the
 #: listener's start waits 5 s at most for its connection and the presence lock).
 OWNER_SETTLE_WAIT = 10.0
@@ -160,8 +164,8 @@ class Runtime(Registry):
         self._registry = {}
         self._latest = {}
         self._lock = threading.Lock()
-        #: Runs driven in this process now, with the thread driving each.
-        self._driving: dict[str, int] = {}
+        #: Runs driven in this process now.
+        self._driving: set[str] = set()
         #: Set once :attr:`owner` is what it will be (the presence lock taken, or not).
         self._owner_settled = threading.Event()
         #: Runs started claimed here and handed to the worker, not yet being driven.
@@ -199,18 +203,20 @@ class Runtime(Registry):
         while True:
             with self._lock:
                 if execution_id not in self._driving:
-                    self._driving[execution_id] = threading.get_ident()
+                    self._driving.add(execution_id)
                     break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 yield False
                 return
             off_loop(self.wait_for_change, min(0.05, remaining))
+        token = DRIVING_RUN.set(execution_id)
         try:
             yield True
         finally:
+            DRIVING_RUN.reset(token)
             with self._lock:
-                self._driving.pop(execution_id, None)
+                self._driving.discard(execution_id)
                 last = self._closed and not self._driving
             self._notify(worker=False)  # a drive's end frees a worker slot: see Worker._done
             if last:  # close() left the engine to the drives still in flight
@@ -373,13 +379,15 @@ class Runtime(Registry):
         return self.lease_ttl.total_seconds()
 
     def keeper(self) -> LeaseKeeper:
-        """The lease keeper (started on first use)."""
+        """The lease keeper (started on first use, again if it died; never after close)."""
         with self._lock:
             found = self._keeper
-            if found is None or (not found.is_alive() and not self._closed):
-                found = self._keeper = LeaseKeeper(self.backend, self._ttl())
+            if found is not None and (found.is_alive() or self._closed):
+                return found  # running; or stopped by close(), after which nothing renews
+            found = self._keeper = LeaseKeeper(self.backend, self._ttl())
+            if not self._closed:
                 found.start()
-            return found  # after close: the stopped one (nothing renews any more)
+            return found
 
     def reap(self) -> list[str]:
         """Make runs whose owner's process is gone due now (see :meth:`Backend.reap`)."""
@@ -542,22 +550,21 @@ class Runtime(Registry):
             self._closed = True
             self.closing = True
             worker, keeper = self._worker, self._keeper
+        # A close() from inside a run (its step, a ctx.all branch, a signal handler in the
+        # thread driving it) cannot see that run stop before it returns: the run is neither
+        # waited for nor released; it hands itself over at its next step.
+        mine = DRIVING_RUN.get()
         deadline = time.monotonic() + timeout
         if worker is not None:
-            worker.stop(timeout)
-        # Runs driven in callers' threads (result(), execute()) stop at their next step too;
-        # those of the thread closing (from a step, a signal handler) cannot until it
-        # returns: they are not waited for, and they hand themselves over then.
-        here = threading.get_ident()
+            worker.stop(timeout, join=mine is None)
+        # Runs driven in callers' threads (result(), execute()) stop at their next step too.
         while time.monotonic() < deadline:
             with self._lock:
-                if all(thread == here for thread in self._driving.values()):
+                if self._driving <= {mine}:
                     break
             self.wait_for_change(0.05)
         if keeper is not None:
-            with self._lock:
-                mine = {i for i, thread in self._driving.items() if thread == here}
-            keeper.release_all(keep=mine)
+            keeper.release_all(keep=() if mine is None else (mine,))
             keeper.stop()
         self.timers.stop()
         if self._wakeups is not None:

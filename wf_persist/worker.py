@@ -129,12 +129,13 @@ class Worker:
         self._thread.start()
         return self
 
-    def stop(self, timeout: float | None = 30) -> None:
+    def stop(self, timeout: float | None = 30, *, join: bool = True) -> None:
         """Stop claiming; wait up to ``timeout`` for runs in flight (they stop at their next
-        step once the runtime closes; their leases are released or lapse)."""
+        step once the runtime closes; their leases are released or lapse). ``join=False``:
+        do not wait (a run in flight is asking, which its loop would wait for)."""
         self._stopping.set()
         self._wake.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
+        if join and self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
     def reserve(self) -> bool:

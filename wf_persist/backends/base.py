@@ -188,7 +188,10 @@ class Backend:
 
     def may_have_committed(self, exc: BaseException) -> bool:
         """Whether a store call made atomic by :meth:`atomic` may have committed although it
-        raised ``exc``: only if its connection was lost (and the commit's answer with it)."""
+        raised ``exc``: if its connection was lost (and the commit's answer with it), or an
+        interrupt (not an ``Exception``) may have come just after the commit."""
+        if not isinstance(exc, Exception):
+            return True
         return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
 
     @contextlib.contextmanager
