@@ -151,7 +151,7 @@ def drive(
                 # Stopped by close() or a caller's deadline, not by a takeover: hand the run
                 # over now (its lease is forgotten below, so close() would not release it).
                 telemetry.drive_outcome("handed_over")
-                release(runtime, claim.execution_id, claim.epoch, claim.workflow_name)
+                release(runtime, claim)
             else:
                 telemetry.drive_outcome("lease_lost")
                 log.warning(
@@ -171,7 +171,7 @@ def drive(
                 driver.flush()
         off_loop(lender.release)
         # Due again at once elsewhere.
-        release(runtime, claim.execution_id, claim.epoch, claim.workflow_name)
+        release(runtime, claim)
         raise
     finally:
         off_loop(lender.release)
@@ -267,7 +267,12 @@ def _failed(runtime: Runtime, claim: Claim, exc: BaseException) -> None:
         )
 
 
-def release(runtime: Runtime, execution_id: str, epoch: int, workflow: str) -> None:
+def release(runtime: Runtime, claim: Claim) -> None:
+    """Give the run's lease up at once (best effort)."""
+    release_run(runtime, claim.execution_id, claim.epoch, claim.workflow_name)
+
+
+def release_run(runtime: Runtime, execution_id: str, epoch: int, workflow: str) -> None:
     """Give the run's lease up at once, if ``epoch`` is still its own (best effort)."""
     off_loop(_release, runtime, execution_id, epoch, workflow)
 

@@ -92,8 +92,7 @@ class WorkflowClient(Client):
         return (rt.owner, rt.lease_ttl.total_seconds()) if rt.reserve_drive() else None
 
     def _abandoned(self, execution_id: str, workflow: str) -> None:
-        # A run created claimed has epoch 1; a release of a run never created matches none.
-        self.runtime.give_back(execution_id, 1, workflow)
+        self.runtime.give_back_started(execution_id, workflow)  # never created: matches none
 
     def _started(self, created: executions.Created, leased: bool, asked: float) -> None:
         if leased and getattr(self._here, "wanted", False):
@@ -139,8 +138,7 @@ class WorkflowClient(Client):
         except BaseException:
             claimed, here.claim = here.claim, None
             if claimed is not None:  # made claimed, then interrupted: due again at once
-                claim = claimed[0]
-                self.runtime.give_back(claim.execution_id, claim.epoch, claim.workflow_name)
+                self.runtime.give_back(claimed[0])
             raise
         finally:
             here.wanted = False

@@ -250,14 +250,18 @@ class Runtime(Registry):
             # Closing (close() waits for the runs marked as driven here, so this is seen
             # in time), or another thread here holds it: due again at once.
             if not ours or self.closing:
-                self.give_back(claim.execution_id, claim.epoch, claim.workflow_name)
+                self.give_back(claim)
                 return NOT_DRIVEN
             return self._drive(claim, asked)
 
-    def give_back(self, execution_id: str, epoch: int, workflow: str) -> None:
-        """Release a claim this process will not drive after all (if ``epoch`` is still
-        the run's): due again at once."""
-        drives.release(self, execution_id, epoch, workflow)
+    def give_back(self, claim: Claim) -> None:
+        """Release a claim this process will not drive after all: due again at once."""
+        drives.release(self, claim)
+
+    def give_back_started(self, execution_id: str, workflow: str) -> None:
+        """Release a run a start of this process created claimed (epoch 1), if it exists and
+        is still so: a start that failed after it may have committed."""
+        drives.release_run(self, execution_id, 1, workflow)
 
     def drive_claim(self, claim: Claim) -> Any:
         """Drive a run a worker claimed (see :meth:`claim_due`)."""
@@ -267,7 +271,7 @@ class Runtime(Registry):
             with self._lock:
                 self._dispatched.discard(claim.execution_id)
             if not ours:
-                self.give_back(claim.execution_id, claim.epoch, claim.workflow_name)
+                self.give_back(claim)
                 return NOT_DRIVEN
             return self._drive(claim)
 
@@ -284,7 +288,7 @@ class Runtime(Registry):
                 return None
             except BaseException:  # interrupted: not held on (renewed) by nobody's drive
                 keeper.forget(lease)
-                self.give_back(claim.execution_id, claim.epoch, claim.workflow_name)
+                self.give_back(claim)
                 raise
             finished = drives.drive(self, claim, lease, loaded, until)
             traced.finished(finished)
@@ -337,7 +341,7 @@ class Runtime(Registry):
             with self._lock:
                 self._dispatched.discard(claim.execution_id)
             keeper.forget(lease)
-            self.give_back(claim.execution_id, claim.epoch, claim.workflow_name)
+            self.give_back(claim)
 
     def claim_due(self, limit: int) -> list[Claim]:
         """Claim up to ``limit`` due runs this runtime can drive (for workers)."""
