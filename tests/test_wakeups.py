@@ -176,6 +176,32 @@ def test_execute_with_a_taken_idempotency_key_returns_that_runs_outcome(
         assert conn.execute(select(ex.c.id)).all() == [(first.execution_id,)]
 
 
+@pytest.mark.parametrize(
+    ("payload", "kwargs", "error"),
+    [
+        ("not a number", {}, wp.InvalidPayloadError),
+        (2, {"idempotency_key": "bad\x00key"}, wp.InvalidArgumentError),
+        (2, {"actor": "a" * 100_000}, wp.InvalidArgumentError),
+        (2, {"timeout": -1}, wp.InvalidArgumentError),
+        (2, {"timeout": float("nan")}, wp.InvalidArgumentError),
+        (2, {"version": 99}, wp.WfPersistError),
+    ],
+)
+def test_execute_refuses_bad_input_with_a_typed_error_and_writes_nothing(
+    make_runtime: Callable[..., wp.Runtime],
+    payload: object,
+    kwargs: dict[str, object],
+    error: type[Exception],
+) -> None:
+    rt = make_runtime(lease_ttl=300)
+    rt.register(w.echo_wf)
+    with pytest.raises(error):
+        rt.client().execute(w.echo_wf, payload, **kwargs)  # type: ignore[arg-type]
+    with rt.backend.read() as conn:
+        assert conn.execute(select(ex.c.id)).all() == []
+    assert rt.keeper().held() == {}
+
+
 def test_a_refused_execute_writes_nothing_and_later_starts_go_to_the_worker(
     make_runtime: Callable[..., wp.Runtime],
 ) -> None:
