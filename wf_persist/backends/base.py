@@ -1,17 +1,17 @@
-"""What every backend does the same way, and the hooks where backends differ.
+"""What every backend does the same way with runs, and the hooks where backends differ.
 
 A :class:`Backend` is chosen once, when a runtime opens its engine (:func:`open_backend`);
-the rest of the code calls it and never asks which database it is on. It owns:
+the rest of the code calls it and never asks which database it is on. Its connection half
+(engine view, transactions, checks, migration locking, driver errors) is
+:class:`~.connections.Connections`; here are:
 
-* the engine view wf_persist works through (a named schema, the isolation level its
-  compare-and-sets need, SQLite transaction control) and how transactions begin;
 * claims: one atomic compare-and-set per run that re-checks, in the UPDATE itself, that the run
   is due by the database's clock, bumps the run's fencing token (``claim_epoch``) and sets the
   lease from the database's clock;
 * the fenced writes of a driver (every one conditional on ``(id, epoch)`` in the same
   statement), with the one-round-trip fast path where the backend has one;
 * inserts that ignore a dedupe conflict and nothing else;
-* concurrency slots, value-size limits, host-engine checks, migration locking.
+* wake-ups and presence (notifications, reaping the runs of a process that is gone).
 
 Store functions take a connection and never commit; the backend's ``write`` is the one
 exception by design: the driver's hot path commits its own single statement.
@@ -19,32 +19,20 @@ exception by design: the driver's hot path commits its own single statement.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
-import json
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, ClassVar, Final
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
-from sqlalchemy import (
-    Connection,
-    Engine,
-    func,
-    select,
-    tuple_,
-    update,
-)
-from sqlalchemy.engine import URL, Row
-from sqlalchemy.exc import DBAPIError
-from sqlalchemy.pool import PoolProxiedConnection
+from sqlalchemy import Connection, func, select, tuple_, update
 
 from .. import events
-from ..errors import LeaseLostError, UnsupportedDatabaseError, ValueTooLargeError
+from ..errors import LeaseLostError
 from ..events import NewEvent
 from ..models import IDEMPOTENCY_KEY, UniqueKey
 from ..models import executions_table as ex
 from ..wakeups import DUE, NOT_AVAILABLE, Listener
 from .clock import db_later, db_now
-from .slots import Slots
+from .connections import Connections
 from .sql import (
     CLAIM_COLUMNS,
     CREATE_RUN,
@@ -67,11 +55,6 @@ from .sql import (
     pinned,
 )
 
-#: Types whose JSON text is a few dozen bytes whatever the value (no size check needed).
-_BOUNDED: Final = (int, float, bool)
-#: The most bytes one character of a string takes in JSON text (an escape: ``\\uXXXX``).
-_MAX_BYTES_PER_CHAR: Final = 6
-
 
 class Changes:
     """Tells whether the database changed since the last look (see :meth:`Backend.changes`)."""
@@ -83,29 +66,11 @@ class Changes:
         return None
 
 
-class Backend:
+class Backend(Connections):
     """The generic implementation (UPDATE ... RETURNING); subclasses override what differs."""
 
-    #: SQLAlchemy dialect names this backend serves.
-    names: ClassVar[tuple[str, ...]] = ()
-    #: The asyncio driver ``wp.AsyncClient`` reaches this database with.
-    async_driver: ClassVar[str] = ""
-    #: The package extra that installs this backend's default driver (None: built in).
-    extra: ClassVar[str | None] = None
-    #: Whether tables can live in a named schema (``Runtime(schema=...)``).
-    supports_schemas: ClassVar[bool] = False
     #: Whether claims skip rows other claimers have locked (``FOR UPDATE SKIP LOCKED``).
     skip_locked: ClassVar[bool] = False
-    #: Seconds a write transaction of ours may sit idle before the server ends it (None:
-    #: the backend cannot bound it; a paused process holds its locks until it resumes).
-    idle_timeout: ClassVar[float | None] = None
-    #: Whether migrations run in one transaction (DDL is transactional).
-    transactional_ddl: ClassVar[bool] = True
-    #: Whether Alembic must use batch mode (SQLite's limited ALTER TABLE).
-    batch_migrations: ClassVar[bool] = False
-    #: An embedded database (a file this process opens): a runtime that created its engine
-    #: migrates it itself.
-    embedded: ClassVar[bool] = False
     #: Whether the database may notify listeners (confirmed when one connects:
     #: :meth:`listener`); without, workers poll.
     can_listen: ClassVar[bool] = False
@@ -114,185 +79,6 @@ class Backend:
     #: a thin client may then start from a catalog entry it read before instead of reading
     #: it again.
     checks_newest: ClassVar[bool] = False
-
-    def __init__(self, engine: Engine, *, owned: bool, schema: str | None = None) -> None:
-        if schema is not None and not self.supports_schemas:
-            raise UnsupportedDatabaseError(
-                f"a named schema needs PostgreSQL, not {engine.dialect.name}"
-            )
-        self.base_engine = engine
-        self.owned = owned
-        self.schema = schema
-        #: Options of every statement wf_persist runs on a connection it did not open itself
-        #: (a host's session): render our tables in the schema, nothing else.
-        self.statement_options: dict[str, Any] = (
-            {} if schema is None else {"schema_translate_map": {None: schema}}
-        )
-        self.engine = self.make_view(engine)
-        #: The schema translation our statements get (a named schema's, or one the host's
-        #: engine carries): SQL a fast path renders itself must render it too.
-        found = self.engine.get_execution_options().get("schema_translate_map")
-        self.schema_map: dict[str | None, str | None] | None = dict(found) if found else None
-        self.slots = Slots(self.engine)
-        #: The largest JSON value (bytes, as sent) one stored value may have.
-        self.max_value_bytes = 256 * 1024 * 1024 - 64 * 1024
-
-    # engines and transactions -------------------------------------------------------
-
-    @classmethod
-    def configure_engine(cls, url: URL, kwargs: dict[str, Any]) -> tuple[URL, dict[str, Any]]:
-        """The URL and engine arguments of an engine wf_persist creates itself."""
-        return url, kwargs
-
-    @classmethod
-    def async_url(cls, url: URL) -> URL:
-        """The same database through this backend's asyncio driver (``wp.AsyncClient``)."""
-        return url.set(drivername=f"{url.get_backend_name()}+{cls.async_driver}")
-
-    @classmethod
-    def async_engine_kwargs(cls) -> dict[str, Any]:
-        """Arguments of the asyncio engine ``wp.AsyncClient`` creates itself."""
-        return {}
-
-    @classmethod
-    def on_own_engine(cls, engine: Engine) -> None:
-        """Listeners on an engine wf_persist created (never on a host's)."""
-
-    def view_options(self) -> dict[str, Any]:
-        """Execution options of every connection wf_persist takes (a named schema)."""
-        return dict(self.statement_options)
-
-    def make_view(self, engine: Engine) -> Engine:
-        """The engine wf_persist works through: same pool, our options; the host's engine
-        object stays as it was."""
-        options = self.view_options()
-        return engine.execution_options(**options) if options else engine
-
-    @contextlib.contextmanager
-    def begin(self, conn: Connection | None = None, *, ours: bool = True) -> Iterator[Connection]:
-        """A write transaction, on ``conn`` (a drive's connection) or a pooled one;
-        ``ours=False``: one an application runs its own statements in."""
-        if conn is None:
-            with self.engine.begin() as fresh:
-                yield fresh
-            return
-        with conn.begin():
-            yield conn
-
-    @contextlib.contextmanager
-    def atomic(self) -> Iterator[Connection]:
-        """A connection for one store call the backend makes atomic on its own: a
-        transaction, or where the call is one statement (PostgreSQL's start), autocommit."""
-        with self.begin() as conn:
-            yield conn
-
-    def may_have_committed(self, exc: BaseException) -> bool:
-        """Whether a store call made atomic by :meth:`atomic` may have committed although it
-        raised ``exc``: if its connection was lost (and the commit's answer with it), or an
-        interrupt (not an ``Exception``) may have come just after the commit."""
-        if not isinstance(exc, Exception):
-            return True
-        return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
-
-    @contextlib.contextmanager
-    def read(self, conn: Connection | None = None) -> Iterator[Connection]:
-        """A read-only transaction, on ``conn`` or a pooled connection."""
-        if conn is not None:
-            with conn.begin():
-                yield conn
-            return
-        with self.engine.connect() as fresh, fresh.begin():
-            yield fresh
-
-    def read_one(self, stmt: Any, params: dict[str, Any]) -> Row[Any] | None:
-        """The one row (or None) of the read-only ``stmt``, read on its own: no caller's
-        transaction, the quickest way the backend has (a run's status, awaited)."""
-        with self.read() as conn:
-            return conn.execute(stmt, params).one_or_none()
-
-    @contextlib.contextmanager
-    def connection(self) -> Iterator[Connection]:
-        """A connection held for a whole drive."""
-        with self.engine.connect() as conn:
-            yield conn
-
-    def side_engine(self) -> Engine:
-        """An engine with a pool of its own (the lease keeper's): a busy runs' pool must not
-        starve lease renewal. It connects as the host's engine does (same creator) and runs
-        statements as it does (its execution options, a schema translation among them)."""
-        from sqlalchemy import create_engine
-
-        options = {**self.base_engine.get_execution_options(), **self.view_options()}
-        if self.base_engine.dialect.is_async:
-            # An asyncio engine's pool cannot serve a thread's plain connections (the
-            # listener of ``wp.AsyncClient``): the same database through the synchronous
-            # driver wf_persist uses, with a small pool of its own.
-            from . import normalize_url
-
-            url = self.base_engine.url
-            plain = normalize_url(url.set(drivername=url.get_backend_name()))
-            return create_engine(plain, pool_size=2, max_overflow=2, execution_options=options)
-        pool = self.base_engine.pool.recreate()
-        engine = create_engine(self.base_engine.url, pool=pool, execution_options=options)
-        if self.owned:
-            self.on_own_engine(engine)
-        return engine
-
-    # checks ------------------------------------------------------------------------
-
-    def requirement_problem(self, version: tuple[int, ...] | None) -> str | None:
-        """Why this database version cannot run wf_persist, or ``None``."""
-        return None
-
-    def server_version(self) -> tuple[int, ...] | None:
-        with self.base_engine.connect() as conn:
-            found = conn.dialect.server_version_info or ()
-        return tuple(p for p in found if isinstance(p, int)) or None
-
-    def check(self) -> None:
-        """Fail early, and say why, if this database or host engine cannot run wf_persist."""
-        problem = self.requirement_problem(self.server_version())
-        if problem is not None:
-            raise UnsupportedDatabaseError(problem)
-
-    def value_size(self, text: str) -> int:
-        """Bytes a JSON text takes on the wire."""
-        return len(text.encode("utf-8", "surrogatepass"))
-
-    def check_size(self, what: str, value: Any) -> None:
-        """Refuse a value larger than the backend can store (a typed error, never a retry).
-
-        Measured as it is sent: every write serializes with ``json.dumps``' default
-        separators, which make a list of small items half as large again as compact JSON.
-        """
-        if value is None or type(value) in _BOUNDED:
-            return  # a number or a boolean: a few dozen bytes at most
-        if type(value) is str and len(value) * _MAX_BYTES_PER_CHAR + 2 <= self.max_value_bytes:
-            return  # even with every character escaped it fits
-        size = self.value_size(json.dumps(value))
-        if size > self.max_value_bytes:
-            raise ValueTooLargeError(what, size, self.max_value_bytes)
-
-    def contention(self, exc: BaseException) -> bool:
-        """Whether ``exc`` says another transaction was in the way (a deadlock, a lock
-        timeout, a serialization failure): nothing happened, try again later."""
-        orig = getattr(exc, "orig", exc)
-        return getattr(orig, "sqlstate", None) in ("40001", "40P01", "55P03")
-
-    def pool_full(self) -> bool:
-        """Whether every connection the runs' pool can give is out (a checkout would wait)."""
-        capacity = self.capacity()
-        checkedout = getattr(self.base_engine.pool, "checkedout", None)
-        return capacity is not None and callable(checkedout) and checkedout() >= capacity
-
-    def capacity(self) -> int | None:
-        """Connections the runs' pool can hand out at once (None: unbounded)."""
-        pool = self.base_engine.pool
-        size = getattr(pool, "size", None)
-        overflow = getattr(pool, "_max_overflow", None)
-        if not callable(size) or overflow is None or overflow < 0:
-            return None
-        return int(size()) + int(overflow)
 
     # wake-ups and presence (see :mod:`wf_persist.wakeups`) ------------------------------
 
@@ -598,83 +384,3 @@ class Backend:
         comparison, which PostgreSQL and SQLite (3.15+) plan as one range of the
         ``(..., created_at, id)`` indexes (the OR spelled out is a union of scans to them)."""
         return tuple_(ex.c.created_at, ex.c.id) > tuple_(created_at, execution_id)
-
-    # migrations --------------------------------------------------------------------
-
-    @classmethod
-    def database_missing(cls, url: URL) -> bool:
-        """Whether connecting to ``url`` would create a database (an embedded file that is
-        not there): read-only commands must not."""
-        return False
-
-    @classmethod
-    def migration_lock(cls, conn: Connection) -> None:
-        """Serialize concurrent upgrades (taken inside the migration transaction)."""
-
-    @classmethod
-    def migration_unlock(cls, conn: Connection) -> None:
-        """Release what :meth:`migration_lock` took, if it outlives the transaction."""
-
-    @classmethod
-    def offline_lock_sql(cls) -> str | None:
-        """The lock statement a rendered (``--sql``) upgrade script starts with."""
-        return None
-
-    # raw driver paths --------------------------------------------------------------
-
-    def _invalidate_pool(self, conn: Connection | PoolProxiedConnection, exc: Exception) -> None:
-        """As ``Connection._handle_dbapi_exception`` after a disconnect: the connections the
-        same pool handed out before are replaced at their next checkout (the pool's own,
-        private, mark; skipped if it moved). The pool is the connection's own (the lease
-        keeper's, a host's), and an engine with ``handle_error`` listeners keeps its pool as
-        it is: one of them may have opted out, and they never see a fast path's errors."""
-        engine = conn.engine if isinstance(conn, Connection) else self.base_engine
-        fairy = conn.connection if isinstance(conn, Connection) else conn
-        if engine.dialect.dispatch.handle_error:
-            return
-        stale = getattr(engine.pool, "_invalidate", None)
-        if stale is not None:
-            with contextlib.suppress(Exception):
-                stale(fairy, exc, _checkin=False)
-
-    def raw_failure(
-        self,
-        conn: Connection | PoolProxiedConnection,
-        exc: Exception,
-        statement: str,
-        cursor: Any,
-    ) -> Exception:
-        """A driver error from a raw fast path (on a Connection, or a pooled DBAPI
-        connection), handled as SQLAlchemy would: a dead connection is invalidated (never
-        reused), and so is every connection the pool handed out before (a server restart
-        or failover ended them all: each would otherwise fail a call of its own), and the
-        error is wrapped. (SQLAlchemy's execution events, ``handle_error`` among them, do
-        not see a fast path's statements.)"""
-        dialect = self.base_engine.dialect
-        if isinstance(conn, Connection):
-            raw = conn.connection.dbapi_connection
-            invalidated = conn.invalidated
-        else:
-            raw = conn.dbapi_connection
-            invalidated = not conn.is_valid
-        dbapi = dialect.loaded_dbapi
-        if not isinstance(exc, dbapi.Error):
-            return exc
-        disconnect = dialect.is_disconnect(exc, raw, cursor)
-        if disconnect and not invalidated:
-            self._invalidate_pool(conn, exc)
-            conn.invalidate(exc)
-        return self.wrapped(exc, statement, disconnect)
-
-    def wrapped(self, exc: Exception, statement: str | None, disconnect: bool) -> Exception:
-        """The driver's error ``exc`` as SQLAlchemy's own (parameters hidden)."""
-        dialect = self.base_engine.dialect
-        return DBAPIError.instance(
-            statement,
-            None,
-            exc,
-            dialect.loaded_dbapi.Error,
-            hide_parameters=True,
-            dialect=dialect,
-            connection_invalidated=disconnect,
-        )

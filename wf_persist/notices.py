@@ -1,0 +1,112 @@
+"""How a runtime hears of changes and passes them on to its own threads.
+
+A runtime's listener (:class:`~.wakeups.Wakeups`, started before its first claim) holds the
+presence lock that its lease owner name comes from, where the database has one, and brings
+notifications: a run due, a run ended. These wake the runtime's worker and the callers
+waiting here for a run to finish or park; this process's own starts, signals and finished
+runs do the same without a round trip. The :class:`~.runtime.Runtime` is one.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from .backends import Backend
+from .wakeups import DUE_NOW, PRESENCE_GRACE, Wakeups
+
+if TYPE_CHECKING:
+    from .worker import Worker
+
+#: Seconds a thread waits for another to settle this runtime's lease owner name (the
+#: listener's start waits 5 s at most for its connection and the presence lock).
+OWNER_SETTLE_WAIT = 10.0
+
+
+class Notices:
+    """The listener, the presence name and the wake-ups of a runtime."""
+
+    backend: Backend
+    owner: str
+    _base_owner: str
+    _lock: threading.Lock
+    _closed: bool
+    _wakeups: Wakeups | None
+    _owner_settled: threading.Event
+    _worker: Worker | None
+    _changed: threading.Condition
+
+    # wake-ups ---------------------------------------------------------------------------
+
+    def wakeups(self) -> Wakeups:
+        """This runtime's listener (started on first use, before its first claim: it holds
+        the presence lock its claims are named after, where the database has one)."""
+        with self._lock:
+            found = self._wakeups
+            if found is None:
+                mark = self.backend.owner_mark()
+                found = Wakeups(self.backend, self._base_owner + mark if mark else None)
+                # A run due now needs no new look at the timers; a timer or a reconnection does.
+                found.on_due(lambda at: self._wake_worker(timers=at != DUE_NOW))
+                found.on_end(lambda _id: self._notify(worker=False))
+                self._wakeups = found
+                fresh = not self._closed  # a closed runtime starts no listener
+                if not fresh:
+                    self._owner_settled.set()
+            else:
+                fresh = False
+        if not fresh:
+            # Another thread is taking the presence lock: a claim made before it settles
+            # would carry the plain name, which only a lapsed lease frees.
+            self._owner_settled.wait(OWNER_SETTLE_WAIT)
+            return found
+        try:
+            if found.start() and found.present and found.presence is not None:
+                self.owner = found.presence
+        finally:
+            self._owner_settled.set()
+        return found
+
+    def presence_since(self) -> float | None:
+        """Since when (monotonic) this runtime's presence lock has been held without a break,
+        as a recent heartbeat vouches (+inf otherwise, see :meth:`Wakeups.trusted_since`);
+        ``None`` where its runs are not named after one (no such lock here): then only
+        leases lapse."""
+        found = self._wakeups
+        if found is None or found.presence is None or self.owner != found.presence:
+            return None
+        return found.trusted_since()
+
+    def listening(self) -> bool:
+        """Whether notifications reach this runtime now (else its worker polls)."""
+        found = self._wakeups
+        return found is not None and found.listening
+
+    def timer_set(self) -> None:
+        """A run driven here parked until a time: the worker learns its new next wake."""
+        self._wake_worker()
+
+    def _wake_worker(self, timers: bool = True) -> None:
+        worker = self._worker
+        if worker is not None:
+            worker.wake(timers)
+
+    def reap(self) -> list[str]:
+        """Make runs whose owner's process is gone due now (see :meth:`Backend.reap`)."""
+        return self.backend.reap(self.owner, PRESENCE_GRACE)
+
+    # waiting for changes ----------------------------------------------------------------
+
+    def _notify(self, worker: bool = True) -> None:
+        """Something changed: wake the callers waiting here, and the worker when it may
+        find new due work (a start, a signal, a cancellation from this process)."""
+        with self._changed:
+            self._changed.notify_all()
+        found = self._worker
+        if worker and found is not None:
+            found.wake()
+
+    def wait_for_change(self, timeout: float) -> None:
+        """Block up to ``timeout`` seconds, or until this runtime finishes or parks a run."""
+        with self._changed:
+            self._changed.wait(timeout)
