@@ -77,15 +77,15 @@ def test_the_backlog_gauge_copies_the_watched_runtimes_under_the_lock_adding_tak
         telemetry.watch_backlog(runtime)
         added.set()
 
-    with telemetry._STATE.lock:  # as the reader holds it while it copies
+    with telemetry.STATE.lock:  # as the reader holds it while it copies
         adder = threading.Thread(target=add)
         adder.start()
         assert not added.wait(0.2)
     assert added.wait(5)
     adder.join(5)
-    assert runtime in telemetry._STATE.watched
+    assert runtime in telemetry.STATE.watched
     assert list(telemetry._due_backlog(None)) == []  # copies under the lock, no deadlock
-    telemetry._STATE.watched.discard(runtime)
+    telemetry.STATE.watched.discard(runtime)
 
 
 def test_a_timer_that_blocks_does_not_hold_up_the_others() -> None:

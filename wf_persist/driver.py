@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import select
 
-from . import bridge, events, lifecycle, telemetry
+from . import bridge, drive_telemetry, events, lifecycle, telemetry
 from .async_context import call_body
 from .authoring import Step, Workflow
 from .backends import Claim, Fenced
@@ -271,7 +271,7 @@ class RunDriver:
         if self.deadline is not None and (wake_at is None or wake_at > self.deadline):
             wake_at = self.deadline  # woken to time out, whoever is alive then
         self._locked(evs, True, wake_at)
-        telemetry.parked(evs, wake_at)
+        drive_telemetry.parked(evs, wake_at)
         if wake_at is not None:  # this process's worker fires the timer on time
             self.runtime.timer_set()
 

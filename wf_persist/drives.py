@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, Float, literal, select
 
-from . import bridge, events, lifecycle, telemetry
+from . import bridge, drive_telemetry, events, lifecycle, telemetry
 from .backends import Claim
 from .backends.clock import db_later, db_now
 from .bridge import off_loop
@@ -49,7 +49,7 @@ def load_journal(conn: Connection, execution_id: str) -> tuple[Journal, int]:
 def start_drive(
     runtime: Runtime,
     claim: Claim,
-    traced: telemetry.DriveTrace | telemetry.NoDrive = telemetry.NO_DRIVE,
+    traced: drive_telemetry.DriveTrace | drive_telemetry.NoDrive = drive_telemetry.NO_DRIVE,
 ) -> tuple[Journal, int]:
     """The journal of a claimed run and the last sequence read, its history read (and
     ``workflow.started`` recorded) by the claim itself or now (:meth:`Backend.open_claim`);
@@ -61,7 +61,7 @@ def start_drive(
     if traced.wanted:
         traced.open(_stored_trace(runtime, claim, history), takeover)
     if takeover:
-        telemetry.took_over(claim.workflow_name)
+        drive_telemetry.took_over(claim.workflow_name)
         log.info(
             "run %s (%s): resuming a run an earlier driver left in flight (claim %d)",
             claim.execution_id,
@@ -150,10 +150,10 @@ def drive(
             if driver is not None and driver.handing_over and not lease.lost:
                 # Stopped by close() or a caller's deadline, not by a takeover: hand the run
                 # over now (its lease is forgotten below, so close() would not release it).
-                telemetry.drive_outcome("handed_over")
+                drive_telemetry.drive_outcome("handed_over")
                 release(runtime, claim)
             else:
-                telemetry.drive_outcome("lease_lost")
+                drive_telemetry.drive_outcome("lease_lost")
                 log.warning(
                     "run %s (%s): lease lost, stopped (another runtime may drive it)",
                     claim.execution_id,
@@ -189,7 +189,7 @@ def _reload(runtime: Runtime, lender: Lender, execution_id: str) -> tuple[Journa
 def failed(runtime: Runtime, claim: Claim, exc: BaseException) -> None:
     """Count a failed drive on the run; past the limit, fail the run. Fenced by the epoch
     (a run someone else claimed meanwhile is theirs), on a fresh connection."""
-    telemetry.drive_outcome("drive_failed", exc)
+    drive_telemetry.drive_outcome("drive_failed", exc)
     off_loop(_failed, runtime, claim, exc)
 
 

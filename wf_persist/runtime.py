@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Final
 from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import URL
 
-from . import drives, telemetry
+from . import drive_telemetry, drives, telemetry
 from .authoring import Step
 from .backends import Claim
 from .bridge import off_loop
@@ -276,7 +276,7 @@ class Runtime(Registry, Notices):
     def _drive(self, claim: Claim, asked: float | None = None, until: float | None = None) -> Any:
         keeper = self.keeper()
         lease = keeper.hold(claim.execution_id, claim.epoch, asked)
-        with telemetry.drive(claim) as traced:
+        with drive_telemetry.drive(claim) as traced:
             try:
                 self.definition(claim.workflow_name, claim.workflow_version)
                 loaded = drives.start_drive(self, claim, traced)

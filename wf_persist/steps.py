@@ -22,7 +22,7 @@ from typing import Any, Protocol, TypeVar
 
 from pydantic import ValidationError
 
-from . import events, telemetry
+from . import drive_telemetry, events
 from .authoring import Step, Workflow, outside_body
 from .bridge import bridged, in_thread, off_loop
 from .control import Suspended
@@ -275,7 +275,7 @@ class StepRunner:
         while True:
             started = events.step_started(who, attempt, inputs, self.driver.clock())
             watch = _StartWatch(self.driver, started, self.write_lock)
-            traced = telemetry.step_attempt(
+            traced = drive_telemetry.step_attempt(
                 self.execution_id, self.driver.workflow, call.activity, step.name, attempt
             )
             try:

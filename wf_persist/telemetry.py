@@ -19,9 +19,8 @@ import contextvars
 import logging
 import os
 import threading
-import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
@@ -32,8 +31,6 @@ if TYPE_CHECKING:
     from opentelemetry.metrics import Counter, Histogram, MeterProvider, Observation
     from opentelemetry.trace import Span, Tracer, TracerProvider
 
-    from .backends import Claim
-    from .events import NewEvent
 
 log = logging.getLogger("wf_persist.telemetry")
 
@@ -43,7 +40,7 @@ SCOPE: Final = "wf_persist"
 TRACE_KEY: Final = "trace"
 
 #: The run a drive's spans belong to (attributes every step span repeats).
-_RUN: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
+RUN: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
     "wf_run", default=None
 )
 _NOTHING: Final = contextlib.nullcontext(None)
@@ -112,51 +109,51 @@ class _State:
         self.watched: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-_STATE = _State()
+STATE = _State()
 
 
 def _api() -> _Api | None:
-    api = _STATE.api
-    if api is None and not _STATE.absent:
+    api = STATE.api
+    if api is None and not STATE.absent:
         try:
-            api = _STATE.api = _Api()
+            api = STATE.api = _Api()
         except ImportError:
-            _STATE.absent = True
+            STATE.absent = True
     return api
 
 
-def _tracer() -> Tracer | None:
+def current_tracer() -> Tracer | None:
     """The tracer, or ``None`` while tracing is off (the hot path's one check)."""
-    api = _STATE.api if _STATE.api is not None else _api()
+    api = STATE.api if STATE.api is not None else _api()
     if api is None:
         return None
-    provider = _STATE.tracer_provider or api.global_tracer_provider()
-    if provider is not _STATE.tracer_of:
-        _STATE.tracer = (
+    provider = STATE.tracer_provider or api.global_tracer_provider()
+    if provider is not STATE.tracer_of:
+        STATE.tracer = (
             None
             if provider is None or isinstance(provider, api.noop_tracers)
             else provider.get_tracer(SCOPE, _version())
         )
-        _STATE.tracer_of = provider
-    return _STATE.tracer
+        STATE.tracer_of = provider
+    return STATE.tracer
 
 
-def _instruments() -> Instruments | None:
+def current_instruments() -> Instruments | None:
     """The metric instruments, or ``None`` while metrics are off."""
-    api = _STATE.api if _STATE.api is not None else _api()
+    api = STATE.api if STATE.api is not None else _api()
     if api is None:
         return None
-    provider = _STATE.meter_provider or api.global_meter_provider()
-    if provider is not _STATE.meters_of:
-        with _STATE.lock:
-            if provider is not _STATE.meters_of:
-                _STATE.instruments = (
+    provider = STATE.meter_provider or api.global_meter_provider()
+    if provider is not STATE.meters_of:
+        with STATE.lock:
+            if provider is not STATE.meters_of:
+                STATE.instruments = (
                     None
                     if provider is None or isinstance(provider, api.noop_meters)
                     else _make_instruments(provider)
                 )
-                _STATE.meters_of = provider
-    return _STATE.instruments
+                STATE.meters_of = provider
+    return STATE.instruments
 
 
 def _make_instruments(provider: MeterProvider) -> Instruments:
@@ -202,20 +199,20 @@ def instrument(
 ) -> None:
     """Use these providers for wf_persist's spans and metrics instead of the global ones
     (``None`` for either: the global one, as when this is never called)."""
-    _STATE.tracer_provider = tracer_provider
-    _STATE.meter_provider = meter_provider
+    STATE.tracer_provider = tracer_provider
+    STATE.meter_provider = meter_provider
 
 
 def configure() -> None:
     """Once per process: install the SDK's providers as the standard ``OTEL_*`` variables
     say, if they ask for telemetry and no provider is installed yet (see
     :mod:`.telemetry_sdk`). Runtimes and clients call it when they open."""
-    if _STATE.configured:
+    if STATE.configured:
         return
-    with _STATE.lock:
-        if _STATE.configured:
+    with STATE.lock:
+        if STATE.configured:
             return
-        _STATE.configured = True
+        STATE.configured = True
     from . import telemetry_sdk
 
     telemetry_sdk.configure_from_environment()
@@ -232,9 +229,9 @@ def configure() -> None:
 def carrier() -> dict[str, str] | None:
     """The current span's context as W3C headers, to store with a run (``None`` while
     tracing is off or no span is current)."""
-    if _tracer() is None:
+    if current_tracer() is None:
         return None
-    api = _STATE.api
+    api = STATE.api
     assert api is not None
     if not api.trace.get_current_span().get_span_context().is_valid:
         return None
@@ -262,7 +259,7 @@ def stored_trace(started: Mapping[str, Any]) -> Mapping[str, str] | None:
     return kept if "traceparent" in kept else None
 
 
-def _quietly(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def quietly(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args)``, a call into the tracer: whatever it raises is logged, never the run's
     or the caller's failure (``None`` then)."""
     try:
@@ -279,7 +276,7 @@ def operation(name: str, attributes: Mapping[str, Any]) -> AbstractContextManage
     """A client operation's span (``wf.start``, ``wf.signal``), current while it lasts;
     an exception ends it with an error status. A tracer that raises changes nothing of the
     operation (a start it made is not reported as failed)."""
-    tracer = _tracer()
+    tracer = current_tracer()
     if tracer is None:
         return _NOTHING
     return _operation(tracer, name, dict(attributes))
@@ -287,264 +284,37 @@ def operation(name: str, attributes: Mapping[str, Any]) -> AbstractContextManage
 
 @contextlib.contextmanager
 def _operation(tracer: Tracer, name: str, attributes: dict[str, Any]) -> Iterator[Span | None]:
-    api = _STATE.api
+    api = STATE.api
     assert api is not None
     kind = api.trace.SpanKind.PRODUCER
-    span = _quietly("start a span", tracer.start_span, name, kind=kind, attributes=attributes)
+    span = quietly("start a span", tracer.start_span, name, kind=kind, attributes=attributes)
     if span is None:
         yield None
         return
-    token = _quietly("attach a span", api.context.attach, api.trace.set_span_in_context(span))
+    token = quietly("attach a span", api.context.attach, api.trace.set_span_in_context(span))
     try:
         yield span
     except BaseException as exc:
-        _quietly("record an exception", span.record_exception, exc)
-        _quietly("set a status", _error, span, f"{type(exc).__name__}: {exc}")
+        quietly("record an exception", span.record_exception, exc)
+        quietly("set a status", set_error, span, f"{type(exc).__name__}: {exc}")
         raise
     finally:
         if token is not None:
             api.context.detach(token)
-        _quietly("end a span", span.end)
+        quietly("end a span", span.end)
 
 
 def run_started(workflow: str, version: int) -> None:
-    found = _instruments()
+    found = current_instruments()
     if found is not None:
         found.started.add(1, {"wf.workflow.name": workflow, "wf.workflow.version": version})
 
 
 def run_ended(workflow: str, version: int, ok: bool) -> None:
-    found = _instruments()
+    found = current_instruments()
     if found is not None:
         counter = found.completed if ok else found.failed
         counter.add(1, {"wf.workflow.name": workflow, "wf.workflow.version": version})
-
-
-# drives -------------------------------------------------------------------------------
-
-
-class DriveTrace:
-    """One drive's ``wf.drive`` span. It starts once the claim is open (its parent is the
-    context stored with the run, read with the history) backdated to the drive's start,
-    and is current until the drive ends, so step spans are its children."""
-
-    def __init__(self, tracer: Tracer, claim: Claim) -> None:
-        self._tracer = tracer
-        self._claim = claim
-        self._t0 = time.time_ns()
-        self._span: Span | None = None
-        self._tokens: tuple[object, contextvars.Token[Mapping[str, Any] | None]] | None = None
-
-    #: Whether the drive should find the run's stored trace context for :meth:`open`.
-    wanted = True
-
-    def __enter__(self) -> DriveTrace:
-        return self
-
-    def open(self, parent: Mapping[str, str] | None, takeover: bool) -> None:
-        api = _STATE.api
-        assert api is not None
-        claim = self._claim
-        run = {
-            "wf.execution.id": claim.execution_id,
-            "wf.workflow.name": claim.workflow_name,
-            "wf.workflow.version": claim.workflow_version,
-        }
-        context = (
-            _quietly("read a stored trace context", api.propagator.extract, parent)
-            if parent
-            else None
-        ) or api.context.Context()
-        attributes: dict[str, Any] = {
-            **run,
-            "wf.claim.epoch": claim.epoch,
-            "wf.takeover": takeover,
-            "wf.drive.outcome": "stopped",
-        }
-        span = _quietly(
-            "start a span",
-            self._tracer.start_span,
-            "wf.drive",
-            context=context,
-            kind=api.trace.SpanKind.CONSUMER,
-            attributes=attributes,
-            start_time=self._t0,
-        )
-        if span is None:  # a tracer that raises: this drive goes untraced
-            span = api.trace.INVALID_SPAN
-        if takeover:
-            span.add_event("wf.takeover")
-        self._span = span
-        token = api.context.attach(api.trace.set_span_in_context(span))
-        self._tokens = (token, _RUN.set(run))
-
-    def finished(self, outcome: tuple[bool, Any] | None) -> None:
-        """The run finished in this drive (``(ok, stored value)``), or not (``None``)."""
-        if outcome is None or self._span is None:
-            return
-        ok, value = outcome
-        self._span.set_attribute("wf.drive.outcome", "completed" if ok else "failed")
-        if not ok:
-            doc = value if isinstance(value, Mapping) else {}
-            _error(self._span, f"{doc.get('name')}: {doc.get('message')}")
-
-    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
-        if self._span is None:
-            self.open(None, False)
-        span = self._span
-        assert span is not None
-        if exc is not None:
-            span.record_exception(exc)
-            _error(span, type(exc).__name__)
-        if self._tokens is not None:
-            token, run = self._tokens
-            _RUN.reset(run)
-            _STATE.api.context.detach(token)  # type: ignore[union-attr]
-        _quietly("end a span", span.end)
-
-
-class NoDrive:
-    """A drive while tracing is off."""
-
-    wanted = False
-
-    def __enter__(self) -> NoDrive:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def open(self, parent: Mapping[str, str] | None, takeover: bool) -> None:
-        return None
-
-    def finished(self, outcome: tuple[bool, Any] | None) -> None:
-        return None
-
-
-NO_DRIVE: Final = NoDrive()
-
-
-def drive(claim: Claim) -> DriveTrace | NoDrive:
-    """The trace of a drive of ``claim`` (and its claim latency, for a first claim)."""
-    if claim.epoch == 1:
-        found = _instruments()
-        if found is not None:
-            waited = max(0.0, (claim.db_now - claim.created_at).total_seconds())
-            found.claim_latency.record(waited, {"wf.workflow.name": claim.workflow_name})
-    tracer = _tracer()
-    return NO_DRIVE if tracer is None else DriveTrace(tracer, claim)
-
-
-def drive_outcome(outcome: str, exc: BaseException | None = None) -> None:
-    """How the current drive ended when it did not finish the run (``suspended``,
-    ``lease_lost``, ``handed_over``, ``drive_failed``: then ``exc`` is why)."""
-    if _tracer() is None:
-        return
-    span = _STATE.api.trace.get_current_span()  # type: ignore[union-attr]
-    span.set_attribute("wf.drive.outcome", outcome)
-    if exc is not None:
-        span.record_exception(exc)
-        _error(span, type(exc).__name__)
-
-
-def took_over(workflow: str) -> None:
-    found = _instruments()
-    if found is not None:
-        found.takeovers.add(1, {"wf.workflow.name": workflow})
-
-
-def parked(evs: Sequence[NewEvent], wake_at: Any) -> None:
-    """The run parks: an event on the drive's span saying for what and until when."""
-    if _tracer() is None:
-        return
-    types = {e.type for e in evs}
-    reason = next(
-        (r for t, r in _PARK_REASONS if t in types),
-        "retry" if not evs else "wait",
-    )
-    attributes: dict[str, Any] = {"wf.park.reason": reason}
-    if wake_at is not None:
-        attributes["wf.wake_at"] = wake_at.isoformat()
-    span = _STATE.api.trace.get_current_span()  # type: ignore[union-attr]
-    span.add_event("wf.park", attributes)
-    span.set_attribute("wf.drive.outcome", "suspended")
-
-
-_PARK_REASONS: Final = (
-    ("sleep.started", "sleep"),
-    ("signal.waiting", "signal"),
-    ("child.waiting", "child"),
-)
-
-
-# steps ---------------------------------------------------------------------------------
-
-
-class StepTrace:
-    """One step attempt: its ``wf.step`` span (current while the attempt runs, so spans of
-    the step's own code are its children) and its duration."""
-
-    __slots__ = ("_instruments", "_metric", "_span", "_t0", "_token")
-
-    def __init__(
-        self,
-        tracer: Tracer | None,
-        instruments: Instruments | None,
-        attributes: dict[str, Any],
-    ) -> None:
-        self._instruments = instruments
-        self._metric = {
-            "wf.workflow.name": attributes["wf.workflow.name"],
-            "wf.step.name": attributes["wf.step.name"],
-        }
-        self._span: Span | None = None
-        self._token: object = None
-        if tracer is not None:
-            api = _STATE.api
-            assert api is not None
-            self._span = _quietly(
-                "start a span", tracer.start_span, "wf.step", attributes=attributes
-            )
-            if self._span is not None:
-                self._token = api.context.attach(api.trace.set_span_in_context(self._span))
-        self._t0 = time.perf_counter()
-
-    def end(self, outcome: str, exc: BaseException | None = None) -> None:
-        """``completed``, ``retrying`` (failed, tried again), ``failed`` (not retried) or
-        ``interrupted`` (the drive stopped)."""
-        elapsed = time.perf_counter() - self._t0
-        span = self._span
-        if span is not None:
-            span.set_attribute("wf.step.outcome", outcome)
-            if exc is not None:
-                span.record_exception(exc)
-                _error(span, type(exc).__name__)
-            _STATE.api.context.detach(self._token)  # type: ignore[union-attr]
-            _quietly("end a span", span.end)
-        if self._instruments is not None:
-            self._metric["wf.step.outcome"] = outcome
-            _quietly(
-                "record a metric", self._instruments.step_duration.record, elapsed, self._metric
-            )
-
-
-def step_attempt(
-    execution_id: str, workflow: str, activity: str, step: str, attempt: int
-) -> StepTrace | None:
-    """The trace of an attempt about to run (``None`` while tracing and metrics are off)."""
-    tracer = _tracer()
-    found = _instruments()
-    if tracer is None and found is None:
-        return None
-    attributes: dict[str, Any] = {
-        **(_RUN.get() or {}),
-        "wf.execution.id": execution_id,
-        "wf.workflow.name": workflow,
-        "wf.activity": activity,
-        "wf.step.name": step,
-        "wf.step.attempt": attempt,
-    }
-    return StepTrace(tracer, found, attributes)
 
 
 # the due backlog ------------------------------------------------------------------------
@@ -552,9 +322,9 @@ def step_attempt(
 
 def watch_backlog(runtime: Any) -> None:
     """Report ``runtime``'s due backlog while metrics are on (its worker runs here)."""
-    with _STATE.lock:  # the metric reader's thread copies the set under it
-        _STATE.watched.add(runtime)
-    _instruments()
+    with STATE.lock:  # the metric reader's thread copies the set under it
+        STATE.watched.add(runtime)
+    current_instruments()
 
 
 def _due_backlog(options: Any) -> Iterable[Observation]:
@@ -562,8 +332,8 @@ def _due_backlog(options: Any) -> Iterable[Observation]:
     from opentelemetry.metrics import Observation
 
     seen: dict[str, Callable[[], int]] = {}
-    with _STATE.lock:  # a WeakSet is copied one item at a time: not atomic
-        watched = list(_STATE.watched)
+    with STATE.lock:  # a WeakSet is copied one item at a time: not atomic
+        watched = list(STATE.watched)
     for runtime in watched:
         if runtime.closing:
             continue
@@ -578,7 +348,7 @@ def _due_backlog(options: Any) -> Iterable[Observation]:
     return found
 
 
-def _error(span: Span, description: str) -> None:
+def set_error(span: Span, description: str) -> None:
     from opentelemetry.trace import Status, StatusCode
 
     span.set_status(Status(StatusCode.ERROR, description))
