@@ -17,7 +17,7 @@ from sqlalchemy.pool import NullPool
 
 from alembic import context
 from wf_persist import backends
-from wf_persist.migrate import VERSION_TABLE, include_name
+from wf_persist.migrate import VERSION_TABLE, include_name, include_object_on
 from wf_persist.models import metadata
 
 config = context.config
@@ -32,6 +32,7 @@ def _configure_args(backend: type[backends.Backend]) -> dict[str, Any]:
         "target_metadata": metadata,
         "version_table": VERSION_TABLE,
         "include_name": include_name,
+        "include_object": include_object_on(backend.names[0]),
         "render_as_batch": backend.batch_migrations,
         # SQLite DDL is transactional; saying so keeps the upgrade in one transaction.
         "transactional_ddl": backend.transactional_ddl,

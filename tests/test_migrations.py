@@ -19,7 +19,7 @@ from sqlalchemy.engine import make_url
 
 import wf_persist as wp
 from wf_persist import migrate
-from wf_persist.models import executions_table
+from wf_persist.models import ONLY_ON, executions_table
 
 from .conftest import has, server_url
 from .fixtures import workflows as w
@@ -80,7 +80,12 @@ def test_upgrade_matches_models_and_uses_own_version_table(
     assert "alembic_version" not in tables
     with make_engine(blank_db_url).connect() as conn:
         ctx = MigrationContext.configure(
-            conn, opts={"include_name": migrate.include_name, "compare_type": True}
+            conn,
+            opts={
+                "include_name": migrate.include_name,
+                "include_object": migrate.include_object_on(conn.dialect.name),
+                "compare_type": True,
+            },
         )
         diff = compare_metadata(ctx, wp.metadata)
         predicates = _index_predicates(conn)
@@ -118,6 +123,7 @@ def _model_predicates(dialect: str) -> dict[str, frozenset[str] | None]:
         for table in wp.metadata.sorted_tables
         if table.name in WF_TABLES
         for index in table.indexes
+        if index.info.get(ONLY_ON, dialect) == dialect
     }
 
 
@@ -362,7 +368,6 @@ def test_upgrade_to_the_unfinished_claim_index_keeps_runs_and_claims(
     from sqlalchemy import insert, select
 
     from wf_persist.models import executions_table as ex
-    from wf_persist.models import workflows_table
 
     migrate.upgrade(blank_db_url, "wf_0004")
     now = datetime.now(UTC)
@@ -382,10 +387,7 @@ def test_upgrade_to_the_unfinished_claim_index_keeps_runs_and_claims(
     }
     engine = make_engine(blank_db_url)
     with engine.begin() as conn:
-        conn.execute(
-            insert(workflows_table),
-            {"name": "scaled", "version": 1, "source_hash": "x" * 64, "registered_at": now},
-        )
+        _catalog(conn, "scaled", now)
         conn.execute(
             insert(ex),
             [
@@ -588,17 +590,14 @@ def test_upgrade_to_the_partial_history_type_index_keeps_history_and_finds_by_ty
 
     from sqlalchemy import insert, select
 
-    from wf_persist.models import history_table, workflows_table
+    from wf_persist.models import history_table
 
     migrate.upgrade(blank_db_url, "wf_0007")
     now = datetime.now(UTC)
     engine = make_engine(blank_db_url)
     types = ["execution.started", "step.started", "step.completed", "signal.delivered"]
     with engine.begin() as conn:
-        conn.execute(
-            insert(workflows_table),
-            {"name": "typed", "version": 1, "source_hash": "x" * 64, "registered_at": now},
-        )
+        _catalog(conn, "typed", now)
         conn.execute(
             insert(executions_table),
             {
@@ -664,3 +663,134 @@ def test_upgrade_to_the_partial_history_type_index_keeps_history_and_finds_by_ty
     engine.dispose()
     migrate.upgrade(blank_db_url)
     assert migrate.current(blank_db_url) == migrate.SCHEMA_HEAD
+
+
+def test_upgrade_to_the_lease_owner_index_keeps_runs_and_reaps_through_it(
+    blank_db_url: str, backend: str, make_engine: Callable[..., Engine]
+) -> None:
+    """wf_0008 -> head with runs in flight: every run is kept; on PostgreSQL the partial
+    lease-owner index exists and the reaper's look reads it (and still takes over the runs
+    of an owner whose presence lock is free); elsewhere there is no such index. Downgrade
+    drops it."""
+    from datetime import UTC, datetime, timedelta
+
+    from sqlalchemy import insert, select
+
+    from wf_persist.backends.pg_presence import REAP
+
+    migrate.upgrade(blank_db_url, "wf_0008")
+    now = datetime.now(UTC)
+    engine = make_engine(blank_db_url)
+    owners = ["gone:1:aaaa!", "alive:2:bbbb!", "plain:3:cccc"]
+    with engine.begin() as conn:
+        _catalog(conn, "leased", now)
+        conn.execute(
+            insert(executions_table),
+            [
+                {
+                    "id": f"run-{i}",
+                    "workflow_name": "leased",
+                    "workflow_version": 1,
+                    "status": "running" if owner else "completed",
+                    "next_seq": 2,
+                    "lease_owner": owner,
+                    "lease_expires_at": now + timedelta(seconds=30) if owner else None,
+                    "wake_at": now + timedelta(seconds=30) if owner else None,
+                    "claim_epoch": 1,
+                    "created_at": now,
+                    "updated_at": now,
+                }
+                for i, owner in enumerate([*owners, None])
+            ],
+        )
+        before = conn.execute(select(executions_table).order_by(executions_table.c.id)).all()
+    engine.dispose()
+
+    migrate.upgrade(blank_db_url)
+    assert migrate.current(blank_db_url) == migrate.SCHEMA_HEAD
+    index = "ix_wf_executions__lease_owner"
+    with engine.connect() as conn:
+        rows = conn.execute(select(executions_table).order_by(executions_table.c.id)).all()
+        assert rows == before
+        found = {i["name"]: i for i in inspect(conn).get_indexes("wf_executions")}
+        if backend != "postgresql":
+            assert index not in found
+            return
+        assert found[index]["column_names"] == ["lease_owner"]
+        where = str(found[index].get("dialect_options", {}).get("postgresql_where"))
+        assert "lease_owner IS NOT NULL" in where and "running" in where, where
+    holder = engine.connect()  # the live owner's process: it holds its presence lock
+    holder.execute(text("SELECT pg_advisory_lock(hashtextextended('alive:2:bbbb!', 0))"))
+    holder.commit()
+    try:
+        sql = REAP.format(table="wf_executions")
+        with engine.connect() as conn:
+            # 2,000 more runs in flight, all the live owner's: the look walks the owners (a
+            # few index entries read), never every run in flight. (Taking a dead owner's runs
+            # over reads its runs, by the index on a large table.)
+            conn.execute(
+                text(
+                    "INSERT INTO wf_executions (id, workflow_name, workflow_version, status,"
+                    " next_seq, lease_owner, lease_expires_at, wake_at, claim_epoch,"
+                    " created_at, updated_at) SELECT 'busy-' || g, 'leased', 1, 'running', 2,"
+                    " 'alive:2:bbbb!', now() + interval '30 s', now() + interval '30 s', 1,"
+                    " now(), now() FROM generate_series(1, 2000) AS g"
+                )
+            )
+            conn.commit()
+            conn.execute(text("ANALYZE wf_executions"))
+            conn.commit()
+            # The steady state: every owner alive (the gone one's lock held for the while).
+            holder.execute(text("SELECT pg_advisory_lock(hashtextextended('gone:1:aaaa!', 0))"))
+            holder.commit()
+            explained = conn.exec_driver_sql(
+                "EXPLAIN (ANALYZE, FORMAT JSON) " + sql, {"me": "me:0:0000!", "grace": 0.0}
+            ).scalar_one()
+            conn.rollback()  # EXPLAIN ANALYZE ran the UPDATE
+            holder.execute(text("SELECT pg_advisory_unlock(hashtextextended('gone:1:aaaa!', 0))"))
+            holder.commit()
+            assert _uses(explained[0]["Plan"], index), explained
+            read = _rows_read(explained[0]["Plan"], "wf_executions")
+            assert read < 20, (read, explained)
+            reaped = conn.exec_driver_sql(sql, {"me": "me:0:0000!", "grace": 0.0}).all()
+            conn.commit()
+        # Only the owner whose lock is free, and only one that holds a presence lock at all.
+        assert [r[0] for r in reaped] == ["run-0"]
+    finally:
+        holder.close()
+        engine.dispose()
+    migrate.downgrade(blank_db_url, "wf_0008")
+    with engine.connect() as conn:
+        assert index not in {i["name"] for i in inspect(conn).get_indexes("wf_executions")}
+        assert len(conn.execute(select(executions_table)).all()) == len(owners) + 1 + 2000
+    engine.dispose()
+    migrate.upgrade(blank_db_url)
+
+
+def _uses(node: dict[str, Any], index: str) -> bool:
+    """Whether a plan (``EXPLAIN (FORMAT JSON)``) reads ``index`` anywhere."""
+    return node.get("Index Name") == index or any(_uses(c, index) for c in node.get("Plans", ()))
+
+
+def _rows_read(node: dict[str, Any], table: str) -> int:
+    """Rows a plan (``EXPLAIN (ANALYZE, FORMAT JSON)``) read from ``table``, by any scan:
+    those it kept and those its filters removed."""
+    rows = 0
+    if node.get("Relation Name") == table and "Scan" in str(node.get("Node Type")):
+        kept = int(node["Actual Rows"]) + int(node.get("Rows Removed by Filter", 0))
+        rows += kept * int(node["Actual Loops"])
+    for child in node.get("Plans", ()):
+        rows += _rows_read(child, table)
+    return rows
+
+
+def _catalog(conn: Any, name: str, now: Any) -> None:
+    """Catalog version 1 of ``name`` (what the runs a test inserts by hand point at)."""
+    from sqlalchemy import insert
+
+    from wf_persist.models import workflows_table
+
+    conn.execute(
+        insert(workflows_table),
+        {"name": name, "version": 1, "source_hash": "x" * 64, "registered_at": now},
+    )

@@ -16,7 +16,7 @@ import dataclasses
 import io
 import shlex
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal
 
@@ -32,7 +32,7 @@ from .errors import (
     SchemaVersionConflictError,
     SchemaVersionError,
 )
-from .models import metadata
+from .models import ONLY_ON, metadata
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -45,7 +45,7 @@ HOST_VERSION_TABLE: Final = "alembic_version"
 #: What migrates a merged database: the host's own Alembic, every branch at once.
 HOST_UPGRADE_COMMAND: Final = "alembic upgrade heads"
 #: The revision this version of wf_persist needs. A test checks it is the script head.
-SCHEMA_HEAD: Final = "wf_0008"
+SCHEMA_HEAD: Final = "wf_0009"
 
 Bind = Engine | Connection | str | URL
 
@@ -89,6 +89,20 @@ def include_name(name: str | None, type_: str, parent_names: Any) -> bool:
     if type_ == "table":
         return name in metadata.tables
     return True
+
+
+def include_object_on(dialect: str) -> Callable[..., bool]:
+    """Alembic ``include_object`` hook for ``dialect``: an index of the models that exists on
+    another database only (``info[ONLY_ON]``, e.g. PostgreSQL's lease-owner index for its
+    reaper) is left out of comparisons here."""
+
+    def include_object(obj: Any, name: str | None, type_: str, reflected: bool, other: Any) -> bool:
+        if type_ != "index" or reflected:
+            return True
+        only = obj.info.get(ONLY_ON)
+        return only is None or only == dialect
+
+    return include_object
 
 
 def host_include_name(name: str | None, type_: str, parent_names: Any) -> bool:

@@ -157,6 +157,12 @@ class WorkflowVersion(Base):
 #: Unfinished runs, as SQL: the predicate of the partial claim index. The claim's own WHERE
 #: spells the statuses the same way (sorted, inline), so every planner sees it implies this.
 UNFINISHED: Final = text("status IN (" + ", ".join(f"'{s}'" for s in sorted(ACTIVE)) + ")")
+#: Leased unfinished runs: the predicate of PostgreSQL's partial lease-owner index.
+LEASED: Final = text(f"lease_owner IS NOT NULL AND {UNFINISHED.text}")
+#: The key of an index's ``info`` naming the one dialect it exists on (migrations create it
+#: there only; :func:`wf_persist.migrate.include_object_on` leaves it out of comparisons
+#: elsewhere).
+ONLY_ON: Final = "wf_persist.only_on"
 
 
 class Execution(Base):
@@ -224,6 +230,14 @@ class Execution(Base):
         # MariaDB the leading ``status`` makes the claim's ``status IN (...) AND wake_at <=
         # now`` three ranges of unfinished runs' entries, as the partial index would.
         Index(None, "status", "wake_at", postgresql_where=UNFINISHED, sqlite_where=UNFINISHED),
+        # Lease owners of unfinished runs, on PostgreSQL only: its reaper walks the distinct
+        # owners (one index probe each, see ``pg_presence.REAP``) ten times a second per
+        # worker, where reading every leased run made each look grow with the runs in
+        # flight. No other backend reaps (no presence locks): the index would only cost
+        # their claims and finishes an entry.
+        Index(None, "lease_owner", postgresql_where=LEASED, info={ONLY_ON: "postgresql"}).ddl_if(
+            dialect="postgresql"
+        ),
         MYSQL_TABLE_OPTIONS,
     )
 
