@@ -28,6 +28,7 @@ from .backends import Claim, Fenced
 from .bridge import off_loop
 from .context import Context
 from .control import Halt, Reload
+from .driver_children import ChildDriving
 from .errors import (
     Cancelled,
     LeaseLostError,
@@ -42,7 +43,7 @@ from .logs import run_fields
 from .models import executions_table as ex
 from .replay import Journal
 from .secrets import SecretResolver
-from .store import children, executions, history
+from .store import executions, history
 from .values import to_json
 from .wakeups import END, NOTIFIED_POLL_INTERVAL, WAKE
 
@@ -67,7 +68,7 @@ class DriveClock:
         return self._base + dt.timedelta(seconds=time.monotonic() + self._shift() - self._t0)
 
 
-class RunDriver:
+class RunDriver(ChildDriving):
     """Writes for one replay of one run, fenced by its epoch.
 
     Each write borrows a pooled connection and gives it back at once: a run holds none
@@ -378,105 +379,6 @@ class RunDriver:
             raise Halt(LeaseLostError(self.execution_id))
         if row.status == lifecycle.COMPENSATING and not self._cancel_known:
             raise Reload
-
-    # children ------------------------------------------------------------------------
-
-    def start_child(
-        self,
-        child_id: str,
-        workflow: Workflow[Any, Any] | str,
-        version: int | None,
-        payload: Any,
-        who: events.Activity,
-        cancel_with_parent: bool,
-    ) -> Workflow[Any, Any]:
-        return off_loop(
-            self._start_child_now, child_id, workflow, version, payload, who, cancel_with_parent
-        )
-
-    def _start_child_now(
-        self,
-        child_id: str,
-        workflow: Workflow[Any, Any] | str,
-        version: int | None,
-        payload: Any,
-        who: events.Activity,
-        cancel_with_parent: bool,
-    ) -> Workflow[Any, Any]:
-        rt = self.runtime
-        wf = rt.choose(workflow, version)
-        stored = rt.validate_input(wf, payload)  # before anything is written
-        if isinstance(workflow, Workflow):
-            rt.ensure_registered(workflow)
-        now = self.clock()
-        deadline = None if wf.timeout is None else now + dt.timedelta(seconds=wf.timeout)
-        # The child's drives continue this drive's trace.
-        trace = telemetry.carrier()
-        started = events.execution_started(child_id, wf.name, wf.version, stored, None, now, trace)
-        mark = events.child_started(who, child_id, wf.name, wf.version, cancel_with_parent, now)
-        with self.conn_lock:
-            evs = [*self._deferred, mark]
-            try:
-                with self.lender.connection() as conn, self.backend.begin(conn):
-                    history.append(
-                        conn,
-                        self.backend,
-                        self.execution_id,
-                        evs,
-                        now=now,
-                        epoch=self.epoch,
-                        seen_through=self.seen,
-                        values=self._reset or None,
-                    )
-                    executions.create(
-                        conn,
-                        self.backend,
-                        execution_id=child_id,
-                        workflow_name=wf.name,
-                        workflow_version=wf.version,
-                        payload=stored,
-                        idempotency_key=None,
-                        actor=None,
-                        started=started,
-                        now=now,
-                        deadline=deadline,
-                        parent_id=self.execution_id,
-                    )
-            except StaleHistoryError:
-                raise Reload from None
-            except Exception as exc:
-                raise Halt(exc) from exc
-            self._deferred.clear()
-            self._reset = {}
-        self.runtime._notify()  # this process's worker may take the child at once
-        telemetry.run_started(wf.name, wf.version)
-        return wf
-
-    def child_definition(self, name: str, version: int) -> Workflow[Any, Any] | None:
-        return self.runtime._registry.get((name, version))
-
-    def cancel_children(self, ids: Sequence[str], compensate: bool) -> None:
-        """Cancel these children as this run was cancelled (or timed out), each in a
-        transaction of its own; one that ended meanwhile is left as it is. Done before the
-        unwind, so a crash before the outcome does it again at the next drive."""
-        off_loop(self._cancel_children_now, ids, compensate)
-        if ids:
-            self.runtime._notify()
-
-    def _cancel_children_now(self, ids: Sequence[str], compensate: bool) -> None:
-        for child_id in ids:
-            try:
-                with self.lender.connection() as own, self.backend.begin(own) as conn:
-                    children.cancel(
-                        conn,
-                        self.backend,
-                        child_id,
-                        compensate=compensate,
-                        actor=None,
-                        now=self.clock(),
-                    )
-            except Exception as exc:
-                raise Halt(exc) from exc
 
     # the outcome ------------------------------------------------------------------
 
