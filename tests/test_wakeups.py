@@ -534,6 +534,145 @@ def test_an_interrupt_while_a_drive_opens_gives_the_run_back(
         assert conn.execute(select(ex.c.lease_owner)).scalars().all() == [None]
 
 
+def _interrupt_before(
+    monkeypatch: pytest.MonkeyPatch, owner: object, name: str, error: BaseException
+) -> None:
+    """``owner.name`` raises ``error`` as it is entered (where a signal handler runs)."""
+
+    def interrupted(*args: object, **kwargs: object) -> object:
+        raise error
+
+    monkeypatch.setattr(owner, name, interrupted)
+
+
+def _given_back(rt: wp.Runtime, other: wp.Runtime) -> None:
+    """The one run is leased by nobody, held by no lease keeper, and another runtime
+    finishes it at once (not after the lease)."""
+    assert rt.keeper().held() == {}
+    with rt.backend.read() as conn:
+        rows = conn.execute(select(ex.c.id, ex.c.lease_owner)).all()
+    assert [owner for _, owner in rows] == [None], rows
+    assert other.client().result(rows[0][0], timeout=20).unwrap() == [1, 2]
+
+
+@pytest.mark.parametrize("where", ["started", "drive_started", "trace"])
+def test_an_interrupt_between_a_claimed_start_and_its_drive_gives_the_run_back(
+    make_runtime: Callable[..., wp.Runtime], monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """An interrupt landing after ``execute``'s start committed, before the drive's own
+    handling begins (as the start hands the claim on, as the drive is entered, as its trace
+    opens): the run is given back, not left leased by nobody (until the lease lapsed) or
+    renewed for ever by this runtime's lease keeper."""
+    from wf_persist import drive_telemetry
+
+    rt = make_runtime(lease_ttl=300)
+    other = make_runtime(lease_ttl=300)
+    for r in (rt, other):
+        r.register(w.echo_wf)
+    client = rt.client()
+    owner, name = {
+        "started": (client, "_started"),
+        "drive_started": (rt, "drive_started"),
+        "trace": (drive_telemetry, "drive"),
+    }[where]
+    _interrupt_before(monkeypatch, owner, name, _Interrupt())
+    with pytest.raises(_Interrupt):
+        client.execute(w.echo_wf, 2)
+    monkeypatch.undo()
+    _given_back(rt, other)
+
+
+def test_an_exception_raised_just_after_a_claimed_start_committed_gives_the_run_back(
+    make_runtime: Callable[..., wp.Runtime], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signal handler's exception (a request's timeout) landing right after the commit of
+    ``execute``'s start: the run may have committed, so it is given back (on SQLite and
+    MySQL it waited out the lease)."""
+    rt = make_runtime(lease_ttl=300)
+    other = make_runtime(lease_ttl=300)
+    for r in (rt, other):
+        r.register(w.echo_wf)
+    real = rt.backend.atomic
+
+    @contextlib.contextmanager
+    def atomic_then_timeout() -> Iterator[object]:
+        with real() as conn:
+            yield conn
+        raise TimeoutError("the request timed out")
+
+    monkeypatch.setattr(rt.backend, "atomic", atomic_then_timeout)
+    with pytest.raises(TimeoutError):
+        rt.client().execute(w.echo_wf, 2)
+    monkeypatch.undo()
+    _given_back(rt, other)
+
+
+def test_an_interrupt_before_a_started_run_reaches_the_worker_frees_its_slot(
+    make_runtime: Callable[..., wp.Runtime], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A start made claimed for this runtime's worker, interrupted after its commit before
+    the run was handed over: the run is due again and the slot promised to it is free (a
+    worker of concurrency 1 would otherwise never claim again)."""
+    rt = make_runtime(lease_ttl=300)
+    rt.register(w.echo_wf)
+    rt.start_worker(concurrency=1, poll_interval=0.05)
+    client = rt.client()
+    warm = client.start(w.echo_wf, 1).execution_id  # the worker serving: starts go claimed
+    assert client.result(warm, timeout=20).unwrap() == [1, 2]
+    worker = rt.start_worker()
+    wait_until(
+        lambda: worker._pool is not None and not worker._inflight,
+        what="the worker serving, the warm run's slot free again",
+    )
+    _interrupt_before(monkeypatch, rt, "dispatch", _Interrupt())
+    with pytest.raises(_Interrupt):
+        client.start(w.echo_wf, 2)
+    monkeypatch.undo()
+    with rt.backend.read() as conn:
+        (run,) = conn.execute(select(ex.c.id).where(ex.c.id != warm)).scalars().all()
+    assert client.result(run, timeout=20).unwrap() == [1, 2]
+    assert client.result(client.start(w.echo_wf, 2).execution_id, timeout=20).unwrap() == [1, 2]
+
+
+_CLOSE_IN_HANDLER = """
+import os, signal, sys
+import wf_persist as wp
+
+rt = wp.Runtime(sys.argv[1], auto_migrate=True)
+keeper = rt.keeper()
+
+def handler(*_):
+    rt.close(timeout=2)
+    print("closed", flush=True)
+
+signal.signal(signal.SIGTERM, handler)
+with rt._lock, keeper._lock:  # as a drive that takes its lease keeper, say
+    os.kill(os.getpid(), signal.SIGTERM)
+    sum(range(10))  # the handler runs here
+print("done", flush=True)
+"""
+
+
+def test_close_from_a_signal_handler_landing_in_a_locked_section_does_not_hang(
+    tmp_path: Path,
+) -> None:
+    """The README allows ``close()`` from a signal handler; landing while the interrupted
+    thread held the runtime's or the lease keeper's lock, it waited for that lock for ever."""
+    import subprocess
+    import sys
+
+    url = f"sqlite:///{tmp_path / 'handler.sqlite3'}"
+    done = subprocess.run(
+        [sys.executable, "-c", _CLOSE_IN_HANDLER, url],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["closed", "done"], done.stdout
+
+
 def test_a_closed_runtime_starts_no_new_lease_keeper(
     make_runtime: Callable[..., wp.Runtime],
 ) -> None:

@@ -171,6 +171,15 @@ class Client(RunAwaiter):
         """A start created claimed (:meth:`_lease`) failed after it may have committed (its
         answer lost, an interrupt): the run, if it exists, must not wait out the lease."""
 
+    def _recorded(self, found: executions.Created | Stale, asked: float) -> None:
+        """A start created claimed (:meth:`_lease`) was written, not yet committed: what
+        must be known at once if an interrupt comes between its commit and
+        :meth:`_started`."""
+
+    def _interrupted(self, execution_id: str, workflow: str) -> None:
+        """A start created claimed committed, and was interrupted before :meth:`_started`
+        handed the run on: the run must not wait out the lease."""
+
     def _expect(self, execution_id: str) -> bool:
         """Before a start of this client's own is sent: while ends are announced, the run's
         end will be heard whenever it comes, so a wait for it needs no first look."""
@@ -316,6 +325,8 @@ class Client(RunAwaiter):
             try:
                 with self.backend.atomic() as conn:
                     found = write(conn, lease)
+                    if lease is not None:
+                        self._recorded(found, asked)
             except BaseException as exc:
                 if expected:
                     self._ends.unexpect(execution_id)
@@ -323,14 +334,21 @@ class Client(RunAwaiter):
                     self._started(executions.Created(execution_id, pinned, False), True, asked)
                     if self.backend.may_have_committed(exc):
                         self._abandoned(execution_id, name)
+                    else:  # refused: nothing was written, nothing to give back
+                        self._recorded(executions.Created(execution_id, pinned, False), asked)
                 raise
-            if expected and (isinstance(found, Stale) or not found.created):
-                self._ends.unexpect(execution_id)
-            if isinstance(found, Stale):
-                if lease is not None:
-                    self._started(executions.Created(execution_id, pinned, False), True, asked)
-                return found
-            self._started(found, lease is not None, asked)
+            try:
+                if expected and (isinstance(found, Stale) or not found.created):
+                    self._ends.unexpect(execution_id)
+                if isinstance(found, Stale):
+                    if lease is not None:
+                        self._started(executions.Created(execution_id, pinned, False), True, asked)
+                    return found
+                self._started(found, lease is not None, asked)
+            except BaseException:
+                if lease is not None:  # committed claimed, then interrupted before handed on
+                    self._interrupted(execution_id, name)
+                raise
         return found
 
     def cancel(

@@ -15,7 +15,7 @@ from sqlalchemy import Row
 from . import arguments
 from .authoring import Workflow
 from .awaiting import _AGAIN, _WAIT
-from .backends import Cataloged
+from .backends import Cataloged, Stale
 from .client import Client
 from .records import Completed, Failed, Outcome
 from .runtime import NOT_DRIVEN
@@ -94,14 +94,24 @@ class WorkflowClient(Client):
     def _abandoned(self, execution_id: str, workflow: str) -> None:
         self.runtime.give_back_started(execution_id, workflow)  # never created: matches none
 
+    def _recorded(self, found: executions.Created | Stale, asked: float) -> None:
+        # execute(): known before the commit, so an interrupt from then on gives it back.
+        if getattr(self._here, "wanted", False):
+            claim = found.claim if isinstance(found, executions.Created) else None
+            self._here.claim = None if claim is None else (claim, asked)
+
     def _started(self, created: executions.Created, leased: bool, asked: float) -> None:
         if leased and getattr(self._here, "wanted", False):
-            if created.claim is not None:
-                self._here.claim = (created.claim, asked)
-        elif leased:
+            return  # execute() drives it (see _recorded)
+        if leased:
             self.runtime.dispatch(created.claim, asked)
         else:
             self._notify()
+
+    def _interrupted(self, execution_id: str, workflow: str) -> None:
+        if getattr(self._here, "wanted", False):
+            return  # execute() gives it back
+        self.runtime.undispatch(execution_id, workflow)
 
     def execute(
         self,
@@ -126,30 +136,34 @@ class WorkflowClient(Client):
         self.runtime._check_open()  # nothing is started on a closed runtime
         here = self._here
         here.wanted, here.claim = True, None
+        drove: Any = None
         try:
-            handle = self.start(
-                workflow,
-                payload,
-                idempotency_key=idempotency_key,
-                actor=actor,
-                version=version,
-                timeout=timeout,
-            )
+            try:
+                handle = self.start(
+                    workflow,
+                    payload,
+                    idempotency_key=idempotency_key,
+                    actor=actor,
+                    version=version,
+                    timeout=timeout,
+                )
+            finally:
+                here.wanted = False
+            if here.claim is not None:
+                drove = self.runtime.drive_started(*here.claim)
         except BaseException:
+            # Made claimed, then interrupted, before or during its drive: due again at once
+            # (after a drive that gave it back itself, or finished it, this matches nothing).
             claimed, here.claim = here.claim, None
-            if claimed is not None:  # made claimed, then interrupted: due again at once
+            if claimed is not None:
                 self.runtime.give_back(claimed[0])
             raise
-        finally:
-            here.wanted = False
-        claimed, here.claim = here.claim, None
+        here.claim = None
         execution_id = handle.execution_id
-        if claimed is not None:
-            drove = self.runtime.drive_started(*claimed)
-            if isinstance(drove, tuple):
-                known = self._known(execution_id)
-                if known is not None:
-                    return known
+        if isinstance(drove, tuple):
+            known = self._known(execution_id)
+            if known is not None:
+                return known
         return self.result(execution_id)
 
     def _known(self, execution_id: str) -> Outcome | None:

@@ -88,7 +88,7 @@ class LeaseKeeper(threading.Thread):
         self.ttl = ttl
         self._engine: Engine | None = None
         self._held: dict[str, Lease] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # release_all() may run in a signal handler (close())
         self._stop_event = threading.Event()
         self._outage = Outage(log, "renewing leases", ttl / 6)
 
@@ -108,6 +108,13 @@ class LeaseKeeper(threading.Thread):
         with self._lock:
             if self._held.get(lease.execution_id) is lease:
                 del self._held[lease.execution_id]
+
+    def forget_run(self, execution_id: str, epoch: int) -> None:
+        """Forget the run's lease at ``epoch``, if one is held (whoever holds the object)."""
+        with self._lock:
+            lease = self._held.get(execution_id)
+            if lease is not None and lease.epoch == epoch:
+                del self._held[execution_id]
 
     def held(self) -> dict[str, int]:
         with self._lock:

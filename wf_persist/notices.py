@@ -29,7 +29,7 @@ class Notices:
     backend: Backend
     owner: str
     _base_owner: str
-    _lock: threading.Lock
+    _lock: threading.RLock
     _closed: bool
     _wakeups: Wakeups | None
     _owner_settled: threading.Event

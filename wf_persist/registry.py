@@ -28,7 +28,7 @@ class Registry:
 
     backend: Backend
     clock: Callable[[], dt.datetime]
-    _lock: threading.Lock
+    _lock: threading.RLock
     _registry: dict[tuple[str, int], Workflow[Any, Any]]
     _latest: dict[str, int]
 

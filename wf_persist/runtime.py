@@ -161,7 +161,7 @@ class Runtime(Registry, Notices):
         self.closing = False
         self._registry = {}
         self._latest = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # close() may come from a signal handler in a locked section
         #: Runs driven in this process now.
         self._driving: set[str] = set()
         #: Set once :attr:`owner` is what it will be (the presence lock taken, or not).
@@ -275,21 +275,25 @@ class Runtime(Registry, Notices):
 
     def _drive(self, claim: Claim, asked: float | None = None, until: float | None = None) -> Any:
         keeper = self.keeper()
-        lease = keeper.hold(claim.execution_id, claim.epoch, asked)
-        with drive_telemetry.drive(claim) as traced:
-            try:
-                self.definition(claim.workflow_name, claim.workflow_version)
-                loaded = drives.start_drive(self, claim, traced)
-            except Exception as exc:
-                keeper.forget(lease)
-                drives.failed(self, claim, exc)
-                return None
-            except BaseException:  # interrupted: not held on (renewed) by nobody's drive
-                keeper.forget(lease)
-                self.give_back(claim)
-                raise
-            finished = drives.drive(self, claim, lease, loaded, until)
-            traced.finished(finished)
+        try:
+            lease = keeper.hold(claim.execution_id, claim.epoch, asked)
+            with drive_telemetry.drive(claim) as traced:
+                try:
+                    self.definition(claim.workflow_name, claim.workflow_version)
+                    loaded = drives.start_drive(self, claim, traced)
+                except Exception as exc:
+                    keeper.forget(lease)
+                    drives.failed(self, claim, exc)
+                    return None
+                finished = drives.drive(self, claim, lease, loaded, until)
+                traced.finished(finished)
+        except BaseException:
+            # Interrupted anywhere (the drive gives its run back itself, and again here is
+            # a no-op): the lease is not held on, renewed for nobody's drive, and the run is
+            # due again at once.
+            keeper.forget_run(claim.execution_id, claim.epoch)
+            self.give_back(claim)
+            raise
         if finished is not None:
             with self._lock:
                 self._finished[claim.execution_id] = (
@@ -340,6 +344,19 @@ class Runtime(Registry, Notices):
                 self._dispatched.discard(claim.execution_id)
             keeper.forget(lease)
             self.give_back(claim)
+
+    def undispatch(self, execution_id: str, workflow: str) -> None:
+        """A run started claimed for the worker (its slot reserved) was interrupted after
+        its commit, before :meth:`dispatch` handed it over: the slot is freed, the lease
+        not renewed and the run due again at once. One the worker took is left to it."""
+        with self._lock:
+            if execution_id in self._dispatched or execution_id in self._driving:
+                return
+        worker = self._worker
+        if worker is not None:
+            worker.unreserve()
+        self.keeper().forget_run(execution_id, 1)
+        self.give_back_started(execution_id, workflow)
 
     def claim_due(self, limit: int) -> list[Claim]:
         """Claim up to ``limit`` due runs this runtime can drive (for workers)."""

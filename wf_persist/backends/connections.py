@@ -124,11 +124,11 @@ class Connections:
 
     def may_have_committed(self, exc: BaseException) -> bool:
         """Whether a store call made atomic by :meth:`atomic` may have committed although it
-        raised ``exc``: if its connection was lost (and the commit's answer with it), or an
-        interrupt (not an ``Exception``) may have come just after the commit."""
-        if not isinstance(exc, Exception):
-            return True
-        return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
+        raised ``exc``: anything but the database refusing it may have come after the
+        commit (an interrupt, or an exception a signal handler raised, say a request's
+        timeout), and a refusal whose connection was lost took the commit's answer with
+        it."""
+        return not isinstance(exc, DBAPIError) or bool(exc.connection_invalidated)
 
     @contextlib.contextmanager
     def read(self, conn: Connection | None = None) -> Iterator[Connection]:

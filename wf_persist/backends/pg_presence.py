@@ -102,7 +102,7 @@ class PGListener:
     """One connection of the process's own, in autocommit: LISTEN, and the presence lock."""
 
     def __init__(self, backend: PostgreSQLBackend, owner: str | None) -> None:
-        self._nudge_lock = threading.Lock()
+        self._nudge_lock = threading.RLock()  # close() in a signal handler nudges too
         self._nudge_r = self._nudge_w = -1
         self._engine: Engine = backend.side_engine()
         try:

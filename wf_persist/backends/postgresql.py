@@ -288,13 +288,6 @@ class PostgreSQLBackend(Backend):
         with self.base_engine.connect() as conn:
             yield conn
 
-    def may_have_committed(self, exc: BaseException) -> bool:
-        # A start is one autocommitted statement: anything but the database refusing it (an
-        # interrupt, a failure reading its answer) may come after its commit.
-        if not self.raw_ok:
-            return super().may_have_committed(exc)
-        return not isinstance(exc, DBAPIError) or bool(exc.connection_invalidated)
-
     @contextlib.contextmanager
     def read(self, conn: Connection | None = None) -> Iterator[Connection]:
         """At READ COMMITTED (wf_persist's level here) every statement reads its own
