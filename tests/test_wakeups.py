@@ -15,9 +15,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from sqlalchemy import create_engine, select, text
+from sqlalchemy import Engine, create_engine, select, text
 from sqlalchemy.exc import OperationalError
 
 import wf_persist as wp
@@ -113,8 +114,14 @@ def test_a_start_with_a_taken_idempotency_key_claims_nothing(
     assert again.execution_id == first.execution_id and not again.created
     other = client.start(w.echo_wf, 4)
     assert client.result(other.execution_id, timeout=10).unwrap() == [1, 2, 3, 4]
-    wait_until(worker.reserve, what="the slot back", timeout=10)
-    worker.unreserve()
+    held: list[Any] = []
+
+    def slot_back() -> bool:
+        held[:] = [worker.reserve()]
+        return held[0] is not None
+
+    wait_until(slot_back, what="the slot back", timeout=10)
+    worker.unreserve(held[0])
 
 
 def test_execute_starts_the_run_claimed_and_drives_it_here_in_four_writes(
@@ -632,6 +639,102 @@ def test_an_interrupt_before_a_started_run_reaches_the_worker_frees_its_slot(
         (run,) = conn.execute(select(ex.c.id).where(ex.c.id != warm)).scalars().all()
     assert client.result(run, timeout=20).unwrap() == [1, 2]
     assert client.result(client.start(w.echo_wf, 2).execution_id, timeout=20).unwrap() == [1, 2]
+
+
+def _serving_worker(rt: wp.Runtime) -> Any:
+    """A worker of concurrency 1, serving (its first run done, its slot free again)."""
+    worker = rt.start_worker(concurrency=1, poll_interval=0.05)
+    client = rt.client()
+    warm = client.start(w.echo_wf, 1).execution_id
+    assert client.result(warm, timeout=20).unwrap() == [1, 2]
+    wait_until(lambda: worker._pool is not None and not worker._inflight, what="serving")
+    return worker
+
+
+@pytest.mark.parametrize("where", ["submit", "after_dispatch", "expect"])
+def test_an_interrupted_start_for_the_worker_neither_strands_its_run_nor_miscounts_its_slot(
+    make_runtime: Callable[..., wp.Runtime], monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """Interrupted as the worker is given the run (the run was stuck, renewed for ever and
+    its slot held), just after it was given it (its slot was freed twice: the worker then
+    promised more runs than it has threads), or before the start was sent (the slot
+    promised to it leaked): the run completes, the slot count ends at zero, and a worker
+    of concurrency 1 takes the next start."""
+    from wf_persist.embedded import WorkflowClient
+
+    rt = make_runtime(lease_ttl=300)
+    rt.register(w.echo_wf)
+    worker = _serving_worker(rt)
+    client = rt.client()
+    before = set(_ids(rt))
+    if where == "submit":
+        _interrupt_before(monkeypatch, worker, "submit", _Interrupt())
+    elif where == "expect":
+        _interrupt_before(monkeypatch, client, "_expect", _Interrupt())
+    else:
+        real = WorkflowClient._started
+
+        def started_then_interrupted(self: Any, created: Any, *args: Any) -> None:
+            real(self, created, *args)
+            # The worker drove it to its end before the interrupt came (a handler's close()
+            # waits for it, say).
+            wait_until(lambda: not rt.busy_here(created.execution_id), what="driven")
+            raise _Interrupt
+
+        monkeypatch.setattr(WorkflowClient, "_started", started_then_interrupted)
+    with pytest.raises(_Interrupt):
+        client.start(w.echo_wf, 2)
+    monkeypatch.undo()
+    for run in set(_ids(rt)) - before:
+        assert client.result(run, timeout=20).unwrap() == [1, 2]
+    wait_until(lambda: not worker._inflight, what="the worker idle")
+    assert worker._reserved == 0
+    assert client.result(client.start(w.echo_wf, 2).execution_id, timeout=20).unwrap() == [1, 2]
+
+
+def _ids(rt: wp.Runtime) -> list[str]:
+    with rt.backend.read() as conn:
+        return [str(i) for i in conn.execute(select(ex.c.id)).scalars()]
+
+
+def test_an_interrupt_as_a_drive_is_marked_leaves_the_run_drivable_here(
+    make_runtime: Callable[..., wp.Runtime], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An interrupt just after a drive marked its run as driven here: the mark goes too
+    (this process never drove that run again: its worker skipped it and ``result()`` took
+    it for busy here)."""
+    from wf_persist import runtime as runtime_module
+
+    class Interrupting:
+        def set(self, value: object) -> object:
+            raise _Interrupt
+
+    rt = make_runtime(lease_ttl=300)
+    rt.register(w.echo_wf)
+    monkeypatch.setattr(runtime_module, "DRIVING_RUN", Interrupting())
+    with pytest.raises(_Interrupt):
+        rt.client().execute(w.echo_wf, 2)
+    monkeypatch.undo()
+    (run,) = _ids(rt)
+    assert rt.client().result(run, timeout=10).unwrap() == [1, 2]
+
+
+def test_a_claimed_start_that_got_no_connection_gives_nothing_back(
+    backend: str, db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """A start that timed out waiting for the pool sent nothing: it fails after one pool
+    timeout (a give-back for it waited on the same exhausted pool a second time)."""
+    engine = make_engine(db_url, pool_size=1, max_overflow=0, pool_timeout=1)
+    with wp.Runtime(engine, lease_ttl=300) as rt:
+        rt.register(w.echo_wf)
+        client = rt.client()
+        assert client.execute(w.echo_wf, 1).unwrap() == [1, 2]
+        with engine.connect():  # the pool's one connection, taken
+            began = time.monotonic()
+            with pytest.raises(Exception, match="QueuePool limit"):
+                client.execute(w.echo_wf, 2)
+            took = time.monotonic() - began
+        assert took < 1.8, f"{took:.2f}s: the pool timeout was waited twice"
 
 
 _CLOSE_IN_HANDLER = """

@@ -319,11 +319,13 @@ class Client(RunAwaiter):
         if session is not None:
             found = write(session)
         else:
-            lease = self._lease()
             asked = time.monotonic()  # before the claim: see Lease.confirmed
             expected = self._expect(execution_id)
+            lease = self._lease()  # a worker slot may be promised from here: see except
+            sent = False
             try:
                 with self.backend.atomic() as conn:
+                    sent = True
                     found = write(conn, lease)
                     if lease is not None:
                         self._recorded(found, asked)
@@ -332,7 +334,8 @@ class Client(RunAwaiter):
                     self._ends.unexpect(execution_id)
                 if lease is not None:
                     self._started(executions.Created(execution_id, pinned, False), True, asked)
-                    if self.backend.may_have_committed(exc):
+                    # Not sent (no connection from the pool, say): nothing can have committed.
+                    if sent and self.backend.may_have_committed(exc):
                         self._abandoned(execution_id, name)
                     else:  # refused: nothing was written, nothing to give back
                         self._recorded(executions.Created(execution_id, pinned, False), asked)

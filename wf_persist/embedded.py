@@ -89,7 +89,8 @@ class WorkflowClient(Client):
                 return None
             rt.wakeups()  # the presence lock first: its owner name is the lease's
             return rt.owner, rt.lease_ttl.total_seconds()
-        return (rt.owner, rt.lease_ttl.total_seconds()) if rt.reserve_drive() else None
+        self._here.reservation = found = rt.reserve_drive()
+        return None if found is None else (rt.owner, rt.lease_ttl.total_seconds())
 
     def _abandoned(self, execution_id: str, workflow: str) -> None:
         self.runtime.give_back_started(execution_id, workflow)  # never created: matches none
@@ -104,14 +105,14 @@ class WorkflowClient(Client):
         if leased and getattr(self._here, "wanted", False):
             return  # execute() drives it (see _recorded)
         if leased:
-            self.runtime.dispatch(created.claim, asked)
+            self.runtime.dispatch(created.claim, asked, self._here.reservation)
         else:
             self._notify()
 
     def _interrupted(self, execution_id: str, workflow: str) -> None:
         if getattr(self._here, "wanted", False):
             return  # execute() gives it back
-        self.runtime.undispatch(execution_id, workflow)
+        self.runtime.undispatch(execution_id, workflow, self._here.reservation)
 
     def execute(
         self,

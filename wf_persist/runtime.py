@@ -45,7 +45,7 @@ from .wakeups import Wakeups
 
 if TYPE_CHECKING:
     from .embedded import WorkflowClient
-    from .worker import Worker
+    from .worker import Reservation, Worker
 
 log = logging.getLogger("wf_persist.runtime")
 
@@ -196,29 +196,36 @@ class Runtime(Registry, Notices):
 
     @contextmanager
     def _driving_run(self, execution_id: str, wait: float) -> Iterator[bool]:
-        """Mark the run as driven by this process (False: another thread here drives it)."""
+        """Mark the run as driven by this process (False: another thread here drives it).
+        Unmarked whatever interrupts it once marked (else this process would never drive
+        the run again)."""
         deadline = time.monotonic() + wait
-        while True:
-            with self._lock:
-                if execution_id not in self._driving:
-                    self._driving.add(execution_id)
-                    break
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                yield False
-                return
-            off_loop(self.wait_for_change, min(0.05, remaining))
-        token = DRIVING_RUN.set(execution_id)
+        added = False
         try:
-            yield True
+            while True:
+                with self._lock:
+                    if execution_id not in self._driving:
+                        added = True
+                        self._driving.add(execution_id)
+                        break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    yield False
+                    return
+                off_loop(self.wait_for_change, min(0.05, remaining))
+            token = DRIVING_RUN.set(execution_id)
+            try:
+                yield True
+            finally:
+                DRIVING_RUN.reset(token)
         finally:
-            DRIVING_RUN.reset(token)
-            with self._lock:
-                self._driving.discard(execution_id)
-                last = self._closed and not self._driving
-            self._notify(worker=False)  # a drive's end frees a worker slot: see Worker._done
-            if last:  # close() left the engine to the drives still in flight
-                self._dispose()
+            if added:
+                with self._lock:
+                    self._driving.discard(execution_id)
+                    last = self._closed and not self._driving
+                self._notify(worker=False)  # a drive's end frees a worker slot (Worker._done)
+                if last:  # close() left the engine to the drives still in flight
+                    self._dispose()
 
     def drive_for_outcome(self, execution_id: str, until: float | None = None) -> Any:
         """Like :meth:`drive`; returns ``(ok, stored value)`` if the run finished here,
@@ -274,8 +281,8 @@ class Runtime(Registry, Notices):
             return self._drive(claim)
 
     def _drive(self, claim: Claim, asked: float | None = None, until: float | None = None) -> Any:
-        keeper = self.keeper()
         try:
+            keeper = self.keeper()
             lease = keeper.hold(claim.execution_id, claim.epoch, asked)
             with drive_telemetry.drive(claim) as traced:
                 try:
@@ -291,7 +298,7 @@ class Runtime(Registry, Notices):
             # Interrupted anywhere (the drive gives its run back itself, and again here is
             # a no-op): the lease is not held on, renewed for nobody's drive, and the run is
             # due again at once.
-            keeper.forget_run(claim.execution_id, claim.epoch)
+            self.keeper().forget_run(claim.execution_id, claim.epoch)
             self.give_back(claim)
             raise
         if finished is not None:
@@ -318,43 +325,44 @@ class Runtime(Registry, Notices):
 
     # runs started claimed -------------------------------------------------------------
 
-    def reserve_drive(self) -> bool:
-        """Whether a run about to be started here can be started claimed and driven by this
-        runtime's worker at once (a slot is then promised to it: :meth:`dispatch`)."""
+    def reserve_drive(self) -> Reservation | None:
+        """A slot of this runtime's worker for a run about to be started here claimed and
+        driven by that worker at once (see :meth:`dispatch`); None: start it due."""
         worker = self._worker
         if worker is None or self.closing:
-            return False
+            return None
         self.wakeups()
         return worker.reserve()
 
-    def dispatch(self, claim: Claim | None, asked: float) -> None:
+    def dispatch(self, claim: Claim | None, asked: float, reservation: Reservation) -> None:
         """Hand a run started claimed (``claim``; ``None``: nothing was created) to the
         worker slot :meth:`reserve_drive` promised."""
         worker = self._worker
         assert worker is not None
         if claim is None:
-            worker.unreserve()
+            worker.unreserve(reservation)
             return
         keeper = self.keeper()
         lease = keeper.hold(claim.execution_id, claim.epoch, asked)
         with self._lock:
             self._dispatched.add(claim.execution_id)
-        if not worker.submit(claim):  # stopping meanwhile: due again at once elsewhere
+        if not worker.submit(claim, reservation):  # stopping: due again at once elsewhere
             with self._lock:
                 self._dispatched.discard(claim.execution_id)
             keeper.forget(lease)
             self.give_back(claim)
 
-    def undispatch(self, execution_id: str, workflow: str) -> None:
-        """A run started claimed for the worker (its slot reserved) was interrupted after
-        its commit, before :meth:`dispatch` handed it over: the slot is freed, the lease
-        not renewed and the run due again at once. One the worker took is left to it."""
-        with self._lock:
-            if execution_id in self._dispatched or execution_id in self._driving:
-                return
+    def undispatch(self, execution_id: str, workflow: str, reservation: Reservation) -> None:
+        """A run started claimed for the worker was interrupted after its commit, before
+        :meth:`dispatch` handed it over: the slot is freed, the lease not renewed and the
+        run due again at once. One the worker took is left to it."""
+        if reservation.submitted:
+            return
         worker = self._worker
         if worker is not None:
-            worker.unreserve()
+            worker.unreserve(reservation)
+        with self._lock:
+            self._dispatched.discard(execution_id)
         self.keeper().forget_run(execution_id, 1)
         self.give_back_started(execution_id, workflow)
 

@@ -36,6 +36,17 @@ log = logging.getLogger("wf_persist.worker")
 REAP_INTERVAL = 0.1
 
 
+class Reservation:
+    """A worker slot promised to one run about to be started claimed (:meth:`Worker.reserve`):
+    ``open`` while the slot is held for it, ``submitted`` once the worker has the run."""
+
+    __slots__ = ("open", "submitted")
+
+    def __init__(self) -> None:
+        self.open = True
+        self.submitted = False
+
+
 class _Unknown:
     """The next wake was not asked (or the database could not say)."""
 
@@ -138,29 +149,35 @@ class Worker:
         if join and self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
-    def reserve(self) -> bool:
+    def reserve(self) -> Reservation | None:
         """Promise a slot to a run about to be started claimed by this process (its drive
-        then begins at once, without a claim or a poll); False when every slot is busy."""
+        then begins at once, without a claim or a poll); None when every slot is busy."""
         with self._lock:
             if self._pool is None or self._stopping.is_set():
-                return False
+                return None
             if self.concurrency - len(self._inflight) - self._reserved <= 0:
-                return False
+                return None
             self._reserved += 1
-            return True
+            return Reservation()
 
-    def unreserve(self) -> None:
+    def unreserve(self, reservation: Reservation) -> None:
+        """Give a promised slot back (once, whoever asks again: an interrupted start)."""
         with self._lock:
-            self._reserved -= 1
+            if reservation.open:
+                reservation.open = False
+                self._reserved -= 1
 
-    def submit(self, claim: Claim) -> bool:
-        """Drive a claimed run in a reserved slot; False if the worker is stopping."""
+    def submit(self, claim: Claim, reservation: Reservation) -> bool:
+        """Drive a claimed run in its reserved slot; False if the worker is stopping."""
         with self._lock:
-            self._reserved -= 1
+            if reservation.open:
+                reservation.open = False
+                self._reserved -= 1
             pool = self._pool
             if pool is None or self._stopping.is_set():
                 return False
             fut = self._dispatch(pool, claim)
+            reservation.submitted = True
             self._inflight.add(fut)
         fut.add_done_callback(self._done)
         return True
