@@ -170,9 +170,7 @@ def drive(
             with contextlib.suppress(Exception, Halt):
                 driver.flush()
         off_loop(lender.release)
-        # Due again at once elsewhere.
-        release(runtime, claim)
-        raise
+        raise  # Runtime._drive gives the run back: due again at once elsewhere
     finally:
         off_loop(lender.release)
         runtime.keeper().forget(lease)

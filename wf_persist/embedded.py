@@ -82,9 +82,13 @@ class WorkflowClient(Client):
             return Completed(row.id, definition.output_adapter.validate_python(outcome.value))
         return outcome
 
+    def _executing(self) -> bool:
+        """Whether the start in progress on this thread is :meth:`execute`'s."""
+        return bool(getattr(self._here, "wanted", False))
+
     def _lease(self) -> tuple[str, float] | None:
         rt = self.runtime
-        if getattr(self._here, "wanted", False):  # execute(): this thread drives it
+        if self._executing():  # execute(): this thread drives it
             if rt.closing:
                 return None
             rt.wakeups()  # the presence lock first: its owner name is the lease's
@@ -97,12 +101,12 @@ class WorkflowClient(Client):
 
     def _recorded(self, found: executions.Created | Stale, asked: float) -> None:
         # execute(): known before the commit, so an interrupt from then on gives it back.
-        if getattr(self._here, "wanted", False):
+        if self._executing():
             claim = found.claim if isinstance(found, executions.Created) else None
             self._here.claim = None if claim is None else (claim, asked)
 
     def _started(self, created: executions.Created, leased: bool, asked: float) -> None:
-        if leased and getattr(self._here, "wanted", False):
+        if leased and self._executing():
             return  # execute() drives it (see _recorded)
         if leased:
             self.runtime.dispatch(created.claim, asked, self._here.reservation)
@@ -110,7 +114,7 @@ class WorkflowClient(Client):
             self._notify()
 
     def _interrupted(self, execution_id: str, workflow: str) -> None:
-        if getattr(self._here, "wanted", False):
+        if self._executing():
             return  # execute() gives it back
         self.runtime.undispatch(execution_id, workflow, self._here.reservation)
 

@@ -105,9 +105,7 @@ class LeaseKeeper(threading.Thread):
             return lease
 
     def forget(self, lease: Lease) -> None:
-        with self._lock:
-            if self._held.get(lease.execution_id) is lease:
-                del self._held[lease.execution_id]
+        self.forget_run(lease.execution_id, lease.epoch)
 
     def forget_run(self, execution_id: str, epoch: int) -> None:
         """Forget the run's lease at ``epoch``, if one is held (whoever holds the object)."""
