@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -35,6 +36,40 @@ def wait_until(
     while not predicate():
         assert time.monotonic() < deadline, f"{what} did not happen within {timeout}s"
         time.sleep(every)
+
+
+def drive_until_parked(client: wp.WorkflowClient, execution_id: str, timeout: float = 10) -> None:
+    """Let ``result()`` drive the run until it parks. A drive that outlasts a short
+    ``result()`` timeout hands the run over at its next step (due again, ``running``),
+    as on a slow machine: ask again rather than expect one call to reach the park."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(wp.ResultTimeoutError):
+            client.result(execution_id, timeout=0.2)
+        if client.status(execution_id) == "suspended":
+            return
+        assert time.monotonic() < deadline, f"{execution_id} did not park within {timeout}s"
+
+
+def pause_calls(
+    monkeypatch: pytest.MonkeyPatch,
+    owner: object,
+    name: str,
+    only: Callable[..., bool] = lambda *args, **kwargs: True,
+) -> tuple[threading.Event, threading.Event]:
+    """Patch ``owner.name`` to stop at each call ``only`` picks until let go: ``(reached,
+    go_on)``, set as a call stops and by the test to let it on."""
+    real = getattr(owner, name)
+    reached, go_on = threading.Event(), threading.Event()
+
+    def paused(*args: Any, **kwargs: Any) -> Any:
+        if only(*args, **kwargs):
+            reached.set()
+            assert go_on.wait(20)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, paused)
+    return reached, go_on
 
 
 def wait_status(

@@ -111,6 +111,27 @@ def any_wf(ctx: wp.Context, value: Any) -> Any:
     return value
 
 
+class Mute(Exception):
+    """An error whose text cannot be had."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+
+@wp.step
+def fail_with(kind: str) -> None:
+    raise Mute() if kind == "mute" else ValueError(10**5000)
+
+
+@wp.workflow(name="bad-error-text", version=1)
+def error_text_wf(ctx: wp.Context, kind: str) -> str:
+    try:
+        ctx.run(fail_with, kind)
+    except wp.StepExecutionError as exc:
+        return str(exc.cause["message"])
+    return "not failed"
+
+
 @wp.workflow(name="bad-reading", version=1)
 def reading_wf(ctx: wp.Context, reading: Reading) -> float:
     return reading.value
@@ -502,6 +523,9 @@ UNSTORABLE: dict[str, tuple[Any, str]] = {
     "-2**63-1": (-(2**63) - 1, WIDE),
     "2**70": (2**70, WIDE),
     "2**70-in-model": (Count(n=2**70), WIDE),
+    # More digits than Python turns into text: the message must still be had.
+    "10**5000": (10**5000, WIDE),
+    "10**5000-in-list": ([1, 10**5000], WIDE),
     "invalid-utf8-bytes": (b"\xff", BYTES),
     "nul": ("a\x00b", NUL),
     "surrogate": ("x\ud800", SURROGATE),
@@ -1222,3 +1246,76 @@ def test_a_missing_driver_names_the_extra_to_install(
         with pytest.raises(wp.UnsupportedDatabaseError) as info:
             open_it(url)
         assert f"pip install 'wf-persist[{extra}]'" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kind", "says"),
+    [("mute", "<a Mute that cannot be shown as text>"), ("huge", "<a ValueError that cannot")],
+)
+def test_a_step_error_without_text_is_recorded_and_caught_as_the_steps_failure(
+    client: wp.WorkflowClient, kind: str, says: str
+) -> None:
+    """Recording the failure once raised again (the error's own ``__str__``, an integer
+    Python will not print), failing the run with that error instead of the step's."""
+    outcome = client.execute(error_text_wf, kind, timeout=30)
+    assert isinstance(outcome, wp.Completed), outcome
+    assert says in outcome.value
+    failed = [r.event for r in client.history(outcome.execution_id)]
+    assert [e["type"] for e in failed].count("step.failed") == 1
+
+
+@pytest.mark.parametrize(
+    ("call", "value", "says"),
+    [
+        ("version", 10**5000, "16610 bits"),
+        ("timeout", 10**5000, "16610 bits"),
+        ("lease_ttl", 10**5000, "16610 bits"),
+        ("lease_ttl", 1e15, "at most 3153600000 seconds"),  # no timedelta holds it
+        ("poll_interval", 3.1e10, "at most 3153600000 seconds"),  # beyond Python's waits
+        ("client_poll_interval", 3.1e10, "at most 3153600000 seconds"),
+        ("concurrency", 10**5000, "16610 bits"),
+        ("concurrency", 10**6, "at most 100000"),
+    ],
+    ids=lambda v: (
+        v
+        if isinstance(v, str)
+        else f"{type(v).__name__}-{v.bit_length() if isinstance(v, int) else v}"
+    ),
+)
+def test_an_out_of_range_setting_is_a_typed_argument_error(
+    runtime: wp.Runtime, client: wp.WorkflowClient, call: str, value: Any, says: str
+) -> None:
+    """Before, such values raised Python's own ValueError or OverflowError, or were taken:
+    a poll interval beyond what a thread may wait killed the worker's loop, leaving runs
+    unclaimed."""
+    with pytest.raises(wp.InvalidArgumentError, match=says):
+        if call == "version":
+            client.start("bad-any", 1, version=value)
+        elif call == "timeout":
+            client.result("no-such-run", timeout=value)
+        elif call == "client_poll_interval":
+            wp.Client(runtime.engine, poll_interval=value)
+        elif call == "concurrency":
+            runtime.start_worker(concurrency=value)
+        else:
+            wp.Runtime(runtime.engine, **{call: value})
+
+
+class _Short(str):
+    """A string that says it is short."""
+
+    def __len__(self) -> int:
+        return 5
+
+
+def test_a_string_that_misstates_its_length_is_measured_as_a_string(
+    client: wp.WorkflowClient, tables: Tables
+) -> None:
+    before = tables.counts()
+    with pytest.raises(wp.InvalidArgumentError, match="at most"):
+        client.start(any_wf, 1, idempotency_key=_Short("k" * 5000))
+    with pytest.raises(wp.InvalidArgumentError, match="execution id"):
+        client.status(_Short("a" * 5000))
+    with pytest.raises((wp.InvalidArgumentError, wp.UnknownWorkflowError)):
+        client.start(_Short("w" * 5000), 1)
+    assert tables.counts() == before

@@ -9,7 +9,7 @@ import pytest
 import wf_persist as wp
 
 from .fixtures import saga as s
-from .helpers import Processes, wait_until
+from .helpers import Processes, drive_until_parked, wait_until
 
 pytestmark = pytest.mark.usefixtures("saga_reset")
 
@@ -20,9 +20,7 @@ def _types(client: wp.WorkflowClient, execution_id: str) -> list[str]:
 
 def _parked(client: wp.WorkflowClient) -> str:
     handle = client.start(s.reserve_then_wait_wf)
-    with pytest.raises(wp.ResultTimeoutError):
-        client.result(handle.execution_id, timeout=0.2)
-    assert client.status(handle.execution_id) == "suspended"
+    drive_until_parked(client, handle.execution_id)
     return handle.execution_id
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import wf_persist as wp
-from wf_persist.errors import MAX_TRACEBACK, error_document
+from wf_persist.error_documents import MAX_TRACEBACK, error_document
 from wf_persist.logs import JsonFormatter
 
 from .fixtures import fencing as f

@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session
 
 import wf_persist as wp
 from wf_persist import migrate
-from wf_persist.errors import MAX_TRACEBACK
+from wf_persist.error_documents import MAX_TRACEBACK
 from wf_persist.models import history_table as hist
 from wf_persist.models import workflows_table as wft
 

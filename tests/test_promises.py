@@ -190,6 +190,7 @@ SAMPLES: dict[str, BaseException] = {
     "CannotCancelError": wp.CannotCancelError("id-1", "completed"),
     "SecretError": wp.SecretError("stripe-key", "missing"),
     "ResultTimeoutError": wp.ResultTimeoutError("id-1", 1.5),
+    "ForkedRuntimeError": wp.ForkedRuntimeError(),
     "InvalidCursorError": wp.InvalidCursorError("zz"),
     "InvalidArgumentError": wp.InvalidArgumentError("bad"),
     "NotSerializableError": wp.NotSerializableError("result", "no"),

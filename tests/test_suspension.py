@@ -13,7 +13,7 @@ import pytest
 import wf_persist as wp
 
 from .fixtures import workflows as w
-from .helpers import Processes
+from .helpers import Processes, drive_until_parked
 
 
 @pytest.fixture(autouse=True)
@@ -44,10 +44,7 @@ def _types(client: wp.WorkflowClient, execution_id: str) -> Counter[str]:
 def test_sleep_suspends_then_completes(rt: wp.Runtime) -> None:  # scenario 26
     client = rt.client()
     handle = client.start(w.napper_wf, 0.3)
-    with pytest.raises(wp.ResultTimeoutError):
-        client.result(handle.execution_id, timeout=0.1)
-    info = client.describe(handle.execution_id)
-    assert info.status == "suspended"
+    drive_until_parked(client, handle.execution_id)
     began = time.monotonic()
     assert client.result(handle.execution_id, timeout=5).unwrap() == "ok"
     assert time.monotonic() - began < 2

@@ -4,6 +4,7 @@ catalog's JSON Schemas, and never executes a step."""
 from __future__ import annotations
 
 import datetime as dt
+import enum
 import json
 import math
 import sys
@@ -429,3 +430,28 @@ def test_a_look_at_a_run_reads_what_a_transaction_reads(
     assert thin.result(done.execution_id, timeout=5).unwrap() == [1, 2, 3]
     with pytest.raises(wp.UnknownExecutionError):
         thin.describe("00000000-0000-0000-0000-000000000000")
+
+
+class _Level(enum.IntEnum):
+    HIGH = 2
+
+
+@pytest.mark.timeout(60)
+def test_an_int_enum_payload_is_stored_as_its_number_not_checked_forever(
+    runtime: wp.Runtime, thin: wp.Client
+) -> None:
+    """An ``int`` subclass was checked against the 64-bit range by ``in range(...)``, which
+    for anything but an exact ``int`` walks the whole range: the start never returned."""
+    runtime.register(w.echo_wf)
+    handle = thin.start("echo", _Level.HIGH)
+    with thin.engine.connect() as conn:
+        stored = conn.execute(
+            sa.select(executions_table.c.input).where(executions_table.c.id == handle.execution_id)
+        ).scalar_one()
+    assert stored == 2
+    with pytest.raises(wp.NotSerializableError, match="64 bits"):
+        thin.start("echo", _Big.HUGE)
+
+
+class _Big(enum.IntEnum):
+    HUGE = 2**64

@@ -614,6 +614,60 @@ def test_an_exception_raised_just_after_a_claimed_start_committed_gives_the_run_
     _given_back(rt, other)
 
 
+@pytest.mark.parametrize("where", ["answer", "drive", "timeout"])
+def test_an_interrupt_as_result_claims_the_run_gives_it_back(
+    make_runtime: Callable[..., wp.Runtime], monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """``result()`` claims a due run to drive it here. An interrupt landing once that claim
+    committed (as its answer comes back, which is where a signal handler's exception lands
+    while the claim waits on the database; or as the drive is entered) gives the run back:
+    it was left leased by nobody's drive until the lease lapsed."""
+    rt = make_runtime(lease_ttl=300)
+    other = make_runtime(lease_ttl=300)
+    for r in (rt, other):
+        r.register(w.echo_wf)
+    run = rt.client().start(w.echo_wf, 2).execution_id
+    error = TimeoutError("the request timed out") if where == "timeout" else _Interrupt()
+    if where == "drive":
+        _interrupt_before(monkeypatch, rt, "_drive", error)
+    else:
+        real = rt.backend.claim_to_drive
+
+        def claimed_then_interrupted(*args: Any, **kwargs: Any) -> Any:
+            assert real(*args, **kwargs) is not None
+            raise error
+
+        monkeypatch.setattr(rt.backend, "claim_to_drive", claimed_then_interrupted)
+    with pytest.raises(type(error)):
+        rt.client().result(run, timeout=30)
+    monkeypatch.undo()
+    _given_back(rt, other)
+
+
+def test_an_interrupted_result_leaves_a_claim_of_its_worker_alone(
+    make_runtime: Callable[..., wp.Runtime], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Giving back a claim whose answer was lost goes by the lease's owner name, which this
+    runtime's worker shares: a run the worker claimed (held by the lease keeper, not yet
+    driven) stays the worker's."""
+    rt = make_runtime(lease_ttl=300)
+    rt.register(w.echo_wf)
+    run = rt.client().start(w.echo_wf, 2).execution_id
+    rt.wakeups()  # the owner name settled (PostgreSQL adds its presence mark)
+    claim = rt.backend.claim_to_drive(run, rt.owner, 300, rt.runnable_workflows())
+    assert claim is not None
+    rt.keeper().hold(run, claim.epoch)
+    _interrupt_before(monkeypatch, rt.backend, "claim_to_drive", TimeoutError("timed out"))
+    with pytest.raises(TimeoutError):
+        rt.client().result(run, timeout=30)
+    monkeypatch.undo()
+    with rt.backend.read() as conn:
+        held = conn.execute(select(ex.c.lease_owner, ex.c.claim_epoch)).one()
+    assert tuple(held) == (rt.owner, claim.epoch)
+    rt.give_back(claim)
+    rt.keeper().forget_run(run, claim.epoch)
+
+
 def test_an_interrupt_before_a_started_run_reaches_the_worker_frees_its_slot(
     make_runtime: Callable[..., wp.Runtime], monkeypatch: pytest.MonkeyPatch
 ) -> None:

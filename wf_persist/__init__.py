@@ -38,6 +38,7 @@ from .errors import ChildWorkflowError as ChildWorkflowError
 from .errors import CodeExecutionError as CodeExecutionError
 from .errors import DriveFailedError as DriveFailedError
 from .errors import EventNotSetError as EventNotSetError
+from .errors import ForkedRuntimeError as ForkedRuntimeError
 from .errors import IdempotencyConflictError as IdempotencyConflictError
 from .errors import InvalidArgumentError as InvalidArgumentError
 from .errors import InvalidCursorError as InvalidCursorError
@@ -96,6 +97,7 @@ __all__ = [
     "ExecutionHandle",
     "ExecutionInfo",
     "Failed",
+    "ForkedRuntimeError",
     "HistoryRecord",
     "IdempotencyConflictError",
     "InvalidArgumentError",

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from pydantic_core import PydanticSerializationError
 
 from .authoring import Workflow, adapter_for
+from .error_documents import shown
 from .errors import InvalidArgumentError, SignalPayloadError
 from .models import KEY_WIDTH, WORKFLOW_NAME_WIDTH
 from .values import non_finite, resolve_type_reference, schema_errors, unstorable
@@ -40,7 +41,9 @@ def signal_document(execution_id: str, name: str, wait: Mapping[str, Any], paylo
     try:
         text = json.dumps(payload, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
-        raise SignalPayloadError(execution_id, name, [{"loc": (), "msg": str(exc)}]) from exc
+        # Said as for any value (an integer of more digits than Python prints, say).
+        problem = unstorable(payload) or str(exc)
+        raise SignalPayloadError(execution_id, name, [{"loc": (), "msg": problem}]) from exc
     if tp is not None:
         # Strict JSON validation: the payload must already have the declared shape ("yes" is
         # not a boolean), as the recorded JSON Schema would judge it.
@@ -62,20 +65,24 @@ def signal_document(execution_id: str, name: str, wait: Mapping[str, Any], paylo
 def utc(value: object, what: str) -> dt.datetime:
     """An aware datetime as UTC (the form it is stored and compared in)."""
     if not isinstance(value, dt.datetime) or value.tzinfo is None:
-        raise InvalidArgumentError(f"{what} must be an aware datetime, got {value!r:.80}")
+        raise InvalidArgumentError(f"{what} must be an aware datetime, got {shown(value)}")
     try:
         return value.astimezone(dt.UTC)
     except OverflowError:
-        raise InvalidArgumentError(f"{what} is out of range in UTC: {value!r}") from None
+        raise InvalidArgumentError(f"{what} is out of range in UTC: {shown(value)}") from None
 
 
 def check_text(what: str, value: str | None) -> None:
+    """A key or name: the length is ``str``'s own (a subclass may say otherwise)."""
     if value is not None and (
-        not isinstance(value, str) or not value or len(value) > KEY_WIDTH or unstorable(value)
+        not isinstance(value, str)
+        or not value
+        or str.__len__(value) > KEY_WIDTH
+        or unstorable(value)
     ):
         raise InvalidArgumentError(
             f"{what} must be a non-empty string of at most {KEY_WIDTH} characters without "
-            f"NUL or invalid UTF-8, got {value!r:.80}"
+            f"NUL or invalid UTF-8, got {shown(value)}"
         )
 
 
@@ -83,12 +90,12 @@ def check_id(execution_id: object) -> str:
     if (
         not isinstance(execution_id, str)
         or not execution_id
-        or len(execution_id) > 36
+        or str.__len__(execution_id) > 36
         or unstorable(execution_id)
     ):
         raise InvalidArgumentError(
             "an execution id is a string of 36 characters without NUL or invalid UTF-8, "
-            f"got {execution_id!r:.80}"
+            f"got {shown(execution_id)}"
         )
     return execution_id
 
@@ -99,12 +106,12 @@ def workflow_name(workflow: object) -> str:
     if (
         not isinstance(workflow, str)
         or not workflow
-        or len(workflow) > WORKFLOW_NAME_WIDTH
+        or str.__len__(workflow) > WORKFLOW_NAME_WIDTH
         or unstorable(workflow)
     ):
         raise InvalidArgumentError(
             f"expected a workflow or its name (a non-empty string of at most "
-            f"{WORKFLOW_NAME_WIDTH} characters without NUL or invalid UTF-8), got {workflow!r:.80}"
+            f"{WORKFLOW_NAME_WIDTH} characters without NUL or invalid UTF-8), got {shown(workflow)}"
         )
     return workflow
 
@@ -113,7 +120,7 @@ def check_version(version: object) -> None:
     if version is not None and (
         isinstance(version, bool) or not isinstance(version, int) or not 1 <= version < 2**31
     ):
-        raise InvalidArgumentError(f"version must be a positive integer, got {version!r:.80}")
+        raise InvalidArgumentError(f"version must be a positive integer, got {shown(version)}")
 
 
 def check_timeout(timeout: object) -> None:
@@ -124,9 +131,9 @@ def check_timeout(timeout: object) -> None:
         or timeout != timeout
         or timeout < 0
     ):
-        raise InvalidArgumentError(f"timeout must be a number of seconds, got {timeout!r:.80}")
+        raise InvalidArgumentError(f"timeout must be a number of seconds, got {shown(timeout)}")
     if isinstance(timeout, int):
         try:
             float(timeout)  # deadlines are monotonic floats: 10**400 seconds is not one
         except OverflowError:
-            raise InvalidArgumentError(f"timeout is out of range: {timeout!r:.80}") from None
+            raise InvalidArgumentError(f"timeout is out of range: {shown(timeout)}") from None

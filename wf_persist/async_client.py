@@ -24,6 +24,7 @@ from sqlalchemy.util import greenlet_spawn
 from . import arguments
 from .authoring import Workflow
 from .backends import backend_type, describe_url, resolve_url
+from .backends.connections import retire_pool
 from .client import Client
 from .errors import InvalidArgumentError, ResultTimeoutError, UnsupportedDatabaseError
 from .records import (
@@ -35,7 +36,8 @@ from .records import (
     PendingSignal,
     WorkflowEntry,
 )
-from .runtime import Clock, positive, utc_now
+from .runtime import Clock, utc_now
+from .timeouts import positive
 from .wakeups import ANY_END, Wakeups
 
 T = TypeVar("T")
@@ -63,7 +65,7 @@ class AsyncClient:
         poll_interval: float = 0.25,
         clock: Clock = utc_now,
     ) -> None:
-        positive(poll_interval, "poll_interval")
+        poll_seconds = positive(poll_interval, "poll_interval")
         if isinstance(bind, AsyncEngine):
             self.engine, self._owned = bind, False
         elif bind is None or isinstance(bind, str | URL):
@@ -91,10 +93,10 @@ class AsyncClient:
         self._options: dict[str, Any] = {
             "schema": schema,
             "auto_migrate": auto_migrate,
-            "poll_interval": poll_interval,
+            "poll_interval": poll_seconds,
             "clock": clock,
         }
-        self._poll_interval = poll_interval
+        self._poll_interval = poll_seconds
         self._client: Client | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._opening = asyncio.Lock()
@@ -131,7 +133,9 @@ class AsyncClient:
         if self._client is not None:
             self._client.close()
         if self._owned:
+            old = self.engine.sync_engine.pool
             await self.engine.dispose()
+            await greenlet_spawn(retire_pool, old)  # connections still out close when back
 
     async def __aenter__(self) -> AsyncClient:
         return self

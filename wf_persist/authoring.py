@@ -32,6 +32,7 @@ from typing import (
 
 from pydantic import PydanticUserError, TypeAdapter
 
+from .error_documents import shown
 from .errors import InvalidArgumentError, WorkflowDefinitionError
 from .models import CALL_NAME_WIDTH, WORKFLOW_NAME_WIDTH
 from .timeouts import duration_seconds
@@ -102,12 +103,12 @@ def source_hash(name: str, version: int, fn: Callable[..., Any]) -> str:
 
 def _check_name(name: object, what: str, width: int, error: type[Exception]) -> str:
     if not isinstance(name, str) or not name:
-        raise error(f"{what} must be a non-empty string, got {name!r}")
+        raise error(f"{what} must be a non-empty string, got {shown(name)}")
     if len(name) > width:
         raise error(f"{what} is {len(name)} characters; at most {width} fit the history columns")
     if unstorable(name) is not None:
         raise error(
-            f"{what} must not contain NUL or invalid UTF-8 (databases reject it), got {name!r}"
+            f"{what} must not contain NUL or invalid UTF-8 (databases reject it), got {shown(name)}"
         )
     return name
 
@@ -236,9 +237,11 @@ def workflow(
             process was alive when it passed) and fails with ``WorkflowTimeoutError``.
     """
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-        raise WorkflowDefinitionError(f"workflow version must be an integer >= 1, got {version!r}")
+        raise WorkflowDefinitionError(
+            f"workflow version must be an integer >= 1, got {shown(version)}"
+        )
     if version > 2**31 - 1:
-        raise WorkflowDefinitionError(f"workflow version must fit 32 bits, got {version!r}")
+        raise WorkflowDefinitionError(f"workflow version must fit 32 bits, got {shown(version)}")
     if name is not None:
         _check_name(name, "workflow name", WORKFLOW_NAME_WIDTH, WorkflowDefinitionError)
     seconds = _definition_timeout(timeout, "workflow timeout")
@@ -340,7 +343,7 @@ class Retry:
             or self.attempts < 1
         ):
             raise WorkflowDefinitionError(
-                f"retry attempts must be an integer >= 1, got {self.attempts!r}"
+                f"retry attempts must be an integer >= 1, got {shown(self.attempts)}"
             )
         if self.backoff not in ("none", "exponential"):
             raise WorkflowDefinitionError(f"unknown backoff {self.backoff!r}")
@@ -373,7 +376,7 @@ class Limit:
     def __post_init__(self) -> None:
         if isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 1:
             raise WorkflowDefinitionError(
-                f"concurrency limit must be an integer >= 1, got {self.limit!r}"
+                f"concurrency limit must be an integer >= 1, got {shown(self.limit)}"
             )
 
 

@@ -19,10 +19,10 @@ from typing import Any, Generic, TypeVar
 from . import events
 from .authoring import Workflow, check_call_name
 from .control import Suspended
+from .driving import Driver
 from .errors import ChildWorkflowError, InvalidArgumentError
 from .events import Activity
 from .replay import Cursor, Journal
-from .steps import Driver
 from .values import from_json
 
 Out = TypeVar("Out")

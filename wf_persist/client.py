@@ -10,26 +10,24 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Callable
+from typing import Any
 
 from sqlalchemy import Connection, Engine, Row
 from sqlalchemy.engine import URL
 from sqlalchemy.orm import Session
 
-from . import arguments, events, lifecycle, telemetry
+from . import arguments, events, telemetry
 from .authoring import Workflow
 from .awaiting import RunAwaiter
 from .backends import Backend, Cataloged, Stale
+from .controls import RunControls
 from .database import Database
 from .errors import (
-    Cancelled,
-    InvalidArgumentError,
     InvalidPayloadError,
     MissingWorkflowVersionError,
     NotSerializableError,
     UnknownWorkflowError,
-    error_document,
 )
 from .records import (
     Completed,
@@ -42,14 +40,11 @@ from .records import (
     PendingSignal,
     WorkflowEntry,
 )
-from .runtime import Clock, positive, utc_now
-from .store import Executor, catalog, children, executions, signals
-from .timeouts import duration_seconds
+from .runtime import Clock, utc_now
+from .store import Executor, catalog, executions
+from .timeouts import duration_seconds, positive
 from .values import schema_errors, unstorable
 from .wakeups import Ends, Wakeups
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "Client",
@@ -65,7 +60,7 @@ __all__ = [
 ]
 
 
-class Client(RunAwaiter):
+class Client(RunAwaiter, RunControls):
     """Starts, signals, cancels, awaits and inspects runs; never runs workflow code.
 
     Needs only the database: start a workflow by its cataloged name (the input is validated
@@ -90,14 +85,14 @@ class Client(RunAwaiter):
         poll_interval: float = 0.25,
         clock: Clock = utc_now,
     ) -> None:
-        positive(poll_interval, "poll_interval")
+        poll_seconds = positive(poll_interval, "poll_interval")
         telemetry.configure()
         self._database: Database | None = Database(bind, auto_migrate=auto_migrate, schema=schema)
         self.backend: Backend = self._database.backend
         #: The engine this client works through.
         self.engine = self._database.engine
         self._clock = clock
-        self._poll_interval = poll_interval
+        self._poll_interval = poll_seconds
         self._ended = threading.Condition()
         self._wakeups: Wakeups | None = None
         self._ends = Ends()
@@ -158,10 +153,15 @@ class Client(RunAwaiter):
         does not: the run's driver applies it from the run's creation)."""
         return None
 
-    def _lease(self) -> tuple[str, float] | None:
-        """``(owner, ttl)`` to create a new run claimed by, when this process drives it
-        itself at once (the embedded client with a worker); ``None`` to create it due."""
+    def _lease(self, execution_id: str) -> tuple[str, float] | None:
+        """``(owner, ttl)`` to create the run ``execution_id`` claimed by, when this process
+        drives it itself at once (the embedded client with a worker); ``None`` to create
+        it due."""
         return None
+
+    def _lease_settled(self, execution_id: str) -> None:
+        """The start of a run :meth:`_lease` claimed is over (written or not, handed on
+        or given back)."""
 
     def _started(self, created: executions.Created, leased: bool, asked: float) -> None:
         """A start of this client's own committed (not one in a host's transaction)."""
@@ -317,211 +317,58 @@ class Client(RunAwaiter):
             )
 
         if session is not None:
-            found = write(session)
-        else:
-            asked = time.monotonic()  # before the claim: see Lease.confirmed
-            expected = self._expect(execution_id)
-            lease = self._lease()  # a worker slot may be promised from here: see except
-            sent = False
-            try:
-                with self.backend.atomic() as conn:
-                    sent = True
-                    found = write(conn, lease)
-                    if lease is not None:
-                        self._recorded(found, asked)
-            except BaseException as exc:
-                if expected:
-                    self._ends.unexpect(execution_id)
-                if lease is not None:
-                    self._started(executions.Created(execution_id, pinned, False), True, asked)
-                    # Not sent (no connection from the pool, say): nothing can have committed.
-                    if sent and self.backend.may_have_committed(exc):
-                        self._abandoned(execution_id, name)
-                    else:  # refused: nothing was written, nothing to give back
-                        self._recorded(executions.Created(execution_id, pinned, False), asked)
-                raise
-            try:
-                if expected and (isinstance(found, Stale) or not found.created):
-                    self._ends.unexpect(execution_id)
-                if isinstance(found, Stale):
-                    if lease is not None:
-                        self._started(executions.Created(execution_id, pinned, False), True, asked)
-                    return found
-                self._started(found, lease is not None, asked)
-            except BaseException:
-                if lease is not None:  # committed claimed, then interrupted before handed on
-                    self._interrupted(execution_id, name)
-                raise
-        return found
+            return write(session)
+        expected = self._expect(execution_id)
+        lease = self._lease(execution_id)  # a worker slot may be promised from here: see except
+        try:
+            return self._write_own(write, execution_id, name, pinned, expected, lease)
+        finally:
+            if lease is not None:
+                self._lease_settled(execution_id)
 
-    def cancel(
-        self, execution_id: str, *, compensate: bool = True, actor: str | None = None
-    ) -> None:
-        """Cancel a running or suspended run, from any process.
-
-        With ``compensate`` (default) the run moves to ``compensating``, wakes at its
-        suspension point (or at its next step boundary if it is running), unwinds its
-        compensations and ends ``failed`` with a ``Cancelled`` error. Without, it ends
-        ``failed`` at once (``Cancelled``, ``compensate: false``) and no further step of it
-        starts. Records ``execution.cancelled`` in the same transaction as the status claim.
-        Its unfinished children (``ctx.start_child``) are cancelled the same way, unless
-        started with ``cancel_with_parent=False``.
-
-        Raises:
-            CannotCancelError: the run is not running or suspended ("Cannot cancel completed
-                execution ..."); of two concurrent cancels, the second.
-            UnknownExecutionError.
-        """
-        arguments.check_text("actor", actor)
-        with self._reading() as conn:
-            self._row(conn, execution_id)
-        error = error_document(Cancelled(compensate, actor))
-        now = self._now()
-        with self.backend.begin() as conn:
-            executions.cancel(
-                conn,
-                self.backend,
-                execution_id,
-                cancelled=events.execution_cancelled(execution_id, compensate, actor, now),
-                compensate=compensate,
-                error=error,
-                now=now,
-            )
-        self._notify()
-        self._cancel_children(execution_id, compensate, actor)
-
-    def _cancel_children(self, execution_id: str, compensate: bool, actor: str | None) -> None:
-        """Its children go with it (each in a transaction of its own, theirs in turn). A
-        run unwinding with compensation does this itself too, before its outcome."""
-        with self._reading() as conn:
-            ids = children.cancelled_with(conn, execution_id)
-        for child_id in ids:
-            with self.backend.begin() as conn:
-                cancelled = children.cancel(
-                    conn,
-                    self.backend,
-                    child_id,
-                    compensate=compensate,
-                    actor=actor,
-                    now=self._now(),
-                )
-            if cancelled:
-                self._cancel_children(child_id, compensate, actor)
-        if ids:
-            self._notify()
-
-    def signal(
+    def _write_own(
         self,
+        write: Callable[[Executor, tuple[str, float] | None], executions.Created | Stale],
         execution_id: str,
         name: str,
-        payload: Any,
-        *,
-        actor: str | None = None,
-        buffer: bool = False,
-    ) -> Literal["delivered", "buffered"]:
-        """Deliver a signal to the run's latest pending wait on ``name``.
-
-        The payload is validated against the waiting call's type before anything is
-        persisted: with the type itself when this process has it, else with the JSON Schema
-        the wait recorded (so a process that never ran the workflow validates too). A bad
-        payload raises :class:`SignalPayloadError` and the run keeps waiting.
-
-        With ``buffer=True`` a run not waiting on ``name`` yet keeps the signal durably; its
-        next ``ctx.wait_for_signal(name)`` takes the oldest one without suspending. It is
-        validated now by the latest earlier wait on ``name`` if the run had one, else by the
-        wait that takes it, which records a misfit as ``signal.rejected`` and keeps waiting.
-
-        Returns:
-            ``"delivered"`` (to a pending wait) or ``"buffered"``.
-
-        Raises:
-            SignalNotWaitingError: no pending wait on ``name`` and no ``buffer``, or the run
-                has finished (``.status``); nothing is recorded.
-            SignalPayloadError: the payload does not fit; nothing is recorded.
-            SignalAlreadyDeliveredError: a concurrent delivery to the same wait won.
-        """
-        arguments.check_text("actor", actor)
-        arguments.check_text("signal name", name)
-        if not isinstance(buffer, bool):
-            raise InvalidArgumentError(f"buffer must be True or False, got {buffer!r:.80}")
-        with self._reading() as conn:
-            self._row(conn, execution_id)
-
-        def validate(wait: Mapping[str, Any]) -> Any:
-            stored = arguments.validate_signal(execution_id, name, wait, payload)
-            self.backend.check_size(f"payload of signal {name}", stored)
-            return stored
-
-        now = self._now()
-        attributes = {"wf.execution.id": execution_id, "wf.signal.name": name}
-        with telemetry.operation("wf.signal", attributes) as span:
-            with self.backend.begin() as conn:
-                buffered = signals.deliver(
-                    conn, self.backend, execution_id, name, validate, actor, now, buffer=buffer
-                )
-            if span is not None:
-                span.set_attribute("wf.signal.outcome", "buffered" if buffered else "delivered")
-        self._notify()
-        return "buffered" if buffered else "delivered"
-
-    def purge(
-        self,
-        *,
-        older_than: dt.timedelta | dt.datetime,
-        statuses: Sequence[str] = ("completed", "failed"),
-        batch_size: int = 1000,
-        on_batch: Callable[[int], None] | None = None,
-    ) -> int:
-        """Delete finished runs (and their history) that finished before a cutoff.
-
-        Works in batches of ``batch_size`` runs, one short transaction each, so it never
-        holds locks for long. Running, suspended and compensating runs are never touched.
-
-        Args:
-            older_than: an age (``timedelta``) or an aware cutoff time.
-            statuses: which finished runs to delete (``completed``, ``failed``).
-            on_batch: called with the number of runs each committed batch deleted (a
-                progress display, for a purge that takes long).
-
-        Returns:
-            How many runs were deleted.
-        """
-        if isinstance(older_than, dt.timedelta):
-            try:
-                cutoff = self._now() - older_than
-            except OverflowError:
-                raise InvalidArgumentError(f"older_than is out of range: {older_than!r}") from None
-        elif isinstance(older_than, dt.datetime):
-            cutoff = arguments.utc(older_than, "older_than")
-        else:
-            raise InvalidArgumentError("older_than must be a timedelta or an aware datetime")
-        if (
-            not isinstance(statuses, Sequence)
-            or isinstance(statuses, str | bytes)
-            or not statuses
-            or any(not isinstance(s, str) or s not in lifecycle.TERMINAL for s in statuses)
-        ):
-            raise InvalidArgumentError(
-                f"purge deletes finished runs only (completed, failed); got {statuses!r:.80}"
-            )
-        # Below 2**31: the batch size is bound as a database integer.
-        if (
-            isinstance(batch_size, bool)
-            or not isinstance(batch_size, int)
-            or not 1 <= batch_size < 2**31
-        ):
-            raise InvalidArgumentError(f"batch_size must be a positive integer, got {batch_size!r}")
-        total = 0
-        while True:
-            with self.backend.begin() as conn:
-                deleted = executions.purge_batch(
-                    conn, finished_before=cutoff, statuses=statuses, limit=batch_size
-                )
-            total += deleted
-            if on_batch is not None:
-                on_batch(deleted)
-            if deleted < batch_size:
-                return total
+        pinned: int,
+        expected: bool,
+        lease: tuple[str, float] | None,
+    ) -> executions.Created | Stale:
+        """Write a start in a transaction of this client's own, created claimed by ``lease``
+        if given: such a run is handed on (or given back) whatever happens."""
+        asked = time.monotonic()  # before the claim: see Lease.confirmed
+        sent = False
+        try:
+            with self.backend.atomic() as conn:
+                sent = True
+                found = write(conn, lease)
+                if lease is not None:
+                    self._recorded(found, asked)
+        except BaseException as exc:
+            if expected:
+                self._ends.unexpect(execution_id)
+            if lease is not None:
+                self._started(executions.Created(execution_id, pinned, False), True, asked)
+                # Not sent (no connection from the pool, say): nothing can have committed.
+                if sent and self.backend.may_have_committed(exc):
+                    self._abandoned(execution_id, name)
+                else:  # refused: nothing was written, nothing to give back
+                    self._recorded(executions.Created(execution_id, pinned, False), asked)
+            raise
+        try:
+            if expected and (isinstance(found, Stale) or not found.created):
+                self._ends.unexpect(execution_id)
+            if isinstance(found, Stale):
+                if lease is not None:
+                    self._started(executions.Created(execution_id, pinned, False), True, asked)
+                return found
+            self._started(found, lease is not None, asked)
+        except BaseException:
+            if lease is not None:  # committed claimed, then interrupted before handed on
+                self._interrupted(execution_id, name)
+            raise
+        return found
 
 
 def _run_attributes(execution_id: str, name: str, version: int) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from .authoring import Call, Step, Workflow, adapter_for, check_call_name, outsi
 from .bridge import bridged, in_thread, wait_futures
 from .children import ChildHandle, ChildRunner
 from .control import Reload, Suspended
+from .driving import Driver
 from .errors import (
     Cancelled,
     CodeExecutionError,
@@ -37,7 +38,7 @@ from .events import Activity
 from .loops import check_can_await, settle
 from .replay import Cursor, Journal, Received, TimedOut
 from .secrets import Redactor
-from .steps import Driver, StepCall, StepRunner
+from .steps import StepCall, StepRunner
 from .timeouts import MAX_DURATION_SECONDS as MAX_DURATION_SECONDS
 from .timeouts import duration_seconds
 from .values import from_json, to_json, type_reference

@@ -22,13 +22,14 @@ from .backends.clock import db_later, db_now
 from .bridge import off_loop
 from .control import Halt, Reload, Suspended
 from .driver import DriveClock, RunDriver, run_body
-from .errors import DriveFailedError, LeaseLostError, brief, driver_error, error_document
+from .error_documents import brief, driver_error, error_document
+from .errors import DriveFailedError, LeaseLostError
 from .leases import Lease
 from .lending import Lender
 from .logs import run_fields
 from .models import executions_table as ex
 from .replay import Journal
-from .store import history
+from .store import executions, history
 from .timeouts import run_deadline
 from .wakeups import END
 
@@ -273,6 +274,31 @@ def release(runtime: Runtime, claim: Claim) -> None:
 def release_run(runtime: Runtime, execution_id: str, epoch: int, workflow: str) -> None:
     """Give the run's lease up at once, if ``epoch`` is still its own (best effort)."""
     off_loop(_release, runtime, execution_id, epoch, workflow)
+
+
+def release_if_held(runtime: Runtime, execution_id: str, owner: str) -> None:
+    """Give the run's lease up if ``owner`` holds it: a claim whose answer was lost (an
+    interrupt as it returned) left it so, at an epoch only the database knows."""
+    off_loop(_release_if_held, runtime, execution_id, owner)
+
+
+def _release_if_held(runtime: Runtime, execution_id: str, owner: str) -> None:
+    if runtime.backend.pool_would_wait():
+        # The interrupt most likely came while the claim waited for a connection (nothing
+        # sent): the caller's deadline is not held up by a pool timeout for a look.
+        log.warning("run %s: no free connection to check its lease: left to lapse", execution_id)
+        return
+    try:
+        row = executions.look(runtime.backend, execution_id)
+    except Exception as exc:
+        log.warning("run %s: could not read its lease: %s", execution_id, brief(exc))
+        return
+    if row is None or row.lease_owner != owner or row.lease_expires_at is None:
+        return
+    # Asked after the read: a claim the worker made before it is seen here, and one it
+    # makes after it bumped the epoch, which the release below then does not match.
+    if not runtime.claimed_here(execution_id):
+        _release(runtime, execution_id, int(row.claim_epoch), str(row.workflow_name))
 
 
 def _release(runtime: Runtime, execution_id: str, epoch: int, workflow: str) -> None:

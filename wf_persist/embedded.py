@@ -15,7 +15,7 @@ from sqlalchemy import Row
 from . import arguments
 from .authoring import Workflow
 from .awaiting import _AGAIN, _WAIT
-from .backends import Cataloged, Stale
+from .backends import Cataloged, Claim, Stale
 from .client import Client
 from .records import Completed, Failed, Outcome
 from .runtime import NOT_DRIVEN
@@ -64,6 +64,7 @@ class WorkflowClient(Client):
         session: Executor | None,
     ) -> tuple[str, int, Any, Cataloged | None]:
         rt = self.runtime
+        rt._check_process()
         wf = rt.choose(workflow, version)
         stored = rt.validate_input(wf, payload)  # before anything is written, the catalog too
         if isinstance(workflow, Workflow):
@@ -86,15 +87,24 @@ class WorkflowClient(Client):
         """Whether the start in progress on this thread is :meth:`execute`'s."""
         return bool(getattr(self._here, "wanted", False))
 
-    def _lease(self) -> tuple[str, float] | None:
+    def _lease(self, execution_id: str) -> tuple[str, float] | None:
         rt = self.runtime
         if self._executing():  # execute(): this thread drives it
             if rt.closing:
                 return None
             rt.wakeups()  # the presence lock first: its owner name is the lease's
-            return rt.owner, rt.lease_ttl.total_seconds()
-        self._here.reservation = found = rt.reserve_drive()
-        return None if found is None else (rt.owner, rt.lease_ttl.total_seconds())
+        else:
+            self._here.reservation = rt.reserve_drive()
+            if self._here.reservation is None:
+                return None
+        rt.starting_claimed(execution_id)
+        return rt.owner, rt.lease_ttl.total_seconds()
+
+    def _lease_settled(self, execution_id: str) -> None:
+        claim = self._here.claim if self._executing() else None
+        if claim is None or claim[0].execution_id != execution_id:
+            self.runtime.started_claimed(execution_id)
+        # else execute() carries the claim on to its drive, and says when it is held.
 
     def _abandoned(self, execution_id: str, workflow: str) -> None:
         self.runtime.give_back_started(execution_id, workflow)  # never created: matches none
@@ -140,8 +150,12 @@ class WorkflowClient(Client):
         """
         self.runtime._check_open()  # nothing is started on a closed runtime
         here = self._here
+        # A step of a run this thread drives may call execute() too: the outer call's
+        # claim is put back for it as this one's start ends.
+        outer = getattr(here, "claim", None)
         here.wanted, here.claim = True, None
         drove: Any = None
+        claimed: tuple[Claim, float] | None = None
         try:
             try:
                 handle = self.start(
@@ -154,16 +168,18 @@ class WorkflowClient(Client):
                 )
             finally:
                 here.wanted = False
-            if here.claim is not None:
-                drove = self.runtime.drive_started(*here.claim)
+                claimed, here.claim = here.claim, outer
+            if claimed is not None:
+                drove = self.runtime.drive_started(*claimed)
         except BaseException:
             # Made claimed, then interrupted, before or during its drive: due again at once
             # (after a drive that gave it back itself, or finished it, this matches nothing).
-            claimed, here.claim = here.claim, None
             if claimed is not None:
                 self.runtime.give_back(claimed[0])
             raise
-        here.claim = None
+        finally:
+            if claimed is not None:  # driven, or given back: its start is over
+                self.runtime.started_claimed(claimed[0].execution_id)
         execution_id = handle.execution_id
         if isinstance(drove, tuple):
             known = self._known(execution_id)
@@ -197,6 +213,7 @@ class WorkflowClient(Client):
         """
         arguments.check_timeout(timeout)
         rt = self.runtime
+        rt._check_process()
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._known(execution_id) is None and not self._busy(execution_id):
             drove = rt.drive_for_outcome(arguments.check_id(execution_id), deadline)

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Final
+from typing import Any
 
 
 class WfPersistError(Exception):
@@ -294,6 +293,20 @@ class WorkflowFailedError(WfPersistError):
         )
 
 
+class ForkedRuntimeError(WfPersistError):
+    """A runtime (or a client) was used in a process forked after it was made. Its pooled
+    connections, its threads (lease keeper, listener, worker), the leases they hold and
+    the name its claims carry belong to the parent: a child using them would share the
+    parent's sockets, or free a sibling's live claim."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "this Runtime or Client was made in another process (this one was forked after "
+            "it): make it in each process, after the fork (say, in gunicorn's post_fork "
+            "hook, or without --preload)"
+        )
+
+
 class ResultTimeoutError(WfPersistError, TimeoutError):
     """The run did not finish within the time the caller was willing to wait."""
 
@@ -372,120 +385,6 @@ class LeaseLostError(WfPersistError):
     def __init__(self, execution_id: str) -> None:
         self.execution_id = execution_id
         super().__init__(f"Lost the lease on execution {execution_id}")
-
-
-def error_document(
-    exc: BaseException, redact: Callable[[str], str] | None = None
-) -> dict[str, Any]:
-    """A JSON document for a stored error: its type name, message and JSON-able fields.
-
-    Keeping the type name and fields (not only the message) lets callers match failures by
-    type after they crossed the database, even in a process that never saw the exception.
-    ``redact`` scrubs the traceback before it is cut (a secret cut in two would no longer
-    be recognised by whoever scrubs the document afterwards).
-    """
-    import json
-
-    from .values import unstorable
-
-    def storable(value: Any) -> Any:
-        """The value as strict JSON every backend keeps (no NaN, no integer beyond 64
-        bits, not nested past MariaDB's limit), else its text: an error must always be
-        recordable, or the step that raised it would run again at every drive."""
-        try:
-            doc = _scrub(json.loads(json.dumps(value, allow_nan=False)))
-        except (TypeError, ValueError, RecursionError):
-            return str(value)
-        # Room for the levels around it: event, error, compensation errors, args.
-        return str(value) if unstorable(doc, 6) else doc
-
-    doc: dict[str, Any] = {
-        "name": type(exc).__name__,
-        "module": type(exc).__module__,
-        "message": str(exc),
-    }
-    # Strict JSON (no NaN or infinities, which JSON columns reject), kept in its JSON form:
-    # the document a caller gets is the one a later read of the database returns.
-    doc["args"] = [storable(a) for a in exc.args]
-    for key, value in vars(exc).items():
-        if key.startswith("_") or key in doc:
-            continue
-        try:
-            json.dumps(value, allow_nan=False)
-        except (TypeError, ValueError, RecursionError):
-            continue  # not data (a connection, a callable): left out
-        doc[key] = storable(value)
-    trace = traceback_text(exc, redact)
-    if trace is not None:
-        doc["traceback"] = trace
-    # An error must always be recordable: databases reject NUL and lone surrogates in text.
-    cleaned: dict[str, Any] = _scrub(doc)
-    return cleaned
-
-
-#: The longest traceback kept in an error document (its end, where the error was raised).
-MAX_TRACEBACK: Final = 8000
-
-
-def traceback_text(exc: BaseException, redact: Callable[[str], str] | None = None) -> str | None:
-    """The formatted traceback of a raised exception (with its causes), passed through
-    ``redact`` and then cut to its last :data:`MAX_TRACEBACK` characters; ``None`` for one
-    never raised."""
-    import traceback
-
-    if exc.__traceback__ is None:
-        return None
-    try:
-        text = "".join(traceback.format_exception(exc))
-    except Exception:  # a __str__ that raises: the frames are still worth keeping
-        text = "".join(traceback.format_tb(exc.__traceback__))
-    if redact is not None:
-        text = redact(text)
-    if len(text) > MAX_TRACEBACK:
-        text = "...\n" + text[-MAX_TRACEBACK:]
-    return text
-
-
-def _scrub(value: Any) -> Any:
-    if isinstance(value, str):
-        text = value.replace("\x00", "\\0")
-        return text.encode("utf-8", "backslashreplace").decode("utf-8")
-    if isinstance(value, dict):
-        return {_scrub(k): _scrub(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_scrub(v) for v in value]
-    return value
-
-
-def driver_error(exc: BaseException) -> BaseException:
-    """The database driver's own error behind a SQLAlchemy wrapper (whose message repeats
-    the whole statement), else ``exc`` itself."""
-    from sqlalchemy.exc import DBAPIError
-
-    if isinstance(exc, DBAPIError) and isinstance(exc.orig, BaseException):
-        return exc.orig
-    return exc
-
-
-def brief(exc: BaseException) -> str:
-    """One line for a log: the error's type and the first line of its message."""
-    found = driver_error(exc)
-    lines = str(found).strip().splitlines()
-    return f"{type(found).__name__}: {lines[0] if lines else ''}"
-
-
-def rebuild_error(cls: type[BaseException], doc: dict[str, Any]) -> BaseException:
-    """An instance of ``cls`` carrying a recorded error's args and fields (for replay)."""
-    exc = cls.__new__(cls)
-    exc.args = tuple(doc.get("args") or [doc.get("message", "")])
-    skip = {"name", "module", "message", "args"}
-    for key, value in doc.items():
-        if key not in skip:
-            try:
-                setattr(exc, key, value)
-            except AttributeError:
-                continue
-    return exc
 
 
 class SchemaTooNewError(SchemaVersionError):

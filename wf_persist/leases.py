@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import Engine
 
-from .errors import brief
+from .backends.connections import dispose_pool
+from .error_documents import brief
+from .errors import WfPersistError
 
 if TYPE_CHECKING:
     from .backends import Backend
@@ -119,9 +121,14 @@ class LeaseKeeper(threading.Thread):
             return {i: lease.epoch for i, lease in self._held.items()}
 
     def engine(self) -> Engine:
-        if self._engine is None:
-            self._engine = self.backend.side_engine()
-        return self._engine
+        """The keeper's own engine. None is made once :meth:`stop` began: a renewal that
+        outlived its wait would otherwise leave a pool open that nothing disposes of."""
+        with self._lock:
+            if self._stop_event.is_set():
+                raise WfPersistError("the lease keeper has stopped")
+            if self._engine is None:
+                self._engine = self.backend.side_engine()
+            return self._engine
 
     def warm(self) -> None:
         """Open the keeper's connection now (a worker starting up), not at the first
@@ -130,7 +137,8 @@ class LeaseKeeper(threading.Thread):
             with self.engine().connect():
                 pass
         except Exception as exc:
-            log.warning("the lease keeper cannot connect yet: %s", brief(exc))
+            if not self._stop_event.is_set():  # else its runtime is closing: nothing to warm
+                log.warning("the lease keeper cannot connect yet: %s", brief(exc))
 
     def run(self) -> None:
         interval = self.ttl / 4
@@ -148,6 +156,8 @@ class LeaseKeeper(threading.Thread):
                         conn, {i: lease.epoch for i, lease in leases.items()}, self.ttl
                     )
             except Exception as exc:
+                if self._stop_event.is_set():
+                    return  # stopped meanwhile (its engine refused, or was disposed of)
                 wait = min(interval, self._outage.failed(exc, f"runs {sorted(leases)}"))
                 for lease in leases.values():
                     if time.monotonic() - lease.confirmed > self.ttl:
@@ -199,6 +209,7 @@ class LeaseKeeper(threading.Thread):
         self._stop_event.set()
         if self.is_alive():
             self.join(timeout=5)
-        if self._engine is not None:
-            self._engine.dispose()
-            self._engine = None
+        with self._lock:
+            engine, self._engine = self._engine, None
+        if engine is not None:
+            dispose_pool(engine)

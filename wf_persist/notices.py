@@ -10,6 +10,7 @@ runs do the same without a round trip. The :class:`~.runtime.Runtime` is one.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .backends import Backend
@@ -29,6 +30,7 @@ class Notices:
     backend: Backend
     owner: str
     _base_owner: str
+    _check_process: Callable[[], None]
     _lock: threading.RLock
     _closed: bool
     _wakeups: Wakeups | None
@@ -41,6 +43,7 @@ class Notices:
     def wakeups(self) -> Wakeups:
         """This runtime's listener (started on first use, before its first claim: it holds
         the presence lock its claims are named after, where the database has one)."""
+        self._check_process()
         with self._lock:
             found = self._wakeups
             if found is None:

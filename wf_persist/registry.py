@@ -12,6 +12,7 @@ from typing import Any
 from .arguments import check_version
 from .authoring import Workflow
 from .backends import Backend
+from .error_documents import shown
 from .errors import (
     InvalidArgumentError,
     InvalidPayloadError,
@@ -48,7 +49,9 @@ class Registry:
         self._check_open()
         for wf in workflows:
             if not isinstance(wf, Workflow):
-                raise InvalidArgumentError(f"register takes @wp.workflow definitions, got {wf!r}")
+                raise InvalidArgumentError(
+                    f"register takes @wp.workflow definitions, got {shown(wf)}"
+                )
             known = self._registry.get(wf.key)
             if known is not None and known.source_hash != wf.source_hash:
                 raise WorkflowVersionConflictError(
@@ -92,7 +95,7 @@ class Registry:
         """The definition a start of ``workflow`` runs: ``version`` if given, else the highest
         registered, a definition passed in counting as registered. Writes nothing."""
         if not isinstance(workflow, Workflow | str):
-            raise InvalidArgumentError(f"expected a workflow or its name, got {workflow!r}")
+            raise InvalidArgumentError(f"expected a workflow or its name, got {shown(workflow)}")
         check_version(version)
         name = workflow if isinstance(workflow, str) else workflow.name
         with self._lock:

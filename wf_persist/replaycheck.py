@@ -64,7 +64,7 @@ class _Frontier(BaseException):
 
 
 class _DryDriver:
-    """A driver that writes nothing and runs no step (see :class:`~wf_persist.steps.Driver`)."""
+    """A driver that writes nothing and runs no step (see :class:`~wf_persist.driving.Driver`)."""
 
     record_start_after: float | None = None
     news = False

@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -24,24 +24,26 @@ from typing import TYPE_CHECKING, Any, Final
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import URL
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from . import drive_telemetry, drives, telemetry
 from .authoring import Step
 from .backends import Claim
 from .bridge import off_loop
 from .database import Database
+from .error_documents import shown
 from .errors import (
     InvalidArgumentError,
-    PoolTooSmallError,
     WfPersistError,
 )
 from .leases import LeaseKeeper
 from .notices import Notices
 from .registry import Registry
 from .secrets import SecretResolver
-from .store import executions
+from .timeouts import plain_number, positive
 from .timers import Timers
 from .wakeups import Wakeups
+from .worker_side import WorkerSide
 
 if TYPE_CHECKING:
     from .embedded import WorkflowClient
@@ -58,8 +60,6 @@ FINISHED_KEPT = 4096
 #: The run the code running now belongs to: set for a drive, and inherited by its step
 #: threads and ``ctx.all`` branches (their contexts are copies).
 DRIVING_RUN: Final[ContextVar[str | None]] = ContextVar("wf_persist_driving_run", default=None)
-#: A pool this large serves a worker of any concurrency without runs queueing for long.
-COMFORTABLE_POOL = 10
 
 
 def utc_now() -> dt.datetime:
@@ -67,18 +67,7 @@ def utc_now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
-def positive(value: object, what: str, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not 0 < value < float("inf")
-    ):
-        raise InvalidArgumentError(f"{what} must be a positive number, got {value!r}")
-
-
-class Runtime(Registry, Notices):
+class Runtime(Registry, Notices, WorkerSide):
     """Holds the database binding and the registered workflows; drives runs.
 
     Args:
@@ -120,24 +109,20 @@ class Runtime(Registry, Notices):
         record_start_after: float | None = 1.0,
         max_drive_failures: int = 10,
     ) -> None:
-        positive(lease_ttl, "lease_ttl")
-        positive(poll_interval, "poll_interval")
+        lease_seconds = positive(lease_ttl, "lease_ttl")
+        poll_seconds = positive(poll_interval, "poll_interval")
+        start_after = plain_number(record_start_after)
         if record_start_after is not None and (
-            isinstance(record_start_after, bool)
-            or not isinstance(record_start_after, int | float)
-            or not 0 <= record_start_after < float("inf")
+            start_after is None or not 0 <= start_after < float("inf")
         ):
             raise InvalidArgumentError(
                 "record_start_after must be a non-negative number or None, "
-                f"got {record_start_after!r}"
+                f"got {shown(record_start_after)}"
             )
-        if (
-            isinstance(max_drive_failures, bool)
-            or not isinstance(max_drive_failures, int)
-            or max_drive_failures < 1
-        ):
+        failures = plain_number(max_drive_failures)
+        if not isinstance(failures, int) or failures < 1:
             raise InvalidArgumentError(
-                f"max_drive_failures must be a positive integer, got {max_drive_failures!r}"
+                f"max_drive_failures must be a positive integer, got {shown(max_drive_failures)}"
             )
         telemetry.configure()
         self.database = Database(bind, auto_migrate=auto_migrate, schema=schema)
@@ -146,11 +131,11 @@ class Runtime(Registry, Notices):
         #: The engine wf_persist works through (same pool as ``bind``, our options).
         self.engine = self.database.engine
         self.clock = clock
-        self.lease_ttl = dt.timedelta(seconds=lease_ttl)
-        self.poll_interval = poll_interval
+        self.lease_ttl = dt.timedelta(seconds=lease_seconds)
+        self.poll_interval = poll_seconds
         self.secret_resolver = secret_resolver
-        self.record_start_after = record_start_after
-        self.max_drive_failures = max_drive_failures
+        self.record_start_after = start_after
+        self.max_drive_failures = failures
         self._base_owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         #: The name this runtime's claims carry (``lease_owner``); it ends with the
         #: backend's mark once the runtime holds its presence lock (see :mod:`.wakeups`).
@@ -168,6 +153,8 @@ class Runtime(Registry, Notices):
         self._owner_settled = threading.Event()
         #: Runs started claimed here and handed to the worker, not yet being driven.
         self._dispatched: set[str] = set()
+        self._claiming = 0
+        self._unheld: Counter[str] = Counter()
         #: Outcomes of runs finished here lately: ``(name, version, ok, stored value)``.
         self._finished: OrderedDict[str, tuple[str, int, bool, Any]] = OrderedDict()
         self._keeper: LeaseKeeper | None = None
@@ -184,6 +171,7 @@ class Runtime(Registry, Notices):
         """A client bound to this runtime (it may drive runs in the calling thread)."""
         from .embedded import WorkflowClient
 
+        self._check_process()
         return WorkflowClient(self)
 
     def drive(self, execution_id: str) -> bool:
@@ -242,11 +230,25 @@ class Runtime(Registry, Notices):
             if not workflows:
                 return NOT_DRIVEN
             self.wakeups()
+            owner = self.owner
             asked = time.monotonic()  # before the claim: see Lease.confirmed
-            claim = self.backend.claim_to_drive(execution_id, self.owner, self._ttl(), workflows)
-            if claim is None:
-                return NOT_DRIVEN
-            return self._drive(claim, asked, until)
+            claim: Claim | None = None
+            try:
+                claim = self.backend.claim_to_drive(execution_id, owner, self._ttl(), workflows)
+                if claim is None:
+                    return NOT_DRIVEN
+                return self._drive(claim, asked, until)
+            except BaseException as exc:
+                # Interrupted (a signal handler's exception, say) once the claim may have
+                # committed: the run is given back, not left leased by nobody's drive until
+                # the lease lapses. (A drive that began gave it back itself: a no-op again.)
+                # A claim that got no connection from the pool was never sent.
+                if claim is not None:
+                    self.keeper().forget_run(claim.execution_id, claim.epoch)
+                    self.give_back(claim)
+                elif self.backend.may_have_committed(exc) and not isinstance(exc, PoolTimeout):
+                    drives.release_if_held(self, execution_id, owner)
+                raise
 
     def drive_started(self, claim: Claim, asked: float) -> Any:
         """Drive, in this thread, a run this thread just started claimed (see
@@ -366,53 +368,20 @@ class Runtime(Registry, Notices):
         self.keeper().forget_run(execution_id, 1)
         self.give_back_started(execution_id, workflow)
 
-    def claim_due(self, limit: int) -> list[Claim]:
-        """Claim up to ``limit`` due runs this runtime can drive (for workers)."""
-        workflows = self.runnable_workflows()
-        if not workflows or limit <= 0 or self.closing:
-            return []
-        self.wakeups()
-        with self._lock:
-            exclude = sorted(self._driving)
-        asked = time.monotonic()  # before the claim: see Lease.confirmed
-        try:
-            claims = self.backend.claim_batch(self.owner, self._ttl(), limit, workflows, exclude)
-        except Exception as exc:
-            if not self.backend.contention(exc):
-                raise
-            log.debug("claiming due runs ran into another claimer; trying again: %s", exc)
-            return []  # rolled back: nothing was claimed
-        keeper = self.keeper()
-        for claim in claims:  # renewed from now on, also while it waits for a thread
-            keeper.hold(claim.execution_id, claim.epoch, asked)
-        return claims
-
-    def seconds_to_next_wake(self) -> float | None:
-        """Seconds until the earliest wake time of a run this runtime can drive (by the
-        database's clock); ``None`` when nothing is scheduled."""
-        workflows = self.runnable_workflows()
-        if not workflows:
-            return None
-        with self.backend.read() as conn:
-            due, now = self.backend.next_wake(conn, workflows)
-        return None if due is None else (due - now).total_seconds()
-
-    def due_backlog(self) -> int:
-        """How many runs are due now and not claimed (any workflow: the metrics' gauge)."""
-        with self.backend.read() as conn:
-            return executions.due_count(conn)
-
     def _ttl(self) -> float:
         return self.lease_ttl.total_seconds()
 
     def keeper(self) -> LeaseKeeper:
         """The lease keeper (started on first use, again if it died; never after close)."""
+        self._check_process()
         with self._lock:
             found = self._keeper
             if found is not None and (found.is_alive() or self._closed):
                 return found  # running; or stopped by close(), after which nothing renews
             found = self._keeper = LeaseKeeper(self.backend, self._ttl())
-            if not self._closed:
+            if self._closed:
+                found.stop()  # it makes no engine either (nothing would dispose of it)
+            else:
                 found.start()
             return found
 
@@ -429,39 +398,6 @@ class Runtime(Registry, Notices):
 
     # workers ----------------------------------------------------------------------------
 
-    def check_pool(self, concurrency: int) -> None:
-        """Refuse a worker the engine's pool cannot serve; warn when runs would queue.
-
-        A run being driven borrows a connection for each write and gives it back while its
-        steps run, so any number of runs shares a small pool; the claim loop takes one, and
-        a step under a database-wide concurrency limit holds one while it runs. Two is the
-        least that works; below :data:`COMFORTABLE_POOL` (or ``concurrency + 1``) runs wait
-        for a connection at their writes.
-        """
-        capacity = self.backend.capacity()
-        if capacity is None:
-            return
-        needed = 2
-        if capacity < needed:
-            raise PoolTooSmallError(capacity, needed, concurrency)
-        comfortable = min(concurrency + 1, COMFORTABLE_POOL)
-        if capacity < comfortable:
-            log.warning(
-                "the engine's pool gives %d connections; a worker with concurrency %d runs "
-                "best with %d (runs wait for a connection at each write, and steps under a "
-                "database-wide concurrency limit hold one while they run)",
-                capacity,
-                concurrency,
-                comfortable,
-            )
-
-    def attach(self, worker: Worker) -> None:
-        """Make ``worker`` this runtime's (a worker loop run directly, as the CLI does): it is
-        then woken by this process's starts, finished runs and notifications."""
-        with self._lock:
-            if self._worker is None:
-                self._worker = worker
-
     def start_worker(
         self,
         *,
@@ -474,6 +410,7 @@ class Runtime(Registry, Notices):
         :class:`~wf_persist.worker.Worker`)."""
         from .worker import Worker
 
+        self._check_open()
         with self._lock:
             if self._worker is not None:
                 return self._worker
@@ -481,6 +418,9 @@ class Runtime(Registry, Notices):
             self, concurrency=concurrency, poll_interval=poll_interval, event_loop=event_loop
         )
         with self._lock:
+            # A close() from now on sees this worker and stops it (a loop stopped before
+            # it began ends at once); one before it leaves nothing to start.
+            self._check_open()
             if self._worker is not None:
                 return self._worker
             self._worker = worker
@@ -488,14 +428,29 @@ class Runtime(Registry, Notices):
 
     # lifecycle ------------------------------------------------------------------------
 
+    def _check_process(self) -> None:
+        """Refuse use in a process forked after this runtime was made (asked before any of
+        its locks, which the fork may have copied held)."""
+        self.backend.check_process()  # the backend was made with this runtime
+
     def _check_open(self) -> None:
+        self._check_process()
         if self._closed:
             raise WfPersistError("Workflow runtime has been closed")
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop this runtime's worker, let runs in flight stop at their next step (waiting up
         to ``timeout`` seconds), then release every lease still held so other workers take
-        those runs at once, and dispose of an engine this runtime created. Idempotent."""
+        those runs at once, and dispose of an engine this runtime created. Idempotent.
+
+        In a process forked after the runtime was made, it only forgets the runtime:
+        threads, leases and connections are the parent's (an engine it created is dropped
+        without closing the parent's connections)."""
+        if os.getpid() != self.backend.pid:
+            self._closed = self.closing = True
+            if self.database.owns_engine:
+                self.database.base_engine.dispose(close=False)
+            return
         with self._lock:
             if self._closed:
                 return

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
+from .error_documents import shown
 from .errors import InvalidArgumentError, StepTimeoutError
 
 if TYPE_CHECKING:
@@ -41,18 +42,51 @@ MAX_DURATION_SECONDS: Final = 1000 * 365.25 * 86400
 JOIN_PIECE_SECONDS: Final = 86400.0
 
 
+#: The longest interval a setting may give (a lease, a poll): 100 years (the test kit's
+#: leases last ten), below what Python's waits take (``threading.TIMEOUT_MAX``, 292
+#: years; a worker whose wait raised would stop claiming for good).
+MAX_INTERVAL_SECONDS: Final = 100 * 365 * 86400
+
+
+def plain_number(value: object) -> int | float | None:
+    """An ``int`` or ``float`` argument as the plain number it holds (``None`` for anything
+    else, ``bool`` included), asking only ``type()`` of it: a subclass's own methods (a
+    comparison, ``__class__``) may raise or lie."""
+    kind = type(value)
+    if issubclass(kind, bool):
+        return None
+    if issubclass(kind, int):
+        return int.__int__(value)  # type: ignore[arg-type]
+    if issubclass(kind, float):
+        return float.__float__(value)  # type: ignore[arg-type]
+    return None
+
+
+def positive(value: object, what: str) -> float:
+    """An interval setting in seconds, checked: a real number, not a bool, above 0 and at
+    most :data:`MAX_INTERVAL_SECONDS`; returned as a plain ``float``."""
+    number = plain_number(value)
+    if number is None or not 0 < number < float("inf"):
+        raise InvalidArgumentError(f"{what} must be a positive number, got {shown(value)}")
+    if not number <= MAX_INTERVAL_SECONDS:
+        raise InvalidArgumentError(
+            f"{what} must be at most {MAX_INTERVAL_SECONDS} seconds (100 years), got {shown(value)}"
+        )
+    return float(number)
+
+
 def duration_seconds(duration: dt.timedelta | float, what: str, *, positive: bool = False) -> float:
     """``duration`` (a ``timedelta`` or seconds) in seconds, checked: a real number, not a
     bool, finite, at least 0 (above 0 if ``positive``), at most 1000 years."""
     seconds = duration.total_seconds() if isinstance(duration, dt.timedelta) else duration
     if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds >= 0:
-        raise InvalidArgumentError(f"{what} must be a non-negative duration, got {duration!r}")
+        raise InvalidArgumentError(f"{what} must be a non-negative duration, got {shown(duration)}")
     if positive and not seconds > 0:
-        raise InvalidArgumentError(f"{what} must be a positive duration, got {duration!r}")
+        raise InvalidArgumentError(f"{what} must be a positive duration, got {shown(duration)}")
     if not seconds <= MAX_DURATION_SECONDS:
         raise InvalidArgumentError(
             f"{what} must be finite and at most {MAX_DURATION_SECONDS:.0f} seconds (1000 years), "
-            f"got {duration!r}"
+            f"got {shown(duration)}"
         )
     return float(seconds)
 

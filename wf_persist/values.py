@@ -24,6 +24,7 @@ from pydantic import BaseModel, PydanticUserError, TypeAdapter, ValidationError
 from pydantic_core import PydanticSerializationError, core_schema
 from referencing.exceptions import Unresolvable
 
+from .error_documents import shown
 from .errors import InvalidPayloadError, NotSerializableError
 
 #: JSON numbers every backend keeps exactly (MySQL's JSON and SQLite's json functions turn
@@ -58,8 +59,9 @@ def _scan(value: Any, depth: int, nulls: list[bool] | None) -> str | None:
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
-        if value not in INT_RANGE:
-            return f"the integer {value} does not fit 64 bits; store it as a string"
+        # Compared, not ``in INT_RANGE``: for an int subclass (an IntEnum) that walks the range.
+        if not INT_RANGE.start <= value < INT_RANGE.stop:
+            return f"the integer {shown(value)} does not fit 64 bits; store it as a string"
         return None
     if isinstance(value, float):
         return None if math.isfinite(value) else _NON_FINITE

@@ -167,17 +167,17 @@ class Wakeups:
             if listener is NOT_AVAILABLE:
                 self._ready.set()
                 return
-            self._listener = listener
-            self._beat_until = time.monotonic() + BEAT_FOR
-            self._presence(listener)
-            self.connections += 1
-            self.listening = True
-            self._ready.set()
-            # Whatever was sent before (or during an outage) went unheard.
-            self._announce_due(None)
-            self._announce_end(ANY_END)
             failure: Exception | None = None
-            try:
+            try:  # the listener is closed whatever happens from here
+                self._listener = listener
+                self._beat_until = time.monotonic() + BEAT_FOR
+                self._presence(listener)
+                self.connections += 1
+                self.listening = True
+                self._ready.set()
+                # Whatever was sent before (or during an outage) went unheard.
+                self._announce_due(None)
+                self._announce_end(ANY_END)
                 while not self._stop.is_set():
                     payloads = listener.wait(*self._tick())
                     self._presence(listener)  # retaken after a reconnection

@@ -22,8 +22,10 @@ from typing import TYPE_CHECKING, Any, Final
 
 from . import telemetry
 from .async_worker import EventLoopDriver, check_available
+from .error_documents import shown
 from .errors import InvalidArgumentError
 from .leases import Outage
+from .timeouts import plain_number, positive
 from .wakeups import NOTIFIED_POLL_INTERVAL
 
 if TYPE_CHECKING:
@@ -34,6 +36,10 @@ log = logging.getLogger("wf_persist.worker")
 
 #: How often a worker looks for runs of workers whose process is gone (presence locks).
 REAP_INTERVAL = 0.1
+
+#: The most runs one worker drives at once: far above what a process drives well (a
+#: thread each, or an event loop's share), and a claim's batch size fits every database.
+MAX_CONCURRENCY: Final = 100_000
 
 
 class Reservation:
@@ -89,23 +95,24 @@ class Worker:
         poll_interval: float | None = None,
         event_loop: bool = False,
     ) -> None:
-        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        count = plain_number(concurrency)
+        if not isinstance(count, int) or count < 1:
             raise InvalidArgumentError(
-                f"concurrency must be a positive integer, got {concurrency!r}"
+                f"concurrency must be a positive integer, got {shown(concurrency)}"
             )
-        interval = runtime.poll_interval if poll_interval is None else poll_interval
-        if (
-            isinstance(interval, bool)
-            or not isinstance(interval, int | float)
-            or not 0 < interval < float("inf")
-        ):
-            raise InvalidArgumentError(f"poll_interval must be a positive number, got {interval!r}")
+        if count > MAX_CONCURRENCY:
+            raise InvalidArgumentError(
+                f"concurrency must be at most {MAX_CONCURRENCY}, got {shown(concurrency)}"
+            )
+        interval = positive(
+            runtime.poll_interval if poll_interval is None else poll_interval, "poll_interval"
+        )
         if event_loop:
             check_available()
-        runtime.check_pool(concurrency)
+        runtime.check_pool(count)
         self.runtime = runtime
-        self.concurrency = concurrency
-        self.poll_interval = float(interval)
+        self.concurrency = count
+        self.poll_interval = interval
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -140,14 +147,27 @@ class Worker:
         self._thread.start()
         return self
 
+    @property
+    def stopping(self) -> bool:
+        """Whether :meth:`stop` was called (its loop ends, or has ended)."""
+        return self._stopping.is_set()
+
     def stop(self, timeout: float | None = 30, *, join: bool = True) -> None:
         """Stop claiming; wait up to ``timeout`` for runs in flight (they stop at their next
         step once the runtime closes; their leases are released or lapse). ``join=False``:
         do not wait (a run in flight is asking, which its loop would wait for)."""
         self._stopping.set()
         self._wake.set()
-        if join and self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        thread = self._thread
+        # A thread not started yet (a close() racing start_worker()) sees the stop when it
+        # starts, and ends at once: there is nothing to wait for.
+        if (
+            join
+            and thread is not None
+            and thread.ident is not None
+            and thread is not threading.current_thread()
+        ):
+            thread.join(timeout)
 
     def reserve(self) -> Reservation | None:
         """Promise a slot to a run about to be started claimed by this process (its drive
@@ -214,6 +234,8 @@ class Worker:
         """
         rt = self.runtime
         rt.attach(self)
+        if self._stopping.is_set():
+            return  # stopped before it began: a close() racing start_worker()
         telemetry.watch_backlog(rt)
         rt.keeper().warm()
         rt.wakeups()

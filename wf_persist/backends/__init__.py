@@ -15,6 +15,7 @@ from sqlalchemy.engine import URL
 
 from ..errors import UnsupportedDatabaseError
 from .base import Backend
+from .connections import dispose_pool
 from .mysql import MySQLBackend
 from .postgresql import PostgreSQLBackend
 from .sql import STALE, Cataloged, Claim, Fenced, Stale
@@ -46,6 +47,8 @@ _DEFAULT_DRIVERS: Final = {
     "mysql": "mysql+pymysql",
     "mariadb": "mariadb+pymysql",
 }
+#: The process each engine :func:`create_engine` made was made in.
+_MADE_IN: weakref.WeakKeyDictionary[Engine, int] = weakref.WeakKeyDictionary()
 #: Engines with a private file (an in-memory SQLite URL) and the finalizer that removes it.
 _PRIVATE_FILES: weakref.WeakKeyDictionary[Engine, weakref.finalize[Any, Any]] = (
     weakref.WeakKeyDictionary()
@@ -130,15 +133,27 @@ def create_engine(url: str | URL | None = None, **kwargs: Any) -> Engine:
             f"cannot create an engine for {describe_url(resolved)}: {exc}"
         ) from exc
     if tempdir is not None:
-        _PRIVATE_FILES[engine] = weakref.finalize(engine, shutil.rmtree, tempdir, True)
+        _PRIVATE_FILES[engine] = weakref.finalize(engine, _remove_private, tempdir, os.getpid())
+    _MADE_IN[engine] = os.getpid()
     kind.on_own_engine(engine)
     return engine
 
 
+def _remove_private(tempdir: str, pid: int) -> None:
+    """Remove a private database's directory: only in the process that made it (a child
+    forked after, exiting, must not take its parent's database with it)."""
+    if os.getpid() == pid:
+        shutil.rmtree(tempdir, True)
+
+
 def dispose_engine(engine: Engine) -> None:
     """Close an engine :func:`create_engine` made, and remove the private file an in-memory
-    URL was given (at once, not when the engine is garbage-collected)."""
-    engine.dispose()
+    URL was given (at once, not when the engine is garbage-collected). In a process forked
+    after it was made, only the pool is let go: its connections and file are the parent's."""
+    if os.getpid() == _MADE_IN.get(engine, os.getpid()):
+        dispose_pool(engine)
+    else:
+        engine.dispose(close=False)
     remove = _PRIVATE_FILES.pop(engine, None)
     if remove is not None:
         remove()

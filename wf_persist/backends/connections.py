@@ -12,21 +12,46 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Iterator
 from typing import Any, ClassVar, Final
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import URL, Row
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.pool import PoolProxiedConnection
+from sqlalchemy.pool import ConnectionPoolEntry, Pool, PoolProxiedConnection, QueuePool
 
-from ..errors import UnsupportedDatabaseError, ValueTooLargeError
+from ..errors import ForkedRuntimeError, UnsupportedDatabaseError, ValueTooLargeError
 from .slots import Slots
 
 #: Types whose JSON text is a few dozen bytes whatever the value (no size check needed).
 _BOUNDED: Final = (int, float, bool)
 #: The most bytes one character of a string takes in JSON text (an escape: ``\\uXXXX``).
 _MAX_BYTES_PER_CHAR: Final = 6
+
+
+def dispose_pool(engine: Engine) -> None:
+    """Dispose of an engine's pool so that every connection of it gets closed, also those
+    checked out now: SQLAlchemy would put those back into the replaced pool when they are
+    returned, to be garbage-collected open (psycopg warns of each)."""
+    old = engine.pool
+    engine.dispose()
+    retire_pool(old)
+
+
+def retire_pool(pool: Pool) -> None:
+    """Close the connections of a pool its engine replaced (``Engine.dispose``): those in
+    it now, and each one checked out now when it is given back. In an asyncio engine's
+    pool, call it through ``greenlet_spawn``."""
+    # The pool's own return step, replaced on this instance: a checkin listener added now
+    # could race one running in another thread (SQLAlchemy iterates the listener deque
+    # unlocked), and a host's listeners are copied into a side engine's pool.
+    pool._do_return_conn = _close_returned  # type: ignore[method-assign]
+    pool.dispose()  # those given back before
+
+
+def _close_returned(record: ConnectionPoolEntry) -> None:
+    record.close()
 
 
 class Connections:
@@ -58,6 +83,8 @@ class Connections:
             )
         self.base_engine = engine
         self.owned = owned
+        #: The process this backend belongs to (see :meth:`check_process`).
+        self.pid = os.getpid()
         self.schema = schema
         #: Options of every statement wf_persist runs on a connection it did not open itself
         #: (a host's session): render our tables in the schema, nothing else.
@@ -109,6 +136,7 @@ class Connections:
         """A write transaction, on ``conn`` (a drive's connection) or a pooled one;
         ``ours=False``: one an application runs its own statements in."""
         if conn is None:
+            self.check_process()
             with self.engine.begin() as fresh:
                 yield fresh
             return
@@ -122,6 +150,13 @@ class Connections:
         with self.begin() as conn:
             yield conn
 
+    def check_process(self) -> None:
+        """Before taking a pooled connection: refuse in a process forked after this backend
+        was made, whose pool holds the parent's connections (their sockets shared: two
+        processes talking over one corrupts both)."""
+        if os.getpid() != self.pid:
+            raise ForkedRuntimeError()
+
     def may_have_committed(self, exc: BaseException) -> bool:
         """Whether a store call made atomic by :meth:`atomic` may have committed although it
         raised ``exc``: anything but the database refusing it may have come after the
@@ -130,6 +165,16 @@ class Connections:
         it."""
         return not isinstance(exc, DBAPIError) or bool(exc.connection_invalidated)
 
+    def pool_would_wait(self) -> bool:
+        """Whether taking a pooled connection now would queue (a ``QueuePool`` with none
+        idle and no more allowed): a best-effort call skips rather than wait
+        ``pool_timeout`` there, say after a request's deadline interrupted a wait for one."""
+        pool = self.engine.pool
+        if not isinstance(pool, QueuePool):
+            return False  # NullPool, StaticPool and the like open or share: never queue
+        limit = int(getattr(pool, "_max_overflow", -1))  # -1: unbounded
+        return pool.checkedin() == 0 and 0 <= limit <= pool.overflow()
+
     @contextlib.contextmanager
     def read(self, conn: Connection | None = None) -> Iterator[Connection]:
         """A read-only transaction, on ``conn`` or a pooled connection."""
@@ -137,6 +182,7 @@ class Connections:
             with conn.begin():
                 yield conn
             return
+        self.check_process()
         with self.engine.connect() as fresh, fresh.begin():
             yield fresh
 

@@ -34,6 +34,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 
 from . import pg_wire
+from .connections import dispose_pool
 
 if TYPE_CHECKING:
     from .postgresql import PostgreSQLBackend
@@ -233,7 +234,7 @@ class PGListener:
                 raw.close()
             except Exception as exc:  # closing a broken connection
                 log.debug("closing the listening connection: %s", exc)
-        self._engine.dispose()
+        dispose_pool(self._engine)
 
 
 def _fail_fast(raw: Any) -> None:

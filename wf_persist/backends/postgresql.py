@@ -16,7 +16,7 @@ import datetime as dt
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from types import ModuleType
 from typing import Any, ClassVar, Final
 
@@ -29,7 +29,7 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects import postgresql
-from sqlalchemy.engine import URL, Row
+from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 
 from ..errors import LeaseLostError
@@ -37,8 +37,8 @@ from ..events import NewEvent
 from ..models import executions_table as ex
 from ..models import workflows_table as wf
 from ..wakeups import DUE, NOT_AVAILABLE, Listener
-from .base import Backend
 from .pg_presence import PRESENT_MARK, REAP, UNSUPPORTED, PGListener, advisory_locks_work
+from .pg_raw import RawPath, as_created
 from .pg_sql import (
     P_CHANNEL,
     P_PAYLOAD,
@@ -77,7 +77,7 @@ class AdvisorySlots(SessionLockSlots):
         conn.execute(select(func.pg_advisory_unlock(k1, slot)))
 
 
-class PostgreSQLBackend(Backend):
+class PostgreSQLBackend(RawPath):
     can_listen: ClassVar[bool] = True
     checks_newest: ClassVar[bool] = True
     names: ClassVar[tuple[str, ...]] = ("postgresql",)
@@ -92,7 +92,7 @@ class PostgreSQLBackend(Backend):
         # Whether every connection of the pool is at READ COMMITTED by construction: an
         # engine of our own (made with that level, see configure_engine) sets it on each
         # new connection; its pool puts back a level chosen through SQLAlchemy, and
-        # _as_created (at each checkout, attribute reads only) one an application left on
+        # as_created (at each checkout, attribute reads only) one an application left on
         # a connection it borrowed raw. Then the view needs no per-checkout isolation
         # level, which costs a listener, a set and a reset at every connection taken. A
         # host's engine keeps the per-checkout level.
@@ -108,7 +108,7 @@ class PostgreSQLBackend(Backend):
             and not autocommit
         )
         if self._pool_level_ours:
-            event.listen(engine, "checkout", _as_created())
+            event.listen(engine, "checkout", as_created())
         self._channel: str | None = None
         super().__init__(engine, owned=owned, schema=schema)
         self.slots = AdvisorySlots(self.engine)
@@ -281,6 +281,7 @@ class PostgreSQLBackend(Backend):
     @contextlib.contextmanager
     def atomic(self) -> Iterator[Connection]:
         # A start's one statement runs in autocommit on the raw connection (insert_run).
+        self.check_process()
         if not self.raw_ok:
             with self.base_engine.begin() as conn:
                 yield conn
@@ -296,91 +297,9 @@ class PostgreSQLBackend(Backend):
             with conn.begin():
                 yield conn
             return
+        self.check_process()
         with self.engine.connect() as fresh:
             yield fresh.execution_options(isolation_level="AUTOCOMMIT")
-
-    def _render(self, stmt: Any) -> tuple[str, dict[str, Any]]:
-        """SQL for the raw driver (rendered once per statement object) and the values of
-        the statement's own literal parameters."""
-        found = self._rendered.get(stmt)
-        if found is None:
-            translate: dict[str, Any] = (
-                {"schema_translate_map": self.schema_map, "render_schema_translate": True}
-                if self.schema_map
-                else {}
-            )
-            compiled = stmt.compile(dialect=self.base_engine.dialect, **translate)
-            found = self._rendered[stmt] = (str(compiled), compiled.construct_params(_check=False))
-        return found
-
-    def _raw(self, stmt: Any, params: dict[str, Any], conn: Connection | None = None) -> Any:
-        """One statement straight to psycopg in autocommit (on ``conn``'s connection, or a
-        pooled one): what SQLAlchemy's execution and result machinery would cost is most of
-        a start's or a claim's CPU. JSON values must come serialized."""
-        sql, defaults = self._render(stmt)
-        return self._send_raw(sql, {**defaults, **params}, conn)
-
-    def _checkout(self) -> Any:
-        """A pooled DBAPI connection; failing to connect raises SQLAlchemy's error, as
-        ``engine.connect()`` would (``raw_connection`` leaves the driver's unwrapped)."""
-        dialect = self.base_engine.dialect
-        try:
-            return self.base_engine.raw_connection()
-        except dialect.loaded_dbapi.Error as exc:
-            raise self.wrapped(exc, None, dialect.is_disconnect(exc, None, None)) from exc
-
-    def _send_raw(self, sql: str, params: dict[str, Any], conn: Connection | None = None) -> Any:
-        owner: Any = conn if conn is not None else self._checkout()
-        raw: Any = (
-            conn.connection.driver_connection if conn is not None else owner.driver_connection
-        )
-        cursor = None
-        try:
-            if not self.autocommit_writes:
-                # The sessions' default is above READ COMMITTED: a statement in autocommit
-                # would run at it, and a claim meeting a concurrent update of its run would
-                # fail with a serialization error instead of re-checking the run.
-                from psycopg import IsolationLevel
-
-                level = raw.isolation_level
-                raw.isolation_level = IsolationLevel.READ_COMMITTED
-                try:
-                    with raw.transaction(), raw.cursor() as cursor:
-                        cursor.execute(sql, params)
-                        return cursor.fetchall()
-                finally:
-                    if not raw.closed:
-                        raw.isolation_level = level
-            if self.wire is not None and self.wire.usable(raw):
-                return self.wire.execute(raw, owner.info, sql, params)
-            # As the connection was (a host engine's may be in AUTOCOMMIT already).
-            was = raw.autocommit
-            raw.autocommit = True
-            try:
-                with raw.cursor() as cursor:
-                    cursor.execute(sql, params)
-                    return cursor.fetchall()
-            finally:
-                if not raw.closed:
-                    raw.autocommit = was
-        except Exception as exc:
-            raise self.raw_failure(owner, exc, sql, cursor) from exc
-        finally:
-            if conn is None:
-                owner.close()
-
-    def read_one(self, stmt: Any, params: dict[str, Any]) -> Row[Any] | None:
-        # SQLAlchemy's connection, execution and result machinery is two thirds of such a
-        # read's time (a thin client's look at a run whose end it heard).
-        if not self.raw_ok:
-            return super().read_one(stmt, params)
-        shape = self._shapes.get(stmt)
-        if shape is None:
-            shape = self._shapes[stmt] = RowShape(stmt, self.base_engine.dialect)
-        return shape.one(self._raw(stmt, params))
-
-    def _auto(self, stmt: Any, params: dict[str, Any]) -> list[Claim]:
-        return claims_of(self._raw(stmt, params))
 
     def renew_alone(self, conn: Connection, held: Mapping[str, int], ttl: float) -> set[str]:
         if not held or not self.raw_ok:
@@ -482,48 +401,7 @@ class PostgreSQLBackend(Backend):
             params[f"dk{i}"] = ev.dedupe_key
             params[f"at{i}"] = ev.created_at
             params[f"ev{i}"] = json.dumps(ev.event)
-        raw: Any = conn.connection.driver_connection
-        cursor = None
-        try:
-            if self.wire is not None and self.wire.usable(raw):
-                rows = self.wire.execute(raw, conn.info, sql, params)
-            else:
-                was = raw.autocommit
-                raw.autocommit = True
-                try:
-                    with raw.cursor() as cursor:
-                        cursor.execute(sql, params)
-                        rows = cursor.fetchall()
-                finally:
-                    if not raw.closed:
-                        raw.autocommit = was
-        except Exception as exc:
-            raise self.raw_failure(conn, exc, sql, cursor) from exc
+        rows = self._send_raw(sql, params, conn)
         if len(rows) != n:
             raise LeaseLostError(execution_id)
         return Fenced(sorted(int(r[0]) for r in rows), str(rows[0][1]))
-
-
-def _as_created() -> Callable[[Any, Any, Any], None]:
-    """The pool's checkout listener of an engine of our own: its connections leave the pool
-    as they were created (READ COMMITTED, not in autocommit, neither read-only nor
-    deferrable) whatever an application that borrowed one raw
-    (``runtime.engine.raw_connection()``) left on its driver connection: the pool only
-    undoes changes made through SQLAlchemy. Attribute reads only at each checkout."""
-    from psycopg import IsolationLevel, pq
-
-    idle, read_committed = pq.TransactionStatus.IDLE, IsolationLevel.READ_COMMITTED
-
-    def reset(conn: Any, _record: Any, _proxy: Any) -> None:
-        if conn.pgconn.transaction_status != idle:
-            return  # cannot happen after the pool's reset; a setter would refuse it
-        if conn.autocommit:
-            conn.autocommit = False
-        if conn.isolation_level != read_committed:
-            conn.isolation_level = read_committed
-        if conn.read_only is not None:
-            conn.read_only = None
-        if conn.deferrable is not None:
-            conn.deferrable = None
-
-    return reset

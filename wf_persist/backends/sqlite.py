@@ -32,6 +32,7 @@ from ..errors import LeaseLostError
 from ..events import NewEvent
 from ..models import executions_table as ex
 from .base import Backend, Changes
+from .connections import dispose_pool
 from .sql import HOT_COLUMNS, INSERT_HISTORY, Fenced, WriteShape, bump, history_row
 
 #: How long a SQLite writer waits for the lock before failing (milliseconds).
@@ -113,7 +114,7 @@ class DataVersion(Changes):
         if self._raw is not None:
             self._raw.close()
             self._raw = None
-        self._engine.dispose()
+        dispose_pool(self._engine)
 
 
 class SQLiteBackend(Backend):
@@ -212,6 +213,7 @@ class SQLiteBackend(Backend):
             with self._transaction(conn, "BEGIN IMMEDIATE"):
                 yield conn
             return
+        self.check_process()
         with self.engine.connect() as fresh, self._transaction(fresh, "BEGIN IMMEDIATE"):
             yield fresh
 
@@ -221,6 +223,7 @@ class SQLiteBackend(Backend):
             with self._transaction(conn, "BEGIN"):
                 yield conn
             return
+        self.check_process()
         with self.engine.connect() as fresh, self._transaction(fresh, "BEGIN"):
             yield fresh
 

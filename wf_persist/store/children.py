@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 from sqlalchemy import select
 
 from .. import events
-from ..errors import Cancelled, CannotCancelError, UnknownExecutionError, error_document
+from ..error_documents import error_document
+from ..errors import Cancelled, CannotCancelError, UnknownExecutionError
 from ..models import history_table as hist
 from . import Executor, connection_of, executions
 

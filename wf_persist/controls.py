@@ -1,0 +1,197 @@
+"""Operating runs that exist: cancel one (and the children that go with it), deliver a
+signal, purge finished runs. What :class:`~wf_persist.Client` (and so the embedded client)
+does to a run besides starting and awaiting it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+from . import arguments, events, lifecycle, telemetry
+from .error_documents import error_document
+from .errors import Cancelled, InvalidArgumentError
+from .reading import RunReader
+from .store import children, executions, signals
+
+
+class RunControls(RunReader):
+    """Cancel, signal and purge (the client's state and clock are :class:`Client`'s)."""
+
+    def _now(self) -> dt.datetime:
+        """The time to record (the client's clock)."""
+        raise NotImplementedError
+
+    def _notify(self) -> None:
+        """A run changed (the client's hook)."""
+        raise NotImplementedError
+
+    def cancel(
+        self, execution_id: str, *, compensate: bool = True, actor: str | None = None
+    ) -> None:
+        """Cancel a running or suspended run, from any process.
+
+        With ``compensate`` (default) the run moves to ``compensating``, wakes at its
+        suspension point (or at its next step boundary if it is running), unwinds its
+        compensations and ends ``failed`` with a ``Cancelled`` error. Without, it ends
+        ``failed`` at once (``Cancelled``, ``compensate: false``) and no further step of it
+        starts. Records ``execution.cancelled`` in the same transaction as the status claim.
+        Its unfinished children (``ctx.start_child``) are cancelled the same way, unless
+        started with ``cancel_with_parent=False``.
+
+        Raises:
+            CannotCancelError: the run is not running or suspended ("Cannot cancel completed
+                execution ..."); of two concurrent cancels, the second.
+            UnknownExecutionError.
+        """
+        arguments.check_text("actor", actor)
+        with self._reading() as conn:
+            self._row(conn, execution_id)
+        error = error_document(Cancelled(compensate, actor))
+        now = self._now()
+        with self.backend.begin() as conn:
+            executions.cancel(
+                conn,
+                self.backend,
+                execution_id,
+                cancelled=events.execution_cancelled(execution_id, compensate, actor, now),
+                compensate=compensate,
+                error=error,
+                now=now,
+            )
+        self._notify()
+        self._cancel_children(execution_id, compensate, actor)
+
+    def _cancel_children(self, execution_id: str, compensate: bool, actor: str | None) -> None:
+        """Its children go with it (each in a transaction of its own, theirs in turn). A
+        run unwinding with compensation does this itself too, before its outcome."""
+        with self._reading() as conn:
+            ids = children.cancelled_with(conn, execution_id)
+        for child_id in ids:
+            with self.backend.begin() as conn:
+                cancelled = children.cancel(
+                    conn,
+                    self.backend,
+                    child_id,
+                    compensate=compensate,
+                    actor=actor,
+                    now=self._now(),
+                )
+            if cancelled:
+                self._cancel_children(child_id, compensate, actor)
+        if ids:
+            self._notify()
+
+    def signal(
+        self,
+        execution_id: str,
+        name: str,
+        payload: Any,
+        *,
+        actor: str | None = None,
+        buffer: bool = False,
+    ) -> Literal["delivered", "buffered"]:
+        """Deliver a signal to the run's latest pending wait on ``name``.
+
+        The payload is validated against the waiting call's type before anything is
+        persisted: with the type itself when this process has it, else with the JSON Schema
+        the wait recorded (so a process that never ran the workflow validates too). A bad
+        payload raises :class:`SignalPayloadError` and the run keeps waiting.
+
+        With ``buffer=True`` a run not waiting on ``name`` yet keeps the signal durably; its
+        next ``ctx.wait_for_signal(name)`` takes the oldest one without suspending. It is
+        validated now by the latest earlier wait on ``name`` if the run had one, else by the
+        wait that takes it, which records a misfit as ``signal.rejected`` and keeps waiting.
+
+        Returns:
+            ``"delivered"`` (to a pending wait) or ``"buffered"``.
+
+        Raises:
+            SignalNotWaitingError: no pending wait on ``name`` and no ``buffer``, or the run
+                has finished (``.status``); nothing is recorded.
+            SignalPayloadError: the payload does not fit; nothing is recorded.
+            SignalAlreadyDeliveredError: a concurrent delivery to the same wait won.
+        """
+        arguments.check_text("actor", actor)
+        arguments.check_text("signal name", name)
+        if not isinstance(buffer, bool):
+            raise InvalidArgumentError(f"buffer must be True or False, got {buffer!r:.80}")
+        with self._reading() as conn:
+            self._row(conn, execution_id)
+
+        def validate(wait: Mapping[str, Any]) -> Any:
+            stored = arguments.validate_signal(execution_id, name, wait, payload)
+            self.backend.check_size(f"payload of signal {name}", stored)
+            return stored
+
+        now = self._now()
+        attributes = {"wf.execution.id": execution_id, "wf.signal.name": name}
+        with telemetry.operation("wf.signal", attributes) as span:
+            with self.backend.begin() as conn:
+                buffered = signals.deliver(
+                    conn, self.backend, execution_id, name, validate, actor, now, buffer=buffer
+                )
+            if span is not None:
+                span.set_attribute("wf.signal.outcome", "buffered" if buffered else "delivered")
+        self._notify()
+        return "buffered" if buffered else "delivered"
+
+    def purge(
+        self,
+        *,
+        older_than: dt.timedelta | dt.datetime,
+        statuses: Sequence[str] = ("completed", "failed"),
+        batch_size: int = 1000,
+        on_batch: Callable[[int], None] | None = None,
+    ) -> int:
+        """Delete finished runs (and their history) that finished before a cutoff.
+
+        Works in batches of ``batch_size`` runs, one short transaction each, so it never
+        holds locks for long. Running, suspended and compensating runs are never touched.
+
+        Args:
+            older_than: an age (``timedelta``) or an aware cutoff time.
+            statuses: which finished runs to delete (``completed``, ``failed``).
+            on_batch: called with the number of runs each committed batch deleted (a
+                progress display, for a purge that takes long).
+
+        Returns:
+            How many runs were deleted.
+        """
+        if isinstance(older_than, dt.timedelta):
+            try:
+                cutoff = self._now() - older_than
+            except OverflowError:
+                raise InvalidArgumentError(f"older_than is out of range: {older_than!r}") from None
+        elif isinstance(older_than, dt.datetime):
+            cutoff = arguments.utc(older_than, "older_than")
+        else:
+            raise InvalidArgumentError("older_than must be a timedelta or an aware datetime")
+        if (
+            not isinstance(statuses, Sequence)
+            or isinstance(statuses, str | bytes)
+            or not statuses
+            or any(not isinstance(s, str) or s not in lifecycle.TERMINAL for s in statuses)
+        ):
+            raise InvalidArgumentError(
+                f"purge deletes finished runs only (completed, failed); got {statuses!r:.80}"
+            )
+        # Below 2**31: the batch size is bound as a database integer.
+        if (
+            isinstance(batch_size, bool)
+            or not isinstance(batch_size, int)
+            or not 1 <= batch_size < 2**31
+        ):
+            raise InvalidArgumentError(f"batch_size must be a positive integer, got {batch_size!r}")
+        total = 0
+        while True:
+            with self.backend.begin() as conn:
+                deleted = executions.purge_batch(
+                    conn, finished_before=cutoff, statuses=statuses, limit=batch_size
+                )
+            total += deleted
+            if on_batch is not None:
+                on_batch(deleted)
+            if deleted < batch_size:
+                return total
