@@ -14,6 +14,7 @@ import contextlib
 import datetime as dt
 import logging
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -53,6 +54,23 @@ if TYPE_CHECKING:
 log = logging.getLogger("wf_persist.runtime")
 
 T = TypeVar("T")
+
+_checked = threading.local()
+
+
+def lease_checked_at() -> float | None:
+    """When (``time.time()``) a drive on this thread last found its lease good, taken
+    before the finding: a step this thread then called ran on that word. A process paused
+    after it and thawed past the lease may run the step after another worker recorded it
+    (README, "At-least-once for the step in flight"); a pause before it may not. For
+    diagnosing a re-run from inside the step."""
+    at: float | None = getattr(_checked, "at", None)
+    return at
+
+
+#: How often a drive asks the database to confirm its lease before it gives up waiting for a
+#: timely answer and hands the run over.
+CONFIRM_TRIES = 3
 
 
 class DriveClock:
@@ -295,17 +313,36 @@ class RunDriver(ChildDriving):
         # heartbeat sent moments ago vouches (a connection may die without a word).
         held_since = self.runtime.presence_since()
         trusted = held_since is None or held_since <= lease.confirmed
+        found_at = time.time()
         if trusted and time.monotonic() - lease.confirmed <= ttl / 2:
+            _checked.at = found_at
             return
-        asked = time.monotonic()
-        try:
-            still = off_loop(self._renew, ttl)
-        except Exception as exc:
-            raise Halt(exc) from exc
-        if self.execution_id not in still:
-            lease.lost = True
-            raise Halt(LeaseLostError(self.execution_id))
-        lease.confirmed = asked
+        for _ in range(CONFIRM_TRIES):
+            asked = time.monotonic()
+            try:
+                still = off_loop(self._renew, ttl)
+            except Exception as exc:
+                raise Halt(exc) from exc
+            if self.execution_id not in still:
+                lease.lost = True
+                raise Halt(LeaseLostError(self.execution_id))
+            lease.confirmed = max(lease.confirmed, asked)
+            # An answer vouches for the lease as the keeper's word does, only while it is
+            # young: one that took longer than half the TTL (a lock wait, or this process
+            # was paused while it came) may be older than another worker's claim.
+            found_at = time.time()
+            if time.monotonic() - asked <= ttl / 2:
+                _checked.at = found_at
+                return
+        log.warning(
+            "run %s: no timely confirmation of its lease in %d tries; handing it over",
+            self.execution_id,
+            CONFIRM_TRIES,
+            extra=run_fields(self.execution_id, self.workflow),
+        )
+        self.flush()  # keep what finished; the run is due again at once
+        self.handing_over = True
+        raise Halt(LeaseLostError(self.execution_id))
 
     def check_size(self, what: str, value: Any) -> None:
         self.backend.check_size(what, value)

@@ -190,12 +190,16 @@ class StepExecution:
     #: When the body was entered, before it asked the database whether the step's
     #: completion was already committed (``start`` is after that question).
     entered: float | None = None
+    #: When the driver last found its lease good before calling the step (its own word,
+    #: taken before the finding); ``None`` if it did not say.
+    checked: float | None = None
 
     def describe(self, t0: float) -> str:
         end = "no end" if self.end is None else f"end {self.end - t0:+.3f}s"
         flags = " raised" if self.raised else ""
         seen = "" if self.visible is False else f" completion-visible-at-start={self.visible}"
-        return f"pid {self.pid}: start {self.start - t0:+.3f}s, {end}{flags}{seen}"
+        checked = "" if self.checked is None else f", lease checked {self.checked - t0:+.3f}s"
+        return f"pid {self.pid}: start {self.start - t0:+.3f}s, {end}{flags}{seen}{checked}"
 
 
 def load_ledger(directory: Path) -> list[StepExecution]:
@@ -216,6 +220,7 @@ def load_ledger(directory: Path) -> list[StepExecution]:
                     float(rec["t"]),
                     rec.get("visible"),
                     entered=float(rec.get("entered", rec["t"])),
+                    checked=None if rec.get("checked") is None else float(rec["checked"]),
                 )
             elif rec.get("k") == "end":
                 ends[rec["tok"]] = rec
@@ -498,6 +503,22 @@ def check_steps(
                 "step in flight when its process was paused re-ran elsewhere (at-least-once)",
                 f"run {e.execution_id} {e.activity} pid {e.pid}: entered "
                 f"{entered - t0:+.3f}s, {faults.history_of(e.pid, t0)}",
+            )
+        elif (
+            e.visible is True
+            and e.checked is not None
+            and faults.stopped_between(e.pid, e.checked, entered)
+        ):
+            # Paused in the instant between the driver's last lease check and the step's
+            # call, past the lease (README, "At-least-once for the step in flight"): no
+            # lease stops a process that is not running. A pause before the check, or while
+            # its answer came, must not get here: the check then asks again.
+            findings.note(
+                "step called after its process was paused between the lease check and the "
+                "call (at-least-once)",
+                f"run {e.execution_id} {e.activity} pid {e.pid}: lease checked "
+                f"{e.checked - t0:+.3f}s, entered {entered - t0:+.3f}s, "
+                f"{faults.history_of(e.pid, t0)}",
             )
         elif e.visible is True:
             mine = [x for x in ledger if x.execution_id == e.execution_id and x.pid == e.pid]

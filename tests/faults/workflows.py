@@ -22,6 +22,7 @@ from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 
 import wf_persist as wp
+from wf_persist.driver import lease_checked_at
 
 LEDGER_ENV = "WF_FAULTS_LEDGER"
 URL_ENV = "WF_PERSIST_DATABASE_URL"
@@ -99,13 +100,15 @@ def failures_recorded(execution_id: str, activity: str) -> int | None:
 
 
 def _begin(execution_id: str, activity: str) -> str:
-    token = uuid.uuid4().hex[:12]
+    checked = lease_checked_at()  # the word this call was made on
     entered = time.time()  # before the probe: a pause during it found the step in flight
+    token = uuid.uuid4().hex[:12]
     visible = completion_recorded(execution_id, activity)
     ledger_write(
         {
             "k": "start",
             "entered": entered,
+            "checked": checked,
             "t": time.time(),
             "pid": os.getpid(),
             "eid": execution_id,
