@@ -3,13 +3,16 @@
 Found by the chaos suite on MariaDB: right before a step, a driver asked the database to
 confirm its lease; the server renewed it, and the process was frozen (SIGSTOP) before the
 answer was read. Thawed after another worker had taken the run over and recorded that very
-step, the driver read "still yours" and ran the step again. A confirmation now counts only if
-it came within half the TTL of being asked; else the driver asks again, and a run that has
+step, the driver read "still yours" and ran the step again. A confirmation now counts only
+while it is young (half the TTL; on PostgreSQL, once the process's presence lock is in doubt,
+the margin before others may take its runs); else the driver asks again, and a run that has
 become another's is not touched.
 
-The freeze is played in-process: the drive's renewal is answered by the real database, then
-held back past the lease while a second runtime takes the run over, as a paused process would
-see it. The lease keeper is held back meanwhile too (a paused process renews nothing).
+The freeze is played in-process: the step's own lease check (the last before its call; the
+step's argument validator forgets the keeper's word so that the check asks the database) is
+answered by the real database, then held back while a second runtime takes the run over, as
+a paused process would see it. The lease keeper is held back meanwhile too (a paused process
+renews nothing).
 """
 
 from __future__ import annotations
@@ -18,15 +21,19 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import pytest
-from sqlalchemy import Connection, select
+from pydantic import AfterValidator
+from sqlalchemy import Connection, Engine, select
 
 import wf_persist as wp
-from tests.helpers import history_types
+from tests.helpers import history_types, wait_until
+from tests.tcpproxy import TCPProxy
+from tests.test_presence import _silence_listener, proxied  # noqa: F401 (a fixture)
 from wf_persist.driver import CONFIRM_TRIES
 from wf_persist.models import executions_table as ex
+from wf_persist.wakeups import PRESENCE_GRACE
 
 TTL = 1.0
 FIRST = "first-driver"
@@ -36,28 +43,37 @@ RAN: list[tuple[str, str]] = []
 SCENE: dict[str, Any] = {}
 
 
-@wp.step
-def mark(tag: str) -> str:
-    RAN.append((tag, threading.current_thread().name))
+def _before_the_steps_check(tag: str) -> str:
+    """Validating step b's argument in the first driver, right before the step's own lease
+    check: the keeper's last word is forgotten (as after a pause), so that check asks the
+    database, and its answers are played from here on."""
+    if tag == "b" and threading.current_thread().name == FIRST and not SCENE.get("calm"):
+        first: wp.Runtime = SCENE["first"]
+        execution_id: str = SCENE["execution_id"]
+        keeper = first.keeper()
+        lease = keeper.hold(execution_id, keeper.held()[execution_id])
+        lease.confirmed = -math.inf
+        SCENE.setdefault("asks", 0)
     return tag
 
 
-def _forget_the_keepers_word(execution_id: str) -> None:
-    """In the first driver only: the keeper's last confirmation is forgotten (as after a
-    pause), so the next step's check asks the database; its answers are played from here."""
-    if threading.current_thread().name != FIRST or SCENE.get("calm"):
-        return
-    first: wp.Runtime = SCENE["first"]
-    keeper = first.keeper()
-    lease = keeper.hold(execution_id, keeper.held()[execution_id])
-    lease.confirmed = -math.inf
-    SCENE["asks"] = 0
+@wp.step
+def mark(tag: Annotated[str, AfterValidator(_before_the_steps_check)]) -> str:
+    RAN.append((tag, threading.current_thread().name))
+    SCENE.setdefault("asks_before", {})[tag] = SCENE.get("asks")
+    return tag
+
+
+def _between_the_steps() -> None:
+    hook = SCENE.get("between")
+    if hook is not None and threading.current_thread().name == FIRST:
+        hook()
 
 
 @wp.workflow(name="late-confirmation", version=1)
 def late_confirmation_wf(ctx: wp.Context) -> list[str]:
     out = [ctx.run(mark, "a")]
-    _forget_the_keepers_word(ctx.execution_id)
+    _between_the_steps()
     out.append(ctx.run(mark, "b"))
     return out
 
@@ -66,22 +82,20 @@ Answer = Callable[[Callable[[], set[str]], int], set[str]]
 
 
 @pytest.fixture
-def scene(
-    make_runtime: Callable[..., wp.Runtime], monkeypatch: pytest.MonkeyPatch
-) -> Iterator[Callable[[Answer], None]]:
-    """Two runtimes with a short lease; ``play(answer)`` routes the first driver's lease
-    confirmations (after the keeper's word is forgotten) through ``answer(real, n)``."""
+def scene(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., None]]:
+    """``play(first, second, answer)``: the first runtime's lease confirmations asked by
+    the driver (once step b's check began) go through ``answer(real, n)``."""
     RAN.clear()
     SCENE.clear()
-    first = make_runtime(lease_ttl=TTL)
-    second = make_runtime(lease_ttl=TTL)
-    for rt in (first, second):
-        rt.register(late_confirmation_wf)
     frozen = threading.Event()
-    SCENE.update(first=first, second=second, frozen=frozen)
-    real = first.backend.renew_alone
+    SCENE["frozen"] = frozen
 
-    def play(answer: Answer) -> None:
+    def play(first: wp.Runtime, second: wp.Runtime, answer: Answer) -> None:
+        for rt in (first, second):
+            rt.register(late_confirmation_wf)
+        SCENE.update(first=first, second=second)
+        real = first.backend.renew_alone
+
         def renew_alone(conn: Connection, held: Mapping[str, int], ttl: float) -> set[str]:
             if threading.current_thread().name == FIRST and "asks" in SCENE:
                 SCENE["asks"] += 1
@@ -96,65 +110,70 @@ def scene(
     SCENE.clear()
 
 
-def _drive_in_first(execution_id: str) -> None:
+def _start() -> str:
     first: wp.Runtime = SCENE["first"]
-    driver = threading.Thread(target=first.drive, args=(execution_id,), name=FIRST)
+    execution_id = first.client().start(late_confirmation_wf).execution_id
+    SCENE["execution_id"] = execution_id
+    return execution_id
+
+
+def _drive_in(runtime: wp.Runtime, name: str) -> bool:
+    driven: dict[str, bool] = {}
+    driver = threading.Thread(
+        target=lambda: driven.update(ok=runtime.drive(SCENE["execution_id"])), name=name
+    )
     driver.start()
     driver.join(60)
     assert not driver.is_alive()
+    return driven.get("ok", False)
 
 
-def _row(execution_id: str) -> dict[str, Any]:
-    first: wp.Runtime = SCENE["first"]
-    with first.transaction() as conn:
+def _take_over_while_frozen(wait: Callable[[], None]) -> None:
+    """The first process is frozen: after ``wait`` the second runtime takes the run over
+    and drives it to its end."""
+    SCENE["frozen"].set()
+    try:
+        wait()
+        SCENE["taken"] = _drive_in(SCENE["second"], SECOND)
+    finally:
+        SCENE["frozen"].clear()
+
+
+def _row(runtime: wp.Runtime, execution_id: str) -> dict[str, Any]:
+    with runtime.transaction() as conn:
         return dict(conn.execute(select(ex).where(ex.c.id == execution_id)).mappings().one())
 
 
 def test_a_confirmation_answered_after_a_takeover_does_not_run_the_step_again(
-    scene: Callable[[Answer], None],
+    scene: Callable[..., None], make_runtime: Callable[..., wp.Runtime]
 ) -> None:
-    first: wp.Runtime = SCENE["first"]
-    second: wp.Runtime = SCENE["second"]
-    client = first.client()
-    execution_id = client.start(late_confirmation_wf).execution_id
+    """The chaos finding: the step's own check was answered "renewed", read after another
+    worker took the run over and recorded the step."""
 
     def answer(renew: Callable[[], set[str]], n: int) -> set[str]:
-        if n == 1:  # slow to come (a lock wait): the check right before the step asks again
-            time.sleep(TTL * 0.6)
-            return renew()
-        found = renew()
-        if n == 2:  # the last ask before the step: the server renews, then the freeze
-            SCENE["frozen"].set()
-            try:
-                time.sleep(TTL * 1.5)  # past the lease: the second runtime takes the run
-                taker = threading.Thread(
-                    target=lambda: SCENE.update(taken=second.drive(execution_id)), name=SECOND
-                )
-                taker.start()
-                taker.join(30)
-            finally:
-                SCENE["frozen"].clear()
+        found = renew()  # the server renewed the lease...
+        if n == 1:  # ...and the process froze before reading so, past the lease
+            _take_over_while_frozen(lambda: time.sleep(TTL * 1.5))
         return found
 
-    scene(answer)
-    _drive_in_first(execution_id)
+    scene(make_runtime(lease_ttl=TTL), make_runtime(lease_ttl=TTL), answer)
+    execution_id = _start()
+    _drive_in(SCENE["first"], FIRST)
     assert SCENE.get("taken") is True, "the second runtime did not take the run over"
+    client = SCENE["first"].client()
     assert client.result(execution_id, timeout=10).unwrap() == ["a", "b"]
     # Step b ran once, in the runtime that took the run over; the thawed first driver
     # asked again, learned the run was another's and stopped.
     assert RAN == [("a", FIRST), ("b", SECOND)]
-    assert SCENE["asks"] == 3
+    assert SCENE["asks"] == 2
     assert history_types(client, execution_id).count("step.completed") == 2
 
 
-def test_a_slow_confirmation_of_a_lease_still_held_lets_the_same_drive_go_on(
-    scene: Callable[[Answer], None],
+def test_a_slow_confirmation_of_a_lease_still_held_is_asked_again_and_the_drive_goes_on(
+    scene: Callable[..., None], make_runtime: Callable[..., wp.Runtime]
 ) -> None:
     """A late answer is asked again, not taken as a loss: with nobody taking the run over
     meanwhile, the next (timely) answer confirms the lease and the same drive goes on."""
-    first: wp.Runtime = SCENE["first"]
-    client = first.client()
-    execution_id = client.start(late_confirmation_wf).execution_id
 
     def answer(renew: Callable[[], set[str]], n: int) -> set[str]:
         found = renew()
@@ -162,38 +181,98 @@ def test_a_slow_confirmation_of_a_lease_still_held_lets_the_same_drive_go_on(
             time.sleep(TTL * 0.6)  # past half the TTL, within the lease
         return found
 
-    scene(answer)
-    _drive_in_first(execution_id)
+    scene(make_runtime(lease_ttl=TTL), make_runtime(lease_ttl=TTL), answer)
+    execution_id = _start()
+    _drive_in(SCENE["first"], FIRST)
+    client = SCENE["first"].client()
     assert client.result(execution_id, timeout=10).unwrap() == ["a", "b"]
     assert RAN == [("a", FIRST), ("b", FIRST)]
-    assert SCENE["asks"] == 2
+    assert SCENE["asks_before"]["b"] == 2, "step b ran on the late answer"
     assert "drive.failed" not in history_types(client, execution_id)
 
 
-def test_a_lease_never_confirmed_in_time_is_handed_over_not_failed(
-    scene: Callable[[Answer], None],
+def test_a_lease_never_confirmed_in_time_fails_the_drive_and_a_later_one_finishes(
+    scene: Callable[..., None], make_runtime: Callable[..., wp.Runtime]
 ) -> None:
     """Every answer late (the database stalls each one past half the TTL): after
-    ``CONFIRM_TRIES`` asks the drive stops before the step and hands the run over, due at
-    once and counted as no failure; a later drive finishes it."""
-    first: wp.Runtime = SCENE["first"]
-    client = first.client()
-    execution_id = client.start(late_confirmation_wf).execution_id
+    ``CONFIRM_TRIES`` asks the drive stops before the step, counted as a failed drive
+    (retried after its backoff, and bounded by ``max_drive_failures``: a database that is
+    always this slow fails the run rather than hand it around for ever)."""
 
     def answer(renew: Callable[[], set[str]], n: int) -> set[str]:
         found = renew()
         time.sleep(TTL * 0.6)
         return found
 
-    scene(answer)
-    _drive_in_first(execution_id)
+    first = make_runtime(lease_ttl=TTL)
+    scene(first, make_runtime(lease_ttl=TTL), answer)
+    execution_id = _start()
+    _drive_in(first, FIRST)
     assert RAN == [("a", FIRST)]
     assert SCENE["asks"] == CONFIRM_TRIES
-    row = _row(execution_id)
-    assert row["status"] == "running" and row["lease_owner"] is None, "handed over"
-    assert row["drive_failures"] == 0
-    assert "drive.failed" not in history_types(client, execution_id)
+    client = first.client()
+    failed = [r.event for r in client.history(execution_id) if r.event["type"] == "drive.failed"]
+    assert len(failed) == 1 and "confirmed its lease late" in str(failed[0]), failed
+    row = _row(first, execution_id)
+    assert row["status"] == "running" and row["lease_owner"] is None
+    assert row["drive_failures"] == 1
     SCENE["calm"] = True  # the database answers in time again
-    _drive_in_first(execution_id)
+    SCENE.pop("asks")
+    wait_until(lambda: _drive_in(first, FIRST), what="the retry after the backoff", timeout=15)
     assert client.result(execution_id, timeout=10).unwrap() == ["a", "b"]
     assert RAN == [("a", FIRST), ("b", FIRST)]
+
+
+@pytest.mark.needs("presence")
+def test_an_answer_within_half_the_ttl_is_too_old_once_the_presence_lock_is_in_doubt(
+    scene: Callable[..., None],
+    proxied: tuple[TCPProxy, str],  # noqa: F811
+    db_url: str,
+    make_runtime: Callable[..., wp.Runtime],
+    make_engine: Callable[..., Engine],
+) -> None:
+    """On PostgreSQL another worker takes a run over ``PRESENCE_GRACE`` after it finds the
+    owner's presence lock free, whatever the TTL. The first runtime's listening connection
+    dies without a word between the steps; step b's check asks the database, and its answer
+    is read 0.25 s later (far within half the 30 s TTL), after the run was reaped, taken
+    over and finished. The answer is too old to vouch for the lease: asked again, the run
+    is another's, and step b does not run twice."""
+    proxy, proxy_url = proxied
+    first = wp.Runtime(proxy_url, lease_ttl=30)
+    try:
+        second = make_runtime(lease_ttl=30)
+        admin = make_engine(db_url)
+
+        def listener_dies() -> None:
+            if SCENE.get("silenced"):
+                return
+            SCENE["silenced"] = True
+            _silence_listener(admin, proxy)
+            wait_until(lambda: first.presence_since() == math.inf, what="distrust", timeout=5)
+
+        def reaped() -> None:
+            execution_id = SCENE["execution_id"]
+            wait_until(lambda: execution_id in second.reap(), what="the reap", timeout=10)
+            time.sleep(PRESENCE_GRACE + 0.05)
+
+        def answer(renew: Callable[[], set[str]], n: int) -> set[str]:
+            found = renew()
+            if n == 1:
+                asked = time.monotonic()
+                _take_over_while_frozen(reaped)
+                SCENE["late_by"] = time.monotonic() - asked
+            return found
+
+        scene(first, second, answer)
+        first.wakeups()
+        second.wakeups()
+        SCENE["between"] = listener_dies
+        execution_id = _start()
+        _drive_in(first, FIRST)
+        assert SCENE.get("taken") is True, "the second runtime did not take the run over"
+        assert SCENE["late_by"] < 15, "the answer came well within half the TTL"
+        assert second.client().result(execution_id, timeout=10).unwrap() == ["a", "b"]
+        assert RAN == [("a", FIRST), ("b", SECOND)], (RAN, SCENE["late_by"])
+    finally:
+        proxy.close()
+        first.close()

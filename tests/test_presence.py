@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from sqlalchemy import Engine, make_url, text
@@ -265,27 +266,63 @@ async def _charge_wf(ctx: wp.AsyncContext) -> str:
     return await ctx.run(_charge)
 
 
-def test_a_step_queued_for_a_thread_checks_its_lease_on_that_thread(
+def _charge_in_code() -> str:
+    _VICTIM_CALLS.append(threading.current_thread().name)
+    return "charged"
+
+
+@wp.workflow(name="t_presence_charge_code", version=1)
+async def _charge_code_wf(ctx: wp.AsyncContext) -> str:
+    charged: str = await ctx.code("charge", _charge_in_code, output=str)
+    return charged
+
+
+def _undo_charge(result: str, reason: dict[str, Any]) -> None:
+    _VICTIM_CALLS.append(threading.current_thread().name)
+
+
+@wp.step(compensate=_undo_charge)
+async def _book() -> str:  # on the loop: only its compensation needs a user thread
+    return "booked"
+
+
+@wp.workflow(name="t_presence_charge_undo", version=1)
+async def _charge_undo_wf(ctx: wp.AsyncContext) -> str:
+    await ctx.run(_book)
+    ctx.fail(ValueError("undo the booking"))
+
+
+VICTIMS: dict[str, Any] = {
+    "step": _charge_wf,
+    "code block": _charge_code_wf,
+    "compensation": _charge_undo_wf,
+}
+
+
+@pytest.mark.parametrize("kind", list(VICTIMS))
+def test_user_code_queued_for_a_thread_checks_its_lease_on_that_thread(
+    kind: str,
     proxied: tuple[TCPProxy, str],
     db_url: str,
     make_runtime: Callable[..., wp.Runtime],
     make_engine: Callable[..., Engine],
 ) -> None:
-    """The async worker checks a drive's lease on its loop, then hands a synchronous step to
-    its pool of user threads; with every thread busy the step waits in the queue. Meanwhile
-    the listening connection dies silently, another worker takes the run over and records
-    the step. When a thread frees up the step must not run again: the lease is checked on
-    that thread, right before the call (it ran twice, after the record)."""
+    """The async worker checks a drive's lease on its loop, then hands a synchronous step
+    (or ``ctx.code`` block) to its pool of user threads; with every thread busy it waits in
+    the queue. Meanwhile the listening connection dies silently, another worker takes the
+    run over and records it. When a thread frees up it must not run again: the lease is
+    checked on that thread, right before the call (it ran twice, after the record)."""
     from wf_persist.async_worker import USER_THREADS
 
     proxy, proxy_url = proxied
     _BLOCKING.clear()
     _VICTIM_CALLS.clear()
+    victim = VICTIMS[kind]
     holder = wp.Runtime(proxy_url, lease_ttl=30)
     try:
         other = make_runtime(lease_ttl=30)
         for rt in (holder, other):
-            rt.register(_occupier_wf, _charge_wf)
+            rt.register(_occupier_wf, victim)
         other.wakeups()
         holder.start_worker(concurrency=USER_THREADS + 8, event_loop=True, poll_interval=0.05)
         client = holder.client()
@@ -293,7 +330,7 @@ def test_a_step_queued_for_a_thread_checks_its_lease_on_that_thread(
             client.start(_occupier_wf, i)
         for _ in range(USER_THREADS):
             assert _BUSY.acquire(timeout=60), "every user thread busy"
-        execution_id = client.start(_charge_wf).execution_id
+        execution_id = client.start(victim).execution_id
 
         def queued() -> bool:
             row = other.client().describe(execution_id)
@@ -305,7 +342,11 @@ def test_a_step_queued_for_a_thread_checks_its_lease_on_that_thread(
         _silence_listener(make_engine(db_url), proxy)
         wait_until(lambda: execution_id in other.reap(), what="the reap", timeout=10)
         wait_until(lambda: other.drive(execution_id), what="the takeover", timeout=10)
-        assert other.client().result(execution_id, timeout=10).unwrap() == "charged"
+        outcome = other.client().result(execution_id, timeout=10)
+        if kind == "compensation":
+            assert isinstance(outcome, wp.Failed), outcome
+        else:
+            assert outcome.unwrap() == "charged"
         _BLOCKING.set()  # the holder's user threads free up
         time.sleep(1.0)
         assert len(_VICTIM_CALLS) == 1, _VICTIM_CALLS

@@ -22,7 +22,7 @@ from pydantic import TypeAdapter, ValidationError
 from . import events
 from .arguments import validate_signal
 from .authoring import Call, Step, Workflow, adapter_for, check_call_name, outside_body
-from .bridge import bridged, in_thread, wait_futures
+from .bridge import bridged, checked_in_thread, wait_futures
 from .children import ChildHandle, ChildRunner
 from .control import Reload, Suspended
 from .driving import Driver
@@ -272,7 +272,9 @@ class Context:
         try:
             what = f"result of code block {name}"
             with outside_body(), self._driver.user_code():
-                produced = settle(in_thread(self._driver.code_function(name, fn)))
+                # New work like a step: not started without the lease (checked as late).
+                call = self._driver.code_function(name, fn)
+                produced = settle(checked_in_thread(self._driver.check_lease, call))
             stored = to_json(adapter, produced, what)
             self._driver.check_size(what, stored)
         except Exception as exc:

@@ -11,10 +11,10 @@ takes over live runs.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import datetime as dt
 import logging
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -36,6 +36,7 @@ from .errors import (
     NonDeterminismError,
     StaleHistoryError,
     ValueTooLargeError,
+    WfPersistError,
 )
 from .events import NewEvent
 from .leases import Lease
@@ -46,7 +47,7 @@ from .replay import Journal
 from .secrets import SecretResolver
 from .store import executions, history
 from .values import to_json
-from .wakeups import END, NOTIFIED_POLL_INTERVAL, WAKE
+from .wakeups import END, NOTIFIED_POLL_INTERVAL, PRESENCE_GRACE, PRESENCE_TRUST, WAKE
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -55,17 +56,18 @@ log = logging.getLogger("wf_persist.runtime")
 
 T = TypeVar("T")
 
-_checked = threading.local()
+_checked_at: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "wf_persist_lease_checked_at", default=None
+)
 
 
 def lease_checked_at() -> float | None:
-    """When (``time.time()``) a drive on this thread last found its lease good, taken
-    before the finding: a step this thread then called ran on that word. A process paused
-    after it and thawed past the lease may run the step after another worker recorded it
-    (README, "At-least-once for the step in flight"); a pause before it may not. For
-    diagnosing a re-run from inside the step."""
-    at: float | None = getattr(_checked, "at", None)
-    return at
+    """When (``time.time()``) the drive last found its lease good in this context (the
+    step's own call runs in it), taken before the finding: a step then called ran on that
+    word. A process paused after it and thawed past the lease may run the step after
+    another worker recorded it (README, "At-least-once for the step in flight"); a pause
+    before it may not. For diagnosing a re-run from inside the step."""
+    return _checked_at.get()
 
 
 #: How often a drive asks the database to confirm its lease before it gives up waiting for a
@@ -307,15 +309,7 @@ class RunDriver(ChildDriving):
             self.handing_over = True
             raise Halt(LeaseLostError(self.execution_id))
         ttl = self.runtime.lease_ttl.total_seconds()
-        # Where a presence lock stands for this process, others take its runs soon after
-        # that lock is free (its connection died, the server restarted): a confirmation is
-        # trusted only if the lock was held when it was asked and ever since, as a
-        # heartbeat sent moments ago vouches (a connection may die without a word).
-        held_since = self.runtime.presence_since()
-        trusted = held_since is None or held_since <= lease.confirmed
-        found_at = time.time()
-        if trusted and time.monotonic() - lease.confirmed <= ttl / 2:
-            _checked.at = found_at
+        if self._vouched(lease.confirmed, ttl):
             return
         for _ in range(CONFIRM_TRIES):
             asked = time.monotonic()
@@ -327,22 +321,36 @@ class RunDriver(ChildDriving):
                 lease.lost = True
                 raise Halt(LeaseLostError(self.execution_id))
             lease.confirmed = max(lease.confirmed, asked)
-            # An answer vouches for the lease as the keeper's word does, only while it is
-            # young: one that took longer than half the TTL (a lock wait, or this process
-            # was paused while it came) may be older than another worker's claim.
-            found_at = time.time()
-            if time.monotonic() - asked <= ttl / 2:
-                _checked.at = found_at
+            # The answer vouches for the lease as the keeper's word does, only while it is
+            # young: one that came late (a lock wait, or this process was paused while it
+            # came) may be older than another worker's claim. Ask again.
+            if self._vouched(asked, ttl):
                 return
-        log.warning(
-            "run %s: no timely confirmation of its lease in %d tries; handing it over",
-            self.execution_id,
-            CONFIRM_TRIES,
-            extra=run_fields(self.execution_id, self.workflow),
+        self.flush()  # keep what finished
+        raise Halt(
+            WfPersistError(
+                f"run {self.execution_id}: the database confirmed its lease late "
+                f"{CONFIRM_TRIES} times in a row (a late confirmation may be older than "
+                "another worker's claim)"
+            )
         )
-        self.flush()  # keep what finished; the run is due again at once
-        self.handing_over = True
-        raise Halt(LeaseLostError(self.execution_id))
+
+    def _vouched(self, confirmed: float, ttl: float) -> bool:
+        """Whether a confirmation of the lease asked at ``confirmed`` (monotonic) still
+        vouches for it: for half the TTL, or where a presence lock stands for this process,
+        only while the lock has been held since before it was asked (others take its runs
+        soon after the lock is free: its connection died, the server restarted), as a
+        heartbeat sent moments ago vouches (a connection may die without a word); else only
+        for the margin between that heartbeat's trust and their grace."""
+        found_at = time.time()  # before the finding: see lease_checked_at()
+        held_since = self.runtime.presence_since()
+        window = ttl / 2
+        if held_since is not None and held_since > confirmed:
+            window = min(window, PRESENCE_GRACE - PRESENCE_TRUST)
+        if time.monotonic() - confirmed > window:
+            return False
+        _checked_at.set(found_at)
+        return True
 
     def check_size(self, what: str, value: Any) -> None:
         self.backend.check_size(what, value)

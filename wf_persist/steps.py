@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import inspect
 import logging
 import random as _random
@@ -23,7 +24,7 @@ from pydantic import ValidationError
 
 from . import drive_telemetry, events
 from .authoring import Step, outside_body
-from .bridge import bridged, in_thread, off_loop
+from .bridge import bridged, checked_in_thread, in_thread, off_loop
 from .control import Suspended
 from .driving import Driver
 from .error_documents import error_document, rebuild_error
@@ -424,8 +425,8 @@ class StepRunner:
             kwargs["reason"] = reason
         with outside_body(), self.driver.user_code():
             # New work like a step: not started without the lease (checked as late).
-            self.driver.check_lease()
-            settle(in_thread(fn, comp.result, *bound.args, **kwargs), own_loop=True)
+            call = functools.partial(fn, comp.result, *bound.args, **kwargs)
+            settle(checked_in_thread(self.driver.check_lease, call), own_loop=True)
 
 
 def _recorded_step_error(step: Step[Any], failed: Any) -> BaseException:

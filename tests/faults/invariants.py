@@ -317,6 +317,11 @@ class FaultLog:
         """Whether the process was paused at some point between ``start`` and ``end``."""
         return any(s <= end and e >= start for s, e in self.stops.get(pid, []))
 
+    def stop_began_between(self, pid: int, start: float, end: float) -> bool:
+        """Whether a pause of the process began between ``start`` and ``end`` (one that
+        began earlier and ended in the window does not count)."""
+        return any(start <= s <= end for s, _ in self.stops.get(pid, []))
+
     def any_between(self, start: float, end: float) -> bool:
         """Whether any fault at all (on any process, or the database) touched the window."""
         if any(s <= end and e >= start for spans in self.stops.values() for s, e in spans):
@@ -507,12 +512,13 @@ def check_steps(
         elif (
             e.visible is True
             and e.checked is not None
-            and faults.stopped_between(e.pid, e.checked, entered)
+            and faults.stop_began_between(e.pid, e.checked, entered)
         ):
             # Paused in the instant between the driver's last lease check and the step's
             # call, past the lease (README, "At-least-once for the step in flight"): no
-            # lease stops a process that is not running. A pause before the check, or while
-            # its answer came, must not get here: the check then asks again.
+            # lease stops a process that is not running. A pause that began before the
+            # check (while its answer was on its way, say) does not get here, though its
+            # SIGCONT may be logged after the check: the check must then ask again.
             findings.note(
                 "step called after its process was paused between the lease check and the "
                 "call (at-least-once)",
