@@ -31,7 +31,7 @@ import wf_persist as wp
 from tests.helpers import history_types, wait_until
 from tests.tcpproxy import TCPProxy
 from tests.test_presence import _silence_listener, proxied  # noqa: F401 (a fixture)
-from wf_persist.driver import CONFIRM_TRIES
+from wf_persist.lease_checks import CONFIRM_TRIES, LATE_HAND_OVER_DELAY
 from wf_persist.models import executions_table as ex
 from wf_persist.wakeups import PRESENCE_GRACE
 
@@ -191,13 +191,14 @@ def test_a_slow_confirmation_of_a_lease_still_held_is_asked_again_and_the_drive_
     assert "drive.failed" not in history_types(client, execution_id)
 
 
-def test_a_lease_never_confirmed_in_time_fails_the_drive_and_a_later_one_finishes(
+def test_a_lease_never_confirmed_in_time_is_handed_over_for_a_moment_not_failed(
     scene: Callable[..., None], make_runtime: Callable[..., wp.Runtime]
 ) -> None:
     """Every answer late (the database stalls each one past half the TTL): after
-    ``CONFIRM_TRIES`` asks the drive stops before the step, counted as a failed drive
-    (retried after its backoff, and bounded by ``max_drive_failures``: a database that is
-    always this slow fails the run rather than hand it around for ever)."""
+    ``CONFIRM_TRIES`` asks the drive stops before the step and hands the run over, due
+    again after ``LATE_HAND_OVER_DELAY`` (not at once: the database is struggling) and
+    counted as no failure (a slow database fails no run, as an unreachable one fails
+    none); a later drive finishes it."""
 
     def answer(renew: Callable[[], set[str]], n: int) -> set[str]:
         found = renew()
@@ -208,17 +209,18 @@ def test_a_lease_never_confirmed_in_time_fails_the_drive_and_a_later_one_finishe
     scene(first, make_runtime(lease_ttl=TTL), answer)
     execution_id = _start()
     _drive_in(first, FIRST)
+    handed_over = time.monotonic()
     assert RAN == [("a", FIRST)]
     assert SCENE["asks"] == CONFIRM_TRIES
     client = first.client()
-    failed = [r.event for r in client.history(execution_id) if r.event["type"] == "drive.failed"]
-    assert len(failed) == 1 and "confirmed its lease late" in str(failed[0]), failed
+    assert "drive.failed" not in history_types(client, execution_id)
     row = _row(first, execution_id)
-    assert row["status"] == "running" and row["lease_owner"] is None
-    assert row["drive_failures"] == 1
+    assert row["status"] == "running" and row["lease_owner"] is None, "handed over"
+    assert row["drive_failures"] == 0
     SCENE["calm"] = True  # the database answers in time again
     SCENE.pop("asks")
-    wait_until(lambda: _drive_in(first, FIRST), what="the retry after the backoff", timeout=15)
+    wait_until(lambda: _drive_in(first, FIRST), what="the drive once due again", timeout=15)
+    assert time.monotonic() - handed_over >= LATE_HAND_OVER_DELAY * 0.5, "due at once"
     assert client.result(execution_id, timeout=10).unwrap() == ["a", "b"]
     assert RAN == [("a", FIRST), ("b", FIRST)]
 

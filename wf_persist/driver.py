@@ -11,7 +11,6 @@ takes over live runs.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import datetime as dt
 import logging
 import sys
@@ -36,9 +35,9 @@ from .errors import (
     NonDeterminismError,
     StaleHistoryError,
     ValueTooLargeError,
-    WfPersistError,
 )
 from .events import NewEvent
+from .lease_checks import CONFIRM_TRIES, LATE_HAND_OVER_DELAY, found_good, kept_word, timely
 from .leases import Lease
 from .lending import Lender
 from .logs import run_fields
@@ -47,7 +46,7 @@ from .replay import Journal
 from .secrets import SecretResolver
 from .store import executions, history
 from .values import to_json
-from .wakeups import END, NOTIFIED_POLL_INTERVAL, PRESENCE_GRACE, PRESENCE_TRUST, WAKE
+from .wakeups import END, NOTIFIED_POLL_INTERVAL, WAKE
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -55,24 +54,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("wf_persist.runtime")
 
 T = TypeVar("T")
-
-_checked_at: contextvars.ContextVar[float | None] = contextvars.ContextVar(
-    "wf_persist_lease_checked_at", default=None
-)
-
-
-def lease_checked_at() -> float | None:
-    """When (``time.time()``) the drive last found its lease good in this context (the
-    step's own call runs in it), taken before the finding: a step then called ran on that
-    word. A process paused after it and thawed past the lease may run the step after
-    another worker recorded it (README, "At-least-once for the step in flight"); a pause
-    before it may not. For diagnosing a re-run from inside the step."""
-    return _checked_at.get()
-
-
-#: How often a drive asks the database to confirm its lease before it gives up waiting for a
-#: timely answer and hands the run over.
-CONFIRM_TRIES = 3
 
 
 class DriveClock:
@@ -143,6 +124,8 @@ class RunDriver(ChildDriving):
         self.until = until
         #: Whether the drive stopped to hand the run over (closing, or ``until`` passed).
         self.handing_over = False
+        #: Seconds until a run handed over is due again.
+        self.hand_over_delay = 0.0
         #: When the run times out (None: never): a park never outlasts it.
         self.deadline = deadline
         #: The run that started this one as its child: told of its outcome.
@@ -304,14 +287,13 @@ class RunDriver(ChildDriving):
         lease = self.lease
         if lease.lost:
             raise Halt(LeaseLostError(self.execution_id))
-        if self.runtime.closing or (self.until is not None and time.monotonic() >= self.until):
-            self.flush()  # what finished is kept; the run is handed over from there
-            self.handing_over = True
-            raise Halt(LeaseLostError(self.execution_id))
+        self._stop_if_leaving()
         ttl = self.runtime.lease_ttl.total_seconds()
-        if self._vouched(lease.confirmed, ttl):
+        found_at = time.time()  # before the finding: see lease_checked_at()
+        if kept_word(lease.confirmed, ttl, self.runtime.presence_since()):
+            found_good(found_at)
             return
-        for _ in range(CONFIRM_TRIES):
+        for tries in range(1, CONFIRM_TRIES + 1):
             asked = time.monotonic()
             try:
                 still = off_loop(self._renew, ttl)
@@ -321,36 +303,28 @@ class RunDriver(ChildDriving):
                 lease.lost = True
                 raise Halt(LeaseLostError(self.execution_id))
             lease.confirmed = max(lease.confirmed, asked)
-            # The answer vouches for the lease as the keeper's word does, only while it is
-            # young: one that came late (a lock wait, or this process was paused while it
-            # came) may be older than another worker's claim. Ask again.
-            if self._vouched(asked, ttl):
+            found_at = time.time()
+            if timely(asked, ttl, self.runtime.presence_since(), last=tries == CONFIRM_TRIES):
+                found_good(found_at)
                 return
-        self.flush()  # keep what finished
-        raise Halt(
-            WfPersistError(
-                f"run {self.execution_id}: the database confirmed its lease late "
-                f"{CONFIRM_TRIES} times in a row (a late confirmation may be older than "
-                "another worker's claim)"
-            )
+            self._stop_if_leaving()
+        self.flush()  # keep what finished; due again after a pause, no failure counted
+        log.warning(
+            "run %s: the database confirmed its lease late %d times in a row; handing it "
+            "over for now",
+            self.execution_id,
+            CONFIRM_TRIES,
+            extra=run_fields(self.execution_id, self.workflow),
         )
+        self.handing_over = True
+        self.hand_over_delay = LATE_HAND_OVER_DELAY
+        raise Halt(LeaseLostError(self.execution_id))
 
-    def _vouched(self, confirmed: float, ttl: float) -> bool:
-        """Whether a confirmation of the lease asked at ``confirmed`` (monotonic) still
-        vouches for it: for half the TTL, or where a presence lock stands for this process,
-        only while the lock has been held since before it was asked (others take its runs
-        soon after the lock is free: its connection died, the server restarted), as a
-        heartbeat sent moments ago vouches (a connection may die without a word); else only
-        for the margin between that heartbeat's trust and their grace."""
-        found_at = time.time()  # before the finding: see lease_checked_at()
-        held_since = self.runtime.presence_since()
-        window = ttl / 2
-        if held_since is not None and held_since > confirmed:
-            window = min(window, PRESENCE_GRACE - PRESENCE_TRUST)
-        if time.monotonic() - confirmed > window:
-            return False
-        _checked_at.set(found_at)
-        return True
+    def _stop_if_leaving(self) -> None:
+        if self.runtime.closing or (self.until is not None and time.monotonic() >= self.until):
+            self.flush()  # what finished is kept; the run is handed over from there
+            self.handing_over = True
+            raise Halt(LeaseLostError(self.execution_id))
 
     def check_size(self, what: str, value: Any) -> None:
         self.backend.check_size(what, value)

@@ -152,7 +152,7 @@ def drive(
                 # Stopped by close() or a caller's deadline, not by a takeover: hand the run
                 # over now (its lease is forgotten below, so close() would not release it).
                 drive_telemetry.drive_outcome("handed_over")
-                release(runtime, claim)
+                release(runtime, claim, driver.hand_over_delay)
             else:
                 drive_telemetry.drive_outcome("lease_lost")
                 log.warning(
@@ -266,14 +266,16 @@ def _failed(runtime: Runtime, claim: Claim, exc: BaseException) -> None:
         )
 
 
-def release(runtime: Runtime, claim: Claim) -> None:
-    """Give the run's lease up at once (best effort)."""
-    release_run(runtime, claim.execution_id, claim.epoch, claim.workflow_name)
+def release(runtime: Runtime, claim: Claim, delay: float = 0.0) -> None:
+    """Give the run's lease up at once, due again after ``delay`` seconds (best effort)."""
+    release_run(runtime, claim.execution_id, claim.epoch, claim.workflow_name, delay)
 
 
-def release_run(runtime: Runtime, execution_id: str, epoch: int, workflow: str) -> None:
+def release_run(
+    runtime: Runtime, execution_id: str, epoch: int, workflow: str, delay: float = 0.0
+) -> None:
     """Give the run's lease up at once, if ``epoch`` is still its own (best effort)."""
-    off_loop(_release, runtime, execution_id, epoch, workflow)
+    off_loop(_release, runtime, execution_id, epoch, workflow, delay)
 
 
 def release_if_held(runtime: Runtime, execution_id: str, owner: str) -> None:
@@ -301,10 +303,12 @@ def _release_if_held(runtime: Runtime, execution_id: str, owner: str) -> None:
         _release(runtime, execution_id, int(row.claim_epoch), str(row.workflow_name))
 
 
-def _release(runtime: Runtime, execution_id: str, epoch: int, workflow: str) -> None:
+def _release(
+    runtime: Runtime, execution_id: str, epoch: int, workflow: str, delay: float = 0.0
+) -> None:
     try:
         with runtime.backend.begin() as conn:
-            runtime.backend.release(conn, {execution_id: epoch})
+            runtime.backend.release(conn, {execution_id: epoch}, delay)
     except Exception as exc:
         log.warning(
             "run %s (%s): could not release its lease: %s",

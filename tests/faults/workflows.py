@@ -22,7 +22,7 @@ from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 
 import wf_persist as wp
-from wf_persist.driver import lease_checked_at
+from wf_persist.lease_checks import lease_checked_at
 
 LEDGER_ENV = "WF_FAULTS_LEDGER"
 URL_ENV = "WF_PERSIST_DATABASE_URL"

@@ -66,7 +66,9 @@ BEAT_DEADLINE: Final = 10.0
 #: Runs leased by owners whose presence lock is free: their process is gone, or it lost its
 #: listening connection and stops trusting its leases within less than ``grace`` seconds
 #: (its last heartbeat is older), so the runs are due ``grace`` seconds after the lock was
-#: found free (read after the lock was tried; a later look never extends it). The lock is
+#: found free (read after the lock was tried; a later look never extends it), counted for
+#: each run when its row is reached: a renewal committed while this statement waited for
+#: that row keeps its full grace (the owner may trust it that long). The lock is
 #: tried at transaction level, so it is released when this statement (in autocommit)
 #: ends. The owners are walked in order through the partial lease-owner index, one probe
 #: each (a loose index scan): the look costs the same with ten runs in flight or fifty
@@ -84,17 +86,18 @@ WITH RECURSIVE owners(lease_owner) AS (
     FROM owners WHERE owners.lease_owner IS NOT NULL
 ),
 dead AS (
-    SELECT lease_owner, clock_timestamp() + make_interval(secs => %(grace)s) AS due
+    SELECT lease_owner
     FROM owners
     WHERE lease_owner LIKE '%%!' AND lease_owner <> %(me)s
       AND pg_try_advisory_xact_lock(hashtextextended(lease_owner, 0))
 )
 UPDATE {table} AS run
-SET wake_at = LEAST(run.wake_at, dead.due), lease_expires_at = dead.due
+SET wake_at = LEAST(run.wake_at, clock_timestamp() + make_interval(secs => %(grace)s)),
+    lease_expires_at = clock_timestamp() + make_interval(secs => %(grace)s)
 FROM dead
 WHERE run.lease_owner = dead.lease_owner
   AND run.status IN ('compensating', 'running', 'suspended')
-  AND run.lease_expires_at > dead.due
+  AND run.lease_expires_at > clock_timestamp() + make_interval(secs => %(grace)s)
 RETURNING run.id
 """
 
