@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
+import math
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -290,21 +291,29 @@ class RunDriver(ChildDriving):
         self._stop_if_leaving()
         ttl = self.runtime.lease_ttl.total_seconds()
         found_at = time.time()  # before the finding: see lease_checked_at()
-        if kept_word(lease.confirmed, ttl, self.runtime.presence_since()):
+        if kept_word(lease.confirmed, ttl, self._presence()):
             found_good(found_at)
             return
-        for tries in range(1, CONFIRM_TRIES + 1):
+        for _ in range(CONFIRM_TRIES):
+            # While the presence lock is in doubt, others may take runs named after it soon
+            # after they find it free: the renewal names the lease after this runtime's
+            # plain name, which only a lapsed lease frees, so the answer is as good as it
+            # is young, however slow the link.
+            rename = (
+                None if lease.plain or self._presence() != math.inf else self.runtime.plain_owner
+            )
             asked = time.monotonic()
             try:
-                still = off_loop(self._renew, ttl)
+                still = off_loop(self._renew, ttl, rename)
             except Exception as exc:
                 raise Halt(exc) from exc
             if self.execution_id not in still:
                 lease.lost = True
                 raise Halt(LeaseLostError(self.execution_id))
             lease.confirmed = max(lease.confirmed, asked)
+            lease.plain = lease.plain or rename is not None
             found_at = time.time()
-            if timely(asked, ttl, self.runtime.presence_since(), last=tries == CONFIRM_TRIES):
+            if timely(asked, ttl, self._presence()):
                 found_good(found_at)
                 return
             self._stop_if_leaving()
@@ -320,10 +329,16 @@ class RunDriver(ChildDriving):
         self.hand_over_delay = LATE_HAND_OVER_DELAY
         raise Halt(LeaseLostError(self.execution_id))
 
+    def _presence(self) -> float | None:
+        """See :meth:`Runtime.presence_since`; ``None`` once this lease is not named after
+        the presence lock."""
+        return None if self.lease.plain else self.runtime.presence_since()
+
     def _stop_if_leaving(self) -> None:
         if self.runtime.closing or (self.until is not None and time.monotonic() >= self.until):
             self.flush()  # what finished is kept; the run is handed over from there
             self.handing_over = True
+            self.hand_over_delay = 0.0
             raise Halt(LeaseLostError(self.execution_id))
 
     def check_size(self, what: str, value: Any) -> None:
@@ -332,10 +347,10 @@ class RunDriver(ChildDriving):
     def secret_resolver(self) -> SecretResolver | None:
         return self.runtime.secret_resolver
 
-    def _renew(self, ttl: float) -> set[str]:
+    def _renew(self, ttl: float, owner: str | None) -> set[str]:
         # On the drive's connection: never one held while waiting for a second.
         with self.lender.connection() as conn:
-            return self.backend.renew_alone(conn, {self.execution_id: self.epoch}, ttl)
+            return self.backend.renew_alone(conn, {self.execution_id: self.epoch}, ttl, owner)
 
     def after(self, delay: float, fn: Callable[[], None]) -> Callable[[], None]:
         return self.runtime.timers.after(delay, fn, blocking=True)

@@ -49,14 +49,13 @@ def kept_word(confirmed: float, ttl: float, held_since: float | None) -> bool:
     return trusted and time.monotonic() - confirmed <= ttl / 2
 
 
-def timely(asked: float, ttl: float, held_since: float | None, *, last: bool) -> bool:
+def timely(asked: float, ttl: float, held_since: float | None) -> bool:
     """Whether the database's answer to a renewal asked at ``asked`` (monotonic) came soon
-    enough to vouch for the lease: within half the TTL or, while the presence lock is in
-    doubt (others may take the runs ``PRESENCE_GRACE`` after they find it free), within the
-    margin between a heartbeat's trust and that grace. A link that slow makes every answer
-    late and keeps the lock in doubt for good: there the ``last`` try is taken within half
-    the TTL (a pause hits one answer, and a takeover during it shows in the next)."""
+    enough to vouch for the lease: within half the TTL or, if the presence lock the lease
+    is named after came in doubt since the ask (others may take the run ``PRESENCE_GRACE``
+    after they find it free), within the margin between a heartbeat's trust and that
+    grace; the next ask then renames the lease (see ``RunDriver.check_lease``)."""
     age = time.monotonic() - asked
     if held_since is not None and held_since > asked:
-        return age <= PRESENCE_GRACE - PRESENCE_TRUST or (last and age <= ttl / 2)
+        return age <= PRESENCE_GRACE - PRESENCE_TRUST
     return age <= ttl / 2

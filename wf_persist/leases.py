@@ -79,6 +79,9 @@ class Lease:
     #: that confirmed it, so a pause between that statement and this record errs towards
     #: asking the database again, never towards trusting an expired lease.
     confirmed: float = -math.inf
+    #: Renamed to the runtime's plain name (its presence lock was in doubt): only a lapsed
+    #: lease frees the run from then on, whatever becomes of that lock.
+    plain: bool = False
 
 
 class LeaseKeeper(threading.Thread):

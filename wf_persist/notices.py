@@ -70,6 +70,12 @@ class Notices:
             self._owner_settled.set()
         return found
 
+    @property
+    def plain_owner(self) -> str:
+        """This runtime's name without its presence mark: a lease named so is not taken
+        over when the presence lock is found free, only once it lapses."""
+        return self._base_owner
+
     def presence_since(self) -> float | None:
         """Since when (monotonic) this runtime's presence lock has been held without a break,
         as a recent heartbeat vouches (+inf otherwise, see :meth:`Wakeups.trusted_since`);

@@ -261,25 +261,28 @@ class Backend(Connections):
         )
         return [Claim(*row) for row in conn.execute(stmt, {"p_ttl": ttl, "p_owner": owner})]
 
-    def renew(self, conn: Connection, held: Mapping[str, int], ttl: float) -> set[str]:
-        """Extend the leases still held at these epochs; return the ids still held."""
+    def renew(
+        self, conn: Connection, held: Mapping[str, int], ttl: float, owner: str | None = None
+    ) -> set[str]:
+        """Extend the leases still held at these epochs; return the ids still held. With
+        ``owner``, the leases are named after it from now on."""
         if not held:
             return set()
-        stmt = (
-            update(ex)
-            .where(held_at(held))
-            .values(lease_expires_at=db_later(P_TTL), wake_at=db_later(P_TTL))
-            .returning(ex.c.id)
-        )
+        values: dict[str, Any] = {"lease_expires_at": db_later(P_TTL), "wake_at": db_later(P_TTL)}
+        if owner is not None:
+            values["lease_owner"] = owner
+        stmt = update(ex).where(held_at(held)).values(values).returning(ex.c.id)
         return {str(i) for i in conn.execute(stmt, {"p_ttl": ttl}).scalars()}
 
-    def renew_alone(self, conn: Connection, held: Mapping[str, int], ttl: float) -> set[str]:
+    def renew_alone(
+        self, conn: Connection, held: Mapping[str, int], ttl: float, owner: str | None = None
+    ) -> set[str]:
         """:meth:`renew` as a write of its own on ``conn`` (not in a transaction). Where the
         backend can, it is one autocommitted statement: a process paused (SIGSTOP) between
         a renewal's UPDATE and its COMMIT would hold the runs' row locks, and every other
         worker's claim of them would wait until it resumed."""
         with self.begin(conn):
-            return self.renew(conn, held, ttl)
+            return self.renew(conn, held, ttl, owner)
 
     def epochs(self, conn: Connection, execution_ids: Sequence[str]) -> dict[str, int]:
         """The current claim epoch of each run (a run that is gone is left out)."""

@@ -284,18 +284,20 @@ class MySQLBackend(Backend):
             or_(ex.c.created_at > created_at, ex.c.id > execution_id),
         )
 
-    def renew(self, conn: Connection, held: Mapping[str, int], ttl: float) -> set[str]:
+    def renew(
+        self, conn: Connection, held: Mapping[str, int], ttl: float, owner: str | None = None
+    ) -> set[str]:
         if not held:
             return set()
-        conn.execute(
-            update(ex)
-            .where(held_at(held))
-            .values(lease_expires_at=db_later(P_TTL), wake_at=db_later(P_TTL)),
-            {"p_ttl": ttl},
-        )
+        values: dict[str, Any] = {"lease_expires_at": db_later(P_TTL), "wake_at": db_later(P_TTL)}
+        if owner is not None:
+            values["lease_owner"] = owner
+        conn.execute(update(ex).where(held_at(held)).values(values), {"p_ttl": ttl})
         return {str(i) for i in conn.execute(select(ex.c.id).where(held_at(held))).scalars()}
 
-    def renew_alone(self, conn: Connection, held: Mapping[str, int], ttl: float) -> set[str]:
+    def renew_alone(
+        self, conn: Connection, held: Mapping[str, int], ttl: float, owner: str | None = None
+    ) -> set[str]:
         # Each statement commits on its own: the UPDATE's row locks are gone when it
         # returns, and the SELECT that follows reads without locking. ``conn`` may be a
         # drive's, kept for its next writes: its level is put back.
@@ -303,7 +305,7 @@ class MySQLBackend(Backend):
         conn.execution_options(isolation_level="AUTOCOMMIT")
         try:
             with conn.begin():  # only SQLAlchemy's: the driver is in autocommit
-                return self.renew(conn, held, ttl)
+                return self.renew(conn, held, ttl, owner)
         finally:
             if not conn.invalidated and not conn.closed:
                 conn.execution_options(isolation_level=before or conn.default_isolation_level)

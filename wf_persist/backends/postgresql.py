@@ -301,9 +301,11 @@ class PostgreSQLBackend(RawPath):
         with self.engine.connect() as fresh:
             yield fresh.execution_options(isolation_level="AUTOCOMMIT")
 
-    def renew_alone(self, conn: Connection, held: Mapping[str, int], ttl: float) -> set[str]:
-        if not held or not self.raw_ok:
-            return super().renew_alone(conn, held, ttl)
+    def renew_alone(
+        self, conn: Connection, held: Mapping[str, int], ttl: float, owner: str | None = None
+    ) -> set[str]:
+        if not held or not self.raw_ok or owner is not None:  # renaming: rare, not hot
+            return super().renew_alone(conn, held, ttl, owner)
         params = {"p_ids": list(held), "p_epochs": list(held.values()), "p_ttl": ttl}
         return {str(row[0]) for row in self._raw(renew_statement(), params, conn)}
 
