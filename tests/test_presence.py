@@ -22,7 +22,7 @@ from sqlalchemy import Engine, make_url, text
 
 import wf_persist as wp
 from wf_persist.backends.pg_presence import USER_TIMEOUT_MS
-from wf_persist.wakeups import PRESENCE_GRACE, PRESENCE_TRUST
+from wf_persist.wakeups import BEAT_FOR, PRESENCE_GRACE, PRESENCE_TRUST
 
 from .fixtures import fencing as f
 from .helpers import wait_until
@@ -380,3 +380,46 @@ def test_heartbeats_are_never_prepared_statements(
     first = wakeups.heard
     wait_until(lambda: wakeups.heard > first + 0.1, what="heartbeats", timeout=5)
     assert "wf-persist-wakeups" not in sent_by
+
+
+_OWNERS: dict[str, str | None] = {}
+
+
+@wp.step
+def _read_owner(execution_id: str) -> str:
+    with _OWNER_ENGINE["engine"].connect() as conn:
+        owner = conn.execute(
+            text("SELECT lease_owner FROM wf_executions WHERE id = :i"), {"i": execution_id}
+        ).scalar_one()
+    _OWNERS[execution_id] = owner
+    return str(owner)
+
+
+_OWNER_ENGINE: dict[str, Engine] = {}
+
+
+@wp.workflow(name="t_presence_owner_after_quiet", version=1)
+def _owner_after_quiet_wf(ctx: wp.Context) -> str:
+    return ctx.run(_read_owner, ctx.execution_id)
+
+
+def test_a_lease_keeps_its_presence_name_after_a_quiet_spell(
+    db_url: str,
+    make_runtime: Callable[..., wp.Runtime],
+    make_engine: Callable[..., Engine],
+) -> None:
+    """Heartbeats pause after a quiet spell (``BEAT_FOR``), so the first lease check after
+    one finds no recent heartbeat; asking sends one, and the check waits a moment for it
+    rather than take the lock as lost. Had it renamed the lease to the plain name (as a
+    lock in doubt does), a crash of this process would free the run only when its lease
+    lapsed (30 s), not 0.2 s after the lock is found free."""
+    _OWNER_ENGINE["engine"] = make_engine(db_url)
+    _OWNERS.clear()
+    rt = make_runtime(lease_ttl=30)
+    rt.register(_owner_after_quiet_wf)
+    rt.wakeups()
+    assert rt.owner.endswith("!")
+    time.sleep(BEAT_FOR + 1.0)  # the heartbeats pause
+    execution_id = rt.client().start(_owner_after_quiet_wf).execution_id
+    assert rt.drive(execution_id)
+    assert _OWNERS[execution_id] == rt.owner, "the lease lost its presence name"

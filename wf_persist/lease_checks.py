@@ -20,6 +20,9 @@ from .wakeups import PRESENCE_GRACE, PRESENCE_TRUST
 #: timely answer and hands the run over, due again after ``LATE_HAND_OVER_DELAY`` seconds.
 CONFIRM_TRIES: Final = 3
 LATE_HAND_OVER_DELAY: Final = 1.0
+#: How long a check waits for a heartbeat to vouch for the presence lock again (asking
+#: sends one) before it takes the lock as in doubt.
+PRESENCE_SETTLE: Final = PRESENCE_TRUST / 2
 
 _checked_at: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "wf_persist_lease_checked_at", default=None
