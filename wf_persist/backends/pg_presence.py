@@ -92,8 +92,10 @@ dead AS (
       AND pg_try_advisory_xact_lock(hashtextextended(lease_owner, 0))
 )
 UPDATE {table} AS run
-SET wake_at = LEAST(run.wake_at, clock_timestamp() + make_interval(secs => %(grace)s)),
-    lease_expires_at = clock_timestamp() + make_interval(secs => %(grace)s)
+SET (lease_expires_at, wake_at) = (
+    SELECT due, LEAST(run.wake_at, due)
+    FROM (SELECT clock_timestamp() + make_interval(secs => %(grace)s) AS due) AS now_due
+)
 FROM dead
 WHERE run.lease_owner = dead.lease_owner
   AND run.status IN ('compensating', 'running', 'suspended')
