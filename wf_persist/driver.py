@@ -41,9 +41,9 @@ from .events import NewEvent
 from .lease_checks import (
     CONFIRM_TRIES,
     LATE_HAND_OVER_DELAY,
-    PRESENCE_SETTLE,
     found_good,
     kept_word,
+    settled,
     timely,
 )
 from .leases import Lease
@@ -298,7 +298,7 @@ class RunDriver(ChildDriving):
         self._stop_if_leaving()
         ttl = self.runtime.lease_ttl.total_seconds()
         found_at = time.time()  # before the finding: see lease_checked_at()
-        if kept_word(lease.confirmed, ttl, self._settled_presence()):
+        if kept_word(lease.confirmed, ttl, settled(self._presence)):
             found_good(found_at)
             return
         for _ in range(CONFIRM_TRIES):
@@ -340,18 +340,6 @@ class RunDriver(ChildDriving):
         """See :meth:`Runtime.presence_since`; ``None`` once this lease is not named after
         the presence lock."""
         return None if self.lease.plain else self.runtime.presence_since()
-
-    def _settled_presence(self) -> float | None:
-        """:meth:`_presence`, given a moment to be vouched for: heartbeats pause after a
-        quiet spell, and asking sends one at once. A lock still in doubt after it (the
-        connection died, or a round trip outlasts a heartbeat's trust) gets the lease
-        renamed below; one whose heartbeat merely paused keeps its quick takeover."""
-        found = self._presence()
-        until = time.monotonic() + PRESENCE_SETTLE
-        while found == math.inf and time.monotonic() < until:
-            bridge.pause(0.002, time.sleep)
-            found = self._presence()
-        return found
 
     def _stop_if_leaving(self) -> None:
         if self.runtime.closing or (self.until is not None and time.monotonic() >= self.until):

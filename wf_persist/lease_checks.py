@@ -11,9 +11,12 @@ paused while it came) is asked again, never trusted.
 from __future__ import annotations
 
 import contextvars
+import math
 import time
+from collections.abc import Callable
 from typing import Final
 
+from . import bridge
 from .wakeups import PRESENCE_GRACE, PRESENCE_TRUST
 
 #: How often a drive asks the database to confirm its lease before it gives up waiting for a
@@ -41,6 +44,19 @@ def lease_checked_at() -> float | None:
 def found_good(at: float) -> None:
     """Record that the lease was found good, on a word read at ``at`` (``time.time()``)."""
     _checked_at.set(at)
+
+
+def settled(presence: Callable[[], float | None]) -> float | None:
+    """``presence()`` (see ``Runtime.presence_since``), given a moment to be vouched for:
+    heartbeats pause after a quiet spell, and asking sends one at once. A lock still in
+    doubt after it (the connection died, or a round trip outlasts a heartbeat's trust) gets
+    the lease renamed; one whose heartbeat merely paused keeps its quick takeover."""
+    found = presence()
+    until = time.monotonic() + PRESENCE_SETTLE
+    while found == math.inf and time.monotonic() < until:
+        bridge.pause(0.002, time.sleep)
+        found = presence()
+    return found
 
 
 def kept_word(confirmed: float, ttl: float, held_since: float | None) -> bool:
