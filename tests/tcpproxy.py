@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 
@@ -104,6 +106,23 @@ class TCPProxy:
         for pair in pairs:
             for sock in (pair.client, pair.server):
                 _shut(sock)
+
+
+@contextlib.contextmanager
+def delaying_proxy(host: str, port: int, delay: float) -> Iterator[int]:
+    """A proxy in a process of its own (see below) delaying every answer by ``delay``
+    seconds; its port. Killed on exit."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.tcpproxy", host, str(port), str(delay)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        yield int(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.communicate()
 
 
 def _shut(sock: socket.socket) -> None:

@@ -5,8 +5,6 @@ connection prepares a bounded number of statements."""
 from __future__ import annotations
 
 import gc
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +19,7 @@ import wf_persist as wp
 from wf_persist.backends import pg_wire
 
 from .fixtures import workflows as w
+from .tcpproxy import delaying_proxy
 
 pytestmark = pytest.mark.needs("libpq")
 
@@ -156,21 +155,7 @@ def test_forgetting_a_statement_lets_other_threads_run(db_url: str) -> None:
     of the process stopped; for seconds on a connection that had just died). Through a
     proxy that delays the server's answers by 0.2 s, another thread runs meanwhile."""
     url = make_url(db_url)
-    proxy = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tests.tcpproxy",
-            url.host or "127.0.0.1",
-            str(url.port or 5432),
-            "0.2",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proxy.stdout is not None
-        port = int(proxy.stdout.readline())
+    with delaying_proxy(url.host or "127.0.0.1", url.port or 5432, 0.2) as port:
         raw = psycopg.connect(
             host="127.0.0.1", port=port, user=url.username, dbname=url.database, autocommit=True
         )
@@ -197,9 +182,6 @@ def test_forgetting_a_statement_lets_other_threads_run(db_url: str) -> None:
             assert during >= 20, f"the other thread ran {during} times in 0.2 s"
         finally:
             raw.close()
-    finally:
-        proxy.kill()
-        proxy.communicate()
 
 
 def test_a_connection_on_a_descriptor_past_1024_is_prepared_again(

@@ -8,8 +8,6 @@ workflows: the last of the tries is taken (within half the TTL), and no drive fa
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 
@@ -17,6 +15,7 @@ import pytest
 from sqlalchemy import make_url
 
 import wf_persist as wp
+from tests.tcpproxy import delaying_proxy
 
 pytestmark = pytest.mark.needs("presence")
 
@@ -39,27 +38,8 @@ def slow_url(db_url: str) -> Iterator[str]:
     """The test database behind a proxy (a process of its own) adding 120 ms to every
     answer: a round trip of about 0.12 s."""
     url = make_url(db_url)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tests.tcpproxy",
-            url.host or "127.0.0.1",
-            str(url.port or 5432),
-            str(2 * DELAY),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        port = int(proc.stdout.readline())
+    with delaying_proxy(url.host or "127.0.0.1", url.port or 5432, 2 * DELAY) as port:
         yield url.set(host="127.0.0.1", port=port).render_as_string(False)
-    finally:
-        proc.kill()
-        proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
 
 
 def test_a_run_completes_on_a_postgresql_120ms_away(

@@ -127,19 +127,21 @@ def in_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     return _run_on(getcurrent().pools.user, fn, *args, **kwargs)
 
 
+def checked_first(check: Callable[[], None], fn: Callable[..., T]) -> Callable[..., T]:
+    """``fn``, calling ``check()`` (the lease) first on whichever thread runs it."""
+
+    def checked(*args: Any, **kwargs: Any) -> T:
+        check()
+        return fn(*args, **kwargs)
+
+    return checked
+
+
 def checked_in_thread(check: Callable[[], None], fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)`` as :func:`in_thread` does, ``check()`` (the lease) right before it on
     the thread that makes the call: when bridged, a check made on the loop may be long past
     once a ``user`` thread is free (and the run another worker's meanwhile)."""
-    if not bridged():
-        check()
-        return fn(*args)
-
-    def checked() -> T:
-        check()
-        return fn(*args)
-
-    return _run_on(getcurrent().pools.user, checked)
+    return in_thread(checked_first(check, fn), *args)
 
 
 def wait_futures(futures: Sequence[Future[Any]]) -> None:

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from . import drive_telemetry, events
 from .authoring import Step, outside_body
-from .bridge import bridged, checked_in_thread, in_thread, off_loop
+from .bridge import bridged, checked_first, checked_in_thread, in_thread, off_loop
 from .control import Suspended
 from .driving import Driver
 from .error_documents import error_document, rebuild_error
@@ -309,7 +309,7 @@ class StepRunner:
         # Checked before a timeout's clock starts: a slow check is not the step's time.
         call: Callable[..., Any] = fn if step.timeout is None else call_within
         if bridged():
-            call = _checked_first(self.driver.check_lease, call)
+            call = checked_first(self.driver.check_lease, call)
         if step.timeout is None:
             return in_thread(call, **values)
         return in_thread(call, fn, values, step.timeout, step.name, keep)
@@ -440,11 +440,3 @@ def _recorded_step_error(step: Step[Any], failed: Any) -> BaseException:
         if declared is not None:
             return rebuild_error(declared, cause)
     return StepExecutionError(step.name, cause)
-
-
-def _checked_first(check: Callable[[], None], fn: Callable[..., T]) -> Callable[..., T]:
-    def checked(*args: Any, **kwargs: Any) -> T:
-        check()
-        return fn(*args, **kwargs)
-
-    return checked

@@ -53,6 +53,7 @@ from .sql import (
     held_at,
     history_row,
     pinned,
+    renew_values,
 )
 
 
@@ -268,10 +269,7 @@ class Backend(Connections):
         ``owner``, the leases are named after it from now on."""
         if not held:
             return set()
-        values: dict[str, Any] = {"lease_expires_at": db_later(P_TTL), "wake_at": db_later(P_TTL)}
-        if owner is not None:
-            values["lease_owner"] = owner
-        stmt = update(ex).where(held_at(held)).values(values).returning(ex.c.id)
+        stmt = update(ex).where(held_at(held)).values(renew_values(owner)).returning(ex.c.id)
         return {str(i) for i in conn.execute(stmt, {"p_ttl": ttl}).scalars()}
 
     def renew_alone(

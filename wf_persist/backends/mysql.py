@@ -39,13 +39,12 @@ from ..events import NewEvent
 from ..models import UniqueKey
 from ..models import executions_table as ex
 from .base import Backend
-from .clock import db_later, db_now
+from .clock import db_now
 from .slots import SessionLockSlots
 from .sql import (
     CLAIM_COLUMNS,
     INSERT_HISTORY,
     P_ID,
-    P_TTL,
     Claim,
     Fenced,
     WriteShape,
@@ -55,6 +54,7 @@ from .sql import (
     held_at,
     history_row,
     pinned,
+    renew_values,
 )
 
 #: Name of the lock that serializes concurrent migrations.
@@ -289,10 +289,7 @@ class MySQLBackend(Backend):
     ) -> set[str]:
         if not held:
             return set()
-        values: dict[str, Any] = {"lease_expires_at": db_later(P_TTL), "wake_at": db_later(P_TTL)}
-        if owner is not None:
-            values["lease_owner"] = owner
-        conn.execute(update(ex).where(held_at(held)).values(values), {"p_ttl": ttl})
+        conn.execute(update(ex).where(held_at(held)).values(renew_values(owner)), {"p_ttl": ttl})
         return {str(i) for i in conn.execute(select(ex.c.id).where(held_at(held))).scalars()}
 
     def renew_alone(

@@ -43,6 +43,7 @@ from .sql import (
     claim_values,
     due,
     pinned,
+    renew_values,
 )
 
 P_LIMIT = bindparam("p_limit", type_=Integer())
@@ -67,7 +68,7 @@ def renew_statement() -> Any:
             ex.c.claim_epoch == held.c.epoch,
             ex.c.lease_expires_at.is_not(None),
         )
-        .values(lease_expires_at=db_later(P_TTL), wake_at=db_later(P_TTL))
+        .values(renew_values())
         .returning(ex.c.id)
     )
 

@@ -165,6 +165,15 @@ def claim_values() -> dict[str, Any]:
     }
 
 
+def renew_values(owner: str | None = None) -> dict[str, Any]:
+    """The SET of a renewal: the lease measured again by the database's clock, named after
+    ``owner`` if given."""
+    values: dict[str, Any] = {"lease_expires_at": db_later(P_TTL), "wake_at": db_later(P_TTL)}
+    if owner is not None:
+        values["lease_owner"] = owner
+    return values
+
+
 def history_row(execution_id: str, seq: int, ev: NewEvent) -> dict[str, Any]:
     return {
         "execution_id": execution_id,
