@@ -309,6 +309,15 @@ class Step(Generic[R]):
     def is_terminal(self, exc: BaseException) -> bool:
         return isinstance(exc, self.errors)
 
+    @functools.cached_property
+    def positional(self) -> tuple[str, ...] | None:
+        """The parameters' names if every one is a plain one (no positional-only, ``*args``,
+        ``**kwargs`` or keyword-only): a call with exactly that many positional arguments
+        binds them in order, without :meth:`inspect.Signature.bind` (a step's hot path)."""
+        params = self.signature.parameters.values()
+        plain = inspect.Parameter.POSITIONAL_OR_KEYWORD
+        return tuple(p.name for p in params) if all(p.kind is plain for p in params) else None
+
     def error_type(self, name: str | None) -> type[BaseException] | None:
         """The declared error class called ``name`` (to rebuild a recorded failure)."""
         return next((e for e in self.errors if e.__name__ == name), None)

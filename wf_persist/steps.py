@@ -157,6 +157,9 @@ class StepRunner:
 
     @staticmethod
     def bind(step: Step[Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        names = step.positional
+        if not kwargs and names is not None and len(args) == len(names):
+            return dict(zip(names, args, strict=True))
         try:
             return dict(step.signature.bind(*args, **kwargs).arguments)
         except TypeError as exc:

@@ -99,6 +99,8 @@ class Connections:
         self.slots = Slots(self.engine)
         #: The largest JSON value (bytes, as sent) one stored value may have.
         self.max_value_bytes = 256 * 1024 * 1024 - 64 * 1024
+        #: The pool :meth:`pool_full` last read the capacity of, and that capacity.
+        self._pool_capacity: tuple[Any, int | None] | None = None
 
     # engines and transactions -------------------------------------------------------
 
@@ -262,10 +264,18 @@ class Connections:
         return getattr(orig, "sqlstate", None) in ("40001", "40P01", "55P03")
 
     def pool_full(self) -> bool:
-        """Whether every connection the runs' pool can give is out (a checkout would wait)."""
-        capacity = self.capacity()
-        checkedout = getattr(self.base_engine.pool, "checkedout", None)
-        return capacity is not None and callable(checkedout) and checkedout() >= capacity
+        """Whether every connection the runs' pool can give is out (a checkout would wait).
+        Asked whenever user code starts: a pool's capacity is read once per pool (an
+        engine's ``dispose()`` makes a new one)."""
+        pool = self.base_engine.pool
+        known = self._pool_capacity
+        if known is None or known[0] is not pool:
+            known = self._pool_capacity = (pool, self.capacity())
+        capacity = known[1]
+        if capacity is None:
+            return False
+        checkedout = getattr(pool, "checkedout", None)
+        return callable(checkedout) and checkedout() >= capacity
 
     def capacity(self) -> int | None:
         """Connections the runs' pool can hand out at once (None: unbounded)."""

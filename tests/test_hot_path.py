@@ -1,0 +1,149 @@
+"""The step path's shortcuts give what the long way gives: arguments bound by position
+without ``Signature.bind``, whether a function is async asked once, a pool's capacity read
+once per pool."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import pytest
+from sqlalchemy import create_engine
+from sqlalchemy.pool import QueuePool
+
+import wf_persist as wp
+from wf_persist.loops import is_async
+from wf_persist.steps import StepRunner
+
+
+@wp.step
+def two(a: int, b: int) -> int:
+    return a + b
+
+
+@wp.step
+def defaulted(a: int, b: int = 5) -> int:
+    return a + b
+
+
+@wp.step
+def only_positional(a: int, /, b: int) -> int:
+    return a + b
+
+
+@wp.step
+def star(*parts: int) -> int:
+    return sum(parts)
+
+
+@wp.step
+def keyword_only(a: int, *, b: int) -> int:
+    return a + b
+
+
+CASES: list[tuple[wp.Step[Any], tuple[Any, ...], dict[str, Any]]] = [
+    (two, (1, 2), {}),
+    (two, (1,), {"b": 2}),
+    (two, (), {"a": 1, "b": 2}),
+    (defaulted, (1,), {}),
+    (defaulted, (1, 2), {}),
+    (only_positional, (1, 2), {}),
+    (star, (1, 2, 3), {}),
+    (star, (), {}),
+    (keyword_only, (1,), {"b": 2}),
+]
+
+
+@pytest.mark.parametrize(("step", "args", "kwargs"), CASES)
+def test_bound_arguments_are_what_signature_bind_gives(
+    step: wp.Step[Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    expected = dict(step.signature.bind(*args, **kwargs).arguments)
+    assert StepRunner.bind(step, args, kwargs) == expected
+
+
+@pytest.mark.parametrize(
+    ("step", "args", "kwargs"),
+    [(two, (1, 2, 3), {}), (two, (1,), {}), (keyword_only, (1, 2), {}), (two, (1, 2), {"c": 3})],
+)
+def test_arguments_that_do_not_bind_are_refused(
+    step: wp.Step[Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    with pytest.raises(wp.InvalidPayloadError):
+        StepRunner.bind(step, args, kwargs)
+
+
+def test_positional_names_only_where_every_parameter_takes_a_position() -> None:
+    assert two.positional == ("a", "b")
+    assert defaulted.positional == ("a", "b")
+    assert only_positional.positional is None
+    assert star.positional is None
+    assert keyword_only.positional is None
+
+
+@wp.workflow(name="hot_path_calls", version=1)
+def calls(ctx: wp.Context, n: int) -> list[int]:
+    return [
+        ctx.run(two, n, 1),
+        ctx.run(defaulted, n),
+        ctx.run(two, n, b=2),
+        ctx.run(defaulted, n, 3),
+    ]
+
+
+def test_recorded_inputs_follow_the_binding(runtime: wp.Runtime) -> None:
+    runtime.register(calls)
+    client = runtime.client()
+    run = client.start(calls, 10).execution_id
+    assert client.result(run).unwrap() == [11, 15, 12, 13]
+    inputs = [r.event["input"] for r in client.history(run) if r.event["type"] == "step.started"]
+    assert inputs == [{"a": 10, "b": 1}, {"a": 10}, {"a": 10, "b": 2}, {"a": 10, "b": 3}]
+
+
+class Unhashable:
+    __hash__ = None  # type: ignore[assignment]
+
+    def __call__(self) -> None:
+        return None
+
+
+class HostileHash:
+    def __hash__(self) -> int:
+        raise RuntimeError("no hash for you")
+
+    async def __call__(self) -> None:
+        return None
+
+
+async def coroutine_function() -> None:
+    return None
+
+
+def test_is_async_answers_for_any_callable_and_remembers_functions() -> None:
+    assert is_async(coroutine_function) is True
+    assert is_async(coroutine_function) is True  # from what it remembered
+    assert is_async(two.fn) is False
+    assert is_async(Unhashable()) is False
+    assert is_async(HostileHash()) is inspect.iscoroutinefunction(HostileHash())
+
+
+def test_pool_full_reads_the_capacity_of_the_pool_in_use(tmp_path: Any) -> None:
+    engine = create_engine(
+        f"sqlite:///{tmp_path / 'pool.db'}", poolclass=QueuePool, pool_size=1, max_overflow=0
+    )
+    runtime = wp.Runtime(engine, auto_migrate=True)
+    try:
+        backend = runtime.database.backend
+        assert backend.pool_full() is False
+        with engine.connect():
+            assert backend.pool_full() is True
+            # A pool of another size in its place (as a host may set one): read again.
+            engine.pool = QueuePool(engine.pool._creator, pool_size=2, max_overflow=0)
+            assert backend.pool_full() is False
+            with engine.connect():
+                assert backend.pool_full() is False
+                with engine.connect():
+                    assert backend.pool_full() is True
+    finally:
+        runtime.close()
+        engine.dispose()
