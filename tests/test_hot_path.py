@@ -5,6 +5,7 @@ once per pool."""
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Any
 
 import pytest
@@ -27,16 +28,6 @@ def defaulted(a: int, b: int = 5) -> int:
 
 
 @wp.step
-def only_positional(a: int, /, b: int) -> int:
-    return a + b
-
-
-@wp.step
-def star(*parts: int) -> int:
-    return sum(parts)
-
-
-@wp.step
 def keyword_only(a: int, *, b: int) -> int:
     return a + b
 
@@ -47,9 +38,6 @@ CASES: list[tuple[wp.Step[Any], tuple[Any, ...], dict[str, Any]]] = [
     (two, (), {"a": 1, "b": 2}),
     (defaulted, (1,), {}),
     (defaulted, (1, 2), {}),
-    (only_positional, (1, 2), {}),
-    (star, (1, 2, 3), {}),
-    (star, (), {}),
     (keyword_only, (1,), {"b": 2}),
 ]
 
@@ -76,9 +64,66 @@ def test_arguments_that_do_not_bind_are_refused(
 def test_positional_names_only_where_every_parameter_takes_a_position() -> None:
     assert two.positional == ("a", "b")
     assert defaulted.positional == ("a", "b")
-    assert only_positional.positional is None
-    assert star.positional is None
     assert keyword_only.positional is None
+
+
+def positional_only(a: int, /, b: int) -> int:
+    return a + b
+
+
+def star(*parts: int) -> int:
+    return sum(parts)
+
+
+def double_star(**named: int) -> int:
+    return sum(named.values())
+
+
+@pytest.mark.parametrize(
+    ("fn", "shown"),
+    [
+        (positional_only, "parameter a (positional-only)"),
+        (star, "parameter *parts (variadic positional)"),
+        (double_star, "parameter **named (variadic keyword)"),
+    ],
+)
+def test_a_step_parameter_its_recorded_call_cannot_fill_is_refused_at_definition(
+    fn: Any, shown: str
+) -> None:
+    # A step is called with its recorded arguments by name: such a step failed every run.
+    with pytest.raises(
+        wp.WorkflowDefinitionError, match=rf"step {fn.__name__}: {re.escape(shown)}"
+    ):
+        wp.step(fn)
+
+
+def body_keyword_only(ctx: wp.Context, *, payload: int) -> int:
+    return payload
+
+
+def body_variadic(ctx: wp.Context, **payload: int) -> int:
+    return 0
+
+
+@pytest.mark.parametrize("fn", [body_keyword_only, body_variadic])
+def test_a_workflow_input_that_cannot_be_passed_by_position_is_refused(fn: Any) -> None:
+    with pytest.raises(wp.WorkflowDefinitionError, match="cannot be passed by position"):
+        wp.workflow(name=f"refused_{fn.__name__}", version=1)(fn)
+
+
+def body_positional(ctx: wp.Context, payload: int, /) -> int:
+    return payload
+
+
+def body_rest(ctx: wp.Context, *rest: int) -> int:
+    return sum(rest)
+
+
+@pytest.mark.parametrize("fn", [body_positional, body_rest])
+def test_a_workflow_input_passed_by_position_still_works(runtime: wp.Runtime, fn: Any) -> None:
+    wf = wp.workflow(name=f"kept_{fn.__name__}", version=1)(fn)
+    runtime.register(wf)
+    assert runtime.client().execute(wf, 7).unwrap() == 7
 
 
 @wp.workflow(name="hot_path_calls", version=1)

@@ -16,11 +16,12 @@ import hashlib
 import inspect
 import textwrap
 import threading
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import (
     Any,
+    Final,
     Generic,
     Literal,
     Protocol,
@@ -125,6 +126,34 @@ def _check_plain(fn: Callable[..., Any], what: str) -> None:
         raise WorkflowDefinitionError(
             f"{what} {getattr(fn, '__name__', fn)!r} is a generator; it must return its result"
         )
+
+
+#: How a workflow's parameters are passed (``fn(ctx, input)``) and a step's (by name, as
+#: its arguments are recorded): a parameter that cannot take them so would fail every run.
+_POSITIONAL: Final = (
+    inspect.Parameter.POSITIONAL_ONLY,
+    inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    inspect.Parameter.VAR_POSITIONAL,
+)
+_NAMED: Final = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def _check_kinds(
+    params: Iterable[inspect.Parameter],
+    kinds: tuple[inspect._ParameterKind, ...],
+    what: str,
+    how: str,
+) -> None:
+    """Refuse, at definition, a parameter its calls could never fill."""
+    for param in params:
+        if param.kind not in kinds:
+            stars = "*" if param.kind is inspect.Parameter.VAR_POSITIONAL else ""
+            stars = "**" if param.kind is inspect.Parameter.VAR_KEYWORD else stars
+            label = stars + param.name
+            raise WorkflowDefinitionError(
+                f"{what}: parameter {label} ({param.kind.description}) cannot be passed "
+                f"{how}; declare each parameter as a plain one"
+            )
 
 
 class _BodyState(threading.local):
@@ -255,6 +284,7 @@ def workflow(
             raise WorkflowDefinitionError(
                 f"workflow {fn.__name__} must take (ctx) or (ctx, input), got {len(params)} params"
             )
+        _check_kinds(params, _POSITIONAL, f"workflow {fn.__name__}", "by position")
         hints = _hints(fn)
         wf_name = _check_name(
             name or fn.__name__, "workflow name", WORKFLOW_NAME_WIDTH, WorkflowDefinitionError
@@ -414,6 +444,7 @@ def _make_step(
     if not all(isinstance(e, type) and issubclass(e, BaseException) for e in errors):
         raise WorkflowDefinitionError(f"errors must be exception classes, got {errors!r}")
     sig = inspect.signature(fn)
+    _check_kinds(sig.parameters.values(), _NAMED, f"step {step_name}", "by name")
     hints = _hints(fn)
     return Step(
         name=step_name,
