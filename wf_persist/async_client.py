@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -21,7 +20,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, create_async_engine
 from sqlalchemy.util import greenlet_spawn
 
-from . import arguments
+from . import arguments, clocks
 from .authoring import Workflow
 from .backends import backend_type, describe_url, resolve_url
 from .backends.connections import retire_pool
@@ -185,7 +184,7 @@ class AsyncClient:
         once when the database announces its end (PostgreSQL)."""
         arguments.check_timeout(timeout)
         arguments.check_id(execution_id)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else clocks.elapsed() + timeout
         delay = 0.002
         event = asyncio.Event()
         mine = (asyncio.get_running_loop(), event)
@@ -198,7 +197,7 @@ class AsyncClient:
                 found = await self._run(Client.outcome, execution_id)
                 if found is not None:
                     return found
-                remaining = None if deadline is None else deadline - time.monotonic()
+                remaining = None if deadline is None else deadline - clocks.elapsed()
                 if remaining is not None and remaining <= 0:
                     raise ResultTimeoutError(execution_id, float(timeout or 0))
                 wait = min(delay, self._poll_interval)

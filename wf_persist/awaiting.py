@@ -5,12 +5,11 @@ run meanwhile."""
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 from sqlalchemy import Row
 
-from . import arguments, lifecycle
+from . import arguments, clocks, lifecycle
 from .errors import ResultTimeoutError
 from .reading import RunReader
 from .records import Completed, Failed, Outcome
@@ -94,7 +93,7 @@ class RunAwaiter(RunReader):
             MissingWorkflowVersionError (see :meth:`WorkflowClient.result`).
         """
         arguments.check_timeout(timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else clocks.elapsed() + timeout
         delay = 0.002
         self._listen()
         with self._ends.watching(execution_id):
@@ -109,14 +108,14 @@ class RunAwaiter(RunReader):
                     # Driven in this process, which says when that drive ends; another
                     # process may end the run meanwhile (a cancellation): it is read every
                     # poll interval.
-                    remaining = None if deadline is None else deadline - time.monotonic()
+                    remaining = None if deadline is None else deadline - clocks.elapsed()
                     wait = self._poll()
                     self._wait(wait if remaining is None else max(0.0, min(wait, remaining)))
                     known = self._known(execution_id)
                     if known is not None:
                         return known
                 first_wait = None
-                if unread is not None and (deadline is None or time.monotonic() < deadline):
+                if unread is not None and (deadline is None or clocks.elapsed() < deadline):
                     mark, unread = unread, None
                     # An end nobody announces (a worker of an older version, a lost
                     # notification) costs at most this, not a poll interval.
@@ -129,7 +128,7 @@ class RunAwaiter(RunReader):
                         return self._outcome(row)
                     drove = (
                         self._try_drive(row, deadline)
-                        if deadline is None or time.monotonic() < deadline
+                        if deadline is None or clocks.elapsed() < deadline
                         else _WAIT
                     )
                     if not isinstance(drove, bool):
@@ -137,7 +136,7 @@ class RunAwaiter(RunReader):
                     if drove is _AGAIN:
                         delay = 0.002
                         continue
-                remaining = None if deadline is None else deadline - time.monotonic()
+                remaining = None if deadline is None else deadline - clocks.elapsed()
                 if remaining is not None and remaining <= 0:
                     raise ResultTimeoutError(execution_id, float(timeout or 0))
                 if self._announced():

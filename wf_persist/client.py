@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +16,7 @@ from sqlalchemy import Connection, Engine, Row
 from sqlalchemy.engine import URL
 from sqlalchemy.orm import Session
 
-from . import arguments, events, telemetry
+from . import arguments, clocks, events, telemetry
 from .authoring import Workflow
 from .awaiting import RunAwaiter
 from .backends import Backend, Cataloged, Stale
@@ -337,7 +336,7 @@ class Client(RunAwaiter, RunControls):
     ) -> executions.Created | Stale:
         """Write a start in a transaction of this client's own, created claimed by ``lease``
         if given: such a run is handed on (or given back) whatever happens."""
-        asked = time.monotonic()  # before the claim: see Lease.confirmed
+        asked = clocks.elapsed()  # before the claim: see Lease.confirmed
         sent = False
         try:
             with self.backend.atomic() as conn:

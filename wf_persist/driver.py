@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import select
 
-from . import bridge, drive_telemetry, events, lifecycle, telemetry
+from . import bridge, clocks, drive_telemetry, events, lifecycle, telemetry
 from .async_context import call_body
 from .authoring import Step, Workflow
 from .backends import Claim, Fenced
@@ -71,10 +71,10 @@ class DriveClock:
     def __init__(self, db_now: dt.datetime, shift: Callable[[], float]) -> None:
         self._base = db_now
         self._shift = shift
-        self._t0 = time.monotonic() + shift()
+        self._t0 = clocks.elapsed() + shift()
 
     def __call__(self) -> dt.datetime:
-        return self._base + dt.timedelta(seconds=time.monotonic() + self._shift() - self._t0)
+        return self._base + dt.timedelta(seconds=clocks.elapsed() + self._shift() - self._t0)
 
 
 class RunDriver(ChildDriving):
@@ -309,7 +309,7 @@ class RunDriver(ChildDriving):
             rename = (
                 None if lease.plain or self._presence() != math.inf else self.runtime.plain_owner
             )
-            asked = time.monotonic()
+            asked = clocks.elapsed()
             try:
                 still = off_loop(self._renew, ttl, rename)
             except Exception as exc:
@@ -342,7 +342,7 @@ class RunDriver(ChildDriving):
         return None if self.lease.plain else self.runtime.presence_since()
 
     def _stop_if_leaving(self) -> None:
-        if self.runtime.closing or (self.until is not None and time.monotonic() >= self.until):
+        if self.runtime.closing or (self.until is not None and clocks.elapsed() >= self.until):
             self.flush()  # what finished is kept; the run is handed over from there
             self.handing_over = True
             self.hand_over_delay = 0.0
@@ -385,14 +385,14 @@ class RunDriver(ChildDriving):
         among them)."""
         limit = step.concurrency
         assert limit is not None
-        last_check = time.monotonic()
+        last_check = clocks.elapsed()
         delay = 0.002
         held = self.backend.slots.slot(step.name, key, limit.limit)
         acquire = off_loop(held.__enter__)
         try:
             while not off_loop(_or_halt, acquire):
-                if time.monotonic() - last_check > 0.2:
-                    last_check = time.monotonic()
+                if clocks.elapsed() - last_check > 0.2:
+                    last_check = clocks.elapsed()
                     self.check_lease()
                     self._check_run()
                 bridge.pause(delay, time.sleep)

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Row
 
-from . import arguments
+from . import arguments, clocks
 from .authoring import Workflow
 from .awaiting import _AGAIN, _WAIT
 from .backends import Cataloged, Claim, Stale
@@ -214,7 +213,7 @@ class WorkflowClient(Client):
         arguments.check_timeout(timeout)
         rt = self.runtime
         rt._check_process()
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else clocks.elapsed() + timeout
         if self._known(execution_id) is None and not self._busy(execution_id):
             drove = rt.drive_for_outcome(arguments.check_id(execution_id), deadline)
             if isinstance(drove, tuple):
@@ -222,7 +221,7 @@ class WorkflowClient(Client):
                 if known is not None:
                     return known
         if deadline is not None:
-            timeout = max(0.0, deadline - time.monotonic())
+            timeout = max(0.0, deadline - clocks.elapsed())
         return super().result(execution_id, timeout)
 
     def _try_drive(self, row: Row[Any], deadline: float | None) -> Outcome | bool:

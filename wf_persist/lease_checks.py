@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Final
 
-from . import bridge
+from . import bridge, clocks
 from .wakeups import PRESENCE_GRACE, PRESENCE_TRUST
 
 #: How often a drive asks the database to confirm its lease before it gives up waiting for a
@@ -52,8 +52,8 @@ def settled(presence: Callable[[], float | None]) -> float | None:
     doubt after it (the connection died, or a round trip outlasts a heartbeat's trust) gets
     the lease renamed; one whose heartbeat merely paused keeps its quick takeover."""
     found = presence()
-    until = time.monotonic() + PRESENCE_SETTLE
-    while found == math.inf and time.monotonic() < until:
+    until = clocks.elapsed() + PRESENCE_SETTLE
+    while found == math.inf and clocks.elapsed() < until:
         bridge.pause(0.002, time.sleep)
         found = presence()
     return found
@@ -65,7 +65,7 @@ def kept_word(confirmed: float, ttl: float, held_since: float | None) -> bool:
     (``held_since`` not None) only if it was held when the confirmation was asked and ever
     since, as a heartbeat sent moments ago vouches (a connection may die without a word)."""
     trusted = held_since is None or held_since <= confirmed
-    return trusted and time.monotonic() - confirmed <= ttl / 2
+    return trusted and clocks.elapsed() - confirmed <= ttl / 2
 
 
 def timely(asked: float, ttl: float, held_since: float | None) -> bool:
@@ -74,7 +74,7 @@ def timely(asked: float, ttl: float, held_since: float | None) -> bool:
     is named after came in doubt since the ask (others may take the run ``PRESENCE_GRACE``
     after they find it free), within the margin between a heartbeat's trust and that
     grace; the next ask then renames the lease (see ``RunDriver.check_lease``)."""
-    age = time.monotonic() - asked
+    age = clocks.elapsed() - asked
     if held_since is not None and held_since > asked:
         return age <= PRESENCE_GRACE - PRESENCE_TRUST
     return age <= ttl / 2

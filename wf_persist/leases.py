@@ -14,13 +14,13 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from sqlalchemy import Engine
 
+from . import clocks
 from .backends.connections import dispose_pool
 from .error_documents import brief
 from .errors import WfPersistError
@@ -45,7 +45,7 @@ class Outage:
     def failed(self, exc: BaseException, detail: str = "") -> float:
         """Record a failure; returns how long to wait before trying again."""
         if self.failures == 0:
-            self._since = time.monotonic()
+            self._since = clocks.elapsed()
             extra = f" ({detail})" if detail else ""
             self._log.error(
                 "%s failed%s: %s; retrying with backoff, logged again when it recovers",
@@ -62,7 +62,7 @@ class Outage:
                 "%s works again after %d failure(s) over %.1fs",
                 self._what,
                 self.failures,
-                time.monotonic() - self._since,
+                clocks.elapsed() - self._since,
             )
         self.failures = 0
 
@@ -152,7 +152,7 @@ class LeaseKeeper(threading.Thread):
                 leases = {i: lease for i, lease in self._held.items() if not lease.lost}
             if not leases:
                 continue
-            started = time.monotonic()
+            started = clocks.elapsed()
             try:
                 with self.engine().connect() as conn:
                     still = self.backend.renew_alone(
@@ -163,7 +163,7 @@ class LeaseKeeper(threading.Thread):
                     return  # stopped meanwhile (its engine refused, or was disposed of)
                 wait = min(interval, self._outage.failed(exc, f"runs {sorted(leases)}"))
                 for lease in leases.values():
-                    if time.monotonic() - lease.confirmed > self.ttl:
+                    if clocks.elapsed() - lease.confirmed > self.ttl:
                         lease.lost = True
                 continue
             self._outage.succeeded()

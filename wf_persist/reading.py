@@ -11,7 +11,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Row
 
-from . import arguments, lifecycle
+from . import arguments, clocks, lifecycle
 from .authoring import Workflow
 from .backends import Backend
 from .errors import EventNotSetError, InvalidArgumentError, UnknownExecutionError
@@ -86,7 +86,7 @@ class RunReader:
         """
         arguments.check_text("event key", key)
         arguments.check_timeout(timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else clocks.elapsed() + timeout
         delay = 0.002
         while True:
             with self._reading() as conn:
@@ -96,7 +96,7 @@ class RunReader:
                 return found[key]
             if row.status in lifecycle.TERMINAL:
                 raise EventNotSetError(execution_id, key, finished=True)
-            remaining = None if deadline is None else deadline - time.monotonic()
+            remaining = None if deadline is None else deadline - clocks.elapsed()
             if remaining is not None and remaining <= 0:
                 raise EventNotSetError(execution_id, key, finished=False)
             wait = min(delay, self._poll())

@@ -26,7 +26,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from . import drive_telemetry, drives, telemetry
+from . import clocks, drive_telemetry, drives, telemetry
 from .authoring import Step
 from .backends import Claim
 from .bridge import off_loop
@@ -187,7 +187,7 @@ class Runtime(Registry, Notices, WorkerSide):
         """Mark the run as driven by this process (False: another thread here drives it).
         Unmarked whatever interrupts it once marked (else this process would never drive
         the run again)."""
-        deadline = time.monotonic() + wait
+        deadline = clocks.elapsed() + wait
         added = False
         try:
             while True:
@@ -196,7 +196,7 @@ class Runtime(Registry, Notices, WorkerSide):
                         added = True
                         self._driving.add(execution_id)
                         break
-                remaining = deadline - time.monotonic()
+                remaining = deadline - clocks.elapsed()
                 if remaining <= 0:
                     yield False
                     return
@@ -231,7 +231,7 @@ class Runtime(Registry, Notices, WorkerSide):
                 return NOT_DRIVEN
             self.wakeups()
             owner = self.owner
-            asked = time.monotonic()  # before the claim: see Lease.confirmed
+            asked = clocks.elapsed()  # before the claim: see Lease.confirmed
             claim: Claim | None = None
             try:
                 claim = self.backend.claim_to_drive(execution_id, owner, self._ttl(), workflows)
@@ -461,11 +461,11 @@ class Runtime(Registry, Notices, WorkerSide):
         # thread driving it) cannot see that run stop before it returns: the run is neither
         # waited for nor released; it hands itself over at its next step.
         mine = DRIVING_RUN.get()
-        deadline = time.monotonic() + timeout
+        deadline = clocks.elapsed() + timeout
         if worker is not None:
             worker.stop(timeout, join=mine is None)
         # Runs driven in callers' threads (result(), execute()) stop at their next step too.
-        while time.monotonic() < deadline:
+        while clocks.elapsed() < deadline:
             with self._lock:
                 if self._driving <= {mine}:
                     break

@@ -21,10 +21,10 @@ import contextvars
 import datetime as dt
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
+from . import clocks
 from .error_documents import shown
 from .errors import InvalidArgumentError, StepTimeoutError
 
@@ -127,9 +127,9 @@ def call_within(
     thread.start()
     # Joined in pieces: a join longer than about 292 years raises OverflowError, and every
     # duration up to MAX_DURATION_SECONDS is accepted.
-    until = time.monotonic() + seconds
+    until = clocks.elapsed() + seconds
     while thread.is_alive():
-        left = until - time.monotonic()
+        left = until - clocks.elapsed()
         if left <= 0:
             break
         thread.join(min(left, JOIN_PIECE_SECONDS))

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Final
 
+from . import clocks
+
 log = logging.getLogger("wf_persist.runtime")
 
 #: How often armed timers are looked at: a timer fires up to this much late.
@@ -48,7 +50,7 @@ class Timers:
             return _nothing
         key = next(self._ids)
         # A dict insert and pop are atomic: no lock (and no wake-up) on the hot path.
-        self._armed[key] = (time.monotonic() + delay, fn, blocking)
+        self._armed[key] = (clocks.elapsed() + delay, fn, blocking)
         if self._thread is None:
             with self._cond:
                 if self._thread is None:
@@ -74,7 +76,7 @@ class Timers:
             thread.join(timeout=5)
 
     def _due(self) -> list[tuple[Callable[[], None], bool]]:
-        now = time.monotonic()
+        now = clocks.elapsed()
         # Copied, not iterated: iterating allocates, an allocation may collect garbage, and a
         # finalizer (or another thread, once the collector ran Python code) may arm a timer in
         # between ("dictionary changed size during iteration" killed this thread). ``copy``

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Final, Literal, Protocol
 
+from . import clocks
 from .leases import Outage
 
 if TYPE_CHECKING:
@@ -170,7 +171,7 @@ class Wakeups:
             failure: Exception | None = None
             try:  # the listener is closed whatever happens from here
                 self._listener = listener
-                self._beat_until = time.monotonic() + BEAT_FOR
+                self._beat_until = clocks.elapsed() + BEAT_FOR
                 self._presence(listener)
                 self.connections += 1
                 self.listening = True
@@ -198,7 +199,7 @@ class Wakeups:
         """Since when (monotonic) the presence lock has been held without a break, as far
         as a heartbeat sent less than :data:`PRESENCE_TRUST` ago vouches for it (+inf
         otherwise: the caller asks the database). Asking keeps the heartbeats going."""
-        now = time.monotonic()
+        now = clocks.elapsed()
         quiet = now >= self._beat_until
         self._beat_until = now + BEAT_FOR
         listener = self._listener
@@ -219,7 +220,7 @@ class Wakeups:
     def _tick(self) -> tuple[float, bool]:
         """The next wait on the listening connection: how long, and whether a heartbeat
         goes first (due every :data:`HEARTBEAT` while the lock is held and wanted)."""
-        now = time.monotonic()
+        now = clocks.elapsed()
         if not self.present or now >= self._beat_until:
             return LISTEN_TICK, False
         due = self.heard + HEARTBEAT - now  # an answer still on its way: due again
@@ -232,7 +233,7 @@ class Wakeups:
         lost, others may take this runtime's runs (see :meth:`Runtime.presence_since`)."""
         held = listener is not None and listener.present
         if held and not self.present:
-            self.held_since = time.monotonic()  # after it was taken: errs towards asking
+            self.held_since = clocks.elapsed()  # after it was taken: errs towards asking
         elif not held:
             self.held_since = math.inf
         self.present = held
@@ -353,10 +354,10 @@ class Ends:
     def wait(self, execution_id: str, mark: tuple[int, int], seconds: float) -> None:
         """Up to ``seconds``, until the run's end is heard or the listener reconnected
         since ``mark``."""
-        deadline = time.monotonic() + seconds
+        deadline = clocks.elapsed() + seconds
         with self._cond:
             while (self._resets, self._ended.get(execution_id, 0)) == mark:
-                left = deadline - time.monotonic()
+                left = deadline - clocks.elapsed()
                 if left <= 0:
                     return
                 self._cond.wait(left)

@@ -20,7 +20,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Final
 
-from . import telemetry
+from . import clocks, telemetry
 from .async_worker import EventLoopDriver, check_available
 from .error_documents import shown
 from .errors import InvalidArgumentError
@@ -260,15 +260,15 @@ class Worker:
                 if told:
                     self._wake.clear()
                 try:
-                    if self._reaping() and time.monotonic() >= reap_at:
-                        reap_at = time.monotonic() + REAP_INTERVAL
+                    if self._reaping() and clocks.elapsed() >= reap_at:
+                        reap_at = clocks.elapsed() + REAP_INTERVAL
                         found = rt.reap()
                         if found:
                             told = True
                             log.warning(
                                 "taking over %d run(s) whose worker is gone: %s", len(found), found
                             )
-                    now = time.monotonic()
+                    now = clocks.elapsed()
                     if told or now >= look_at:
                         # Nothing committed since the last look and no known timer due:
                         # the look would find what it found then (SQLite's data_version).
@@ -301,14 +301,14 @@ class Worker:
                                     # and safety-net look known before still hold (asking
                                     # again would only hold up the drives just begun).
                                     continue
-                        look_at = time.monotonic() + self._idle_wait(quiet, until)
+                        look_at = clocks.elapsed() + self._idle_wait(quiet, until)
                 except Exception as exc:
                     self._wake.wait(self._outage.failed(exc))
                     look_at = 0.0
                     continue
                 self._outage.succeeded()
                 until = look_at if not self._reaping() else min(look_at, reap_at)
-                self._wake.wait(max(0.0, until - time.monotonic()))
+                self._wake.wait(max(0.0, until - clocks.elapsed()))
             with self._lock:
                 self._pool = None
                 inflight = list(self._inflight)
@@ -368,7 +368,7 @@ class Worker:
         interval = self.poll_interval
         if rt.listening():
             interval = max(interval, NOTIFIED_POLL_INTERVAL)
-        now = time.monotonic()
+        now = clocks.elapsed()
         if quiet:
             return max(0.005, min(interval, self._timer_at - now))
         if self._claim_due(until):

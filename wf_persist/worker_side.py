@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from . import clocks
 from .backends import Backend, Claim
 from .errors import PoolTooSmallError, WfPersistError
 from .leases import LeaseKeeper
@@ -66,7 +66,7 @@ class WorkerSide:
             self._claiming += 1  # until its claims are known (see claimed_here)
         claims: list[Claim] = []
         try:
-            asked = time.monotonic()  # before the claim: see Lease.confirmed
+            asked = clocks.elapsed()  # before the claim: see Lease.confirmed
             try:
                 claims = self.backend.claim_batch(
                     self.owner, self._ttl(), limit, workflows, exclude

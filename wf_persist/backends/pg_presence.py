@@ -33,6 +33,7 @@ from psycopg import errors, pq
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 
+from .. import clocks
 from . import pg_wire
 from .connections import dispose_pool
 
@@ -151,7 +152,7 @@ class PGListener:
         if self._owner is None or self.present:
             return
         for attempt in range(LOCK_TRIES):
-            sent = time.monotonic()
+            sent = clocks.elapsed()
             if self._locked():
                 self.present = True
                 self.heard = sent
@@ -170,20 +171,20 @@ class PGListener:
             self._relock()
         elif beat and self._beat_sent is None:
             with self._raw.lock:
-                self._beat_sent = time.monotonic()
+                self._beat_sent = clocks.elapsed()
                 self._raw.pgconn.send_query(b"SELECT true")
                 pg_wire.flushed(self._raw.pgconn, BEAT_DEADLINE)
         payloads = self._received()
         if payloads:
             return payloads
         if self._beat_sent is not None:
-            timeout = min(timeout, self._beat_sent + BEAT_DEADLINE - time.monotonic())
+            timeout = min(timeout, self._beat_sent + BEAT_DEADLINE - clocks.elapsed())
         ready = dict(self._poll.poll(max(0.0, timeout) * 1000))
         if self._nudge_r in ready:
             os.read(self._nudge_r, 512)
         if len(ready) > (self._nudge_r in ready):
             payloads = self._received(consume=True)
-        if self._beat_sent is not None and time.monotonic() - self._beat_sent > BEAT_DEADLINE:
+        if self._beat_sent is not None and clocks.elapsed() - self._beat_sent > BEAT_DEADLINE:
             raise errors.OperationalError(
                 f"the listening connection did not answer a heartbeat within {BEAT_DEADLINE} s"
             )

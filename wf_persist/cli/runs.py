@@ -12,7 +12,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
-from .. import arguments, lifecycle
+from .. import arguments, clocks, lifecycle
 from ..client import Client
 from ..errors import InvalidArgumentError, ResultTimeoutError
 from ..records import HistoryRecord
@@ -165,7 +165,7 @@ def _follow(
     """Hand each new event to ``on_record`` once, until the run ends (True) or ``timeout``
     passes (False). The status is read before the history, so the last read has every event
     of a run seen finished."""
-    deadline = None if timeout is None else time.monotonic() + timeout
+    deadline = None if timeout is None else clocks.elapsed() + timeout
     seen = 0
     while True:
         status = client.status(execution_id)
@@ -175,11 +175,11 @@ def _follow(
                 seen = record.sequence
         if status in lifecycle.TERMINAL:
             return True
-        if deadline is not None and time.monotonic() >= deadline:
+        if deadline is not None and clocks.elapsed() >= deadline:
             return False
         pause = FOLLOW_INTERVAL
         if deadline is not None:
-            pause = max(0.0, min(pause, deadline - time.monotonic()))
+            pause = max(0.0, min(pause, deadline - clocks.elapsed()))
         time.sleep(pause)
 
 
