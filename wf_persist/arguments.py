@@ -97,7 +97,7 @@ def check_id(execution_id: object) -> str:
             "an execution id is a string of 36 characters without NUL or invalid UTF-8, "
             f"got {shown(execution_id)}"
         )
-    return execution_id
+    return str.__str__(execution_id)  # a plain str: a subclass's own hash or equality is not used
 
 
 def workflow_name(workflow: object) -> str:

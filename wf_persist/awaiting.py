@@ -92,6 +92,7 @@ class RunAwaiter(RunReader):
             UnknownExecutionError, ResultTimeoutError; for the embedded client also
             MissingWorkflowVersionError (see :meth:`WorkflowClient.result`).
         """
+        execution_id = arguments.check_id(execution_id)
         arguments.check_timeout(timeout)
         deadline = None if timeout is None else clocks.elapsed() + timeout
         delay = 0.002

@@ -210,12 +210,13 @@ class WorkflowClient(Client):
         hands the run over (due again at once, for a worker or a later call): a step in
         flight is not interrupted, so the call may return that much later.
         """
+        execution_id = arguments.check_id(execution_id)
         arguments.check_timeout(timeout)
         rt = self.runtime
         rt._check_process()
         deadline = None if timeout is None else clocks.elapsed() + timeout
         if self._known(execution_id) is None and not self._busy(execution_id):
-            drove = rt.drive_for_outcome(arguments.check_id(execution_id), deadline)
+            drove = rt.drive_for_outcome(execution_id, deadline)
             if isinstance(drove, tuple):
                 known = self._known(execution_id)
                 if known is not None:

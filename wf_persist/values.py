@@ -69,6 +69,8 @@ def _scan(value: Any, depth: int, nulls: list[bool] | None) -> str | None:
         return f"it is nested more than {MAX_DEPTH} levels deep, which MariaDB rejects"
     if isinstance(value, dict):
         for k, v in value.items():
+            if nulls is not None and not nulls and k in _FLOAT_KEYS:
+                nulls.append(True)  # a float key pydantic wrote as text: maybe NaN or inf
             found = _scan(k, depth, nulls) or _scan(v, depth + 1, nulls)
             if found:
                 return found
@@ -82,6 +84,9 @@ def _scan(value: Any, depth: int, nulls: list[bool] | None) -> str | None:
 
 
 _NON_FINITE: Final = "it contains NaN or an infinity, which JSON cannot hold"
+#: The keys pydantic writes for a NaN or infinite float key (``"None"`` where the key's type
+#: is ``Any``: two such keys would collapse into one).
+_FLOAT_KEYS: Final = frozenset({"None", "nan", "inf", "-inf"})
 
 
 def non_finite(value: Any, depth: int = 0) -> bool:
@@ -92,7 +97,7 @@ def non_finite(value: Any, depth: int = 0) -> bool:
     if depth > 64 or isinstance(value, str | bytes | int):
         return False
     if isinstance(value, dict):
-        return any(non_finite(v, depth + 1) for v in value.values())
+        return any(non_finite(k, depth + 1) or non_finite(v, depth + 1) for k, v in value.items())
     if isinstance(value, list | tuple | set | frozenset):
         return any(non_finite(v, depth + 1) for v in value)
     fields = getattr(value, "__dict__", None)
@@ -120,8 +125,9 @@ def to_json(adapter: TypeAdapter[Any], value: Any, what: str) -> Any:
         raise NotSerializableError(what, detail) from exc
     nulls: list[bool] = []
     problem = _scan(doc, 0, nulls)
-    # pydantic writes NaN and infinities as null: only a document with a null (or already
-    # refused) needs the walk over the Python value that tells them apart.
+    # pydantic writes NaN and infinities as null (as keys, as text): only a document with a
+    # null or such a key (or already refused) needs the walk over the Python value that
+    # tells them apart.
     if (nulls or problem) and non_finite(validated):
         raise NotSerializableError(what, _NON_FINITE)
     if problem is not None:

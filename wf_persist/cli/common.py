@@ -121,6 +121,8 @@ def read_json(text: str, what: str) -> Any:
         raise InvalidArgumentError(f"{source} is not JSON ({exc}): {text!r:.80}") from None
     except RecursionError:  # valid JSON nested deeper than the parser's recursion limit
         raise InvalidArgumentError(f"{source} is nested too deeply: {text!r:.80}") from None
+    except ValueError as exc:  # valid JSON Python refuses to read: an integer of 4,300+ digits
+        raise InvalidArgumentError(f"{source} cannot be read ({exc}): {text!r:.80}") from None
 
 
 def parse_age(text: str, option: str = "--older-than") -> dt.timedelta | dt.datetime:

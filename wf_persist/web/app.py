@@ -152,6 +152,8 @@ def create_app(
                 body = await request.json() if await request.body() else {}
             except ValueError:
                 raise InvalidArgumentError("the request body must be JSON") from None
+            except RecursionError:  # valid JSON nested deeper than the parser reads
+                raise InvalidArgumentError("the request body is nested too deeply") from None
             if not isinstance(body, dict):
                 raise InvalidArgumentError("the request body must be a JSON object")
             result = await call(fn, request.path_params["run_id"], body)

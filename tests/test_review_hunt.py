@@ -1,0 +1,127 @@
+"""Hostile input an adversarial hunt found passing an entry point untyped or stored
+silently wrong: each is one typed error now, with nothing written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import func, select
+
+import wf_persist as wp
+from wf_persist.cli.common import read_json
+from wf_persist.models import executions_table
+from wf_persist.web import create_app
+
+from .fixtures import workflows as w
+from .helpers import Processes
+from .test_cli_runs import one_error_line
+from .test_web import _run_approval
+from .webserver import serving
+
+
+@pytest.mark.parametrize("bad", [["a"], {"a": 1}, {1, 2}])
+def test_result_refuses_an_id_that_is_no_string(runtime: wp.Runtime, db_url: str, bad: Any) -> None:
+    with wp.Client(db_url) as thin:
+        for client in (runtime.client(), thin):
+            with pytest.raises(wp.InvalidArgumentError, match="an execution id is a string"):
+                client.result(bad, timeout=1)
+
+
+class Shifty(str):
+    """An id whose own hash and equality would let it match another run's."""
+
+    def __hash__(self) -> int:
+        raise RuntimeError("hashed")
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+
+def test_an_id_of_a_str_subclass_is_read_as_plain_text(runtime: wp.Runtime) -> None:
+    runtime.register(w.echo_wf)
+    client = runtime.client()
+    run = client.start(w.echo_wf, 2).execution_id
+    assert client.result(Shifty(run), timeout=30).unwrap() == [1, 2]
+
+
+@wp.workflow(name="hunt_any_input", version=1)
+def any_input(ctx: wp.Context, value: Any) -> Any:
+    return value
+
+
+@wp.step
+def float_keys() -> dict[float, str]:
+    return {float("nan"): "a", float("inf"): "b"}
+
+
+@wp.workflow(name="hunt_float_keys", version=1)
+def returns_float_keys(ctx: wp.Context) -> Any:
+    return ctx.run(float_keys)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [{float("nan"): 1}, {float("inf"): 1, float("-inf"): 2}, {"ok": {float("nan"): 1}}],
+    ids=["nan", "infinities", "nested"],
+)
+def test_a_nan_or_infinite_key_is_refused_not_stored_as_text(
+    runtime: wp.Runtime, db_url: str, value: Any
+) -> None:
+    runtime.register(any_input)
+    with pytest.raises(wp.NotSerializableError, match="NaN or an infinity"):
+        runtime.client().start(any_input, value)
+    with runtime.engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(executions_table)).scalar() == 0
+
+
+def test_a_step_result_with_nan_keys_fails_the_step_typed(runtime: wp.Runtime) -> None:
+    runtime.register(returns_float_keys)
+    outcome = runtime.client().execute(returns_float_keys)
+    assert isinstance(outcome, wp.Failed)
+    assert outcome.error["cause"]["name"] == "NotSerializableError"
+
+
+def test_keys_that_are_only_the_text_of_such_floats_are_kept(runtime: wp.Runtime) -> None:
+    runtime.register(any_input)
+    value = {"None": 1, "nan": 2, "inf": 3, "-inf": 4}
+    assert runtime.client().execute(any_input, value).unwrap() == value
+
+
+def test_a_json_integer_too_long_to_read_is_one_error(tmp_path: Path) -> None:
+    digits = "1" * 5000
+    with pytest.raises(wp.InvalidArgumentError, match="cannot be read"):
+        read_json(digits, "--input")
+    path = tmp_path / "big.json"
+    path.write_text(digits)
+    with pytest.raises(wp.InvalidArgumentError, match=f"--input file {path} cannot be read"):
+        read_json(f"@{path}", "--input")
+
+
+def test_the_cli_says_so_in_one_line(db_url: str, procs: Processes, tmp_path: Path) -> None:
+    path = tmp_path / "big.json"
+    path.write_text("1" * 5000)
+    env = {"WF_PERSIST_DATABASE_URL": db_url}
+    done = procs.cli("runs", "start", "echo", "--input", f"@{path}", check=False, env=env)
+    one_error_line(done, "cannot be read")
+
+
+def test_the_web_api_refuses_a_body_nested_past_the_parser(
+    runtime: wp.Runtime, db_url: str
+) -> None:
+    runtime.register(*w.ALL)
+    run = _run_approval(runtime)
+    token = {"Authorization": "Bearer s3cret"}
+    with wp.Client(db_url) as client:
+        app = create_app(client=client, allow_actions=True, token="s3cret")
+        with serving(app) as base, httpx.Client(base_url=base, timeout=30) as http:
+            deep = "[" * 100_000 + "]" * 100_000
+            answer = http.post(f"/api/runs/{run}/signal", content=deep, headers=token)
+            assert answer.status_code == 400
+            assert answer.json() == {"error": "the request body is nested too deeply"}
+            inner = '{"name": "approval", "payload": ' + "[" * 3000 + "]" * 3000 + "}"
+            answer = http.post(f"/api/runs/{run}/signal", content=inner, headers=token)
+            assert answer.status_code == 400
+        assert [p.name for p in client.pending_signals(run)] == ["approval"]  # none delivered
