@@ -3,12 +3,13 @@ silently wrong: each is one typed error now, with nothing written."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import Engine, func, select
 
 import wf_persist as wp
 from wf_persist.cli.common import read_json
@@ -125,3 +126,35 @@ def test_the_web_api_refuses_a_body_nested_past_the_parser(
             answer = http.post(f"/api/runs/{run}/signal", content=inner, headers=token)
             assert answer.status_code == 400
         assert [p.name for p in client.pending_signals(run)] == ["approval"]  # none delivered
+
+
+@pytest.mark.needs("libpq")
+def test_a_date_style_psycopg_cannot_read_is_refused_when_the_engine_opens(
+    db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """psycopg reads times only in the ISO style: a start under another one committed,
+    then failed reading its own answer."""
+    engine = make_engine(db_url, connect_args={"options": "-c DateStyle=German"})
+    with pytest.raises(wp.UnsupportedDatabaseError, match="DateStyle 'German, DMY'"):
+        wp.Runtime(engine)
+    iso = make_engine(db_url, connect_args={"options": "-c DateStyle=ISO,DMY"})
+    with wp.Runtime(iso) as runtime:  # ISO with any order of day and month reads fine
+        runtime.register(any_input)
+        assert runtime.client().execute(any_input, {"at": "now"}).unwrap() == {"at": "now"}
+
+
+@pytest.mark.needs("sql_mode")
+@pytest.mark.parametrize("charset", ["latin1", "utf8mb3"])
+def test_a_character_set_narrower_than_utf8mb4_is_refused_when_the_engine_opens(
+    db_url: str, make_engine: Callable[..., Engine], charset: str
+) -> None:
+    """An actor, key or workflow name with an emoji failed in the driver or the server
+    (a raw error, and a half-written catalog)."""
+    engine = make_engine(db_url, connect_args={"charset": charset})
+    with pytest.raises(wp.UnsupportedDatabaseError, match=f"character set {charset}"):
+        wp.Runtime(engine)
+    fine = make_engine(db_url, connect_args={"charset": "utf8mb4"})
+    with wp.Runtime(fine) as runtime:
+        runtime.register(any_input)
+        out = runtime.client().execute(any_input, 1, actor="a😀", idempotency_key="k😀")
+        assert out.unwrap() == 1

@@ -111,8 +111,11 @@ class MySQLBackend(Backend):
 
     def __init__(self, engine: Engine, *, owned: bool, schema: str | None = None) -> None:
         with engine.connect() as conn:
-            mode, packet = conn.execute(
-                text("SELECT @@SESSION.sql_mode, @@max_allowed_packet")
+            mode, packet, client_set, connection_set = conn.execute(
+                text(
+                    "SELECT @@SESSION.sql_mode, @@max_allowed_packet,"
+                    " @@SESSION.character_set_client, @@SESSION.character_set_connection"
+                )
             ).one()
             # AUTOCOMMIT is a driver setting the isolation level does not report: such an
             # engine needs our level set too, or our transactions would not be transactions.
@@ -122,6 +125,7 @@ class MySQLBackend(Backend):
         super().__init__(engine, owned=owned, schema=schema)
         self.slots = NamedLockSlots(self.engine)
         self.sql_mode = str(mode)
+        self.character_sets = (str(client_set), str(connection_set))
         self.packet_bytes = int(packet)
         self.max_value_bytes = (self.packet_bytes - _PACKET_MARGIN) // 2
 
@@ -181,6 +185,15 @@ class MySQLBackend(Backend):
                 f"'{self.sql_mode}'), so MySQL would truncate values silently; add "
                 "STRICT_TRANS_TABLES, e.g. create_engine(url, connect_args={'init_command': "
                 "\"SET SESSION sql_mode = CONCAT(@@sql_mode, ',STRICT_TRANS_TABLES')\"})"
+            )
+        # Names, keys and values may hold any character: a narrower character set fails
+        # them in the driver or the server (one with an emoji, say), or mangles them.
+        narrower = sorted({found for found in self.character_sets if found != "utf8mb4"})
+        if narrower:
+            raise UnsupportedDatabaseError(
+                f"this engine's connections use the character set {', '.join(narrower)}, "
+                "which cannot hold every character; connect with utf8mb4, e.g. "
+                "mysql+pymysql://user@host/db?charset=utf8mb4"
             )
 
     def value_size(self, text: str) -> int:

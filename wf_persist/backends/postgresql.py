@@ -32,7 +32,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 
-from ..errors import LeaseLostError
+from ..errors import LeaseLostError, UnsupportedDatabaseError
 from ..events import NewEvent
 from ..models import executions_table as ex
 from ..models import workflows_table as wf
@@ -98,6 +98,7 @@ class PostgreSQLBackend(RawPath):
         # host's engine keeps the per-checkout level.
         with engine.connect() as conn:
             default = conn.exec_driver_sql("SHOW default_transaction_isolation").scalar()
+            self.date_style = str(conn.exec_driver_sql("SHOW DateStyle").scalar())
             level = conn.get_isolation_level()  # AUTOCOMMIT is a driver setting it omits
             raw: Any = conn.connection.dbapi_connection
             autocommit = conn.dialect.detect_autocommit_setting(raw)
@@ -152,6 +153,17 @@ class PostgreSQLBackend(RawPath):
         if version is not None and version < (12,):
             return "PostgreSQL >= 12 is needed; found " + ".".join(str(p) for p in version)
         return None
+
+    def check(self) -> None:
+        super().check()
+        # psycopg reads times sent as text only in the ISO style: any other would fail
+        # reading what a statement returns, after the statement has committed.
+        if not self.date_style.upper().startswith("ISO"):
+            raise UnsupportedDatabaseError(
+                f"this engine's connections use DateStyle '{self.date_style}', whose times "
+                "psycopg cannot read; use ISO, e.g. create_engine(url, connect_args="
+                "{'options': '-c DateStyle=ISO'})"
+            )
 
     # wake-ups and presence ----------------------------------------------------------
 
