@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import uuid
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
@@ -121,14 +122,15 @@ def has(backend: str, capability: str) -> bool:
 
 
 def _probe(name: str) -> frozenset[str]:
-    url = "sqlite://" if name == "sqlite" else ADMIN_URLS[name]
-    engine = create_engine(url)
-    try:
-        backend = open_backend(engine, owned=False)
-        backend.check()
-        return capabilities_of(backend)
-    finally:
-        engine.dispose()
+    with tempfile.TemporaryDirectory(prefix="wf-persist-probe-") as tmp:
+        url = f"sqlite:///{tmp}/probe.sqlite3" if name == "sqlite" else ADMIN_URLS[name]
+        engine = create_engine(url)
+        try:
+            backend = open_backend(engine, owned=False)
+            backend.check()
+            return capabilities_of(backend)
+        finally:
+            engine.dispose()
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 from sqlalchemy import Engine, func, select
+from sqlalchemy.pool import AssertionPool, Pool, StaticPool
 
 import wf_persist as wp
 from wf_persist.cli.common import read_json
@@ -158,3 +159,34 @@ def test_a_character_set_narrower_than_utf8mb4_is_refused_when_the_engine_opens(
         runtime.register(any_input)
         out = runtime.client().execute(any_input, 1, actor="a😀", idempotency_key="k😀")
         assert out.unwrap() == 1
+
+
+@pytest.mark.parametrize("pool", [StaticPool, AssertionPool])
+def test_a_pool_that_shares_one_connection_between_threads_is_refused(
+    db_url: str, make_engine: Callable[..., Engine], pool: type[Pool]
+) -> None:
+    """The lease keeper, timers, workers and callers write at once: on one connection
+    their transactions interleaved (a start reported for a run never saved, raw errors)."""
+    engine = make_engine(db_url, poolclass=pool)
+    with pytest.raises(wp.UnsupportedDatabaseError, match=pool.__name__):
+        wp.Runtime(engine)
+    with pytest.raises(wp.UnsupportedDatabaseError, match=pool.__name__):
+        wp.Client(engine)
+
+
+@pytest.mark.needs("embedded")
+@pytest.mark.parametrize(
+    "url", ["sqlite://", "sqlite:///:memory:", "sqlite:///file::memory:?cache=shared&uri=true"]
+)
+def test_a_host_engine_on_an_in_memory_database_is_refused(
+    backend: str, url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """Each connection has its own in-memory database: a worker's had no tables, and its
+    claims failed (logged, retried) for ever."""
+    with pytest.raises(wp.UnsupportedDatabaseError, match="in memory"):
+        wp.Runtime(make_engine(url), auto_migrate=True)
+    with wp.Runtime(url) as runtime:  # the same URL given to wf_persist: a private file
+        runtime.register(any_input)
+        runtime.start_worker()
+        client = runtime.client()
+        assert client.result(client.start(any_input, 3).execution_id, timeout=30).unwrap() == 3

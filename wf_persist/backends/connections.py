@@ -19,7 +19,14 @@ from typing import Any, ClassVar, Final
 from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import URL, Row
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.pool import ConnectionPoolEntry, Pool, PoolProxiedConnection, QueuePool
+from sqlalchemy.pool import (
+    AssertionPool,
+    ConnectionPoolEntry,
+    Pool,
+    PoolProxiedConnection,
+    QueuePool,
+    StaticPool,
+)
 
 from ..errors import ForkedRuntimeError, UnsupportedDatabaseError, ValueTooLargeError
 from .slots import Slots
@@ -235,6 +242,16 @@ class Connections:
 
     def check(self) -> None:
         """Fail early, and say why, if this database or host engine cannot run wf_persist."""
+        pool = self.base_engine.pool
+        if isinstance(pool, StaticPool | AssertionPool):
+            # Its threads (the lease keeper, timers, workers, callers) write at once: on
+            # one shared connection their transactions would interleave and undo each other.
+            raise UnsupportedDatabaseError(
+                f"this engine's {type(pool).__name__} gives every thread one and the same "
+                "connection, and wf_persist writes from several threads at once; use a pool "
+                "that gives each its own (the default; for an in-memory SQLite database pass "
+                "wf_persist the URL, which makes it a private file)"
+            )
         problem = self.requirement_problem(self.server_version())
         if problem is not None:
             raise UnsupportedDatabaseError(problem)

@@ -28,7 +28,7 @@ from sqlalchemy.dialects import sqlite
 from sqlalchemy.engine import URL
 from sqlalchemy.pool import ConnectionPoolEntry
 
-from ..errors import LeaseLostError
+from ..errors import LeaseLostError, UnsupportedDatabaseError
 from ..events import NewEvent
 from ..models import executions_table as ex
 from .base import Backend, Changes
@@ -149,7 +149,7 @@ class SQLiteBackend(Backend):
 
     @classmethod
     def configure_engine(cls, url: URL, kwargs: dict[str, Any]) -> tuple[URL, dict[str, Any]]:
-        if url.database in (None, "", ":memory:") or url.query.get("mode") == "memory":
+        if url.query.get("mode") == "memory" or cls.in_memory(url):
             # An in-memory database is one connection, which threads would have to take turns
             # on: a private file in a temporary directory, removed with the engine, behaves
             # the same to its user and lets every thread have its own connection.
@@ -250,7 +250,31 @@ class SQLiteBackend(Backend):
         # SQLite its absolute path, a plain file named "file:x").
         return not os.path.exists(database)
 
+    @staticmethod
+    def in_memory(url: URL) -> bool:
+        """Whether ``url`` names an in-memory database: each connection has its own (or,
+        shared through a URI's cache, one that locks whole tables without waiting)."""
+        database = url.database or ""
+        if database in ("", ":memory:"):
+            return True
+        if database.startswith("file:") and url.query.get("uri") == "true":
+            parts = urllib.parse.urlsplit(database)
+            modes = urllib.parse.parse_qs(parts.query).get("mode", ())
+            return parts.path == ":memory:" or "memory" in modes
+        return False
+
     # checks ------------------------------------------------------------------------
+
+    def check(self) -> None:
+        super().check()
+        if self.in_memory(self.base_engine.url):
+            # wf_persist's own engines keep such a database in a private file instead.
+            raise UnsupportedDatabaseError(
+                "this engine's SQLite database is in memory, where each connection has its "
+                "own (a worker's would have no tables); wf_persist uses several at once: "
+                "pass wf_persist the URL (it keeps the database in a private file) or use a "
+                "file"
+            )
 
     def server_version(self) -> tuple[int, ...] | None:
         return tuple(sqlite3.sqlite_version_info)
