@@ -39,7 +39,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import mysql, postgresql
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
-from sqlalchemy.types import TypeDecorator
+from sqlalchemy.types import TypeDecorator, TypeEngine
 
 from .lifecycle import ACTIVE, STATUSES
 
@@ -109,12 +109,40 @@ JSONDoc = JSON(none_as_null=True).with_variant(postgresql.JSONB(none_as_null=Tru
 MYSQL_TABLE_OPTIONS: Final[dict[str, str]] = {"mysql_engine": "InnoDB", "mysql_charset": "utf8mb4"}
 
 
-def key_string(length: int) -> String:
-    """A name or key column: compared byte for byte everywhere ("Key" != "key"), which on
-    MySQL/MariaDB takes a binary collation."""
-    return String(length).with_variant(
-        mysql.VARCHAR(length, collation="utf8mb4_bin"), "mysql", "mariadb"
-    )
+#: The NO PAD binary collation of names and keys on MySQL/MariaDB. ``utf8mb4_bin`` pads:
+#: there ``'k' = 'k '`` holds (in lookups and unique keys), where SQLite and PostgreSQL keep
+#: them apart. MySQL's is from 8.0.17, MariaDB's from 10.2.
+MYSQL_KEY_COLLATION: Final = "utf8mb4_0900_bin"
+MARIADB_KEY_COLLATION: Final = "utf8mb4_nopad_bin"
+
+
+def key_collation(dialect: Dialect) -> str:
+    """The key collation of a MySQL-family dialect. MariaDB reached through a ``mysql://``
+    URL is still dialect ``mysql``: only ``is_mariadb`` (set on connect) tells them apart."""
+    return MARIADB_KEY_COLLATION if getattr(dialect, "is_mariadb", False) else MYSQL_KEY_COLLATION
+
+
+class KeyString(TypeDecorator[str]):
+    """A name or key column: compared byte for byte everywhere ("Key" != "key", "k" !=
+    "k "), which on MySQL/MariaDB takes a NO PAD binary collation, named per server."""
+
+    impl = String
+    cache_ok = True
+
+    def __init__(self, length: int) -> None:
+        super().__init__(length)
+        self.length = length
+
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
+        if dialect.name in ("mysql", "mariadb"):
+            collation = key_collation(dialect)
+            return dialect.type_descriptor(mysql.VARCHAR(self.length, collation=collation))
+        return dialect.type_descriptor(String(self.length))
+
+
+def key_string(length: int) -> KeyString:
+    """A name or key column (see :class:`KeyString`)."""
+    return KeyString(length)
 
 
 class Base(DeclarativeBase):
