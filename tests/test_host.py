@@ -343,7 +343,7 @@ def test_requirements_are_checked_and_explained(db_engine: Engine) -> None:
         mariadb = bool(getattr(engine.dialect, "is_mariadb", False))
         assert problem((10, 11, 6) if mariadb else (8, 0, 30)) is None
         old = problem((10, 5, 9) if mariadb else (5, 7, 40)) or ""
-        assert ("MariaDB >= 10.6" if mariadb else "MySQL >= 8.0.1") in old
+        assert ("MariaDB >= 10.6" if mariadb else "MySQL >= 8.0.17") in old
     assert problem(None) is None
     with pytest.raises(wp.UnsupportedDatabaseError, match="not supported"):
         backends.backend_type("oracle")

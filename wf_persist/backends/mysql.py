@@ -173,8 +173,11 @@ class MySQLBackend(Backend):
         found = "" if version is None else ".".join(str(p) for p in version)
         if mariadb and version is not None and version < (10, 6):
             return f"MariaDB >= 10.6 is needed (FOR UPDATE SKIP LOCKED); found {found}"
-        if not mariadb and version is not None and version < (8, 0, 1):
-            return f"MySQL >= 8.0.1 is needed (FOR UPDATE SKIP LOCKED); found {found}"
+        if not mariadb and version is not None and version < (8, 0, 17):
+            return (
+                "MySQL >= 8.0.17 is needed (FOR UPDATE SKIP LOCKED, and the NO PAD binary "
+                f"collation names and keys are compared in); found {found}"
+            )
         return None
 
     def check(self) -> None:
