@@ -4,8 +4,9 @@ once per pool."""
 
 from __future__ import annotations
 
-import inspect
+import gc
 import re
+import weakref
 from typing import Any
 
 import pytest
@@ -13,7 +14,6 @@ from sqlalchemy import create_engine
 from sqlalchemy.pool import QueuePool
 
 import wf_persist as wp
-from wf_persist.loops import is_async
 from wf_persist.steps import StepRunner
 
 
@@ -145,31 +145,30 @@ def test_recorded_inputs_follow_the_binding(runtime: wp.Runtime) -> None:
     assert inputs == [{"a": 10, "b": 1}, {"a": 10}, {"a": 10, "b": 2}, {"a": 10, "b": 3}]
 
 
-class Unhashable:
-    __hash__ = None  # type: ignore[assignment]
-
-    def __call__(self) -> None:
-        return None
+class Payload:
+    """Big enough to notice, captured by a code block's closure."""
 
 
-class HostileHash:
-    def __hash__(self) -> int:
-        raise RuntimeError("no hash for you")
-
-    async def __call__(self) -> None:
-        return None
-
-
-async def coroutine_function() -> None:
-    return None
+@wp.workflow(name="hot_path_code_blocks", version=1)
+def code_blocks(ctx: wp.Context, n: int) -> int:
+    payload = Payload()
+    PAYLOADS.append(weakref.ref(payload))
+    return ctx.code("measure", lambda: n + len(repr(payload)) * 0)
 
 
-def test_is_async_answers_for_any_callable_and_remembers_functions() -> None:
-    assert is_async(coroutine_function) is True
-    assert is_async(coroutine_function) is True  # from what it remembered
-    assert is_async(two.fn) is False
-    assert is_async(Unhashable()) is False
-    assert is_async(HostileHash()) is inspect.iscoroutinefunction(HostileHash())
+PAYLOADS: list[weakref.ref[Payload]] = []
+
+
+def test_a_code_blocks_closure_is_not_kept_after_its_run(runtime: wp.Runtime) -> None:
+    """Nothing of wf_persist's keeps a call's function (and what it captures, often the
+    run's context) once the call is over."""
+    runtime.register(code_blocks)
+    client = runtime.client()
+    PAYLOADS.clear()
+    for n in range(5):
+        assert client.execute(code_blocks, n).unwrap() == n
+    gc.collect()
+    assert [ref() for ref in PAYLOADS] == [None] * 5
 
 
 def test_pool_full_reads_the_capacity_of_the_pool_in_use(tmp_path: Any) -> None:

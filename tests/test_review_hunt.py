@@ -3,14 +3,17 @@ silently wrong: each is one typed error now, with nothing written."""
 
 from __future__ import annotations
 
+import asyncio
+import sqlite3
 from collections.abc import Callable
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import Engine, func, select
-from sqlalchemy.pool import AssertionPool, Pool, StaticPool
+from sqlalchemy import Engine, event, func, select
+from sqlalchemy.pool import AssertionPool, Pool, QueuePool, StaticPool
 
 import wf_persist as wp
 from wf_persist.cli.common import read_json
@@ -176,7 +179,7 @@ def test_a_pool_that_shares_one_connection_between_threads_is_refused(
 
 @pytest.mark.needs("embedded")
 @pytest.mark.parametrize(
-    "url", ["sqlite://", "sqlite:///:memory:", "sqlite:///file::memory:?cache=shared&uri=true"]
+    "url", ["sqlite://", "sqlite:///:memory:", "sqlite:///file::memory:?uri=true"]
 )
 def test_a_host_engine_on_an_in_memory_database_is_refused(
     backend: str, url: str, make_engine: Callable[..., Engine]
@@ -190,3 +193,96 @@ def test_a_host_engine_on_an_in_memory_database_is_refused(
         runtime.start_worker()
         client = runtime.client()
         assert client.result(client.start(any_input, 3).execution_id, timeout=30).unwrap() == 3
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        dict([((float("nan"), 1), "first"), ((float("nan"), 1), "second")]),
+        {Decimal("NaN"): 1},
+        {Decimal("Infinity"): 1, Decimal("-Infinity"): 2},
+    ],
+    ids=["tuple-keys", "decimal-nan", "decimal-infinities"],
+)
+def test_nan_inside_tuple_or_decimal_keys_is_refused(runtime: wp.Runtime, value: Any) -> None:
+    runtime.register(any_input)
+    with pytest.raises(wp.NotSerializableError, match="NaN or an infinity"):
+        runtime.client().start(any_input, value)
+
+
+def test_a_key_pydantic_cannot_write_is_a_typed_error(runtime: wp.Runtime) -> None:
+    runtime.register(any_input)
+    with pytest.raises(wp.NotSerializableError, match="frozenset"):
+        runtime.client().start(any_input, {frozenset({1}): 1})
+
+
+def test_keys_that_merely_contain_such_text_are_kept(runtime: wp.Runtime) -> None:
+    runtime.register(any_input)
+    value = {"Information": 1, "Nonetheless": 2, "1,2": 3}
+    assert runtime.client().execute(any_input, value).unwrap() == value
+
+
+class NoHash(str):
+    __hash__ = None  # type: ignore[assignment]
+
+
+def test_the_async_client_reads_an_id_as_plain_text(runtime: wp.Runtime, db_url: str) -> None:
+    runtime.register(any_input)
+    run = runtime.client().execute(any_input, 4).execution_id
+
+    async def ask() -> Any:
+        async with wp.AsyncClient(db_url) as client:
+            with pytest.raises(wp.InvalidArgumentError):
+                await client.result(["x"], timeout=1)  # type: ignore[arg-type]
+            return (await client.result(NoHash(run), timeout=30)).unwrap()
+
+    assert asyncio.run(ask()) == 4
+
+
+@pytest.mark.needs("sql_mode")
+def test_results_in_a_narrower_character_set_are_refused(
+    db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """A connect hook setting ``character_set_results``: names read back failed to decode,
+    then the driver lost track of its packets."""
+    engine = make_engine(db_url)
+
+    @event.listens_for(engine, "connect")
+    def _latin1_results(dbapi_connection: Any, _record: Any) -> None:
+        with dbapi_connection.cursor() as cursor:
+            cursor.execute("SET character_set_results = latin1")
+
+    with pytest.raises(wp.UnsupportedDatabaseError, match="character set latin1"):
+        wp.Runtime(engine)
+
+
+@pytest.mark.needs("embedded")
+def test_a_host_engine_is_judged_by_its_connections_not_its_url(
+    backend: str, tmp_path: Path, make_engine: Callable[..., Engine]
+) -> None:
+    """A ``creator`` opening a file under ``sqlite://`` is a file database; one opening
+    ``:memory:`` is refused whatever the URL says."""
+    path = tmp_path / "created.sqlite3"
+    wp.migrate.upgrade(f"sqlite:///{path}")
+    on_file = make_engine(
+        "sqlite://",
+        creator=lambda: sqlite3.connect(path, check_same_thread=False),
+        poolclass=QueuePool,
+    )
+    with wp.Runtime(on_file) as runtime:
+        runtime.register(any_input)
+        assert runtime.client().execute(any_input, 5).unwrap() == 5
+    in_memory = make_engine(
+        f"sqlite:///{tmp_path / 'named.sqlite3'}",
+        creator=lambda: sqlite3.connect(":memory:", check_same_thread=False),
+    )
+    with pytest.raises(wp.UnsupportedDatabaseError, match="in memory"):
+        wp.Runtime(in_memory)
+    for url in ("sqlite:///file:memx?mode=memory&uri=true", "sqlite:///file::memory:?uri=1"):
+        with pytest.raises(wp.UnsupportedDatabaseError, match="in memory"):
+            wp.Runtime(make_engine(url, poolclass=QueuePool))
+    with wp.Runtime("sqlite:///file::memory:?uri=1") as runtime:  # wf_persist's own: a file
+        runtime.register(any_input)
+        runtime.start_worker()
+        client = runtime.client()
+        assert client.result(client.start(any_input, 6).execution_id, timeout=30).unwrap() == 6

@@ -182,8 +182,8 @@ class AsyncClient:
         """Wait for the run to end (workers drive it) and return its outcome: it is read
         after 2 ms, then twice as long each time, at most every ``poll_interval``, and at
         once when the database announces its end (PostgreSQL)."""
+        execution_id = arguments.check_id(execution_id)
         arguments.check_timeout(timeout)
-        arguments.check_id(execution_id)
         deadline = None if timeout is None else clocks.elapsed() + timeout
         delay = 0.002
         event = asyncio.Event()

@@ -25,21 +25,8 @@ BODY_LOOP: Final[contextvars.ContextVar[asyncio.AbstractEventLoop | None]] = con
 )
 
 
-#: Functions already asked about (a step's function is asked twice per call); bounded.
-_ASYNC: Final[dict[Any, bool]] = {}
-_ASYNC_KEPT: Final = 4096
-
-
 def is_async(fn: Callable[..., Any]) -> bool:
-    try:
-        found = _ASYNC.get(fn)
-    except Exception:  # a callable that cannot be hashed (or hashes badly)
-        return inspect.iscoroutinefunction(fn)
-    if found is None:
-        found = inspect.iscoroutinefunction(fn)
-        if len(_ASYNC) < _ASYNC_KEPT:
-            _ASYNC[fn] = found
-    return found
+    return inspect.iscoroutinefunction(fn)
 
 
 def check_can_await(fn: Callable[..., Any], what: str) -> None:

@@ -11,9 +11,11 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import is_dataclass
+from decimal import Decimal
 from typing import Any, Final, Literal
 
 import pydantic_core
@@ -69,8 +71,8 @@ def _scan(value: Any, depth: int, nulls: list[bool] | None) -> str | None:
         return f"it is nested more than {MAX_DEPTH} levels deep, which MariaDB rejects"
     if isinstance(value, dict):
         for k, v in value.items():
-            if nulls is not None and not nulls and k in _FLOAT_KEYS:
-                nulls.append(True)  # a float key pydantic wrote as text: maybe NaN or inf
+            if nulls is not None and not nulls and _FLOAT_KEY.search(k):
+                nulls.append(True)  # a key pydantic wrote from numbers: maybe NaN or inf
             found = _scan(k, depth, nulls) or _scan(v, depth + 1, nulls)
             if found:
                 return found
@@ -84,9 +86,10 @@ def _scan(value: Any, depth: int, nulls: list[bool] | None) -> str | None:
 
 
 _NON_FINITE: Final = "it contains NaN or an infinity, which JSON cannot hold"
-#: The keys pydantic writes for a NaN or infinite float key (``"None"`` where the key's type
-#: is ``Any``: two such keys would collapse into one).
-_FLOAT_KEYS: Final = frozenset({"None", "nan", "inf", "-inf"})
+#: What pydantic writes for a NaN or infinite float (or ``Decimal``) key, alone or in a
+#: tuple key's text (``"None"`` where the key's type is ``Any``): two such keys would
+#: collapse into one.
+_FLOAT_KEY: Final = re.compile(r"None|nan|NaN|inf|Inf")
 
 
 def non_finite(value: Any, depth: int = 0) -> bool:
@@ -97,13 +100,25 @@ def non_finite(value: Any, depth: int = 0) -> bool:
     if depth > 64 or isinstance(value, str | bytes | int):
         return False
     if isinstance(value, dict):
-        return any(non_finite(k, depth + 1) or non_finite(v, depth + 1) for k, v in value.items())
+        return any(
+            _non_finite_key(k, depth + 1) or non_finite(v, depth + 1) for k, v in value.items()
+        )
     if isinstance(value, list | tuple | set | frozenset):
         return any(non_finite(v, depth + 1) for v in value)
     fields = getattr(value, "__dict__", None)
     if isinstance(fields, dict) and (is_dataclass(value) or isinstance(value, BaseModel)):
         return any(non_finite(v, depth + 1) for v in fields.values())
     return False
+
+
+def _non_finite_key(key: Any, depth: int) -> bool:
+    """:func:`non_finite` for a dict key, which may also be a ``Decimal`` or a tuple of
+    keys: pydantic writes a NaN ``Decimal`` key as ``"NaN"`` too."""
+    if isinstance(key, Decimal):
+        return not key.is_finite()
+    if isinstance(key, tuple) and depth <= 64:
+        return any(_non_finite_key(k, depth + 1) for k in key)
+    return non_finite(key, depth)
 
 
 def to_json(adapter: TypeAdapter[Any], value: Any, what: str) -> Any:
@@ -117,7 +132,8 @@ def to_json(adapter: TypeAdapter[Any], value: Any, what: str) -> Any:
         doc = adapter.dump_python(validated, mode="json")
     except ValidationError as exc:
         raise InvalidPayloadError(what, [dict(e) for e in exc.errors(include_url=False)]) from exc
-    except (PydanticSerializationError, UnicodeDecodeError) as exc:
+    except (PydanticSerializationError, UnicodeDecodeError, TypeError) as exc:
+        # TypeError: a key pydantic cannot write (a frozenset's), say
         raise NotSerializableError(what, str(exc)) from exc
     except ValueError as exc:  # pydantic's own limit: "Maximum serialization depth exceeded"
         deep = "depth" in str(exc)

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 
 from alembic import context, op
+from wf_persist.errors import UnsupportedDatabaseError
 
 revision: str = "wf_0010"
 down_revision: str | Sequence[str] | None = "wf_0009"
@@ -83,7 +84,7 @@ def _nopad() -> str:
     version = dialect.server_version_info if _online() else None
     if version is not None and tuple(version) < _MYSQL_NOPAD_SINCE:
         found = ".".join(str(p) for p in version)
-        raise RuntimeError(
+        raise UnsupportedDatabaseError(
             f"wf_0010 needs MySQL >= 8.0.17 for the {_MYSQL_NOPAD} collation (names and keys "
             f"that differ by trailing spaces are distinct); found {found}. Nothing was changed."
         )
@@ -150,7 +151,7 @@ def downgrade() -> None:
         return
     conflict = _padded_conflict()
     if conflict is not None:
-        raise RuntimeError(
+        raise UnsupportedDatabaseError(
             f"cannot downgrade wf_0010: {conflict} holds values that differ only by trailing "
             f"spaces, one key under {_PAD}; rename or purge them first. Nothing was changed."
         )

@@ -249,8 +249,7 @@ class Connections:
             raise UnsupportedDatabaseError(
                 f"this engine's {type(pool).__name__} gives every thread one and the same "
                 "connection, and wf_persist writes from several threads at once; use a pool "
-                "that gives each its own (the default; for an in-memory SQLite database pass "
-                "wf_persist the URL, which makes it a private file)"
+                "that gives each its own (the default for a database file or server)"
             )
         problem = self.requirement_problem(self.server_version())
         if problem is not None:

@@ -111,10 +111,11 @@ class MySQLBackend(Backend):
 
     def __init__(self, engine: Engine, *, owned: bool, schema: str | None = None) -> None:
         with engine.connect() as conn:
-            mode, packet, client_set, connection_set = conn.execute(
+            mode, packet, client_set, connection_set, results_set = conn.execute(
                 text(
                     "SELECT @@SESSION.sql_mode, @@max_allowed_packet,"
-                    " @@SESSION.character_set_client, @@SESSION.character_set_connection"
+                    " @@SESSION.character_set_client, @@SESSION.character_set_connection,"
+                    " @@SESSION.character_set_results"
                 )
             ).one()
             # AUTOCOMMIT is a driver setting the isolation level does not report: such an
@@ -125,7 +126,9 @@ class MySQLBackend(Backend):
         super().__init__(engine, owned=owned, schema=schema)
         self.slots = NamedLockSlots(self.engine)
         self.sql_mode = str(mode)
-        self.character_sets = (str(client_set), str(connection_set))
+        # Results in their columns' own character set (NULL) are utf8mb4 for our tables.
+        results = "utf8mb4" if results_set is None else str(results_set)
+        self.character_sets = (str(client_set), str(connection_set), results)
         self.packet_bytes = int(packet)
         self.max_value_bytes = (self.packet_bytes - _PACKET_MARGIN) // 2
 

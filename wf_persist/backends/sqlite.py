@@ -257,7 +257,8 @@ class SQLiteBackend(Backend):
         database = url.database or ""
         if database in ("", ":memory:"):
             return True
-        if database.startswith("file:") and url.query.get("uri") == "true":
+        uri = str(url.query.get("uri", "")).lower() in ("true", "1", "yes", "on")
+        if database.startswith("file:") and uri:
             parts = urllib.parse.urlsplit(database)
             modes = urllib.parse.parse_qs(parts.query).get("mode", ())
             return parts.path == ":memory:" or "memory" in modes
@@ -267,7 +268,7 @@ class SQLiteBackend(Backend):
 
     def check(self) -> None:
         super().check()
-        if self.in_memory(self.base_engine.url):
+        if self._private_to_each_connection():
             # wf_persist's own engines keep such a database in a private file instead.
             raise UnsupportedDatabaseError(
                 "this engine's SQLite database is in memory, where each connection has its "
@@ -275,6 +276,18 @@ class SQLiteBackend(Backend):
                 "pass wf_persist the URL (it keeps the database in a private file) or use a "
                 "file"
             )
+
+    def _private_to_each_connection(self) -> bool:
+        """Whether each connection has a database of its own: in memory or temporary (no
+        file, as the connection itself reports whatever the URL says: a ``creator`` may
+        open a file under ``sqlite://``), unless the URL shares an in-memory one through
+        SQLite's shared cache."""
+        with self.base_engine.connect() as conn:
+            rows = conn.exec_driver_sql("PRAGMA database_list").all()
+        if any(row[1] == "main" and row[2] for row in rows):
+            return False
+        url = self.base_engine.url
+        return url.query.get("cache") != "shared" and "cache=shared" not in (url.database or "")
 
     def server_version(self) -> tuple[int, ...] | None:
         return tuple(sqlite3.sqlite_version_info)
