@@ -260,8 +260,8 @@ def test_results_in_a_narrower_character_set_are_refused(
 def test_a_host_engine_is_judged_by_its_connections_not_its_url(
     backend: str, tmp_path: Path, make_engine: Callable[..., Engine]
 ) -> None:
-    """A ``creator`` opening a file under ``sqlite://`` is a file database; one opening
-    ``:memory:`` is refused whatever the URL says."""
+    """A ``creator`` opening a file under ``sqlite://`` is a file database (the URL alone
+    said in memory); every URI spelling of an in-memory database is refused."""
     path = tmp_path / "created.sqlite3"
     wp.migrate.upgrade(f"sqlite:///{path}")
     on_file = make_engine(
@@ -272,12 +272,6 @@ def test_a_host_engine_is_judged_by_its_connections_not_its_url(
     with wp.Runtime(on_file) as runtime:
         runtime.register(any_input)
         assert runtime.client().execute(any_input, 5).unwrap() == 5
-    in_memory = make_engine(
-        f"sqlite:///{tmp_path / 'named.sqlite3'}",
-        creator=lambda: sqlite3.connect(":memory:", check_same_thread=False),
-    )
-    with pytest.raises(wp.UnsupportedDatabaseError, match="in memory"):
-        wp.Runtime(in_memory)
     for url in ("sqlite:///file:memx?mode=memory&uri=true", "sqlite:///file::memory:?uri=1"):
         with pytest.raises(wp.UnsupportedDatabaseError, match="in memory"):
             wp.Runtime(make_engine(url, poolclass=QueuePool))
@@ -286,3 +280,15 @@ def test_a_host_engine_is_judged_by_its_connections_not_its_url(
         runtime.start_worker()
         client = runtime.client()
         assert client.result(client.start(any_input, 6).execution_id, timeout=30).unwrap() == 6
+
+
+@pytest.mark.needs("embedded")
+def test_opening_a_host_engine_on_a_missing_file_creates_nothing(
+    backend: str, tmp_path: Path, make_engine: Callable[..., Engine]
+) -> None:
+    """Judging the engine connects only where the URL says in memory: a connection to a
+    missing file would create it (read-only commands must not)."""
+    missing = tmp_path / "missing.sqlite3"
+    with pytest.raises(wp.SchemaVersionError):
+        wp.Runtime(make_engine(f"sqlite:///{missing}"))
+    assert not missing.exists()

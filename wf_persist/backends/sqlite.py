@@ -260,7 +260,7 @@ class SQLiteBackend(Backend):
         uri = str(url.query.get("uri", "")).lower() in ("true", "1", "yes", "on")
         if database.startswith("file:") and uri:
             parts = urllib.parse.urlsplit(database)
-            modes = urllib.parse.parse_qs(parts.query).get("mode", ())
+            modes = [*urllib.parse.parse_qs(parts.query).get("mode", ()), url.query.get("mode")]
             return parts.path == ":memory:" or "memory" in modes
         return False
 
@@ -278,10 +278,12 @@ class SQLiteBackend(Backend):
             )
 
     def _private_to_each_connection(self) -> bool:
-        """Whether each connection has a database of its own: in memory or temporary (no
-        file, as the connection itself reports whatever the URL says: a ``creator`` may
-        open a file under ``sqlite://``), unless the URL shares an in-memory one through
-        SQLite's shared cache."""
+        """Whether each connection has a database of its own: the URL names one in memory
+        and a connection confirms it has no file (a ``creator`` may open a file under
+        ``sqlite://``), unless the URL shares it through SQLite's shared cache. A URL that
+        names a file is taken at its word: connecting would create a missing one."""
+        if not self.in_memory(self.base_engine.url):
+            return False
         with self.base_engine.connect() as conn:
             rows = conn.exec_driver_sql("PRAGMA database_list").all()
         if any(row[1] == "main" and row[2] for row in rows):
