@@ -4,6 +4,7 @@ once per pool."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import re
 import weakref
@@ -191,3 +192,23 @@ def test_pool_full_reads_the_capacity_of_the_pool_in_use(tmp_path: Any) -> None:
     finally:
         runtime.close()
         engine.dispose()
+
+
+def _added(a: int, b: int) -> int:
+    return a + b
+
+
+class _Callable:
+    def __call__(self, ctx: wp.Context, x: int) -> int:
+        return x
+
+
+@pytest.mark.parametrize("fn", [functools.partial(_added, 1), _Callable()])
+@pytest.mark.parametrize("named", [True, False])
+def test_a_callable_that_is_no_function_is_refused_typed(fn: Any, named: bool) -> None:
+    # Neither has a __name__ nor annotations get_type_hints reads: a workflow raised a raw
+    # AttributeError (its name read before any check).
+    name = {"name": "given"} if named else {}
+    for declare in (wp.step(**name), wp.workflow(version=1, **name)):
+        with pytest.raises(wp.WorkflowDefinitionError, match=r"is not a function|name must be"):
+            declare(fn)

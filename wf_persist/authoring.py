@@ -188,6 +188,11 @@ def inside_body() -> Iterator[None]:
 
 
 def _hints(fn: Callable[..., Any]) -> dict[str, Any]:
+    if not (inspect.isroutine(fn) or inspect.isclass(fn)):  # a partial, an object's __call__
+        raise WorkflowDefinitionError(
+            f"{fn!r} is not a function: declare it with def or async def, whose annotations "
+            "say what its arguments and result are"
+        )
     try:
         return get_type_hints(fn, include_extras=True)
     except Exception as exc:  # unresolvable forward references and the like
@@ -279,16 +284,21 @@ def workflow(
         if not callable(fn):
             raise WorkflowDefinitionError(f"@workflow needs a function, got {fn!r}")
         _check_plain(fn, "workflow")
+        # A callable without a __name__ (functools.partial, an object with __call__) needs
+        # an explicit name=; its annotations are refused by _hints below.
+        wf_name = _check_name(
+            name or getattr(fn, "__name__", None),
+            "workflow name",
+            WORKFLOW_NAME_WIDTH,
+            WorkflowDefinitionError,
+        )
         params = list(inspect.signature(fn).parameters.values())
         if len(params) not in (1, 2):
             raise WorkflowDefinitionError(
-                f"workflow {fn.__name__} must take (ctx) or (ctx, input), got {len(params)} params"
+                f"workflow {wf_name} must take (ctx) or (ctx, input), got {len(params)} params"
             )
-        _check_kinds(params, _POSITIONAL, f"workflow {fn.__name__}", "by position")
+        _check_kinds(params, _POSITIONAL, f"workflow {wf_name}", "by position")
         hints = _hints(fn)
-        wf_name = _check_name(
-            name or fn.__name__, "workflow name", WORKFLOW_NAME_WIDTH, WorkflowDefinitionError
-        )
         takes_input = len(params) == 2
         in_type = hints.get(params[1].name, Any) if takes_input else type(None)
         return Workflow(
