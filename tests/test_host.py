@@ -347,3 +347,21 @@ def test_requirements_are_checked_and_explained(db_engine: Engine) -> None:
     assert problem(None) is None
     with pytest.raises(wp.UnsupportedDatabaseError, match="not supported"):
         backends.backend_type("oracle")
+
+
+@pytest.mark.needs("embedded")
+def test_documented_queries_by_type_read_the_type_index_on_sqlite(
+    make_runtime: Callable[..., wp.Runtime], db_engine: Engine
+) -> None:
+    # SQLite uses its partial type index (step events left out) only for a query that
+    # repeats the index's condition: every documented query of wf_history by type does.
+    make_runtime()  # a migrated database
+    by_type = [q for q in _doc_queries() if "FROM wf_history" in q and "WHERE type" in q]
+    assert len(by_type) >= 3
+    with db_engine.connect() as conn:
+        for sql in by_type:
+            plan = " ".join(
+                str(r[-1])
+                for r in conn.execute(text("EXPLAIN QUERY PLAN " + sql.strip().rstrip(";")))
+            )
+            assert "ix_wf_history__type_created_at" in plan, (sql, plan)

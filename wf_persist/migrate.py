@@ -45,7 +45,7 @@ HOST_VERSION_TABLE: Final = "alembic_version"
 #: What migrates a merged database: the host's own Alembic, every branch at once.
 HOST_UPGRADE_COMMAND: Final = "alembic upgrade heads"
 #: The revision this version of wf_persist needs. A test checks it is the script head.
-SCHEMA_HEAD: Final = "wf_0010"
+SCHEMA_HEAD: Final = "wf_0011"
 
 Bind = Engine | Connection | str | URL
 
