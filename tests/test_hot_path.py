@@ -212,3 +212,78 @@ def test_a_callable_that_is_no_function_is_refused_typed(fn: Any, named: bool) -
     for declare in (wp.step(**name), wp.workflow(version=1, **name)):
         with pytest.raises(wp.WorkflowDefinitionError, match=r"is not a function|name must be"):
             declare(fn)
+
+
+class _Logged:
+    """A decorator written as a class, the usual way (``functools.update_wrapper``, no
+    ``__get__``): what it wraps is read through ``__wrapped__``."""
+
+    def __init__(self, fn: Any) -> None:
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+@_Logged
+def _doubled(x: int) -> int:
+    return 2 * x
+
+
+doubled = wp.step(_doubled)
+
+
+@wp.workflow(name="hot_path_class_decorated", version=1)
+@_Logged
+def class_decorated(ctx: wp.Context, x: int) -> int:
+    return ctx.run(doubled, x) + 1
+
+
+def test_a_function_behind_a_class_decorator_is_a_step_and_a_workflow(
+    runtime: wp.Runtime,
+) -> None:
+    runtime.register(class_decorated)
+    client = runtime.client()
+    before = _doubled.calls
+    assert client.execute(class_decorated, 20).unwrap() == 41
+    assert _doubled.calls == before + 1
+    with pytest.raises(wp.InvalidPayloadError):  # validated by the wrapped annotations
+        client.start(class_decorated, "twenty")
+
+
+def _bogus_signature(x: int) -> int:
+    return x
+
+
+_bogus_signature.__signature__ = 42  # type: ignore[attr-defined]
+
+
+class _BadRepr:
+    __name__ = "bad_repr"
+
+    def __call__(self, ctx: wp.Context) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        raise RuntimeError("repr broken")
+
+
+@pytest.mark.parametrize("fn", [max, dict, _bogus_signature, _BadRepr()])
+def test_a_definition_whose_parameters_cannot_be_read_is_refused_typed(fn: Any) -> None:
+    # inspect.signature raised ValueError/TypeError, a broken repr its own error: raw.
+    for declare in (wp.step(name="given"), wp.workflow(name="given", version=1)):
+        with pytest.raises(wp.WorkflowDefinitionError):
+            declare(fn)
+
+
+lambda_on_a_continuation = (  # its source line does not parse on its own  # noqa: E731
+    lambda ctx: None
+)
+
+
+def test_a_lambda_workflow_is_refused_typed() -> None:
+    with pytest.raises(wp.WorkflowDefinitionError, match="not a plain function"):
+        wp.workflow(name="lambda", version=1)(lambda_on_a_continuation)

@@ -669,6 +669,35 @@ def test_upgrade_to_the_partial_history_type_index_keeps_history_and_finds_by_ty
     assert migrate.current(blank_db_url) == migrate.SCHEMA_HEAD
 
 
+@pytest.mark.needs("embedded")
+def test_the_sqlite_type_index_revision_runs_again_after_an_interruption(
+    blank_db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """A host whose migration environment commits each statement (merged mode) and was
+    stopped between wf_0011's DROP INDEX and its CREATE INDEX: the index is gone, the
+    revision not recorded. Running it again must not fail on the missing index (else the
+    database is stuck below head); nor must its downgrade."""
+    index = "ix_wf_history__type_created_at"
+    migrate.upgrade(blank_db_url, "wf_0010")
+    engine = make_engine(blank_db_url)
+    with engine.begin() as conn:
+        conn.execute(text(f"DROP INDEX {index}"))
+    engine.dispose()
+    migrate.upgrade(blank_db_url)
+    with engine.connect() as conn:
+        found = {i["name"]: i for i in inspect(conn).get_indexes("wf_history")}
+        assert "step.started" in str(found[index]["dialect_options"]["sqlite_where"])
+        conn.execute(text(f"DROP INDEX {index}"))
+        conn.commit()
+    engine.dispose()
+    migrate.downgrade(blank_db_url, "wf_0010")
+    with engine.connect() as conn:
+        found = {i["name"]: i for i in inspect(conn).get_indexes("wf_history")}
+        assert found[index]["column_names"] == ["type", "created_at"]
+        assert not found[index].get("dialect_options", {}).get("sqlite_where")
+    engine.dispose()
+
+
 def test_upgrade_to_the_lease_owner_index_keeps_runs_and_reaps_through_it(
     blank_db_url: str, backend: str, make_engine: Callable[..., Engine]
 ) -> None:
@@ -798,3 +827,22 @@ def _catalog(conn: Any, name: str, now: Any) -> None:
         insert(workflows_table),
         {"name": name, "version": 1, "source_hash": "x" * 64, "registered_at": now},
     )
+
+
+@pytest.mark.lacks("schemas")
+def test_a_named_schema_is_refused_typed_where_the_backend_has_none(blank_db_url: str) -> None:
+    # As a Runtime refuses it; upgrade raised the driver's syntax error on SQLite.
+    engine = create_engine(blank_db_url).execution_options(schema_translate_map={None: "aux"})
+    try:
+        for call in (
+            lambda: migrate.upgrade(blank_db_url, schema="aux"),
+            lambda: migrate.upgrade(blank_db_url, sql=True, schema="aux"),
+            lambda: migrate.downgrade(blank_db_url, "base", schema="aux"),
+            lambda: migrate.current(blank_db_url, schema="aux"),
+            lambda: migrate.upgrade(engine),
+        ):
+            with pytest.raises(wp.UnsupportedDatabaseError, match="named schema needs"):
+                call()
+    finally:
+        engine.dispose()
+    assert migrate.current(blank_db_url) is None

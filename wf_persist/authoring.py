@@ -72,12 +72,15 @@ def normalized_source(fn: Callable[..., Any]) -> str:
         source = textwrap.dedent(inspect.getsource(fn))
     except (OSError, TypeError) as exc:
         raise WorkflowDefinitionError(
-            f"cannot read the source of {fn!r}; workflows must be defined in a module file"
+            f"cannot read the source of {shown(fn)}; workflows must be defined in a module file"
         ) from exc
-    tree = ast.parse(source)
-    node = tree.body[0]
+    try:  # a lambda's source is its whole line, which may not parse on its own
+        tree = ast.parse(source)
+    except SyntaxError:
+        tree = ast.Module(body=[], type_ignores=[])
+    node = tree.body[0] if tree.body else None
     if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-        raise WorkflowDefinitionError(f"{fn!r} is not a plain function definition")
+        raise WorkflowDefinitionError(f"{shown(fn)} is not a plain function definition")
     node.decorator_list = []
     body = node.body
     first = body[0] if body else None
@@ -124,7 +127,7 @@ def _check_plain(fn: Callable[..., Any], what: str) -> None:
     functions are fine (an async step runs only where an async workflow awaits it)."""
     if inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
         raise WorkflowDefinitionError(
-            f"{what} {getattr(fn, '__name__', fn)!r} is a generator; it must return its result"
+            f"{what} {shown(getattr(fn, '__name__', fn))} is a generator; it must return its result"
         )
 
 
@@ -187,16 +190,31 @@ def inside_body() -> Iterator[None]:
         body_state.in_body = saved
 
 
-def _hints(fn: Callable[..., Any]) -> dict[str, Any]:
-    if not (inspect.isroutine(fn) or inspect.isclass(fn)):  # a partial, an object's __call__
+def _signature(fn: Callable[..., Any]) -> inspect.Signature:
+    try:
+        return inspect.signature(fn)
+    except (ValueError, TypeError) as exc:  # a builtin without one, a bogus __signature__
         raise WorkflowDefinitionError(
-            f"{fn!r} is not a function: declare it with def or async def, whose annotations "
+            f"cannot read the parameters of {shown(fn)}: {shown(exc, 200)}"
+        ) from exc
+
+
+def _hints(fn: Callable[..., Any]) -> dict[str, Any]:
+    try:  # a wrapper made by functools.update_wrapper is read as what it wraps
+        target = inspect.unwrap(fn)
+    except ValueError:  # a __wrapped__ cycle
+        target = fn
+    if not (inspect.isroutine(target) or inspect.isclass(target)):  # a partial, a __call__
+        raise WorkflowDefinitionError(
+            f"{shown(fn)} is not a function: declare it with def or async def, whose annotations "
             "say what its arguments and result are"
         )
     try:
         return get_type_hints(fn, include_extras=True)
     except Exception as exc:  # unresolvable forward references and the like
-        raise WorkflowDefinitionError(f"cannot resolve the annotations of {fn!r}: {exc}") from exc
+        raise WorkflowDefinitionError(
+            f"cannot resolve the annotations of {shown(fn)}: {shown(exc, 200)}"
+        ) from exc
 
 
 @dataclass(frozen=True, eq=False)
@@ -282,7 +300,7 @@ def workflow(
 
     def decorate(fn: Callable[..., O]) -> Workflow[Any, O]:
         if not callable(fn):
-            raise WorkflowDefinitionError(f"@workflow needs a function, got {fn!r}")
+            raise WorkflowDefinitionError(f"@workflow needs a function, got {shown(fn)}")
         _check_plain(fn, "workflow")
         # A callable without a __name__ (functools.partial, an object with __call__) needs
         # an explicit name=; its annotations are refused by _hints below.
@@ -292,7 +310,7 @@ def workflow(
             WORKFLOW_NAME_WIDTH,
             WorkflowDefinitionError,
         )
-        params = list(inspect.signature(fn).parameters.values())
+        params = list(_signature(fn).parameters.values())
         if len(params) not in (1, 2):
             raise WorkflowDefinitionError(
                 f"workflow {wf_name} must take (ctx) or (ctx, input), got {len(params)} params"
@@ -439,7 +457,7 @@ def _make_step(
     timeout: dt.timedelta | float | None = None,
 ) -> Step[R]:
     if not callable(fn):
-        raise WorkflowDefinitionError(f"@step needs a function, got {fn!r}")
+        raise WorkflowDefinitionError(f"@step needs a function, got {shown(fn)}")
     _check_plain(fn, "step")
     step_name = _check_name(
         name if name is not None else getattr(fn, "__name__", None),
@@ -448,12 +466,12 @@ def _make_step(
         WorkflowDefinitionError,
     )
     if compensate is not None and not callable(compensate):
-        raise WorkflowDefinitionError(f"compensate must be callable, got {compensate!r}")
+        raise WorkflowDefinitionError(f"compensate must be callable, got {shown(compensate)}")
     if compensate is not None:
         _check_plain(compensate, "compensation")
     if not all(isinstance(e, type) and issubclass(e, BaseException) for e in errors):
-        raise WorkflowDefinitionError(f"errors must be exception classes, got {errors!r}")
-    sig = inspect.signature(fn)
+        raise WorkflowDefinitionError(f"errors must be exception classes, got {shown(errors)}")
+    sig = _signature(fn)
     _check_kinds(sig.parameters.values(), _NAMED, f"step {step_name}", "by name")
     hints = _hints(fn)
     return Step(

@@ -31,6 +31,7 @@ from .errors import (
     SchemaTooNewError,
     SchemaVersionConflictError,
     SchemaVersionError,
+    UnsupportedDatabaseError,
 )
 from .models import ONLY_ON, metadata
 
@@ -117,12 +118,17 @@ def host_include_name(name: str | None, type_: str, parent_names: Any) -> bool:
 
 
 def _schema_of(bind: Bind, schema: str | None) -> str | None:
-    """An explicit schema, else the one a Runtime's engine view renders our tables in."""
-    if schema is not None or isinstance(bind, str | URL):
-        return schema
-    translate = bind.get_execution_options().get("schema_translate_map") or {}
-    found = translate.get(None)
-    return None if found is None else str(found)
+    """An explicit schema, else the one a Runtime's engine view renders our tables in;
+    refused where the backend has no named schemas (as a Runtime refuses it)."""
+    if schema is None and not isinstance(bind, str | URL):
+        translate = bind.get_execution_options().get("schema_translate_map") or {}
+        found = translate.get(None)
+        schema = None if found is None else str(found)
+    if schema is not None:
+        name = _url_of(bind).get_backend_name()
+        if not backends.backend_type(name).supports_schemas:
+            raise UnsupportedDatabaseError(f"a named schema needs PostgreSQL, not {name}")
+    return schema
 
 
 def _config(

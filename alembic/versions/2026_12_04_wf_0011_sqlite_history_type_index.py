@@ -13,8 +13,10 @@ a query by type reads it when it adds ``AND type NOT IN ('step.completed',
 
 The new index is built inside the migration's transaction, which holds writes meanwhile (a
 few seconds per million events): run it in a deploy window on a large database. Downgrade
-recreates the full index; no data is touched. Nothing changes on PostgreSQL or
-MySQL/MariaDB (no partial indexes).
+recreates the full index; no data is touched. Nothing changes on PostgreSQL (partial since
+wf_0008) or MySQL/MariaDB (no partial indexes). Each step can be re-run: a host whose own
+migration environment commits each statement (merged mode) and was stopped between the
+``DROP INDEX`` and the ``CREATE INDEX`` finds no index to drop, and goes on.
 
 Revision ID: wf_0011
 Revises: wf_0010
@@ -45,12 +47,12 @@ def _sqlite() -> bool:
 def upgrade() -> None:
     if not _sqlite():
         return
-    op.drop_index(_INDEX, table_name="wf_history")
+    op.drop_index(_INDEX, table_name="wf_history", if_exists=True)
     op.create_index(_INDEX, "wf_history", ["type", "created_at"], sqlite_where=_NOT_STEP_EVENT)
 
 
 def downgrade() -> None:
     if not _sqlite():
         return
-    op.drop_index(_INDEX, table_name="wf_history")
+    op.drop_index(_INDEX, table_name="wf_history", if_exists=True)
     op.create_index(_INDEX, "wf_history", ["type", "created_at"])
