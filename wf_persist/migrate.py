@@ -118,16 +118,28 @@ def host_include_name(name: str | None, type_: str, parent_names: Any) -> bool:
 
 
 def _schema_of(bind: Bind, schema: str | None) -> str | None:
-    """An explicit schema, else the one a Runtime's engine view renders our tables in;
-    refused where the backend has no named schemas (as a Runtime refuses it)."""
-    if schema is None and not isinstance(bind, str | URL):
-        translate = bind.get_execution_options().get("schema_translate_map") or {}
-        found = translate.get(None)
-        schema = None if found is None else str(found)
+    """An explicit schema, else the one a Runtime's engine view renders our tables in."""
+    if schema is not None or isinstance(bind, str | URL):
+        return schema
+    translate = bind.get_execution_options().get("schema_translate_map") or {}
+    found = translate.get(None)
+    return None if found is None else str(found)
+
+
+def _schema_to_migrate(bind: Bind, schema: str | None) -> str | None:
+    """:func:`_schema_of`, refused where migrations cannot make tables in a named schema
+    (they create it and set PostgreSQL's search path): elsewhere the driver's raw syntax
+    error. A host engine mapping its tables into another MySQL database or an attached
+    SQLite one still runs (its schema is read through the map); migrate that database by a
+    URL of its own."""
+    schema = _schema_of(bind, schema)
     if schema is not None:
         name = _url_of(bind).get_backend_name()
         if not backends.backend_type(name).supports_schemas:
-            raise UnsupportedDatabaseError(f"a named schema needs PostgreSQL, not {name}")
+            raise UnsupportedDatabaseError(
+                f"migrating into a named schema ({schema}) needs PostgreSQL, not {name}: "
+                "migrate that database by its own URL"
+            )
     return schema
 
 
@@ -209,7 +221,7 @@ def upgrade(
     """
     from alembic import command
 
-    schema = _schema_of(bind, schema)
+    schema = _schema_to_migrate(bind, schema)
     with _alembic_turn(), _revision_errors():
         if sql:
             buf = io.StringIO()
@@ -234,7 +246,7 @@ def downgrade(
     """
     from alembic import command
 
-    schema = _schema_of(bind, schema)
+    schema = _schema_to_migrate(bind, schema)
     with _alembic_turn(), _revision_errors():
         if sql:
             buf = io.StringIO()
