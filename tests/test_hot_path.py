@@ -8,6 +8,7 @@ import functools
 import gc
 import re
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -208,8 +209,12 @@ class _Callable:
 def test_a_callable_that_is_no_function_is_refused_typed(fn: Any, named: bool) -> None:
     # Neither has a __name__ nor annotations get_type_hints reads: a workflow raised a raw
     # AttributeError (its name read before any check).
-    name = {"name": "given"} if named else {}
-    for declare in (wp.step(**name), wp.workflow(version=1, **name)):
+    name = "given" if named else None
+    declarers: tuple[Callable[[Any], Any], ...] = (
+        wp.step(name=name),
+        wp.workflow(name=name, version=1),
+    )
+    for declare in declarers:
         with pytest.raises(wp.WorkflowDefinitionError, match=r"is not a function|name must be"):
             declare(fn)
 
@@ -239,7 +244,8 @@ doubled = wp.step(_doubled)
 @wp.workflow(name="hot_path_class_decorated", version=1)
 @_Logged
 def class_decorated(ctx: wp.Context, x: int) -> int:
-    return ctx.run(doubled, x) + 1
+    doubled_x: int = ctx.run(doubled, x)
+    return doubled_x + 1
 
 
 def test_a_function_behind_a_class_decorator_is_a_step_and_a_workflow(
@@ -274,7 +280,11 @@ class _BadRepr:
 @pytest.mark.parametrize("fn", [max, dict, _bogus_signature, _BadRepr()])
 def test_a_definition_whose_parameters_cannot_be_read_is_refused_typed(fn: Any) -> None:
     # inspect.signature raised ValueError/TypeError, a broken repr its own error: raw.
-    for declare in (wp.step(name="given"), wp.workflow(name="given", version=1)):
+    declarers: tuple[Callable[[Any], Any], ...] = (
+        wp.step(name="given"),
+        wp.workflow(name="given", version=1),
+    )
+    for declare in declarers:
         with pytest.raises(wp.WorkflowDefinitionError):
             declare(fn)
 

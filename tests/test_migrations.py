@@ -838,12 +838,13 @@ def test_migrating_into_a_named_schema_is_refused_typed_where_the_backend_has_no
     # still runs; that database is migrated by its own URL.)
     engine = create_engine(blank_db_url).execution_options(schema_translate_map={None: "aux"})
     try:
-        for call in (
+        calls: tuple[Callable[[], object], ...] = (
             lambda: migrate.upgrade(blank_db_url, schema="aux"),
             lambda: migrate.upgrade(blank_db_url, sql=True, schema="aux"),
             lambda: migrate.downgrade(blank_db_url, "base", schema="aux"),
             lambda: migrate.upgrade(engine),
-        ):
+        )
+        for call in calls:
             with pytest.raises(wp.UnsupportedDatabaseError, match="needs PostgreSQL"):
                 call()
     finally:
