@@ -75,10 +75,9 @@ def normalized_source(fn: Callable[..., Any]) -> str:
             f"cannot read the source of {shown(fn)}; workflows must be defined in a module file"
         ) from exc
     try:  # a lambda's source is its whole line, which may not parse on its own
-        tree = ast.parse(source)
-    except SyntaxError:
-        tree = ast.Module(body=[], type_ignores=[])
-    node = tree.body[0] if tree.body else None
+        node: ast.stmt | None = ast.parse(source).body[0]
+    except (SyntaxError, IndexError):
+        node = None
     if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
         raise WorkflowDefinitionError(f"{shown(fn)} is not a plain function definition")
     node.decorator_list = []
