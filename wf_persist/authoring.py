@@ -16,8 +16,8 @@ import hashlib
 import inspect
 import textwrap
 import threading
-from collections.abc import Callable, Coroutine, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Coroutine, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import (
     Any,
@@ -167,26 +167,32 @@ class _BodyState(threading.local):
 body_state = _BodyState()
 
 
-@contextmanager
-def outside_body() -> Iterator[None]:
+class _InBody:
+    """Sets, for a ``with`` block, whether this thread runs the workflow body (a class, not
+    a generator: entered around every step, where a generator's cost shows)."""
+
+    __slots__ = ("_saved", "_value")
+
+    def __init__(self, value: bool) -> None:
+        self._value = value
+        self._saved = False
+
+    def __enter__(self) -> None:
+        self._saved = body_state.in_body
+        body_state.in_body = self._value
+
+    def __exit__(self, *exc: object) -> None:
+        body_state.in_body = self._saved
+
+
+def outside_body() -> AbstractContextManager[None]:
     """Run user code that is not the workflow body (a step, a code block, a compensation)."""
-    saved = body_state.in_body
-    body_state.in_body = False
-    try:
-        yield
-    finally:
-        body_state.in_body = saved
+    return _InBody(False)
 
 
-@contextmanager
-def inside_body() -> Iterator[None]:
+def inside_body() -> AbstractContextManager[None]:
     """Run the workflow body: a step called directly here is refused."""
-    saved = body_state.in_body
-    body_state.in_body = True
-    try:
-        yield
-    finally:
-        body_state.in_body = saved
+    return _InBody(True)
 
 
 def _signature(fn: Callable[..., Any]) -> inspect.Signature:
@@ -374,6 +380,16 @@ class Step(Generic[R]):
         params = self.signature.parameters.values()
         plain = inspect.Parameter.POSITIONAL_OR_KEYWORD
         return tuple(p.name for p in params) if all(p.kind is plain for p in params) else None
+
+    @functools.cached_property
+    def fn_is_async(self) -> bool:
+        """Whether ``fn`` is a coroutine function (asked on every call: inspect's answer
+        unwraps partials and methods first)."""
+        return inspect.iscoroutinefunction(self.fn)
+
+    def is_async(self, fn: Callable[..., Any]) -> bool:
+        """Whether ``fn``, this step's function or one standing in for it, is async."""
+        return self.fn_is_async if fn is self.fn else inspect.iscoroutinefunction(fn)
 
     def error_type(self, name: str | None) -> type[BaseException] | None:
         """The declared error class called ``name`` (to rebuild a recorded failure)."""

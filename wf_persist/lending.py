@@ -15,8 +15,8 @@ runs whose steps wait on I/O share a pool of 10 to 20.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 from sqlalchemy import Connection
@@ -44,21 +44,10 @@ class Lender:
         self.lock = threading.RLock()
         self._conn: Connection | None = None
 
-    @contextmanager
-    def connection(self) -> Iterator[Connection]:
+    def connection(self) -> AbstractContextManager[Connection]:
         """The drive's connection for one write (taken from the pool if it has none). A
         write that fails gives it back: a connection the error left in doubt is not kept."""
-        with self.lock:
-            conn = self._conn
-            if conn is None or conn.closed or conn.invalidated:
-                conn = self._conn = self.backend.engine.connect()
-            try:
-                yield conn
-            except BaseException:
-                self.release()
-                raise
-            if not self.keep:
-                self.release()
+        return _Borrowed(self)
 
     def release(self) -> None:
         """Give the connection back to the pool (the next write takes one again)."""
@@ -76,15 +65,58 @@ class Lender:
             finally:
                 self.lock.release()
 
-    @contextmanager
-    def lent(self) -> Iterator[None]:
+    def lent(self) -> AbstractContextManager[None]:
         """User code runs: the connection goes back to the pool at once if the pool is at
         its capacity (others may be waiting), else if the code runs longer than
         :data:`RELEASE_AFTER`."""
-        if self._conn is not None and self.backend.pool_full():
-            self._release_unless_busy()
-        cancel = self.timers.after(RELEASE_AFTER, self._release_unless_busy)
+        return _Lent(self)
+
+
+class _Borrowed:
+    """:meth:`Lender.connection` (classes, not generators: entered for every write and
+    around every step, where a generator's cost shows)."""
+
+    __slots__ = ("_lender",)
+
+    def __init__(self, lender: Lender) -> None:
+        self._lender = lender
+
+    def __enter__(self) -> Connection:
+        lender = self._lender
+        lender.lock.acquire()
         try:
-            yield
+            conn = lender._conn
+            if conn is None or conn.closed or conn.invalidated:
+                conn = lender._conn = lender.backend.engine.connect()
+        except BaseException:
+            lender.lock.release()
+            raise
+        return conn
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        lender = self._lender
+        try:
+            if kind is not None or not lender.keep:
+                lender.release()
         finally:
-            cancel()
+            lender.lock.release()
+
+
+class _Lent:
+    """:meth:`Lender.lent`."""
+
+    __slots__ = ("_cancel", "_lender")
+
+    def __init__(self, lender: Lender) -> None:
+        self._lender = lender
+        self._cancel: Callable[[], None] | None = None
+
+    def __enter__(self) -> None:
+        lender = self._lender
+        if lender._conn is not None and lender.backend.pool_full():
+            lender._release_unless_busy()
+        self._cancel = lender.timers.after(RELEASE_AFTER, lender._release_unless_busy)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._cancel is not None:
+            self._cancel()

@@ -31,7 +31,7 @@ from .error_documents import error_document, rebuild_error
 from .errors import InvalidPayloadError, StepExecutionError
 from .events import Activity, NewEvent
 from .logs import run_fields
-from .loops import check_can_await, is_async, settle
+from .loops import check_can_await, settle
 from .replay import Journal
 from .secrets import Redactor, contains_reference, resolve_references
 from .timeouts import call_within
@@ -192,7 +192,9 @@ class StepRunner:
 
     def _execute(self, call: StepCall, inline: bool) -> Any:
         step = call.step
-        check_can_await(self.driver.step_function(step), f"step {step.name}")
+        fn = self.driver.step_function(step)
+        if step.is_async(fn):
+            check_can_await(fn, f"step {step.name}")
         who = call.who(self.execution_id)
         inputs = call.inputs()
         self.driver.check_size(f"arguments of step {step.name}", inputs)
@@ -304,7 +306,7 @@ class StepRunner:
         keep: Callable[[], Callable[[], None]] | None = None,
     ) -> Any:
         fn = self.driver.step_function(step)
-        if is_async(fn):  # awaited on the async body's loop, cancelled at its timeout
+        if step.is_async(fn):  # awaited on the async body's loop, cancelled at its timeout
             return settle(fn(**values), step.timeout, step.name)
         # In the async worker a synchronous step runs on a thread (off_loop), after a wait
         # for one if all are busy: the lease is checked again there, right before the call

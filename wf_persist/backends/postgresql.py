@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import hashlib
-import json
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from types import ModuleType
@@ -37,6 +36,7 @@ from ..events import NewEvent
 from ..models import executions_table as ex
 from ..models import workflows_table as wf
 from ..wakeups import DUE, NOT_AVAILABLE, Listener
+from .connections import json_text
 from .pg_presence import PRESENT_MARK, REAP, UNSUPPORTED, PGListener, advisory_locks_work
 from .pg_raw import RawPath, as_created
 from .pg_sql import (
@@ -258,8 +258,8 @@ class PostgreSQLBackend(RawPath):
             params["p_event"] = started.event
             found = conn.execute(stmt, params, execution_options=self.statement_options).all()
         else:
-            params["p_event"] = json.dumps(started.event)
-            params["r_input"] = json.dumps(row["input"]) if row["input"] is not None else None
+            params["p_event"] = json_text(started.event)
+            params["r_input"] = json_text(row["input"]) if row["input"] is not None else None
             found = self._raw(stmt, params, conn)
         if not found:
             if newest is not None and not self._still_newest(conn, row, newest):
@@ -407,14 +407,14 @@ class PostgreSQLBackend(RawPath):
             params["p_channel"], params["p_note"] = self.channel(), note
         for column, value in (values or {}).items():
             params[f"v_{column}"] = (
-                json.dumps(value) if column in _JSON_COLUMNS and value is not None else value
+                json_text(value) if column in _JSON_COLUMNS and value is not None else value
             )
         for i, ev in enumerate(events):
             params[f"type{i}"] = ev.type
             params[f"act{i}"] = ev.activity_name
             params[f"dk{i}"] = ev.dedupe_key
             params[f"at{i}"] = ev.created_at
-            params[f"ev{i}"] = json.dumps(ev.event)
+            params[f"ev{i}"] = json_text(ev.event)
         rows = self._send_raw(sql, params, conn)
         if len(rows) != n:
             raise LeaseLostError(execution_id)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import json
 import os
 import sqlite3
 import tempfile
@@ -32,8 +31,8 @@ from ..errors import LeaseLostError, UnsupportedDatabaseError
 from ..events import NewEvent
 from ..models import executions_table as ex
 from .base import Backend, Changes
-from .connections import dispose_pool
-from .sql import HOT_COLUMNS, INSERT_HISTORY, Fenced, WriteShape, bump, history_row
+from .connections import dispose_pool, json_text
+from .sql import HOT_COLUMNS, INSERT_HISTORY, Fenced, WriteShape, bump
 
 #: How long a SQLite writer waits for the lock before failing (milliseconds).
 BUSY_TIMEOUT_MS: Final = 30_000
@@ -126,7 +125,7 @@ class SQLiteBackend(Backend):
 
     def __init__(self, engine: Engine, *, owned: bool, schema: str | None = None) -> None:
         super().__init__(engine, owned=owned, schema=schema)
-        self._sql: dict[WriteShape, tuple[str, tuple[str, ...], str, tuple[str, ...]]] = {}
+        self._sql: dict[WriteShape, tuple[str, tuple[str, ...], str]] = {}
         self.max_value_bytes = self._length_limit() - 64 * 1024
 
     @staticmethod
@@ -302,7 +301,7 @@ class SQLiteBackend(Backend):
 
     # the hot path ------------------------------------------------------------------
 
-    def _statements(self, shape: WriteShape) -> tuple[str, tuple[str, ...], str, tuple[str, ...]]:
+    def _statements(self, shape: WriteShape) -> tuple[str, tuple[str, ...], str]:
         found = self._sql.get(shape)
         if found is None:
             dialect = self.base_engine.dialect
@@ -310,12 +309,9 @@ class SQLiteBackend(Backend):
             ins = INSERT_HISTORY.values({c: bindparam(c) for c in HOT_COLUMNS}).compile(
                 dialect=dialect
             )
-            found = (
-                str(update),
-                tuple(update.positiontup or ()),
-                str(ins),
-                tuple(ins.positiontup or ()),
-            )
+            if tuple(ins.positiontup or ()) != HOT_COLUMNS:  # the rows are built in this order
+                raise AssertionError(f"unexpected history INSERT: {ins}")
+            found = (str(update), tuple(update.positiontup or ()), str(ins))
             self._sql[shape] = found
         return found
 
@@ -341,22 +337,31 @@ class SQLiteBackend(Backend):
             )
         n = len(events)
         shape = WriteShape(n, tuple(sorted(values or ())), guard)
-        update_sql, update_order, insert_sql, insert_order = self._statements(shape)
+        update_sql, update_order, insert_sql = self._statements(shape)
         params: dict[str, Any] = {"p_eid": execution_id, "p_epoch": epoch, "p_now": _ts(now)}
         for column, value in (values or {}).items():
             params[f"v_{column}"] = (
-                json.dumps(value)
+                json_text(value)
                 if column in _JSON_COLUMNS and value is not None
                 else _ts(value)
                 if column in _TIME_COLUMNS
                 else value
             )
-        rows = []
-        for ev in events:
-            row = history_row(execution_id, 0, ev)
-            row["created_at"] = params["p_now"] if ev.created_at is now else _ts(ev.created_at)
-            row["event"] = json.dumps(ev.event)
-            rows.append(row)
+        stamp = params["p_now"]
+        # Rows in the statement's column order (HOT_COLUMNS', checked when it was rendered);
+        # the sequences are filled in once the UPDATE returned the run's.
+        rows = [
+            [
+                execution_id,
+                0,
+                ev.type,
+                ev.activity_name,
+                ev.dedupe_key,
+                stamp if ev.created_at is now else _ts(ev.created_at),
+                json_text(ev.event),
+            ]
+            for ev in events
+        ]
         raw: Any = conn.connection.driver_connection
         cursor = None
         statement = update_sql
@@ -373,8 +378,8 @@ class SQLiteBackend(Backend):
                     if rows:
                         statement = insert_sql
                         for i, row in enumerate(rows):
-                            row["sequence"] = base + i
-                        cursor.executemany(insert_sql, [[r[k] for k in insert_order] for r in rows])
+                            row[1] = base + i
+                        cursor.executemany(insert_sql, rows)
                     raw.commit()
                 except BaseException:
                     if raw.in_transaction:
