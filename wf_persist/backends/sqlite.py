@@ -18,6 +18,7 @@ import datetime as dt
 import os
 import sqlite3
 import tempfile
+import threading
 import urllib.parse
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Final
@@ -36,6 +37,7 @@ from .sql import HOT_COLUMNS, INSERT_HISTORY, Fenced, WriteShape, bump
 
 #: How long a SQLite writer waits for the lock before failing (milliseconds).
 BUSY_TIMEOUT_MS: Final = 30_000
+_BEGIN_WRITE: Final = "BEGIN IMMEDIATE"
 #: Execution option: this transaction only reads (a deferred BEGIN).
 READONLY: Final = "wf_persist_readonly"
 #: Execution option of wf_persist's own connections: it sends BEGIN itself.
@@ -126,6 +128,9 @@ class SQLiteBackend(Backend):
     def __init__(self, engine: Engine, *, owned: bool, schema: str | None = None) -> None:
         super().__init__(engine, owned=owned, schema=schema)
         self._sql: dict[WriteShape, tuple[str, tuple[str, ...], str]] = {}
+        #: wf_persist's write transactions in this process queue here before BEGIN
+        #: IMMEDIATE, see :meth:`_queued`.
+        self._writers = threading.RLock()
         self.max_value_bytes = self._length_limit() - 64 * 1024
 
     @staticmethod
@@ -196,24 +201,45 @@ class SQLiteBackend(Backend):
         return raw.isolation_level is None and getattr(raw, "autocommit", _LEGACY) == _LEGACY
 
     @contextlib.contextmanager
-    def _transaction(self, conn: Connection, begin: str) -> Iterator[Connection]:
+    def _queued(self) -> Iterator[None]:
+        """Hold this process's turn to write while a write transaction of wf_persist's runs.
+
+        SQLite takes one writer at a time, and a connection that finds the database locked
+        sleeps in its busy handler, for up to 100 ms between tries, however soon the lock
+        is free: with many threads writing (a worker finishing hundreds of runs at once),
+        most of their time went to those sleeps. Queued here, the next writer starts the
+        moment the last one commits. Writers of other processes (and an application's own
+        transactions) still meet at SQLite's lock. A turn not had within the busy timeout
+        goes to SQLite's lock anyway, which then waits and fails as before."""
+        got = self._writers.acquire(timeout=BUSY_TIMEOUT_MS / 1000)
+        try:
+            yield
+        finally:
+            if got:
+                self._writers.release()
+
+    @contextlib.contextmanager
+    def _transaction(
+        self, conn: Connection, begin: str, *, queue: bool = False
+    ) -> Iterator[Connection]:
         if conn.in_transaction():  # nested in a transaction of ours: it already holds the lock
             with conn.begin_nested():
                 yield conn
             return
         conn.execution_options(**{MANUAL_BEGIN: True})  # this Connection object only
-        with self._controlled(conn), conn.begin():
+        turn = self._queued() if queue else contextlib.nullcontext()
+        with turn, self._controlled(conn), conn.begin():
             conn.exec_driver_sql(begin)
             yield conn
 
     @contextlib.contextmanager
     def begin(self, conn: Connection | None = None, *, ours: bool = True) -> Iterator[Connection]:
         if conn is not None:
-            with self._transaction(conn, "BEGIN IMMEDIATE"):
+            with self._transaction(conn, _BEGIN_WRITE, queue=ours):
                 yield conn
             return
         self.check_process()
-        with self.engine.connect() as fresh, self._transaction(fresh, "BEGIN IMMEDIATE"):
+        with self.engine.connect() as fresh, self._transaction(fresh, _BEGIN_WRITE, queue=ours):
             yield fresh
 
     @contextlib.contextmanager
@@ -366,9 +392,10 @@ class SQLiteBackend(Backend):
         cursor = None
         statement = update_sql
         try:  # a connection closed under us fails at its first touch: the cursor, say
-            with contextlib.nullcontext() if self._ours(raw) else self._controlled(conn):
+            controlled = contextlib.nullcontext() if self._ours(raw) else self._controlled(conn)
+            with self._queued(), controlled:
                 cursor = raw.cursor()
-                cursor.execute("BEGIN IMMEDIATE")
+                cursor.execute(_BEGIN_WRITE)
                 try:
                     cursor.execute(update_sql, [params[k] for k in update_order])
                     top = cursor.fetchone()
