@@ -207,3 +207,32 @@ def test_sqlite_writers_of_one_process_take_turns_without_sleeping(
     finished = time.perf_counter()
     holder.join()
     assert finished - committed[0] < 0.05
+
+
+def test_an_embedded_worker_claims_nothing_for_sequential_runs(
+    make_runtime: Callable[..., wp.Runtime], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runs started one after another, each awaited, with an embedded worker of one slot:
+    each is started claimed by that slot (its drive's end frees the slot before the waiter
+    hears of it, so the next start finds it free), and the look a freed slot makes asks
+    what is due (a read) before it claims (a write transaction): the worker never claims."""
+    rt = make_runtime(lease_ttl=300)
+    rt.register(w.echo_wf)
+    rt.start_worker(concurrency=1, poll_interval=30)
+    client = rt.client()
+    for _ in range(3):  # warm: catalog, statements, the worker's first looks
+        assert client.result(client.start(w.echo_wf, 3).execution_id).unwrap() == [1, 2, 3]
+    time.sleep(0.3)
+    claims: list[int] = []
+    claim_batch = rt.backend.claim_batch
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        found = claim_batch(*args, **kwargs)
+        claims.append(len(found))
+        return found
+
+    monkeypatch.setattr(rt.backend, "claim_batch", counted)
+    for _ in range(20):
+        assert client.result(client.start(w.echo_wf, 3).execution_id).unwrap() == [1, 2, 3]
+    time.sleep(0.3)  # the worker's looks after the last run
+    assert claims == []

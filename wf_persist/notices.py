@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Final
 
 from .backends import Backend
 from .wakeups import DUE_NOW, PRESENCE_GRACE, Wakeups
@@ -22,6 +23,13 @@ if TYPE_CHECKING:
 #: Seconds a thread waits for another to settle this runtime's lease owner name (the
 #: listener's start waits 5 s at most for its connection and the presence lock).
 OWNER_SETTLE_WAIT = 10.0
+#: Set by a worker thread while it drives a run: the run, and what frees the thread's slot.
+#: Called as that drive ends, before its waiters hear of it: a start one of them makes on
+#: hearing then finds the slot free and is started claimed by it, where a slot freed only
+#: once the thread had returned made that start wait for a claim.
+SLOT_ENDING: Final[ContextVar[tuple[str, Callable[[], None]] | None]] = ContextVar(
+    "wf_persist_slot_ending", default=None
+)
 
 
 class Notices:
@@ -114,6 +122,14 @@ class Notices:
         found = self._worker
         if worker and found is not None:
             found.wake()
+
+    def _drive_ended(self, execution_id: str) -> None:
+        """A drive here ended: its worker slot is free (see :data:`SLOT_ENDING`), and the
+        callers waiting here are told."""
+        ending = SLOT_ENDING.get()
+        if ending is not None and ending[0] == execution_id:
+            ending[1]()
+        self._notify(worker=False)  # the worker looks again once the slot is free
 
     def wait_for_change(self, timeout: float) -> None:
         """Block up to ``timeout`` seconds, or until this runtime finishes or parks a run."""

@@ -211,7 +211,7 @@ class Runtime(Registry, Notices, WorkerSide):
                 with self._lock:
                     self._driving.discard(execution_id)
                     last = self._closed and not self._driving
-                self._notify(worker=False)  # a drive's end frees a worker slot (Worker._done)
+                self._drive_ended(execution_id)
                 if last:  # close() left the engine to the drives still in flight
                     self._dispose()
 

@@ -25,6 +25,7 @@ from .async_worker import EventLoopDriver, check_available
 from .error_documents import shown
 from .errors import InvalidArgumentError
 from .leases import Outage
+from .notices import SLOT_ENDING
 from .timeouts import plain_number, positive
 from .wakeups import NOTIFIED_POLL_INTERVAL
 
@@ -120,6 +121,8 @@ class Worker:
         self._inflight: set[Future[Any]] = set()
         #: Slots promised to runs this process starts claimed (see :meth:`reserve`).
         self._reserved = 0
+        #: Slots of drives that ended their run and are returning (see _drive).
+        self._ending: dict[Future[Any], bool] = {}
         #: When the next timer known at the last look is due (monotonic).
         self._timer_at = 0.0
         #: Whether timers may have changed since the loop last asked for the next one (set
@@ -128,6 +131,10 @@ class Worker:
         #: Whether the last look filled every free slot (more may be due: a run ending
         #: then wakes the loop).
         self._saturated = False
+        #: Whether a wake since the last look was news (:meth:`wake`), not a freed slot's
+        #: "maybe" (then the look asks first whether anything is due, one read, and claims,
+        #: a write, only if so).
+        self._told = False
         self._lock = threading.Lock()
         self._outage = Outage(log, "claiming due runs", self.poll_interval)
         self._event_loop = event_loop
@@ -139,6 +146,7 @@ class Worker:
         look that claims one keeps the next timer it knew."""
         if timers:
             self._timers_stale = True
+        self._told = True
         self._wake.set()
 
     def start(self) -> Worker:
@@ -175,7 +183,7 @@ class Worker:
         with self._lock:
             if self._pool is None or self._stopping.is_set():
                 return None
-            if self.concurrency - len(self._inflight) - self._reserved <= 0:
+            if self._free() <= 0:
                 return None
             self._reserved += 1
             return Reservation()
@@ -202,18 +210,45 @@ class Worker:
         fut.add_done_callback(self._done)
         return True
 
+    def _free(self) -> int:
+        """Slots free now (under the lock): a drive that ended its run counts as free."""
+        busy = len(self._inflight) - len(self._ending)
+        return self.concurrency - busy - self._reserved
+
     def _dispatch(self, pool: ThreadPoolExecutor, claim: Claim) -> Future[Any]:
         """Drive ``claim``: on the event loop if it is an ``async def`` workflow's and this
-        worker has one, else on a thread."""
+        worker has one, else on a thread. Called under the lock."""
         if self._loop is not None:
             found = self.runtime._registry.get((claim.workflow_name, claim.workflow_version))
             if found is not None and found.is_async:
                 return self._loop.submit(self.runtime.drive_claim, claim)
-        return pool.submit(self.runtime.drive_claim, claim)
+        slot: Future[Future[Any]] = Future()
+        fut = pool.submit(self._drive, claim, slot)
+        slot.set_result(fut)
+        return fut
+
+    def _drive(self, claim: Claim, slot: Future[Future[Any]]) -> Any:
+        """Drive a claimed run on this thread; its slot is free as soon as the drive ends
+        (the pool may queue the next run behind this thread's last moments)."""
+        fut = slot.result()
+
+        def ending() -> None:
+            with self._lock:
+                if fut in self._inflight:
+                    self._ending[fut] = True
+            if self._saturated:
+                self.wake(timers=False)
+
+        token = SLOT_ENDING.set((claim.execution_id, ending))
+        try:
+            return self.runtime.drive_claim(claim)
+        finally:
+            SLOT_ENDING.reset(token)
 
     def _done(self, fut: Future[Any]) -> None:
         with self._lock:
             self._inflight.discard(fut)
+            self._ending.pop(fut, None)
             saturated = self._saturated
         exc = fut.exception()
         if exc is not None:
@@ -221,8 +256,10 @@ class Worker:
         # Look again now if the last look left due runs for want of a slot, or if nothing
         # announces new work (no notifications): a freed slot is then the moment to look.
         # Where notifications arrive, a look now would find only what they announce.
-        if saturated or not self.runtime.listening():
-            self._wake.set()
+        if saturated:
+            self.wake(timers=False)
+        elif not self.runtime.listening():
+            self._wake.set()  # a "maybe": the look asks what is due before it claims
 
     def run(self) -> None:
         """Claim and drive due runs until :meth:`stop` is called.
@@ -259,6 +296,8 @@ class Worker:
                 told = self._wake.is_set()
                 if told:
                     self._wake.clear()
+                news, self._told = self._told, False
+                peek = told and not news
                 try:
                     if self._reaping() and clocks.elapsed() >= reap_at:
                         reap_at = clocks.elapsed() + REAP_INTERVAL
@@ -282,9 +321,10 @@ class Worker:
                         if not quiet:
                             if changes is not None:
                                 changes.changed()  # what this look is about to see
-                            elif not told:
-                                # No change signal: a poll first asks when the next run is
-                                # due (one index read); the claim, a write, only if one is.
+                            if peek or (changes is None and not told):
+                                # A freed slot's look, or a poll without a change signal:
+                                # first ask when the next run is due (one index read);
+                                # the claim, a write, only if one is.
                                 until = self._next_wake()
                             if self._claim_due(until):
                                 claimed = self._claim(pool)
@@ -321,7 +361,7 @@ class Worker:
         """Claim due runs for the free slots and start them: how many, or :data:`FULL` if
         they took every slot."""
         with self._lock:
-            free = self.concurrency - len(self._inflight) - self._reserved
+            free = self._free()
             self._saturated = free <= 0
         if free <= 0:
             return 0
