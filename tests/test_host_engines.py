@@ -29,6 +29,8 @@ CONFIGURATIONS: dict[str, dict[str, dict[str, Any]]] = {
         "no-driver-transactions": {"connect_args": {"isolation_level": None}},
         "serializable": {"isolation_level": "SERIALIZABLE"},
         "null-pool": {"poolclass": NullPool},
+        # pysqlite takes :name parameters too: the hot path's positional SQL does not apply
+        "named-paramstyle": {"paramstyle": "named"},
     },
     "server": {
         "driver-default": {},

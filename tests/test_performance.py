@@ -3,6 +3,8 @@ how and why): one write per completed step, one history read per resume, no busy
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -236,3 +238,38 @@ def test_an_embedded_worker_claims_nothing_for_sequential_runs(
         assert client.result(client.start(w.echo_wf, 3).execution_id).unwrap() == [1, 2, 3]
     time.sleep(0.3)  # the worker's looks after the last run
     assert claims == []
+
+
+@pytest.mark.needs("embedded")
+def test_sqlite_writers_waiting_their_turn_keep_the_busy_timeout(
+    db_url: str, make_engine: Callable[..., Any]
+) -> None:
+    """Another process holds the database's write lock longer than a host engine's busy
+    timeout (1 s here): each of several threads starting runs fails once that timeout has
+    passed for it, not after its turn's wait plus the timeout again."""
+    engine = make_engine(db_url, connect_args={"timeout": 1.0})
+    with wp.Runtime(engine, auto_migrate=True) as rt:
+        rt.register(w.echo_wf)
+        client = rt.client()
+        client.start(w.echo_wf, 1)  # warm: catalog, a connection per thread below
+        database = engine.url.database
+        assert database is not None
+        other = sqlite3.connect(database, isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")
+        took: list[float] = []
+
+        def start() -> None:
+            began = time.perf_counter()
+            with contextlib.suppress(Exception):  # "database is locked"
+                client.start(w.echo_wf, 2)
+            took.append(time.perf_counter() - began)
+
+        threads = [threading.Thread(target=start) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        other.execute("ROLLBACK")
+        other.close()
+    assert len(took) == 3
+    assert max(took) < 1.6, took

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -134,3 +135,30 @@ def test_settings_given_hostile_numbers_get_typed_errors_or_plain_values() -> No
     with pytest.raises(wp.InvalidArgumentError):
         positive(_ClassRaises(), "poll_interval")
     positive(_BitsRaise(5), "lease_ttl")
+
+
+@pytest.mark.parametrize("char", ["\x7f", "\x01", "é", "€", "\U0001f600", '"', "'", "\\"])
+@pytest.mark.parametrize("shape", ["text", "list", "keys"])
+def test_the_size_check_refuses_what_json_dumps_makes_too_large(
+    runtime: wp.Runtime, char: str, shape: str
+) -> None:
+    """The size check first bounds a value by its compact JSON: that bound must hold for
+    characters ``json.dumps`` escapes and compact JSON does not (DEL: 1 byte becomes 6),
+    so a value whose text is over the limit is refused however it is made up."""
+    backend = runtime.backend
+    backend.max_value_bytes = 10_000
+
+    def make(count: int) -> object:
+        if shape == "text":
+            return char * count
+        if shape == "list":
+            return [char] * count
+        return {f"{char}{i}": 0 for i in range(count)}
+
+    count = 1
+    while backend.value_size(json.dumps(make(count))) <= backend.max_value_bytes:
+        count *= 2  # at most twice the limit as sent
+    value = make(count)
+    with pytest.raises(wp.ValueTooLargeError):
+        backend.check_size("result of step s", value)
+    backend.check_size("result of step s", make(10))

@@ -222,20 +222,21 @@ class Worker:
             found = self.runtime._registry.get((claim.workflow_name, claim.workflow_version))
             if found is not None and found.is_async:
                 return self._loop.submit(self.runtime.drive_claim, claim)
-        slot: Future[Future[Any]] = Future()
-        fut = pool.submit(self._drive, claim, slot)
-        slot.set_result(fut)
+        holder: list[Future[Any]] = []  # read under the lock, held until it is filled
+        fut = pool.submit(self._drive, claim, holder)
+        holder.append(fut)
         return fut
 
-    def _drive(self, claim: Claim, slot: Future[Future[Any]]) -> Any:
+    def _drive(self, claim: Claim, holder: list[Future[Any]]) -> Any:
         """Drive a claimed run on this thread; its slot is free as soon as the drive ends
-        (the pool may queue the next run behind this thread's last moments)."""
-        fut = slot.result()
+        (the pool may queue the next run behind this thread's last moments). Nothing here
+        waits for the future: one never filled in (an interrupt in between) frees its slot
+        only when the thread returns, as any drive did."""
 
         def ending() -> None:
             with self._lock:
-                if fut in self._inflight:
-                    self._ending[fut] = True
+                if holder and holder[0] in self._inflight:
+                    self._ending[holder[0]] = True
             if self._saturated:
                 self.wake(timers=False)
 

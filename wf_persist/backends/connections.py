@@ -35,12 +35,6 @@ from .slots import Slots
 
 #: Types whose JSON text is a few dozen bytes whatever the value (no size check needed).
 _BOUNDED: Final = (int, float, bool)
-#: The most bytes one character of a string takes in JSON text (an escape: ``\\uXXXX``).
-_MAX_BYTES_PER_CHAR: Final = 6
-#: How much larger ``json.dumps``' text can be than compact UTF-8 JSON of the same value: a
-#: character at most 3 times (6 bytes of ``\\uXXXX`` for 2 of UTF-8, 12 for an astral
-#: character's 4), plus one space after each separator, which follows at least one byte.
-_DUMPS_OVER_COMPACT: Final = 4
 
 
 def _encoder() -> Any:
@@ -114,6 +108,14 @@ class Connections:
     idle_timeout: ClassVar[float | None] = None
     #: Whether migrations run in one transaction (DDL is transactional).
     transactional_ddl: ClassVar[bool] = True
+    #: How many times :meth:`value_size` of ``json.dumps``' text can exceed the compact
+    #: UTF-8 JSON of the same value (``check_size`` bounds with the cheaper compact form):
+    #: DEL and other characters ``json.dumps`` escapes but compact JSON writes as one byte
+    #: become six (``\\u007f``); a separator becomes two.
+    json_growth: ClassVar[int] = 6
+    #: The most :meth:`value_size` one character of a string can take in ``json.dumps``'
+    #: text: an astral character is two escapes (``\\ud83d\\ude00``).
+    char_bytes: ClassVar[int] = 12
     #: Whether Alembic must use batch mode (SQLite's limited ALTER TABLE).
     batch_migrations: ClassVar[bool] = False
     #: An embedded database (a file this process opens): a runtime that created its engine
@@ -304,10 +306,10 @@ class Connections:
         """
         if value is None or type(value) in _BOUNDED:
             return  # a number or a boolean: a few dozen bytes at most
-        if type(value) is str and len(value) * _MAX_BYTES_PER_CHAR + 2 <= self.max_value_bytes:
+        if type(value) is str and len(value) * self.char_bytes + 2 <= self.max_value_bytes:
             return  # even with every character escaped it fits
         try:  # a bound from compact JSON, several times cheaper to make than the text
-            if len(pydantic_core.to_json(value)) * _DUMPS_OVER_COMPACT <= self.max_value_bytes:
+            if len(pydantic_core.to_json(value)) * self.json_growth <= self.max_value_bytes:
                 return
         except Exception:  # a value pydantic cannot write is measured below
             pass

@@ -107,6 +107,9 @@ class MySQLBackend(Backend):
     async_driver: ClassVar[str] = "aiomysql"
     extra: ClassVar[str | None] = "mysql"
     skip_locked: ClassVar[bool] = True
+    #: ``\\u007f`` sent as an escaped literal: its backslash doubles.
+    json_growth: ClassVar[int] = 7
+    char_bytes: ClassVar[int] = 14
     transactional_ddl: ClassVar[bool] = False
 
     def __init__(self, engine: Engine, *, owned: bool, schema: str | None = None) -> None:

@@ -28,6 +28,7 @@ from sqlalchemy.dialects import sqlite
 from sqlalchemy.engine import URL
 from sqlalchemy.pool import ConnectionPoolEntry
 
+from .. import clocks
 from ..errors import LeaseLostError, UnsupportedDatabaseError
 from ..events import NewEvent
 from ..models import executions_table as ex
@@ -38,6 +39,10 @@ from .sql import HOT_COLUMNS, INSERT_HISTORY, Fenced, WriteShape, bump
 #: How long a SQLite writer waits for the lock before failing (milliseconds).
 BUSY_TIMEOUT_MS: Final = 30_000
 _BEGIN_WRITE: Final = "BEGIN IMMEDIATE"
+#: A connection's busy timeout (ms), read once (see ``SQLiteBackend._queued``).
+_BUSY_TIMEOUT: Final = "wf_persist_busy_timeout_ms"
+#: A wait for the turn this long (ms) or longer is taken off SQLite's busy timeout.
+_SHORTEN_AFTER_MS: Final = 50
 #: Execution option: this transaction only reads (a deferred BEGIN).
 READONLY: Final = "wf_persist_readonly"
 #: Execution option of wf_persist's own connections: it sends BEGIN itself.
@@ -127,7 +132,7 @@ class SQLiteBackend(Backend):
 
     def __init__(self, engine: Engine, *, owned: bool, schema: str | None = None) -> None:
         super().__init__(engine, owned=owned, schema=schema)
-        self._sql: dict[WriteShape, tuple[str, tuple[str, ...], str]] = {}
+        self._sql: dict[WriteShape, tuple[str, tuple[str, ...], str] | None] = {}
         #: wf_persist's write transactions in this process queue here before BEGIN
         #: IMMEDIATE, see :meth:`_queued`.
         self._writers = threading.RLock()
@@ -201,7 +206,7 @@ class SQLiteBackend(Backend):
         return raw.isolation_level is None and getattr(raw, "autocommit", _LEGACY) == _LEGACY
 
     @contextlib.contextmanager
-    def _queued(self) -> Iterator[None]:
+    def _queued(self, conn: Connection) -> Iterator[None]:
         """Hold this process's turn to write while a write transaction of wf_persist's runs.
 
         SQLite takes one writer at a time, and a connection that finds the database locked
@@ -209,14 +214,33 @@ class SQLiteBackend(Backend):
         is free: with many threads writing (a worker finishing hundreds of runs at once),
         most of their time went to those sleeps. Queued here, the next writer starts the
         moment the last one commits. Writers of other processes (and an application's own
-        transactions) still meet at SQLite's lock. A turn not had within the busy timeout
-        goes to SQLite's lock anyway, which then waits and fails as before."""
-        got = self._writers.acquire(timeout=BUSY_TIMEOUT_MS / 1000)
+        transactions) still meet at SQLite's lock. The turn and the lock share the
+        connection's busy timeout: a writer that waited long for its turn gives SQLite only
+        what is left of it (a host's short timeout stays short)."""
+        raw: Any = conn.connection.driver_connection
+        info = conn.connection.info
+        try:
+            budget = info.get(_BUSY_TIMEOUT)
+            if budget is None:
+                budget = info[_BUSY_TIMEOUT] = int(raw.execute("PRAGMA busy_timeout").fetchone()[0])
+            began = clocks.elapsed()
+            got = self._writers.acquire(timeout=budget / 1000) if budget > 0 else False
+            waited = int((clocks.elapsed() - began) * 1000)
+            shortened = waited >= _SHORTEN_AFTER_MS
+            if shortened:
+                raw.execute(f"PRAGMA busy_timeout = {max(0, budget - waited)}")
+        except sqlite3.Error as exc:
+            raise self.raw_failure(conn, exc, "PRAGMA busy_timeout", None) from exc
         try:
             yield
         finally:
-            if got:
-                self._writers.release()
+            try:
+                if shortened:
+                    with contextlib.suppress(sqlite3.Error):  # a dead connection is dropped
+                        raw.execute(f"PRAGMA busy_timeout = {budget}")
+            finally:
+                if got:
+                    self._writers.release()
 
     @contextlib.contextmanager
     def _transaction(
@@ -227,7 +251,7 @@ class SQLiteBackend(Backend):
                 yield conn
             return
         conn.execution_options(**{MANUAL_BEGIN: True})  # this Connection object only
-        turn = self._queued() if queue else contextlib.nullcontext()
+        turn = self._queued(conn) if queue else contextlib.nullcontext()
         with turn, self._controlled(conn), conn.begin():
             conn.exec_driver_sql(begin)
             yield conn
@@ -327,18 +351,19 @@ class SQLiteBackend(Backend):
 
     # the hot path ------------------------------------------------------------------
 
-    def _statements(self, shape: WriteShape) -> tuple[str, tuple[str, ...], str]:
-        found = self._sql.get(shape)
-        if found is None:
-            dialect = self.base_engine.dialect
-            update = bump(shape).returning(ex.c.next_seq, ex.c.status).compile(dialect=dialect)
-            ins = INSERT_HISTORY.values({c: bindparam(c) for c in HOT_COLUMNS}).compile(
-                dialect=dialect
-            )
-            if tuple(ins.positiontup or ()) != HOT_COLUMNS:  # the rows are built in this order
-                raise AssertionError(f"unexpected history INSERT: {ins}")
-            found = (str(update), tuple(update.positiontup or ()), str(ins))
-            self._sql[shape] = found
+    def _statements(self, shape: WriteShape) -> tuple[str, tuple[str, ...], str] | None:
+        """The write's SQL and the order of its parameters, or None where the engine's
+        parameter style is not positional (``paramstyle="named"``): such a write goes
+        through SQLAlchemy."""
+        if shape in self._sql:
+            return self._sql[shape]
+        dialect = self.base_engine.dialect
+        update = bump(shape).returning(ex.c.next_seq, ex.c.status).compile(dialect=dialect)
+        ins = INSERT_HISTORY.values({c: bindparam(c) for c in HOT_COLUMNS}).compile(dialect=dialect)
+        # The rows are built in HOT_COLUMNS' order.
+        positional = dialect.positional and tuple(ins.positiontup or ()) == HOT_COLUMNS
+        found = (str(update), tuple(update.positiontup or ()), str(ins)) if positional else None
+        self._sql[shape] = found
         return found
 
     def write(
@@ -357,13 +382,14 @@ class SQLiteBackend(Backend):
         sent straight to the driver with SQL rendered once by SQLAlchemy: skipping
         SQLAlchemy's per-execution work halves a step's CPU, most of its cost next to the
         commit. Errors are handled as SQLAlchemy would (a dead connection is invalidated)."""
-        if conn.in_transaction() or self.schema_map:
+        n = len(events)
+        shape = WriteShape(n, tuple(sorted(values or ())), guard)
+        sql = None if conn.in_transaction() or self.schema_map else self._statements(shape)
+        if sql is None:
             return super().write(
                 conn, execution_id, epoch, events, now=now, values=values, guard=guard, note=note
             )
-        n = len(events)
-        shape = WriteShape(n, tuple(sorted(values or ())), guard)
-        update_sql, update_order, insert_sql = self._statements(shape)
+        update_sql, update_order, insert_sql = sql
         params: dict[str, Any] = {"p_eid": execution_id, "p_epoch": epoch, "p_now": _ts(now)}
         for column, value in (values or {}).items():
             params[f"v_{column}"] = (
@@ -393,7 +419,7 @@ class SQLiteBackend(Backend):
         statement = update_sql
         try:  # a connection closed under us fails at its first touch: the cursor, say
             controlled = contextlib.nullcontext() if self._ours(raw) else self._controlled(conn)
-            with self._queued(), controlled:
+            with self._queued(conn), controlled:
                 cursor = raw.cursor()
                 cursor.execute(_BEGIN_WRITE)
                 try:
