@@ -216,8 +216,13 @@ class SQLiteBackend(Backend):
         moment the last one commits. Writers of other processes (and an application's own
         transactions) still meet at SQLite's lock. The turn and the lock share the
         connection's busy timeout: a writer that waited long for its turn gives SQLite only
-        what is left of it (a host's short timeout stays short)."""
+        what is left of it (a host's short timeout stays short). ``wp.AsyncClient``'s
+        connections (aiosqlite, one event loop's) take no turn: they wait in SQLite as
+        before."""
         raw: Any = conn.connection.driver_connection
+        if not isinstance(raw, sqlite3.Connection):
+            yield
+            return
         info = conn.connection.info
         try:
             budget = info.get(_BUSY_TIMEOUT)
