@@ -122,7 +122,7 @@ class Worker:
         #: Slots promised to runs this process starts claimed (see :meth:`reserve`).
         self._reserved = 0
         #: Slots of drives that ended their run and are returning (see _drive).
-        self._ending: dict[Future[Any], bool] = {}
+        self._ending: set[Future[Any]] = set()
         #: When the next timer known at the last look is due (monotonic).
         self._timer_at = 0.0
         #: Whether timers may have changed since the loop last asked for the next one (set
@@ -236,7 +236,7 @@ class Worker:
         def ending() -> None:
             with self._lock:
                 if holder and holder[0] in self._inflight:
-                    self._ending[holder[0]] = True
+                    self._ending.add(holder[0])
             if self._saturated:
                 self.wake(timers=False)
 
@@ -249,7 +249,7 @@ class Worker:
     def _done(self, fut: Future[Any]) -> None:
         with self._lock:
             self._inflight.discard(fut)
-            self._ending.pop(fut, None)
+            self._ending.discard(fut)
             saturated = self._saturated
         exc = fut.exception()
         if exc is not None:
