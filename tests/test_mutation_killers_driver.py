@@ -626,3 +626,44 @@ def test_runtime_defaults_are_the_documented_ones_and_edge_values_are_taken(
     assert edge.lease_ttl == dt.timedelta(seconds=2) and edge.record_start_after == 0
     assert edge.max_drive_failures == 1
     assert make_runtime(record_start_after=None).record_start_after is None
+
+
+SLOW_RUNS: list[int] = []
+
+
+@wp.step
+def slow_refused_step(n: int) -> int:
+    SLOW_RUNS.append(n)
+    return n
+
+
+@wp.workflow(name="mutation-driver-slow-refused", version=1)
+def slow_refused_wf(ctx: wp.Context, n: int) -> int:
+    return ctx.run(slow_refused_step, n)
+
+
+def test_a_step_whose_start_is_recorded_but_completion_refused_still_ends_the_run(
+    make_runtime: Callable[..., wp.Runtime], refuse: Callable[[str], None]
+) -> None:
+    """A write that records only a step's ``step.started`` (a long attempt's, here every
+    attempt's: ``record_start_after=0``) is not progress: were it to reset the run's
+    count of failed drives, a step whose completion write the database refuses every
+    time would run again at every drive, for ever. It fails the run after
+    ``max_drive_failures`` drives instead, having run that many times."""
+    refuse("NEW.type = 'step.completed'")
+    runtime = make_runtime(record_start_after=0, max_drive_failures=3)
+    runtime.register(slow_refused_wf)
+    client = runtime.client()
+    SLOW_RUNS.clear()
+    execution_id = client.start(slow_refused_wf, 7).execution_id
+    for _ in range(6):
+        if _row(runtime, execution_id)["status"] == "failed":
+            break
+        with runtime.transaction() as conn:  # due again now, not after the backoff
+            conn.execute(ex.update().where(ex.c.id == execution_id).values(wake_at=db_now()))
+        assert runtime.drive(execution_id)
+    row = _row(runtime, execution_id)
+    assert row["status"] == "failed" and row["drive_failures"] == 3
+    assert SLOW_RUNS == [7, 7, 7]
+    outcome = client.result(execution_id, timeout=5)
+    assert isinstance(outcome, wp.Failed) and outcome.matches(wp.DriveFailedError)

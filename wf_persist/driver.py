@@ -123,8 +123,11 @@ class RunDriver(ChildDriving):
         self.conn_lock = lender.lock
         #: Events written with the next write (a finished step's), see :meth:`defer`.
         self._deferred: list[NewEvent] = []
-        #: Columns the first write also resets (a run that made progress is not failing).
-        self._reset: dict[str, Any] = {"drive_failures": 0} if claim.drive_failures else {}
+        #: Columns the first write also sets (a timeout the start did not store).
+        self._reset: dict[str, Any] = {}
+        #: Whether the run's count of failed drives is still to be reset, by the first
+        #: write that records progress (see :meth:`_values`).
+        self._failing = bool(claim.drive_failures)
         #: ``(ok, stored value)`` once this driver recorded the run's outcome.
         self.finished: tuple[bool, Any] | None = None
         #: When (monotonic) a caller driving the run while it waits for the result stops
@@ -141,6 +144,22 @@ class RunDriver(ChildDriving):
         if deadline is not None and claim.deadline_at is None:
             # Its workflow's timeout (a start that did not know it): stored for SQL readers.
             self._reset["deadline_at"] = deadline
+
+    def _values(
+        self, evs: Sequence[NewEvent], values: dict[str, Any] | None
+    ) -> dict[str, Any] | None:
+        """The columns a write of ``evs`` sets: ``values``, what the first write stores, and
+        a reset of the failed drives' count if ``evs`` record progress. An attempt's
+        ``step.started`` alone is none: were it to reset the count, a step whose completion
+        the database refuses every time would run again at every drive, for ever."""
+        reset = self._failing and _progress(evs)
+        merged = {**self._reset, **({"drive_failures": 0} if reset else {}), **(values or {})}
+        return merged or None
+
+    def _written(self, evs: Sequence[NewEvent]) -> None:
+        self._reset = {}
+        if self._failing and _progress(evs):
+            self._failing = False
 
     # the Driver protocol -------------------------------------------------------------
 
@@ -191,13 +210,13 @@ class RunDriver(ChildDriving):
                     self.epoch,
                     evs,
                     now=self.clock(),
-                    values={**self._reset, **(values or {})} or None,
+                    values=self._values(evs, values),
                     guard=guard,
                     note=note,
                 )
         except Exception as exc:
             raise Halt(exc) from exc
-        self._reset = {}
+        self._written(evs)
         if fenced.status == lifecycle.COMPENSATING and not self._cancel_known:
             self.news = True  # cancelled meanwhile: the next call replays to unwind
         return fenced
@@ -261,7 +280,7 @@ class RunDriver(ChildDriving):
                         now=self.clock(),
                         epoch=self.epoch,
                         seen_through=self.seen,
-                        values={**self._reset, **(values or {})} or None,
+                        values=self._values(evs, values),
                     )
                     if note is not None:
                         self.backend.announce(conn, note)
@@ -274,7 +293,7 @@ class RunDriver(ChildDriving):
             except Exception as exc:
                 raise Halt(exc) from exc
             self._deferred.clear()
-            self._reset = {}
+            self._written(evs)
 
     def record_checked(self, evs: Sequence[NewEvent]) -> None:
         self._locked(evs, False, None)
@@ -453,6 +472,11 @@ class RunDriver(ChildDriving):
             raise
         self.finished = (ok, value)
         telemetry.run_ended(wf.name, wf.version, ok)
+
+
+def _progress(evs: Sequence[NewEvent]) -> bool:
+    """Whether a write of ``evs`` records progress: anything but attempts begun."""
+    return any(ev.type != "step.started" for ev in evs)
 
 
 def _or_halt(acquire: Callable[[], bool]) -> bool:

@@ -37,7 +37,14 @@ class ChildDriving:
     seen: int
     conn_lock: threading.RLock
     _deferred: list[NewEvent]
-    _reset: dict[str, Any]
+
+    if TYPE_CHECKING:  # RunDriver's
+
+        def _values(
+            self, evs: Sequence[NewEvent], values: dict[str, Any] | None
+        ) -> dict[str, Any] | None: ...
+
+        def _written(self, evs: Sequence[NewEvent]) -> None: ...
 
     # children ------------------------------------------------------------------------
 
@@ -86,7 +93,7 @@ class ChildDriving:
                         now=now,
                         epoch=self.epoch,
                         seen_through=self.seen,
-                        values=self._reset or None,
+                        values=self._values(evs, None),
                     )
                     executions.create(
                         conn,
@@ -107,7 +114,7 @@ class ChildDriving:
             except Exception as exc:
                 raise Halt(exc) from exc
             self._deferred.clear()
-            self._reset = {}
+            self._written(evs)
         self.runtime._notify()  # this process's worker may take the child at once
         telemetry.run_started(wf.name, wf.version)
         return wf
