@@ -125,8 +125,8 @@ class RunDriver(ChildDriving):
         self._deferred: list[NewEvent] = []
         #: Columns the first write also sets (a timeout the start did not store).
         self._reset: dict[str, Any] = {}
-        #: Whether the run's count of failed drives is still to be reset, by the first
-        #: write that records progress (see :meth:`_values`).
+        #: Whether the run's count of failed drives is still to be reset (see
+        #: :meth:`_unfailing`).
         self._failing = bool(claim.drive_failures)
         #: ``(ok, stored value)`` once this driver recorded the run's outcome.
         self.finished: tuple[bool, Any] | None = None
@@ -148,17 +148,27 @@ class RunDriver(ChildDriving):
     def _values(
         self, evs: Sequence[NewEvent], values: dict[str, Any] | None
     ) -> dict[str, Any] | None:
-        """The columns a write of ``evs`` sets: ``values``, what the first write stores, and
-        a reset of the failed drives' count if ``evs`` record progress. An attempt's
-        ``step.started`` alone is none: were it to reset the count, a step whose completion
-        the database refuses every time would run again at every drive, for ever."""
-        reset = self._failing and _progress(evs)
-        merged = {**self._reset, **({"drive_failures": 0} if reset else {}), **(values or {})}
-        return merged or None
+        """The columns a fenced write of ``evs`` (each one new) sets: ``values``, what the
+        first write stores, and the reset of the failed drives' count if ``evs`` are
+        progress (see :meth:`_written`)."""
+        reset = self._failing and events.progress(evs)
+        return {
+            **self._reset,
+            **(self._unfailing() or {} if reset else {}),
+            **(values or {}),
+        } or None
 
-    def _written(self, evs: Sequence[NewEvent]) -> None:
+    def _unfailing(self) -> dict[str, Any] | None:
+        """The reset of the run's count of failed drives, while one is due: made by the
+        first write that is progress, or by a park. Not by any write: an attempt's
+        ``step.started``, or a keyed event a replay records again (dropped as a
+        duplicate), is written at every drive, so a run whose next write the database
+        refuses every time would repeat its step, branch or compensation for ever."""
+        return {"drive_failures": 0} if self._failing else None
+
+    def _written(self, progressed: bool) -> None:
         self._reset = {}
-        if self._failing and _progress(evs):
+        if progressed:
             self._failing = False
 
     # the Driver protocol -------------------------------------------------------------
@@ -216,7 +226,7 @@ class RunDriver(ChildDriving):
                 )
         except Exception as exc:
             raise Halt(exc) from exc
-        self._written(evs)
+        self._written(self._failing and events.progress(evs))
         if fenced.status == lifecycle.COMPENSATING and not self._cancel_known:
             self.news = True  # cancelled meanwhile: the next call replays to unwind
         return fenced
@@ -271,8 +281,11 @@ class RunDriver(ChildDriving):
         with self.conn_lock:
             evs = [*self._deferred, *evs]
             try:
+                # A park ends the drive cleanly: the run is not failing, whatever it adds.
+                unfailing = self._unfailing()
+                merged = {**self._reset, **(unfailing or {} if park else {}), **(values or {})}
                 with self.lender.connection() as conn, self.backend.begin(conn):
-                    history.append(
+                    appended = history.append(
                         conn,
                         self.backend,
                         self.execution_id,
@@ -280,7 +293,8 @@ class RunDriver(ChildDriving):
                         now=self.clock(),
                         epoch=self.epoch,
                         seen_through=self.seen,
-                        values=self._values(evs, values),
+                        values=merged or None,
+                        on_progress=unfailing,
                     )
                     if note is not None:
                         self.backend.announce(conn, note)
@@ -293,7 +307,7 @@ class RunDriver(ChildDriving):
             except Exception as exc:
                 raise Halt(exc) from exc
             self._deferred.clear()
-            self._written(evs)
+            self._written(park or appended.progressed)
 
     def record_checked(self, evs: Sequence[NewEvent]) -> None:
         self._locked(evs, False, None)
@@ -472,11 +486,6 @@ class RunDriver(ChildDriving):
             raise
         self.finished = (ok, value)
         telemetry.run_ended(wf.name, wf.version, ok)
-
-
-def _progress(evs: Sequence[NewEvent]) -> bool:
-    """Whether a write of ``evs`` records progress: anything but attempts begun."""
-    return any(ev.type != "step.started" for ev in evs)
 
 
 def _or_halt(acquire: Callable[[], bool]) -> bool:

@@ -39,12 +39,11 @@ class ChildDriving:
     _deferred: list[NewEvent]
 
     if TYPE_CHECKING:  # RunDriver's
+        _reset: dict[str, Any]
 
-        def _values(
-            self, evs: Sequence[NewEvent], values: dict[str, Any] | None
-        ) -> dict[str, Any] | None: ...
+        def _unfailing(self) -> dict[str, Any] | None: ...
 
-        def _written(self, evs: Sequence[NewEvent]) -> None: ...
+        def _written(self, progressed: bool) -> None: ...
 
     # children ------------------------------------------------------------------------
 
@@ -85,7 +84,7 @@ class ChildDriving:
             evs = [*self._deferred, mark]
             try:
                 with self.lender.connection() as conn, self.backend.begin(conn):
-                    history.append(
+                    appended = history.append(
                         conn,
                         self.backend,
                         self.execution_id,
@@ -93,7 +92,8 @@ class ChildDriving:
                         now=now,
                         epoch=self.epoch,
                         seen_through=self.seen,
-                        values=self._values(evs, None),
+                        values=self._reset or None,
+                        on_progress=self._unfailing(),
                     )
                     executions.create(
                         conn,
@@ -114,7 +114,7 @@ class ChildDriving:
             except Exception as exc:
                 raise Halt(exc) from exc
             self._deferred.clear()
-            self._written(evs)
+            self._written(appended.progressed)
         self.runtime._notify()  # this process's worker may take the child at once
         telemetry.run_started(wf.name, wf.version)
         return wf

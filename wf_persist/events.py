@@ -10,7 +10,7 @@ to is the lifecycle's business (:data:`wf_persist.lifecycle.EVENT_STATUS`), not 
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -62,6 +62,12 @@ CLIENT_EVENT_TYPES: Final = (
     "execution.cancelled",
     "child.finished",  # written with a child's outcome, in its parent's history
 )
+
+
+def progress(evs: Sequence[NewEvent]) -> bool:
+    """Whether appending ``evs`` is a run's progress: anything but attempts begun (an
+    attempt may begin again at every drive, so its ``step.started`` proves nothing)."""
+    return any(ev.type != "step.started" for ev in evs)
 
 
 def _keyed(kind: str, who: Activity, at: dt.datetime, **fields: Any) -> NewEvent:

@@ -21,7 +21,7 @@ from .. import lifecycle
 from ..backends.clock import db_now
 from ..backends.sql import P_ID, history_row
 from ..errors import LeaseLostError, StaleHistoryError, UnknownExecutionError
-from ..events import CLIENT_EVENT_TYPES, NewEvent, child_finished
+from ..events import CLIENT_EVENT_TYPES, NewEvent, child_finished, progress
 from ..models import DEDUPE_KEY
 from ..models import executions_table as ex
 from ..models import history_table as hist
@@ -48,6 +48,8 @@ class AppendResult:
     status: str = ""
     #: True when at least one status-moving event was appended and its status applied.
     transitioned: bool = False
+    #: True when an appended event is progress (:func:`wf_persist.events.progress`).
+    progressed: bool = False
 
 
 def append(
@@ -62,6 +64,7 @@ def append(
     force_status: str | None = None,
     seen_through: int | None = None,
     values: dict[str, Any] | None = None,
+    on_progress: dict[str, Any] | None = None,
 ) -> AppendResult:
     """Append ``events`` under the execution row lock, in the caller's transaction.
 
@@ -74,6 +77,8 @@ def append(
         seen_through: the last sequence the caller has read; if a client event arrived
             after it, raise :class:`StaleHistoryError` instead of writing.
         values: execution columns written in any case.
+        on_progress: execution columns written only if an appended event is progress (a
+            dropped duplicate is not: a driver's replay records keyed events again).
 
     Raises:
         UnknownExecutionError: no such execution.
@@ -91,6 +96,7 @@ def append(
     status = str(locked.status)
     result = AppendResult(status=status)
     plain: list[dict[str, Any]] = []
+    appended: list[NewEvent] = []
     for ev in events:
         if ev.dedupe_key is None:
             plain.append(history_row(execution_id, seq, ev))
@@ -100,6 +106,7 @@ def append(
                 plain = []
             if not backend.insert_once(core, hist, history_row(execution_id, seq, ev), DEDUPE_KEY):
                 continue  # a replayed duplicate: no sequence, no status change
+        appended.append(ev)
         result.sequences.append(seq)
         seq += 1
         moved = lifecycle.event_transition(status, ev.type)
@@ -109,6 +116,9 @@ def append(
     if plain:
         core.execute(_insert, plain)
     changes: dict[str, Any] = {"next_seq": seq, "updated_at": now, **(values or {})}
+    result.progressed = progress(appended)
+    if on_progress and result.progressed:
+        changes.update(on_progress)
     if force_status is not None:
         status = force_status
         result.transitioned = True

@@ -1,0 +1,177 @@
+"""A run's count of failed drives is reset only by progress or a clean end of a drive.
+
+``drive_failures`` counts the drives in a row that stopped on an error: after
+``max_drive_failures`` the run fails, so a write the database refuses every time cannot
+make a step, a ``ctx.all`` branch or a compensation run again at every drive, for ever.
+A replay writes things that are no progress at every drive (a long attempt's
+``step.started``, keyed events it records again and the store drops as duplicates): none
+of them resets the count. A drive that parks the run ended without error: that does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import wf_persist as wp
+from wf_persist.backends.clock import db_now
+from wf_persist.models import executions_table as ex
+
+from .test_mutation_killers import _row
+from .test_mutation_killers_driver import refuse  # noqa: F401  (a fixture)
+
+RUNS: list[str] = []
+
+
+def _due_now(runtime: wp.Runtime, execution_id: str) -> None:
+    with runtime.transaction() as conn:  # due again now, not after the backoff
+        conn.execute(ex.update().where(ex.c.id == execution_id).values(wake_at=db_now()))
+
+
+def _drive_until_failed(runtime: wp.Runtime, execution_id: str, drives: int) -> list[int]:
+    counts: list[int] = []
+    for _ in range(drives):
+        if _row(runtime, execution_id)["status"] == "failed":
+            break
+        _due_now(runtime, execution_id)
+        runtime.drive(execution_id)
+        count = _row(runtime, execution_id)["drive_failures"]
+        assert isinstance(count, int)
+        counts.append(count)
+    return counts
+
+
+# a ctx.all branch whose completion the database refuses ------------------------------------
+
+
+@wp.step
+def branch_refused(n: int) -> int:
+    RUNS.append("branch")
+    return n
+
+
+@wp.workflow(name="drive-failures-all-refused", version=1)
+def all_refused_wf(ctx: wp.Context, n: int) -> list[int]:
+    return ctx.all([wp.call(branch_refused, n)])
+
+
+def test_all_branch_whose_completion_is_refused_ends_the_run(
+    make_runtime: Callable[..., wp.Runtime],
+    refuse: Callable[[str], None],  # noqa: F811
+) -> None:
+    """``ctx.all`` records ``all.started`` (keyed) at every replay, dropped as a duplicate:
+    no progress. The branch whose completion is refused runs once a drive, three times."""
+    refuse("NEW.type = 'step.completed'")
+    runtime = make_runtime(max_drive_failures=3)
+    runtime.register(all_refused_wf)
+    RUNS.clear()
+    execution_id = runtime.client().start(all_refused_wf, 1).execution_id
+    counts = _drive_until_failed(runtime, execution_id, 8)
+    row = _row(runtime, execution_id)
+    assert row["status"] == "failed", f"drive_failures after each drive: {counts}"
+    assert counts == [1, 2, 3] and len(RUNS) == 3
+
+
+# an earlier ctx.all, recorded again at every replay -------------------------------------
+
+
+@wp.step
+def quick_branch(n: int) -> int:
+    return n
+
+
+@wp.step
+def slow_refused(n: int) -> int:
+    RUNS.append("slow")
+    return n
+
+
+@wp.workflow(name="drive-failures-all-then-refused", version=1)
+def all_then_refused_wf(ctx: wp.Context, n: int) -> int:
+    ctx.all([wp.call(quick_branch, n)])
+    return ctx.run(slow_refused, n)
+
+
+def test_earlier_ctx_all_keeps_resetting_the_count(
+    make_runtime: Callable[..., wp.Runtime],
+    refuse: Callable[[str], None],  # noqa: F811
+) -> None:
+    """A step whose start is recorded on its own (``record_start_after=0``) and whose
+    completion is refused, after a ``ctx.all`` that ended long ago (its ``all.started``
+    and ``all.finished`` are recorded again, as nothing, at every replay)."""
+    refuse("NEW.type = 'step.completed' AND NEW.activity_name LIKE 'slow_refused%'")
+    runtime = make_runtime(record_start_after=0, max_drive_failures=3)
+    runtime.register(all_then_refused_wf)
+    RUNS.clear()
+    execution_id = runtime.client().start(all_then_refused_wf, 1).execution_id
+    counts = _drive_until_failed(runtime, execution_id, 8)
+    row = _row(runtime, execution_id)
+    assert row["status"] == "failed", f"drive_failures after each drive: {counts}"
+    assert counts == [1, 2, 3] and len(RUNS) == 3
+
+
+# a cancelled run: cancellation.received recorded again at every replay ------------------
+
+UNDONE: list[int] = []
+
+
+def _undo(result: int, n: int) -> None:
+    UNDONE.append(n)
+
+
+@wp.step(compensate=_undo)
+def booked(n: int) -> int:
+    return n
+
+
+@wp.workflow(name="drive-failures-cancel-refused", version=1)
+def cancel_refused_wf(ctx: wp.Context, n: int) -> int:
+    ctx.run(booked, n)
+    ctx.wait_for_signal("never")
+    return n
+
+
+def test_cancelled_run_whose_compensation_record_is_refused_ends(
+    make_runtime: Callable[..., wp.Runtime],
+    refuse: Callable[[str], None],  # noqa: F811
+) -> None:
+    """A cancelled run records ``cancellation.received`` (keyed) again at every replay: a
+    compensation whose record the database refuses runs once a drive, at most three
+    times, and the run fails."""
+    runtime = make_runtime(max_drive_failures=3)
+    runtime.register(cancel_refused_wf)
+    client = runtime.client()
+    UNDONE.clear()
+    execution_id = client.start(cancel_refused_wf, 5).execution_id
+    runtime.drive(execution_id)
+    assert _row(runtime, execution_id)["status"] == "suspended"
+    refuse("NEW.type = 'compensation.started'")
+    client.cancel(execution_id)
+    counts = _drive_until_failed(runtime, execution_id, 8)
+    row = _row(runtime, execution_id)
+    assert row["status"] == "failed", f"drive_failures after each drive: {counts}"
+    assert counts == [1, 2, 3] and UNDONE == [5, 5, 5]
+
+
+# a drive that parks again, adding nothing ------------------------------------------------
+
+
+@wp.workflow(name="drive-failures-sleeper", version=1)
+def sleeper_wf(ctx: wp.Context) -> str:
+    ctx.sleep(3600)
+    return "slept"
+
+
+def test_a_clean_drive_that_reparks_resets_the_count(runtime: wp.Runtime) -> None:
+    """A sleeping run woken early parks again with nothing new: its drive ended without
+    error, so the failed drives before it are no longer "in a row"."""
+    runtime.register(sleeper_wf)
+    execution_id = runtime.client().start(sleeper_wf).execution_id
+    runtime.drive(execution_id)  # parks: sleep.started
+    with runtime.transaction() as conn:  # as after 9 failed drives, woken early
+        conn.execute(
+            ex.update().where(ex.c.id == execution_id).values(drive_failures=9, wake_at=db_now())
+        )
+    runtime.drive(execution_id)  # replays, parks again until the sleep ends: no error
+    row = _row(runtime, execution_id)
+    assert row["status"] == "suspended"
+    assert row["drive_failures"] == 0, "a drive that ended without error left the count at 9"
