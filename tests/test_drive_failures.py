@@ -175,3 +175,65 @@ def test_a_clean_drive_that_reparks_resets_the_count(runtime: wp.Runtime) -> Non
     row = _row(runtime, execution_id)
     assert row["status"] == "suspended"
     assert row["drive_failures"] == 0, "a drive that ended without error left the count at 9"
+
+
+# a failed drive whose own record the database refuses ------------------------------------
+
+
+@wp.step
+def last_step(n: int) -> int:
+    RUNS.append("last")
+    return n
+
+
+@wp.workflow(name="drive-failures-child", version=1)
+def child_wf(ctx: wp.Context, n: int) -> int:
+    return ctx.run(last_step, n)
+
+
+@wp.workflow(name="drive-failures-parent", version=1)
+def parent_wf(ctx: wp.Context, n: int) -> int:
+    return ctx.run_child(child_wf, n)
+
+
+def test_a_failed_drive_whose_record_is_refused_is_counted_on_the_run(
+    make_runtime: Callable[..., wp.Runtime],
+    refuse: Callable[[str], None],  # noqa: F811
+) -> None:
+    """The step's completion and the ``drive.failed`` event are both refused: the failed
+    drive is counted on the run's row alone, so the step runs three times, not once per
+    lease for ever, and the run fails (its outcome read from the row)."""
+    refuse("NEW.type IN ('step.completed', 'drive.failed')")
+    runtime = make_runtime(max_drive_failures=3)
+    runtime.register(child_wf)
+    RUNS.clear()
+    execution_id = runtime.client().start(child_wf, 4).execution_id
+    counts = _drive_until_failed(runtime, execution_id, 8)
+    assert _row(runtime, execution_id)["status"] == "failed", f"counts: {counts}"
+    assert counts == [1, 2, 3] and RUNS == ["last"] * 3
+    outcome = runtime.client().result(execution_id, timeout=5)
+    assert isinstance(outcome, wp.Failed) and outcome.matches(wp.DriveFailedError)
+
+
+def test_a_child_whose_parent_cannot_be_told_still_ends(
+    make_runtime: Callable[..., wp.Runtime],
+    refuse: Callable[[str], None],  # noqa: F811
+) -> None:
+    """The child's outcome goes into its parent's history in the same transaction; the
+    parent's ``child.finished`` is refused, so every finish of the child fails, and so
+    does the record of its last failed drive (a terminal child tells its parent): the
+    child is failed on its row alone after three drives, its step run three times."""
+    runtime = make_runtime(max_drive_failures=3)
+    runtime.register(parent_wf, child_wf)
+    RUNS.clear()
+    parent = runtime.client().start(parent_wf, 4).execution_id
+    runtime.drive(parent)  # starts the child, parks
+    [child] = [
+        r.event["childExecutionId"]
+        for r in runtime.client().history(parent)
+        if r.event["type"] == "child.started"
+    ]
+    refuse("NEW.type = 'child.finished'")
+    counts = _drive_until_failed(runtime, child, 8)
+    assert _row(runtime, child)["status"] == "failed", f"counts: {counts}"
+    assert RUNS == ["last"] * 3

@@ -196,6 +196,7 @@ def _failed(runtime: Runtime, claim: Claim, exc: BaseException) -> None:
     execution_id = claim.execution_id
     doc = error_document(driver_error(exc))  # the driver's words, not the whole statement
     backend = runtime.backend
+    counted: tuple[int, dict[str, Any]] | None = None
     try:
         with backend.begin() as conn:
             row = conn.execute(
@@ -212,58 +213,98 @@ def _failed(runtime: Runtime, claim: Claim, exc: BaseException) -> None:
             count = int(row.drive_failures) + 1
             now = row[3]
             evs = [events.drive_failed(execution_id, doc, count, now)]
-            limit = runtime.max_drive_failures
-            if count >= limit:
-                error = error_document(DriveFailedError(count, doc))
+            values = _failure_values(runtime, count, doc, now)
+            counted = count, values
+            if "error" in values:
                 evs.append(
-                    events.workflow_finished(execution_id, claim.workflow_name, False, error, now)
+                    events.workflow_finished(
+                        execution_id, claim.workflow_name, False, values["error"], now
+                    )
                 )
-                values = {
-                    "drive_failures": count,
-                    "status": lifecycle.FAILED.value,
-                    "error": error,
-                    "finished_at": now,
-                    "lease_owner": None,
-                    "lease_expires_at": None,
-                    "wake_at": None,
-                }
-            else:
-                backoff = min(MAX_FAILURE_BACKOFF, 2.0 ** (count - 1))
-                values = {
-                    "drive_failures": count,
-                    "lease_owner": None,
-                    "lease_expires_at": None,
-                    "wake_at": db_later(literal(backoff, Float())),
-                }
             history.append(
                 conn, backend, execution_id, evs, now=now, epoch=claim.epoch, values=values
             )
-            if count >= limit:  # callers waiting elsewhere hear of it as of any end
+            if "error" in values:  # callers waiting elsewhere hear of it as of any end
                 backend.announce(conn, END + execution_id)
-        if count >= limit:
-            telemetry.run_ended(claim.workflow_name, claim.workflow_version, False)
-        else:
-            runtime.timer_set()  # due again after the backoff: this worker's next wake
-        log.error(
-            "run %s (%s): drive %d of at most %d failed: %s%s",
-            execution_id,
-            claim.workflow_name,
-            count,
-            limit,
-            brief(exc),
-            "; the run is failed (DriveFailedError)" if count >= limit else "",
-            extra=run_fields(execution_id, claim.workflow_name),
-        )
     except Exception as second:
+        if counted is None or not _counted_anyway(runtime, claim, *counted):
+            log.error(
+                "run %s (%s): drive failed (%s) and recording that failed too (%s); it is "
+                "retried when its lease expires",
+                execution_id,
+                claim.workflow_name,
+                brief(exc),
+                brief(second),
+                extra=run_fields(execution_id, claim.workflow_name),
+            )
+            return
         log.error(
-            "run %s (%s): drive failed (%s) and recording that failed too (%s); it is retried "
-            "when its lease expires",
+            "run %s (%s): the database refused the record of a failed drive (%s): counted "
+            "on the run only, without its history events",
             execution_id,
             claim.workflow_name,
-            brief(exc),
             brief(second),
             extra=run_fields(execution_id, claim.workflow_name),
         )
+        count, values = counted
+    limit = runtime.max_drive_failures
+    if "error" in values:
+        telemetry.run_ended(claim.workflow_name, claim.workflow_version, False)
+    else:
+        runtime.timer_set()  # due again after the backoff: this worker's next wake
+    log.error(
+        "run %s (%s): drive %d of at most %d failed: %s%s",
+        execution_id,
+        claim.workflow_name,
+        count,
+        limit,
+        brief(exc),
+        "; the run is failed (DriveFailedError)" if "error" in values else "",
+        extra=run_fields(execution_id, claim.workflow_name),
+    )
+
+
+def _failure_values(runtime: Runtime, count: int, doc: Any, now: Any) -> dict[str, Any]:
+    """The run's columns after its ``count``-th failed drive in a row: due again after a
+    backoff, or failed with :class:`DriveFailedError` at the limit."""
+    if count >= runtime.max_drive_failures:
+        return {
+            "drive_failures": count,
+            "status": lifecycle.FAILED.value,
+            "error": error_document(DriveFailedError(count, doc)),
+            "finished_at": now,
+            "lease_owner": None,
+            "lease_expires_at": None,
+            "wake_at": None,
+        }
+    backoff = min(MAX_FAILURE_BACKOFF, 2.0 ** (count - 1))
+    return {
+        "drive_failures": count,
+        "lease_owner": None,
+        "lease_expires_at": None,
+        "wake_at": db_later(literal(backoff, Float())),
+    }
+
+
+def _counted_anyway(runtime: Runtime, claim: Claim, count: int, values: dict[str, Any]) -> bool:
+    """Count a failed drive whose record the database refused (a history insert refused
+    every time, say by a trigger): on the run's row only, so the limit is still reached and
+    the step in flight is not re-run at every lease expiry for ever. Only if the refused
+    transaction did not commit after all (the count is still one less). A run failed this
+    way has no ``workflow.failed`` event, and a parent is not told of it (its history
+    would take the same refusal)."""
+    backend = runtime.backend
+    try:
+        with backend.begin() as conn:
+            if not executions.count_failure(
+                conn, backend, claim.execution_id, claim.epoch, count, values
+            ):
+                return False
+            if "error" in values:
+                backend.announce(conn, END + claim.execution_id)
+    except Exception:
+        return False
+    return True
 
 
 def release(runtime: Runtime, claim: Claim, delay: float = 0.0) -> None:

@@ -189,6 +189,31 @@ def park(conn: Executor, execution_id: str, epoch: int, wake_at: dt.datetime | N
     )
 
 
+def count_failure(
+    conn: Executor,
+    backend: Backend,
+    execution_id: str,
+    epoch: int,
+    count: int,
+    values: dict[str, Any],
+) -> bool:
+    """Count the ``count``-th failed drive on the run's row alone (``values``), if ``epoch``
+    is still current, the run unfinished and its count still ``count - 1`` (a record that
+    seemed refused may have committed); whether it was counted."""
+    done = connection_of(conn).execute(
+        update(ex)
+        .where(
+            ex.c.id == execution_id,
+            ex.c.claim_epoch == epoch,
+            ex.c.drive_failures == count - 1,
+            ex.c.status.not_in(sorted(lifecycle.TERMINAL)),
+        )
+        .values(values),
+        execution_options=backend.statement_options,
+    )
+    return bool(rowcount(done))
+
+
 def wake(conn: Executor, backend: Backend, execution_id: str) -> None:
     """Make a parked run due now (a delivered signal) and tell listening workers; a leased
     run's driver sees the news at its next write, so it is left alone."""
