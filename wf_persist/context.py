@@ -24,7 +24,7 @@ from .arguments import validate_signal
 from .authoring import Call, Step, Workflow, adapter_for, check_call_name, outside_body
 from .bridge import bridged, checked_in_thread, wait_futures
 from .children import ChildHandle, ChildRunner
-from .control import Reload, Suspended
+from .control import Reload, Suspended, latched
 from .driving import Driver
 from .errors import (
     Cancelled,
@@ -68,6 +68,8 @@ class Context:
         )
         #: Step name -> the step it names in this run (two steps may not share a name).
         self._step_names: dict[str, Step[Any]] = {}
+        #: What stopped this replay, once a durable call raised it (see ``latched``).
+        self._stopped: BaseException | None = None
 
     @property
     def execution_id(self) -> str:
@@ -138,6 +140,7 @@ class Context:
 
     # steps --------------------------------------------------------------------------
 
+    @latched
     def run(self, step: Step[R], *args: Any, **kwargs: Any) -> R:
         """Run ``step`` durably: once per run, its result recorded before the next call.
 
@@ -151,6 +154,7 @@ class Context:
         activity, invocation = self._cursor.enter("step", step.name)
         return self._steps.run(StepCall(step, bound, activity, invocation), inline=False)  # type: ignore[no-any-return]
 
+    @latched
     def all(
         self, calls: Sequence[Call[Any]], *, concurrency: int | None = None, name: str = "all"
     ) -> list[Any]:
@@ -234,20 +238,24 @@ class Context:
         self._steps.record([events.value_recorded(kind, who, value, self._driver.clock())])
         return value
 
+    @latched
     def now(self) -> dt.datetime:
         """The current UTC time by the database's clock, recorded: a replay sees the same."""
         return dt.datetime.fromisoformat(
             self._value("now", lambda: self._driver.clock().isoformat())
         )
 
+    @latched
     def random(self) -> float:
         """A float in [0, 1), recorded: a replay sees the same number."""
         return float(self._value("random", _random.random))
 
+    @latched
     def uuid(self) -> _uuid.UUID:
         """A random UUID4, recorded: a replay sees the same id."""
         return _uuid.UUID(self._value("uuid", lambda: str(_uuid.uuid4())))
 
+    @latched
     def code(
         self, name: str, fn: Callable[[], T], *, output: Any = Any, reason: str | None = None
     ) -> T:
@@ -297,6 +305,7 @@ class Context:
 
     # suspension -----------------------------------------------------------------------
 
+    @latched
     def sleep(self, duration: dt.timedelta | float, *, name: str | None = None) -> None:
         """Sleep durably (``timedelta`` or seconds). The run is parked as a row with a wake
         time and resumed when due (by the database's clock), by whichever worker is alive.
@@ -346,6 +355,12 @@ class Context:
         :class:`TimedOut`. Each wait on a name is one invocation (``approval#1``,
         ``approval#2``), so waiting again in a loop replays safely.
         """
+        return self._wait_for_signal(name, payload_type, timeout)
+
+    @latched
+    def _wait_for_signal(
+        self, name: str, payload_type: Any, timeout: dt.timedelta | float | None
+    ) -> Received[Any] | TimedOut:
         check_call_name(name, "signal name")
         limit = None if timeout is None else _seconds(timeout, "signal timeout")
         activity, invocation = self._cursor.enter("signal", name)
@@ -427,6 +442,7 @@ class Context:
 
     # child workflows ----------------------------------------------------------------
 
+    @latched
     def start_child(
         self,
         workflow: Workflow[Any, Out] | str,
@@ -446,6 +462,7 @@ class Context:
         """
         return self._children.start(workflow, payload, version, cancel_with_parent)
 
+    @latched
     def child_result(self, handle: ChildHandle[Out]) -> Out:
         """The child's result, parking this run (no thread held) until the child ends.
 
@@ -479,6 +496,7 @@ class Context:
             if a not in j.children_done and e.get("cancelWithParent", True) is not False
         ]
 
+    @latched
     def set_event(self, key: str, value: Any) -> None:
         """Publish ``value`` under ``key`` for clients (``client.get_event(id, key)``); a
         later call with the same key replaces it. Recorded once: a replay publishes nothing

@@ -6,6 +6,10 @@ swallow them: the body must stop where it is and the runtime decides what happen
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Concatenate, ParamSpec, Protocol, TypeVar
+
 
 class Halt(BaseException):
     """The runtime cannot go on (lease lost, database error): stop; whoever claims the run
@@ -24,3 +28,34 @@ class Suspended(BaseException):
 class Reload(BaseException):
     """Someone else wrote to the run (a signal, a cancellation) after its history was read:
     replay again from the fresh history instead of going on with a stale view."""
+
+
+class Latched(Protocol):
+    """A workflow context: the stop a durable call of its raised, if one did."""
+
+    _stopped: BaseException | None
+
+
+L = TypeVar("L", bound=Latched)
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def latched(method: Callable[Concatenate[L, P], T]) -> Callable[Concatenate[L, P], T]:
+    """A body's durable call: once one stopped the replay (the run parked, must be
+    replayed again, or cannot go on), every later one stops it again, and the runtime
+    stops the body's outcome too (:func:`wf_persist.driver.run_body`). A body that caught
+    the stop (``asyncio.gather(..., return_exceptions=True)``, a bare ``except:``) would
+    otherwise go on recording, or finish a run that is parked."""
+
+    @functools.wraps(method)
+    def call(self: L, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        if self._stopped is not None:
+            raise self._stopped.with_traceback(None)
+        try:
+            return method(self, *args, **kwargs)
+        except (Suspended, Reload, Halt) as stop:
+            self._stopped = stop
+            raise
+
+    return call

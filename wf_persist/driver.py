@@ -496,6 +496,14 @@ def _or_halt(acquire: Callable[[], bool]) -> bool:
         raise Halt(exc) from exc
 
 
+def _still_going(ctx: Context) -> None:
+    """Raise the stop a durable call of the body raised, if the body caught it and ended
+    anyway: the run parked, must be replayed again, or cannot go on (no outcome, no
+    compensation)."""
+    if ctx._stopped is not None:
+        raise ctx._stopped.with_traceback(None)
+
+
 def run_body(driver: RunDriver, wf: Workflow[Any, Any], payload: Any, journal: Journal) -> None:
     """Replay the body once against ``journal``: finish the run, or park, or raise
     :class:`Reload` / :class:`Halt`."""
@@ -503,6 +511,7 @@ def run_body(driver: RunDriver, wf: Workflow[Any, Any], payload: Any, journal: J
     try:
         value = wf.input_adapter.validate_python(payload)
         out = call_body(wf, ctx, value)
+        _still_going(ctx)
         ctx._ended()
         # Cancelled after its last durable call: the cancellation still wins.
         ctx._before_new_call(ending=True)
@@ -510,6 +519,7 @@ def run_body(driver: RunDriver, wf: Workflow[Any, Any], payload: Any, journal: J
         stored = to_json(wf.output_adapter, out, what)
         driver.check_size(what, stored)
     except (Exception, Cancelled) as exc:
+        _still_going(ctx)  # a stop the body caught wins over how it ended
         if not isinstance(exc, Cancelled):
             # A body that raises before replaying every recorded call diverged too.
             with contextlib.suppress(NonDeterminismError):

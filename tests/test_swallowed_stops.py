@@ -1,0 +1,97 @@
+"""A body that catches the runtime's stop cannot go on past it.
+
+A durable call stops the body with a ``BaseException`` (the run parked, must be replayed,
+or cannot go on). ``except Exception`` does not catch it, but ``asyncio.gather(...,
+return_exceptions=True)`` and a bare ``except:`` do. Once a call stopped the replay, every
+later durable call stops it again and the body's outcome (a return, another exception) is
+not recorded: the run stays parked, or the drive counts as failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+import wf_persist as wp
+from wf_persist.backends.clock import db_now
+from wf_persist.models import executions_table as ex
+
+from .test_mutation_killers import _row
+from .test_mutation_killers_driver import refuse  # noqa: F401  (a fixture)
+
+RUNS: list[str] = []
+
+
+@wp.workflow(name="swallowed-gather-sleep", version=1)
+async def gather_sleep_wf(ctx: wp.AsyncContext) -> str:
+    await asyncio.gather(ctx.sleep(3600), return_exceptions=True)
+    return "done"
+
+
+@wp.step
+def after_sleep() -> str:
+    RUNS.append("after")
+    return "after"
+
+
+@wp.workflow(name="swallowed-bare-except-sleep", version=1)
+def bare_except_sleep_wf(ctx: wp.Context) -> str:
+    with contextlib.suppress(BaseException):  # what the test is about
+        ctx.sleep(3600)
+    return ctx.run(after_sleep)
+
+
+def test_a_park_caught_by_gather_leaves_the_run_parked(runtime: wp.Runtime) -> None:
+    """Before: the run parked, then completed with ``"done"`` in the same drive."""
+    runtime.register(gather_sleep_wf)
+    execution_id = runtime.client().start(gather_sleep_wf).execution_id
+    runtime.drive(execution_id)
+    row = _row(runtime, execution_id)
+    assert row["status"] == "suspended" and row["result"] is None
+    assert row["lease_owner"] is None and row["wake_at"] is not None
+
+
+def test_a_park_caught_by_a_bare_except_runs_nothing_after_it(runtime: wp.Runtime) -> None:
+    """Before: the step after the sleep ran and the parked run completed."""
+    runtime.register(bare_except_sleep_wf)
+    RUNS.clear()
+    execution_id = runtime.client().start(bare_except_sleep_wf).execution_id
+    runtime.drive(execution_id)
+    assert _row(runtime, execution_id)["status"] == "suspended"
+    assert RUNS == []
+    types = [r.event["type"] for r in runtime.client().history(execution_id)]
+    assert "step.completed" not in types and "workflow.completed" not in types
+
+
+@wp.step
+async def async_refused(n: int) -> int:
+    RUNS.append("async")
+    return n
+
+
+@wp.workflow(name="swallowed-gather-all", version=1)
+async def gather_all_wf(ctx: wp.AsyncContext, n: int) -> str:
+    got = await asyncio.gather(ctx.all([wp.call(async_refused, n)]), return_exceptions=True)
+    return repr(got)[:60]
+
+
+def test_a_refused_write_caught_by_gather_is_a_failed_drive(
+    make_runtime: Callable[..., wp.Runtime],
+    refuse: Callable[[str], None],  # noqa: F811
+) -> None:
+    """Before: the run completed with the text of the runtime's stop as its result."""
+    refuse("NEW.type = 'step.completed'")
+    runtime = make_runtime(max_drive_failures=3)
+    runtime.register(gather_all_wf)
+    RUNS.clear()
+    execution_id = runtime.client().start(gather_all_wf, 1).execution_id
+    for _ in range(3):
+        with runtime.transaction() as conn:  # due again now, not after the backoff
+            conn.execute(ex.update().where(ex.c.id == execution_id).values(wake_at=db_now()))
+        runtime.drive(execution_id)
+    row = _row(runtime, execution_id)
+    assert row["status"] == "failed" and row["drive_failures"] == 3
+    assert RUNS == ["async"] * 3
+    outcome = runtime.client().result(execution_id, timeout=5)
+    assert isinstance(outcome, wp.Failed) and outcome.matches(wp.DriveFailedError)
