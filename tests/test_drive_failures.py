@@ -11,10 +11,14 @@ of them resets the count. A drive that parks the run ended without error: that d
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
+
+import pytest
 
 import wf_persist as wp
 from wf_persist.backends.clock import db_now
 from wf_persist.models import executions_table as ex
+from wf_persist.store import history
 
 from .test_mutation_killers import _row
 from .test_mutation_killers_driver import refuse  # noqa: F401  (a fixture)
@@ -237,3 +241,66 @@ def test_a_child_whose_parent_cannot_be_told_still_ends(
     counts = _drive_until_failed(runtime, child, 8)
     assert _row(runtime, child)["status"] == "failed", f"counts: {counts}"
     assert RUNS == ["last"] * 3
+
+
+def _child_of(runtime: wp.Runtime, parent: str) -> str:
+    [child] = [
+        r.event["childExecutionId"]
+        for r in runtime.client().history(parent)
+        if r.event["type"] == "child.started"
+    ]
+    return str(child)
+
+
+def test_a_child_failed_on_its_row_still_tells_its_parent(
+    make_runtime: Callable[..., wp.Runtime],
+    refuse: Callable[[str], None],  # noqa: F811
+) -> None:
+    """Only the child's own history refuses (its step's completion, its ``drive.failed``):
+    failed on its row at the limit, it still tells its parent, which fails in turn."""
+    runtime = make_runtime(max_drive_failures=2)
+    runtime.register(parent_wf, child_wf)
+    RUNS.clear()
+    parent = runtime.client().start(parent_wf, 4).execution_id
+    runtime.drive(parent)
+    child = _child_of(runtime, parent)
+    refuse(f"NEW.type IN ('step.completed', 'drive.failed') AND NEW.execution_id = '{child}'")
+    _drive_until_failed(runtime, child, 6)
+    assert _row(runtime, child)["status"] == "failed" and RUNS == ["last"] * 2
+    assert "child.finished" in [r.event["type"] for r in runtime.client().history(parent)]
+    _due_now(runtime, parent)  # woken by the news already; now, whoever drives it
+    runtime.drive(parent)
+    outcome = runtime.client().result(parent, timeout=5)
+    assert isinstance(outcome, wp.Failed)
+
+
+def test_a_passing_error_at_the_limit_is_tried_again_with_the_history(
+    make_runtime: Callable[..., wp.Runtime],
+    refuse: Callable[[str], None],  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The record of the last failed drive meets an error once (a dropped connection, a
+    deadlock): it is tried again, whole (``drive.failed``, ``workflow.failed``, the parent
+    told), not reduced to the run's row at once."""
+    runtime = make_runtime(max_drive_failures=1)
+    runtime.register(parent_wf, child_wf)
+    parent = runtime.client().start(parent_wf, 4).execution_id
+    runtime.drive(parent)
+    child = _child_of(runtime, parent)
+    refuse(f"NEW.type = 'step.completed' AND NEW.execution_id = '{child}'")
+    real = history.append
+    tripped: list[bool] = []
+
+    def once(conn: Any, backend: Any, eid: str, evs: Any, **kw: Any) -> Any:
+        if not tripped and any(e.type == "drive.failed" for e in evs):
+            tripped.append(True)
+            raise ConnectionError("server closed the connection unexpectedly")
+        return real(conn, backend, eid, evs, **kw)
+
+    monkeypatch.setattr(history, "append", once)
+    _due_now(runtime, child)
+    runtime.drive(child)
+    assert tripped
+    types = [r.event["type"] for r in runtime.client().history(child)]
+    assert types[-2:] == ["drive.failed", "workflow.failed"]
+    assert "child.finished" in [r.event["type"] for r in runtime.client().history(parent)]

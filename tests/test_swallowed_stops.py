@@ -10,8 +10,13 @@ not recorded: the run stays parked, or the drive counts as failed.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures.thread
 import contextlib
+import threading
+import time
 from collections.abc import Callable
+
+import pytest
 
 import wf_persist as wp
 from wf_persist.backends.clock import db_now
@@ -95,3 +100,132 @@ def test_a_refused_write_caught_by_gather_is_a_failed_drive(
     assert RUNS == ["async"] * 3
     outcome = runtime.client().result(execution_id, timeout=5)
     assert isinstance(outcome, wp.Failed) and outcome.matches(wp.DriveFailedError)
+
+
+# after the drive is over: nothing of the body's is recorded ------------------------------
+
+LATE: list[str] = []
+
+
+def _undo(result: int) -> None:
+    LATE.append("undo")
+
+
+@wp.step(compensate=_undo)
+def book() -> int:
+    LATE.append("book")
+    return 1
+
+
+@wp.workflow(name="swallowed-compensate-after-park", version=1)
+def compensate_after_park_wf(ctx: wp.Context) -> str:
+    ctx.run(book)
+    try:
+        ctx.sleep(3600)
+    except BaseException:
+        ctx.compensate({"name": "mine"})
+    return "x"
+
+
+def _types(runtime: wp.Runtime, execution_id: str) -> list[str]:
+    return [r.event["type"] for r in runtime.client().history(execution_id)]
+
+
+def test_a_compensation_after_a_caught_park_records_nothing(runtime: wp.Runtime) -> None:
+    """Before: the undo ran and was recorded on a run that had merely parked."""
+    runtime.register(compensate_after_park_wf)
+    LATE.clear()
+    execution_id = runtime.client().start(compensate_after_park_wf).execution_id
+    runtime.drive(execution_id)
+    assert _row(runtime, execution_id)["status"] == "suspended"
+    types = _types(runtime, execution_id)
+    assert types[-1] == "sleep.started" and "compensation.started" not in types
+
+
+def _slowly() -> int:
+    time.sleep(0.6)
+    return 1
+
+
+@wp.workflow(name="swallowed-in-flight", version=1)
+def in_flight_wf(ctx: wp.Context) -> str:
+    def other() -> None:
+        with contextlib.suppress(BaseException):
+            ctx.code("slow", _slowly)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    time.sleep(0.2)
+    with contextlib.suppress(BaseException):
+        ctx.sleep(3600)
+    thread.join()
+    return "x"
+
+
+def test_a_call_in_flight_on_a_body_thread_records_nothing_after_the_park(
+    runtime: wp.Runtime,
+) -> None:
+    """Before: ``code.completed`` was recorded after ``sleep.started``."""
+    runtime.register(in_flight_wf)
+    execution_id = runtime.client().start(in_flight_wf).execution_id
+    runtime.drive(execution_id)
+    assert _row(runtime, execution_id)["status"] == "suspended"
+    assert _types(runtime, execution_id)[-1] == "sleep.started"
+
+
+LEFT_BEHIND: list[str] = []
+
+
+@wp.workflow(name="swallowed-orphan", version=1)
+def orphan_wf(ctx: wp.Context) -> str:
+    def late() -> None:
+        try:
+            ctx.set_event("late", 1)
+        except BaseException as stop:  # the runtime's refusal, on a thread of the body's
+            LEFT_BEHIND.append(type(stop).__name__)
+
+    threading.Timer(0.3, late).start()
+    return "done"
+
+
+def test_a_thread_left_behind_records_nothing_after_the_outcome(runtime: wp.Runtime) -> None:
+    """Before: ``event.set`` was recorded after ``workflow.completed``."""
+    runtime.register(orphan_wf)
+    LEFT_BEHIND.clear()
+    execution_id = runtime.client().start(orphan_wf).execution_id
+    runtime.drive(execution_id)
+    deadline = time.monotonic() + 5
+    while not LEFT_BEHIND and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert LEFT_BEHIND == ["Halt"]
+    assert _types(runtime, execution_id)[-1] == "workflow.completed"
+
+
+@wp.step
+def plain_step(n: int) -> int:
+    RUNS.append("plain")
+    return n
+
+
+@wp.workflow(name="swallowed-async-hand-over", version=1)
+async def hand_over_wf(ctx: wp.AsyncContext, n: int) -> str:
+    got = await asyncio.gather(ctx.run(plain_step, n), return_exceptions=True)
+    return repr(got)[:80]
+
+
+def test_a_stop_before_the_call_began_is_not_the_result(
+    runtime: wp.Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At interpreter exit a thread pool takes no new work: the async context's hand-over
+    stops the body before the step's sync call begins. Before: the run completed with
+    that stop's text as its result."""
+    runtime.register(hand_over_wf)
+    RUNS.clear()
+    execution_id = runtime.client().start(hand_over_wf, 1).execution_id
+    monkeypatch.setattr(concurrent.futures.thread, "_shutdown", True)
+    try:
+        runtime.drive(execution_id)
+    finally:
+        monkeypatch.setattr(concurrent.futures.thread, "_shutdown", False)
+    row = _row(runtime, execution_id)
+    assert row["status"] == "running" and row["result"] is None and RUNS == []

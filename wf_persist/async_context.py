@@ -61,7 +61,9 @@ class AsyncContext:
                 call = functools.partial(context.run, fn, *args, **kwargs)
                 return await bridge.hand_over(None, call)
             except (Suspended, Reload, Halt) as stop:
-                self._stopped = stop  # before the next call's turn
+                # Before the next call's turn; and for the runtime, which stops the body's
+                # outcome too (a stop raised before the sync call began: a hand-over refused).
+                self._stopped = self._sync._stopped = stop
                 raise
 
     @property

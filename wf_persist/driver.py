@@ -130,6 +130,9 @@ class RunDriver(ChildDriving):
         self._failing = bool(claim.drive_failures)
         #: ``(ok, stored value)`` once this driver recorded the run's outcome.
         self.finished: tuple[bool, Any] | None = None
+        #: Set once this driver parked the run or recorded its outcome: its drive is over,
+        #: and a write from a thread the body left behind is refused (see :meth:`_open`).
+        self.over = False
         #: When (monotonic) a caller driving the run while it waits for the result stops
         #: driving at the next step and hands the run over (its ``result(timeout=...)``).
         self.until = until
@@ -157,6 +160,13 @@ class RunDriver(ChildDriving):
             **(self._unfailing() or {} if reset else {}),
             **(values or {}),
         } or None
+
+    def _open(self) -> None:
+        """Refuse a write once the drive is over (the run parked or ended): its claim
+        epoch is unchanged until someone claims the run, so the fence alone would let a
+        thread the body left behind record after the run's park or outcome."""
+        if self.over:
+            raise Halt(LeaseLostError(self.execution_id))
 
     def _unfailing(self) -> dict[str, Any] | None:
         """The reset of the run's count of failed drives, while one is due: made by the
@@ -190,6 +200,7 @@ class RunDriver(ChildDriving):
         note: str | None,
     ) -> Fenced:
         with self.conn_lock:
+            self._open()
             deferred = self._deferred
             if deferred:
                 try:
@@ -279,6 +290,7 @@ class RunDriver(ChildDriving):
         note: str | None,
     ) -> None:
         with self.conn_lock:
+            self._open()
             evs = [*self._deferred, *evs]
             try:
                 # A park ends the drive cleanly: the run is not failing, whatever it adds.
@@ -316,6 +328,7 @@ class RunDriver(ChildDriving):
         if self.deadline is not None and (wake_at is None or wake_at > self.deadline):
             wake_at = self.deadline  # woken to time out, whoever is alive then
         self._locked(evs, True, wake_at)
+        self.over = True
         drive_telemetry.parked(evs, wake_at)
         if wake_at is not None:  # this process's worker fires the timer on time
             self.runtime.timer_set()
@@ -485,6 +498,7 @@ class RunDriver(ChildDriving):
                 self._check_run()
             raise
         self.finished = (ok, value)
+        self.over = True
         telemetry.run_ended(wf.name, wf.version, ok)
 
 

@@ -41,6 +41,8 @@ class ChildDriving:
     if TYPE_CHECKING:  # RunDriver's
         _reset: dict[str, Any]
 
+        def _open(self) -> None: ...
+
         def _unfailing(self) -> dict[str, Any] | None: ...
 
         def _written(self, progressed: bool) -> None: ...
@@ -81,6 +83,7 @@ class ChildDriving:
         started = events.execution_started(child_id, wf.name, wf.version, stored, None, now, trace)
         mark = events.child_started(who, child_id, wf.name, wf.version, cancel_with_parent, now)
         with self.conn_lock:
+            self._open()
             evs = [*self._deferred, mark]
             try:
                 with self.lender.connection() as conn, self.backend.begin(conn):

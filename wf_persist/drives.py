@@ -195,39 +195,18 @@ def failed(runtime: Runtime, claim: Claim, exc: BaseException) -> None:
 def _failed(runtime: Runtime, claim: Claim, exc: BaseException) -> None:
     execution_id = claim.execution_id
     doc = error_document(driver_error(exc))  # the driver's words, not the whole statement
-    backend = runtime.backend
-    counted: tuple[int, dict[str, Any]] | None = None
-    try:
-        with backend.begin() as conn:
-            row = conn.execute(
-                select(ex.c.drive_failures, ex.c.claim_epoch, ex.c.status, db_now())
-                .where(ex.c.id == execution_id)
-                .with_for_update()
-            ).one_or_none()
-            if (
-                row is None
-                or int(row.claim_epoch) != claim.epoch
-                or row.status in lifecycle.TERMINAL
-            ):
-                return
-            count = int(row.drive_failures) + 1
-            now = row[3]
-            evs = [events.drive_failed(execution_id, doc, count, now)]
-            values = _failure_values(runtime, count, doc, now)
-            counted = count, values
-            if "error" in values:
-                evs.append(
-                    events.workflow_finished(
-                        execution_id, claim.workflow_name, False, values["error"], now
-                    )
-                )
-            history.append(
-                conn, backend, execution_id, evs, now=now, epoch=claim.epoch, values=values
-            )
-            if "error" in values:  # callers waiting elsewhere hear of it as of any end
-                backend.announce(conn, END + execution_id)
-    except Exception as second:
-        if counted is None or not _counted_anyway(runtime, claim, *counted):
+    counted: list[tuple[int, dict[str, Any]]] = []  # what the last try read and would write
+    second: Exception | None = None
+    for _ in range(2):  # a passing error (a lost connection, a deadlock) gets another try
+        try:
+            if not _record_failure(runtime, claim, doc, counted):
+                return  # someone else's now, or ended
+            second = None
+            break
+        except Exception as error:
+            second = error
+    if second is not None:
+        if not counted or not _counted_anyway(runtime, claim, *counted[-1]):
             log.error(
                 "run %s (%s): drive failed (%s) and recording that failed too (%s); it is "
                 "retried when its lease expires",
@@ -239,16 +218,16 @@ def _failed(runtime: Runtime, claim: Claim, exc: BaseException) -> None:
             )
             return
         log.error(
-            "run %s (%s): the database refused the record of a failed drive (%s): counted "
-            "on the run only, without its history events",
+            "run %s (%s): the database refused the record of a failed drive twice (%s): "
+            "counted on the run's row, without its history events",
             execution_id,
             claim.workflow_name,
             brief(second),
             extra=run_fields(execution_id, claim.workflow_name),
         )
-        count, values = counted
-    limit = runtime.max_drive_failures
-    if "error" in values:
+    count, values = counted[-1]
+    ended = "error" in values
+    if ended:
         telemetry.run_ended(claim.workflow_name, claim.workflow_version, False)
     else:
         runtime.timer_set()  # due again after the backoff: this worker's next wake
@@ -257,11 +236,44 @@ def _failed(runtime: Runtime, claim: Claim, exc: BaseException) -> None:
         execution_id,
         claim.workflow_name,
         count,
-        limit,
+        runtime.max_drive_failures,
         brief(exc),
-        "; the run is failed (DriveFailedError)" if "error" in values else "",
+        "; the run is failed (DriveFailedError)" if ended else "",
         extra=run_fields(execution_id, claim.workflow_name),
     )
+
+
+def _record_failure(
+    runtime: Runtime, claim: Claim, doc: Any, counted: list[tuple[int, dict[str, Any]]]
+) -> bool:
+    """Count the failed drive with its history (``drive.failed``; at the limit the run's
+    failure, its parent told), in one transaction; False if the run is no longer this
+    drive's. What it read and would write is put in ``counted`` first."""
+    execution_id = claim.execution_id
+    backend = runtime.backend
+    with backend.begin() as conn:
+        row = conn.execute(
+            select(ex.c.drive_failures, ex.c.claim_epoch, ex.c.status, db_now())
+            .where(ex.c.id == execution_id)
+            .with_for_update()
+        ).one_or_none()
+        if row is None or int(row.claim_epoch) != claim.epoch or row.status in lifecycle.TERMINAL:
+            return False
+        count = int(row.drive_failures) + 1
+        now = row[3]
+        evs = [events.drive_failed(execution_id, doc, count, now)]
+        values = _failure_values(runtime, count, doc, now)
+        counted.append((count, values))
+        if "error" in values:
+            evs.append(
+                events.workflow_finished(
+                    execution_id, claim.workflow_name, False, values["error"], now
+                )
+            )
+        history.append(conn, backend, execution_id, evs, now=now, epoch=claim.epoch, values=values)
+        if "error" in values:  # callers waiting elsewhere hear of it as of any end
+            backend.announce(conn, END + execution_id)
+    return True
 
 
 def _failure_values(runtime: Runtime, count: int, doc: Any, now: Any) -> dict[str, Any]:
@@ -287,24 +299,37 @@ def _failure_values(runtime: Runtime, count: int, doc: Any, now: Any) -> dict[st
 
 
 def _counted_anyway(runtime: Runtime, claim: Claim, count: int, values: dict[str, Any]) -> bool:
-    """Count a failed drive whose record the database refused (a history insert refused
-    every time, say by a trigger): on the run's row only, so the limit is still reached and
-    the step in flight is not re-run at every lease expiry for ever. Only if the refused
-    transaction did not commit after all (the count is still one less). A run failed this
-    way has no ``workflow.failed`` event, and a parent is not told of it (its history
-    would take the same refusal)."""
+    """Count a failed drive whose record the database refused twice (a history insert
+    refused every time, say by a trigger): on the run's row, so the limit is still reached
+    and the step in flight is not run again at every lease expiry for ever. Only if no try
+    committed after all (the count is still one less). A run failed this way has no
+    ``workflow.failed`` event; its parent is told in the same transaction, or, if that is
+    refused too (its history takes the same refusal), not at all."""
     backend = runtime.backend
-    try:
-        with backend.begin() as conn:
-            if not executions.count_failure(
-                conn, backend, claim.execution_id, claim.epoch, count, values
-            ):
-                return False
-            if "error" in values:
-                backend.announce(conn, END + claim.execution_id)
-    except Exception:
-        return False
-    return True
+    tell = "error" in values and claim.parent_id is not None
+    for telling in (True, False) if tell else (False,):
+        try:
+            with backend.begin() as conn:
+                if not executions.count_failure(
+                    conn, backend, claim.execution_id, claim.epoch, count, values
+                ):
+                    return False
+                if telling:
+                    history.tell_parent(
+                        conn,
+                        backend,
+                        str(claim.parent_id),
+                        claim.execution_id,
+                        lifecycle.FAILED.value,
+                        values,
+                        values["finished_at"],
+                    )
+                if "error" in values:
+                    backend.announce(conn, END + claim.execution_id)
+            return True
+        except Exception:
+            continue
+    return False
 
 
 def release(runtime: Runtime, claim: Claim, delay: float = 0.0) -> None:

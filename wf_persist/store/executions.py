@@ -208,7 +208,7 @@ def count_failure(
             ex.c.drive_failures == count - 1,
             ex.c.status.not_in(sorted(lifecycle.TERMINAL)),
         )
-        .values(values),
+        .values({"updated_at": db_now(), **values}),
         execution_options=backend.statement_options,
     )
     return bool(rowcount(done))

@@ -128,11 +128,11 @@ def append(
     core.execute(update(ex).where(ex.c.id == execution_id).values(changes))
     result.status = status
     if result.transitioned and status in lifecycle.TERMINAL and locked.parent_id is not None:
-        _tell_parent(core, backend, str(locked.parent_id), execution_id, status, changes, now)
+        tell_parent(core, backend, str(locked.parent_id), execution_id, status, changes, now)
     return result
 
 
-def _tell_parent(
+def tell_parent(
     conn: Connection,
     backend: Backend,
     parent_id: str,
