@@ -45,6 +45,7 @@ from sqlalchemy import create_engine as sa_create_engine
 from sqlalchemy.engine import URL, make_url
 
 import wf_persist as wp
+from bench.compare_workload import bench_step, many_steps
 
 PG_URL_ENV: Final = "WF_PERSIST_BENCH_POSTGRES_URL"
 DEFAULT_PG_ADMIN_URL: Final = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -58,18 +59,6 @@ PROFILE_FILTER: Final = "wf_persist|sqlalchemy|psycopg"
 
 
 # workloads -------------------------------------------------------------------------------
-
-
-@wp.step
-def bench_step(i: int) -> dict[str, Any]:
-    return {"i": i, "ok": True, "msg": "hello"}
-
-
-@wp.workflow(name="bench_many_steps", version=1)
-def many_steps(ctx: wp.Context, n: int) -> int:
-    for i in range(n):
-        ctx.run(bench_step, i)
-    return n
 
 
 @wp.workflow(name="bench_three_steps", version=1)
