@@ -20,6 +20,7 @@ from wf_persist.backends.clock import db_now
 from wf_persist.models import executions_table as ex
 from wf_persist.store import history
 
+from .helpers import history_types
 from .test_mutation_killers import _row
 from .test_mutation_killers_driver import refuse  # noqa: F401  (a fixture)
 
@@ -267,7 +268,7 @@ def test_a_child_failed_on_its_row_still_tells_its_parent(
     refuse(f"NEW.type IN ('step.completed', 'drive.failed') AND NEW.execution_id = '{child}'")
     _drive_until_failed(runtime, child, 6)
     assert _row(runtime, child)["status"] == "failed" and RUNS == ["last"] * 2
-    assert "child.finished" in [r.event["type"] for r in runtime.client().history(parent)]
+    assert "child.finished" in history_types(runtime.client(), parent)
     _due_now(runtime, parent)  # woken by the news already; now, whoever drives it
     runtime.drive(parent)
     outcome = runtime.client().result(parent, timeout=5)
@@ -301,6 +302,6 @@ def test_a_passing_error_at_the_limit_is_tried_again_with_the_history(
     _due_now(runtime, child)
     runtime.drive(child)
     assert tripped
-    types = [r.event["type"] for r in runtime.client().history(child)]
+    types = history_types(runtime.client(), child)
     assert types[-2:] == ["drive.failed", "workflow.failed"]
-    assert "child.finished" in [r.event["type"] for r in runtime.client().history(parent)]
+    assert "child.finished" in history_types(runtime.client(), parent)

@@ -19,9 +19,9 @@ from collections.abc import Callable
 import pytest
 
 import wf_persist as wp
-from wf_persist.backends.clock import db_now
-from wf_persist.models import executions_table as ex
 
+from .helpers import history_types
+from .test_drive_failures import _due_now
 from .test_mutation_killers import _row
 from .test_mutation_killers_driver import refuse  # noqa: F401  (a fixture)
 
@@ -65,7 +65,7 @@ def test_a_park_caught_by_a_bare_except_runs_nothing_after_it(runtime: wp.Runtim
     runtime.drive(execution_id)
     assert _row(runtime, execution_id)["status"] == "suspended"
     assert RUNS == []
-    types = [r.event["type"] for r in runtime.client().history(execution_id)]
+    types = history_types(runtime.client(), execution_id)
     assert "step.completed" not in types and "workflow.completed" not in types
 
 
@@ -92,8 +92,7 @@ def test_a_refused_write_caught_by_gather_is_a_failed_drive(
     RUNS.clear()
     execution_id = runtime.client().start(gather_all_wf, 1).execution_id
     for _ in range(3):
-        with runtime.transaction() as conn:  # due again now, not after the backoff
-            conn.execute(ex.update().where(ex.c.id == execution_id).values(wake_at=db_now()))
+        _due_now(runtime, execution_id)
         runtime.drive(execution_id)
     row = _row(runtime, execution_id)
     assert row["status"] == "failed" and row["drive_failures"] == 3
@@ -127,10 +126,6 @@ def compensate_after_park_wf(ctx: wp.Context) -> str:
     return "x"
 
 
-def _types(runtime: wp.Runtime, execution_id: str) -> list[str]:
-    return [r.event["type"] for r in runtime.client().history(execution_id)]
-
-
 def test_a_compensation_after_a_caught_park_records_nothing(runtime: wp.Runtime) -> None:
     """Before: the undo ran and was recorded on a run that had merely parked."""
     runtime.register(compensate_after_park_wf)
@@ -138,7 +133,7 @@ def test_a_compensation_after_a_caught_park_records_nothing(runtime: wp.Runtime)
     execution_id = runtime.client().start(compensate_after_park_wf).execution_id
     runtime.drive(execution_id)
     assert _row(runtime, execution_id)["status"] == "suspended"
-    types = _types(runtime, execution_id)
+    types = history_types(runtime.client(), execution_id)
     assert types[-1] == "sleep.started" and "compensation.started" not in types
 
 
@@ -170,7 +165,7 @@ def test_a_call_in_flight_on_a_body_thread_records_nothing_after_the_park(
     execution_id = runtime.client().start(in_flight_wf).execution_id
     runtime.drive(execution_id)
     assert _row(runtime, execution_id)["status"] == "suspended"
-    assert _types(runtime, execution_id)[-1] == "sleep.started"
+    assert history_types(runtime.client(), execution_id)[-1] == "sleep.started"
 
 
 LEFT_BEHIND: list[str] = []
@@ -198,7 +193,7 @@ def test_a_thread_left_behind_records_nothing_after_the_outcome(runtime: wp.Runt
     while not LEFT_BEHIND and time.monotonic() < deadline:
         time.sleep(0.05)
     assert LEFT_BEHIND == ["Halt"]
-    assert _types(runtime, execution_id)[-1] == "workflow.completed"
+    assert history_types(runtime.client(), execution_id)[-1] == "workflow.completed"
 
 
 @wp.step

@@ -148,18 +148,12 @@ class RunDriver(ChildDriving):
             # Its workflow's timeout (a start that did not know it): stored for SQL readers.
             self._reset["deadline_at"] = deadline
 
-    def _values(
-        self, evs: Sequence[NewEvent], values: dict[str, Any] | None
-    ) -> dict[str, Any] | None:
-        """The columns a fenced write of ``evs`` (each one new) sets: ``values``, what the
-        first write stores, and the reset of the failed drives' count if ``evs`` are
-        progress (see :meth:`_written`)."""
-        reset = self._failing and events.progress(evs)
-        return {
-            **self._reset,
-            **(self._unfailing() or {} if reset else {}),
-            **(values or {}),
-        } or None
+    def _values(self, progressed: bool, values: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The columns a fenced write sets: ``values``, what the first write stores, and
+        the reset of the failed drives' count if the write is the first progress (see
+        :meth:`_unfailing`)."""
+        reset = {"drive_failures": 0} if progressed else {}
+        return {**self._reset, **reset, **(values or {})} or None
 
     def _open(self) -> None:
         """Refuse a write once the drive is over (the run parked or ended): its claim
@@ -223,6 +217,8 @@ class RunDriver(ChildDriving):
         guard: tuple[str, ...] | None,
         note: str | None = None,
     ) -> Fenced:
+        # Every event of a fenced write is new: progress is what it sends.
+        progressed = self._failing and events.progress(evs)
         try:
             with self.lender.connection() as conn:
                 fenced = self.backend.write(
@@ -231,13 +227,13 @@ class RunDriver(ChildDriving):
                     self.epoch,
                     evs,
                     now=self.clock(),
-                    values=self._values(evs, values),
+                    values=self._values(progressed, values),
                     guard=guard,
                     note=note,
                 )
         except Exception as exc:
             raise Halt(exc) from exc
-        self._written(self._failing and events.progress(evs))
+        self._written(progressed)
         if fenced.status == lifecycle.COMPENSATING and not self._cancel_known:
             self.news = True  # cancelled meanwhile: the next call replays to unwind
         return fenced

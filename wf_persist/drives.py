@@ -196,16 +196,15 @@ def _failed(runtime: Runtime, claim: Claim, exc: BaseException) -> None:
     execution_id = claim.execution_id
     doc = error_document(driver_error(exc))  # the driver's words, not the whole statement
     counted: list[tuple[int, dict[str, Any]]] = []  # what the last try read and would write
-    second: Exception | None = None
+    refusals: list[Exception] = []
     for _ in range(2):  # a passing error (a lost connection, a deadlock) gets another try
         try:
             if not _record_failure(runtime, claim, doc, counted):
                 return  # someone else's now, or ended
-            second = None
             break
         except Exception as error:
-            second = error
-    if second is not None:
+            refusals.append(error)
+    else:  # refused twice
         if not counted or not _counted_anyway(runtime, claim, *counted[-1]):
             log.error(
                 "run %s (%s): drive failed (%s) and recording that failed too (%s); it is "
@@ -213,7 +212,7 @@ def _failed(runtime: Runtime, claim: Claim, exc: BaseException) -> None:
                 execution_id,
                 claim.workflow_name,
                 brief(exc),
-                brief(second),
+                brief(refusals[-1]),
                 extra=run_fields(execution_id, claim.workflow_name),
             )
             return
@@ -222,7 +221,7 @@ def _failed(runtime: Runtime, claim: Claim, exc: BaseException) -> None:
             "counted on the run's row, without its history events",
             execution_id,
             claim.workflow_name,
-            brief(second),
+            brief(refusals[-1]),
             extra=run_fields(execution_id, claim.workflow_name),
         )
     count, values = counted[-1]
