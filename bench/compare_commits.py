@@ -106,7 +106,9 @@ def _export(commit: str, directory: str) -> str:
     target.mkdir()
     archive = Path(directory, "base.tar")
     with archive.open("wb") as fh:
-        subprocess.run(["git", "archive", commit], cwd=ROOT, check=True, stdout=fh)
+        subprocess.run(
+            ["git", "archive", commit], cwd=ROOT, check=True, stdout=fh, stderr=subprocess.DEVNULL
+        )
     with tarfile.open(archive) as tar:
         tar.extractall(target, filter="data")
     return str(target)
@@ -136,8 +138,13 @@ def main() -> int:
     if not args.base:
         parser.error("--base is required")
     backends = ("sqlite", "postgresql") if args.backend == "all" else (args.backend,)
+    if args.reps < 1 or args.steps < 1 or args.floor_writes < 1:
+        parser.error("--reps, --steps and --floor-writes must be positive")
     with tempfile.TemporaryDirectory(prefix="wf-persist-compare-") as tmp:
-        base_code = _export(args.base, tmp)
+        try:
+            base_code = _export(args.base, tmp)
+        except subprocess.CalledProcessError:
+            parser.error(f"--base {args.base!r}: not a commit of this repository")
         for backend in backends:
             samples: dict[str, list[dict[str, float]]] = {"base": [], "tree": [], "floor": []}
             for rep in range(args.reps):
