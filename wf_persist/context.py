@@ -104,10 +104,11 @@ class Context:
         cancelled = self._journal.cancelled
         if cancelled is not None:
             compensate, actor = cancelled
-            at = self._driver.clock()
-            self._driver.record_checked(
-                [events.cancellation_received(self._execution_id, compensate, actor, at)]
-            )
+            if not self._journal.cancel_seen:  # a replay's would be a duplicate, dropped
+                at = self._driver.clock()
+                self._driver.record_checked(
+                    [events.cancellation_received(self._execution_id, compensate, actor, at)]
+                )
             raise Cancelled(compensate, actor)
         timed_out = self._journal.timed_out
         deadline = self._driver.deadline
@@ -188,9 +189,14 @@ class Context:
         who = self._who(name, invocation, activity)
         if activity not in self._journal.branches:
             self._before_new_call()
-        self._driver.record_checked(
-            [events.all_started(who, [a for a, _ in branch_names], self._driver.clock())]
-        )
+        # A replay of a finished block records neither event again (each would be a
+        # row-locked transaction whose duplicate the store drops): no branch runs. An
+        # unfinished block's record is the fenced check before its branches run again.
+        finished = activity in self._journal.blocks_done
+        if not finished:
+            self._driver.record_checked(
+                [events.all_started(who, [a for a, _ in branch_names], self._driver.clock())]
+            )
 
         def branch(i: int) -> Any:
             call, arguments = prepared[i]
@@ -218,12 +224,16 @@ class Context:
         if failures:
             error = failures[0]
             assert error is not None
-            doc = self.error_document(error)
-            self._driver.record_checked(
-                [events.all_finished(who, count, doc, self._driver.clock())]
-            )
+            if not finished:
+                doc = self.error_document(error)
+                self._driver.record_checked(
+                    [events.all_finished(who, count, doc, self._driver.clock())]
+                )
             raise error
-        self._driver.record_checked([events.all_finished(who, count, None, self._driver.clock())])
+        if not finished:
+            self._driver.record_checked(
+                [events.all_finished(who, count, None, self._driver.clock())]
+            )
         return [f.result() for f in futures]
 
     # recorded values ------------------------------------------------------------------

@@ -36,7 +36,8 @@ class RunControls(RunReader):
         suspension point (or at its next step boundary if it is running), unwinds its
         compensations and ends ``failed`` with a ``Cancelled`` error. Without, it ends
         ``failed`` at once (``Cancelled``, ``compensate: false``) and no further step of it
-        starts. Records ``execution.cancelled`` in the same transaction as the status claim.
+        is recorded (a drive in flight stops at its next write). Records
+        ``execution.cancelled`` in the same transaction as the status claim.
         Its unfinished children (``ctx.start_child``) are cancelled the same way, unless
         started with ``cancel_with_parent=False``.
 

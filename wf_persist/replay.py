@@ -95,6 +95,12 @@ class Journal:
     compensated: dict[str, dict[str, Any] | None] = field(default_factory=dict)
     #: ``(compensate, actor)`` once ``execution.cancelled`` was recorded.
     cancelled: tuple[bool, str | None] | None = None
+    #: Whether a drive already recorded that it saw the cancellation
+    #: (``cancellation.received``): a replay need not record it again.
+    cancel_seen: bool = False
+    #: ``all`` activities whose end (``all.completed``/``all.failed``) was recorded: a
+    #: replay records neither it nor ``all.started`` again.
+    blocks_done: set[str] = field(default_factory=set)
     #: The deadline (ISO text) once ``workflow.timed_out`` was recorded.
     timed_out: str | None = None
     #: Child activity -> its ``child.started`` event.
@@ -119,6 +125,10 @@ class Journal:
                 journal.cancelled = (bool(ev.get("compensate", True)), ev.get("actor"))
             elif etype == "workflow.timed_out":
                 journal.timed_out = str(ev.get("deadline"))
+            elif etype == "cancellation.received":
+                journal.cancel_seen = True
+            elif etype in ("all.completed", "all.failed"):
+                journal.blocks_done.add(activity)
             elif etype == "compensation.completed":
                 journal.compensated[activity] = None
             elif etype == "compensation.failed":

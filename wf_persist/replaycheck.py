@@ -88,8 +88,8 @@ class _DryDriver:
         return self._now
 
     def record(self, events: Sequence[NewEvent]) -> None:
-        # A keyed event the history holds is appended as nothing (a replay of ``ctx.all``
-        # records its start and end again): only the others are new.
+        # A keyed event the history holds is appended as nothing (a replay of an unfinished
+        # ``ctx.all`` records its start again): only the others are new.
         fresh = [e for e in events if e.dedupe_key is None or e.dedupe_key not in self._keys]
         if fresh:
             raise _Frontier(f"would record {', '.join(e.type for e in fresh)}")

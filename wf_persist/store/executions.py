@@ -123,7 +123,7 @@ def cancel(
     With ``compensate`` the run moves to ``compensating`` and is woken (a parked run now; a
     running one learns it from its next write and replays to unwind). Without, it fails at
     once with ``error`` and its fencing token is bumped, so its driver's next write is
-    refused: no further step starts.
+    refused: no further step is recorded (one it began meanwhile may have run).
 
     Raises:
         UnknownExecutionError, CannotCancelError (status not running/suspended).
