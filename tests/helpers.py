@@ -84,6 +84,15 @@ def wait_for_mark(path: Path, label: str, timeout: float = 60) -> None:
     wait_until(lambda: label in w.marks(path), timeout, f"mark {label!r}")
 
 
+def is_due(rt: wp.Runtime, execution_id: str) -> bool:
+    """Whether the run is due now (its timer passed, or it was woken), by the database."""
+    from wf_persist.store import executions
+
+    with rt.backend.read() as conn:
+        row = executions.get(conn, execution_id)
+    return bool(row is not None and row.due)
+
+
 def history_types(client: wp.WorkflowClient, execution_id: str) -> list[str]:
     return [r.event["type"] for r in client.history(execution_id)]
 

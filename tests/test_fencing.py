@@ -19,7 +19,7 @@ import wf_persist as wp
 from wf_persist.models import executions_table as ex
 
 from .fixtures import fencing as f
-from .helpers import Processes, wait_for_mark, wait_until
+from .helpers import Processes, is_due, wait_for_mark, wait_until
 
 
 @pytest.fixture(autouse=True)
@@ -62,7 +62,7 @@ def test_a_paused_driver_records_nothing_after_a_takeover(
         paused.send(signal.SIGSTOP)
         # The lease runs out by the database's clock; then anyone may claim the run.
         wait_until(
-            lambda: rt.client().describe(handle.execution_id) and _due(rt, handle.execution_id),
+            lambda: rt.client().describe(handle.execution_id) and is_due(rt, handle.execution_id),
             10,
             "lease expiry",
         )
@@ -100,14 +100,6 @@ def _holding(
     first.start_worker(concurrency=1, poll_interval=0.02)
     wait_for_mark(marks, "hold-start")
     return first, handle, marks, release
-
-
-def _due(rt: wp.Runtime, execution_id: str) -> bool:
-    from wf_persist.store import executions
-
-    with rt.backend.read() as conn:
-        row = executions.get(conn, execution_id)
-    return bool(row is not None and row.due)
 
 
 def test_claims_are_compare_and_set_on_plain_host_engines(db_url: str) -> None:
@@ -189,7 +181,7 @@ def test_close_releases_leases_so_another_runtime_takes_over_at_once(
     first.close(timeout=0.2)  # the step is still running in its thread
     second = make_runtime(lease_ttl=30)
     second.register(*f.ALL)
-    assert _due(second, handle.execution_id), "released: due at once, not after 30 s"
+    assert is_due(second, handle.execution_id), "released: due at once, not after 30 s"
 
     def starts() -> Counter[str]:
         return Counter(label for label, _ in f.marks_of(marks))
@@ -221,7 +213,7 @@ def test_leases_are_renewed_on_a_connection_of_their_own(db_url: str) -> None:
             wait_until(
                 lambda: (
                     other.client().describe(handle.execution_id).started_at is not None
-                    and not _due(other, handle.execution_id)
+                    and not is_due(other, handle.execution_id)
                 ),
                 what="the claim",
             )
@@ -330,7 +322,7 @@ def test_close_releases_the_lease_of_a_run_that_stopped_at_its_next_step(
     assert not closing.is_alive()
     second = make_runtime(lease_ttl=30)
     second.register(*f.ALL)
-    assert _due(second, handle.execution_id), "released: due at once, not after 30 s"
+    assert is_due(second, handle.execution_id), "released: due at once, not after 30 s"
     assert second.client().result(handle.execution_id, timeout=30).unwrap() == [
         "held",
         "one",

@@ -22,7 +22,7 @@ from wf_persist.worker import REAP_INTERVAL
 
 from .dbcount import Counts, counting
 from .fixtures import workflows as w
-from .helpers import wait_until
+from .helpers import is_due, wait_until
 
 
 @wp.step
@@ -88,7 +88,7 @@ def test_a_resume_reads_the_history_with_one_query(
     handle = client.start(w.napper_wf, 0.05)
     assert rt.drive(handle.execution_id)
     assert client.status(handle.execution_id) == "suspended"
-    wait_until(lambda: _due(rt, handle.execution_id), what="the timer")
+    wait_until(lambda: is_due(rt, handle.execution_id), what="the timer")
     statements: list[str] = []
 
     def seen(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
@@ -114,14 +114,6 @@ def test_a_resume_reads_the_history_with_one_query(
     assert len(loads) == 1, loads
     assert all("LIMIT" in s for s in reads if s not in loads), reads
     assert len(reads) <= 2, reads
-
-
-def _due(rt: wp.Runtime, execution_id: str) -> bool:
-    from wf_persist.store import executions
-
-    with rt.backend.read() as conn:
-        row = executions.get(conn, execution_id)
-    return bool(row is not None and row.due)
 
 
 def test_an_idle_worker_never_busy_polls(

@@ -15,7 +15,7 @@ import wf_persist as wp
 from wf_persist.replay import Journal
 
 from .dbcount import Counts, counting
-from .helpers import history_types, wait_until
+from .helpers import history_types, is_due, wait_until
 
 
 @wp.step
@@ -32,14 +32,6 @@ def blocks_then_nap(ctx: wp.Context, blocks: int) -> int:
     return total
 
 
-def _due(rt: wp.Runtime, execution_id: str) -> bool:
-    from wf_persist.store import executions
-
-    with rt.backend.read() as conn:
-        row = executions.get(conn, execution_id)
-    return bool(row is not None and row.due)
-
-
 def test_a_replay_does_not_record_finished_blocks_again(
     make_runtime: Callable[..., wp.Runtime], tmp_path: Path
 ) -> None:
@@ -53,7 +45,7 @@ def test_a_replay_does_not_record_finished_blocks_again(
         execution_id = client.start(blocks_then_nap, blocks).execution_id
         assert rt.drive(execution_id)
         assert client.status(execution_id) == "suspended"
-        wait_until(lambda: _due(rt, execution_id), what="the timer")
+        wait_until(lambda: is_due(rt, execution_id), what="the timer")
         with counting(rt.backend.base_engine, tmp_path / name) as counter:
             assert rt.drive(execution_id)
             counts = counter.counts()
