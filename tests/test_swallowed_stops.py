@@ -15,6 +15,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -26,6 +27,14 @@ from .test_mutation_killers import _row
 from .test_mutation_killers_driver import refuse  # noqa: F401  (a fixture)
 
 RUNS: list[str] = []
+
+
+def _driven(runtime: wp.Runtime, workflow: wp.Workflow[Any, Any]) -> str:
+    """A new run of ``workflow``, driven once in this thread: its id."""
+    runtime.register(workflow)
+    execution_id = runtime.client().start(workflow).execution_id
+    runtime.drive(execution_id)
+    return execution_id
 
 
 @wp.workflow(name="swallowed-gather-sleep", version=1)
@@ -49,9 +58,7 @@ def bare_except_sleep_wf(ctx: wp.Context) -> str:
 
 def test_a_park_caught_by_gather_leaves_the_run_parked(runtime: wp.Runtime) -> None:
     """Before: the run parked, then completed with ``"done"`` in the same drive."""
-    runtime.register(gather_sleep_wf)
-    execution_id = runtime.client().start(gather_sleep_wf).execution_id
-    runtime.drive(execution_id)
+    execution_id = _driven(runtime, gather_sleep_wf)
     row = _row(runtime, execution_id)
     assert row["status"] == "suspended" and row["result"] is None
     assert row["lease_owner"] is None and row["wake_at"] is not None
@@ -59,10 +66,8 @@ def test_a_park_caught_by_gather_leaves_the_run_parked(runtime: wp.Runtime) -> N
 
 def test_a_park_caught_by_a_bare_except_runs_nothing_after_it(runtime: wp.Runtime) -> None:
     """Before: the step after the sleep ran and the parked run completed."""
-    runtime.register(bare_except_sleep_wf)
     RUNS.clear()
-    execution_id = runtime.client().start(bare_except_sleep_wf).execution_id
-    runtime.drive(execution_id)
+    execution_id = _driven(runtime, bare_except_sleep_wf)
     assert _row(runtime, execution_id)["status"] == "suspended"
     assert RUNS == []
     types = history_types(runtime.client(), execution_id)
@@ -128,10 +133,8 @@ def compensate_after_park_wf(ctx: wp.Context) -> str:
 
 def test_a_compensation_after_a_caught_park_records_nothing(runtime: wp.Runtime) -> None:
     """Before: the undo ran and was recorded on a run that had merely parked."""
-    runtime.register(compensate_after_park_wf)
     LATE.clear()
-    execution_id = runtime.client().start(compensate_after_park_wf).execution_id
-    runtime.drive(execution_id)
+    execution_id = _driven(runtime, compensate_after_park_wf)
     assert _row(runtime, execution_id)["status"] == "suspended"
     types = history_types(runtime.client(), execution_id)
     assert types[-1] == "sleep.started" and "compensation.started" not in types
@@ -161,9 +164,7 @@ def test_a_call_in_flight_on_a_body_thread_records_nothing_after_the_park(
     runtime: wp.Runtime,
 ) -> None:
     """Before: ``code.completed`` was recorded after ``sleep.started``."""
-    runtime.register(in_flight_wf)
-    execution_id = runtime.client().start(in_flight_wf).execution_id
-    runtime.drive(execution_id)
+    execution_id = _driven(runtime, in_flight_wf)
     assert _row(runtime, execution_id)["status"] == "suspended"
     assert history_types(runtime.client(), execution_id)[-1] == "sleep.started"
 
@@ -185,10 +186,8 @@ def orphan_wf(ctx: wp.Context) -> str:
 
 def test_a_thread_left_behind_records_nothing_after_the_outcome(runtime: wp.Runtime) -> None:
     """Before: ``event.set`` was recorded after ``workflow.completed``."""
-    runtime.register(orphan_wf)
     LEFT_BEHIND.clear()
-    execution_id = runtime.client().start(orphan_wf).execution_id
-    runtime.drive(execution_id)
+    execution_id = _driven(runtime, orphan_wf)
     deadline = time.monotonic() + 5
     while not LEFT_BEHIND and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -219,21 +219,14 @@ class Context:
             exc = f.exception()
             if exc is not None and not isinstance(exc, Exception):
                 raise exc
-        failures = [f.exception() for f in futures if f.exception() is not None]
-        count = len(prepared)
-        if failures:
-            error = failures[0]
-            assert error is not None
-            if not finished:
-                doc = self.error_document(error)
-                self._driver.record_checked(
-                    [events.all_finished(who, count, doc, self._driver.clock())]
-                )
-            raise error
+        error = next((f.exception() for f in futures if f.exception() is not None), None)
         if not finished:
+            doc = None if error is None else self.error_document(error)
             self._driver.record_checked(
-                [events.all_finished(who, count, None, self._driver.clock())]
+                [events.all_finished(who, len(prepared), doc, self._driver.clock())]
             )
+        if error is not None:
+            raise error
         return [f.result() for f in futures]
 
     # recorded values ------------------------------------------------------------------

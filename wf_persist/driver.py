@@ -152,7 +152,7 @@ class RunDriver(ChildDriving):
         """The columns a fenced write sets: ``values``, what the first write stores, and
         the reset of the failed drives' count if the write is the first progress (see
         :meth:`_unfailing`)."""
-        reset = {"drive_failures": 0} if progressed else {}
+        reset = (self._unfailing() or {}) if progressed else {}
         return {**self._reset, **reset, **(values or {})} or None
 
     def _open(self) -> None:
