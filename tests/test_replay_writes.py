@@ -5,11 +5,14 @@ after a row-locked transaction). Counted at the database (:mod:`tests.dbcount`).
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import BaseModel, field_validator
 
 import wf_persist as wp
 from wf_persist.replay import Journal
@@ -58,6 +61,71 @@ def test_a_replay_does_not_record_finished_blocks_again(
     one, four = resume_cost(1, "one"), resume_cost(4, "four")
     assert (four - one).transactions == 0, (one, four)
     assert (four - one).statements == 0, (one, four)
+
+
+#: The threads that validated a ``Noted`` value: a recorded result is validated again where
+#: its replay reads it.
+VALIDATED_ON: list[str] = []
+
+
+class Noted(BaseModel):
+    value: int
+
+    @field_validator("value")
+    @classmethod
+    def _note_thread(cls, value: int) -> int:
+        VALIDATED_ON.append(threading.current_thread().name)
+        return value
+
+
+class Refused(Exception):
+    """A branch's terminal error (not retried)."""
+
+
+@wp.step(errors=(Refused,))
+def noted(i: int) -> Noted:
+    if i < 0:
+        raise Refused(f"no {i}")
+    return Noted(value=i)
+
+
+@wp.workflow(name="noted-blocks-then-nap", version=1)
+def noted_blocks_then_nap(ctx: wp.Context) -> list[int]:
+    first = ctx.all([wp.call(noted, 1), wp.call(noted, 2), wp.call(noted, 3)])
+    with contextlib.suppress(Refused):
+        ctx.all([wp.call(noted, 4), wp.call(noted, -1)], name="refused")
+    ctx.sleep(0.05)
+    return [n.value for n in first]
+
+
+def test_a_replay_reads_a_finished_block_without_threads(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """A block whose branches are all recorded (one that completed, one that failed) is read
+    back in the thread that replays the body: the recorded results are validated there, in
+    order, and no branch thread starts; the first drive ran its branches on threads."""
+    rt = make_runtime(lease_ttl=300)
+    rt.register(noted_blocks_then_nap)
+    client = rt.client()
+    execution_id = client.start(noted_blocks_then_nap).execution_id
+    VALIDATED_ON.clear()
+    assert rt.drive(execution_id)
+    assert client.status(execution_id) == "suspended"
+    assert VALIDATED_ON and all(n.startswith("wf-persist-all") for n in VALIDATED_ON)
+    wait_until(lambda: is_due(rt, execution_id), what="the timer")
+    VALIDATED_ON.clear()
+    before = {t.name for t in threading.enumerate()}
+    assert rt.drive(execution_id)
+    assert client.result(execution_id).unwrap() == [1, 2, 3]
+    here = threading.current_thread().name
+    # 1, 2, 3, then 4 of the failed block
+    assert len(VALIDATED_ON) == VALIDATED_ON.count(here) == 4, VALIDATED_ON
+    assert not any(
+        t.name.startswith("wf-persist-all") for t in threading.enumerate() if t.name not in before
+    )
+    types = history_types(client, execution_id)
+    assert types.count("all.completed") == types.count("all.failed") == 1, types
+    assert types.count("step.completed") == 4, types
 
 
 class Interrupted(BaseException):

@@ -21,8 +21,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
-from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import Executor, Future
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -144,13 +144,35 @@ def checked_in_thread(check: Callable[[], None], fn: Callable[..., T], *args: An
     return in_thread(checked_first(check, fn), *args)
 
 
-def wait_futures(futures: Sequence[Future[Any]]) -> None:
-    """Until every one of ``futures`` (of threads) is done: on the loop when bridged."""
-    if not bridged():
-        wait_all(futures)
-        return
-    wrapped = [asyncio.wrap_future(f) for f in futures]
-    wait(asyncio.gather(*wrapped, return_exceptions=True))
+def on_threads(
+    fn: Callable[[int], T], count: int, limit: int | None, prefix: str
+) -> list[Future[T]]:
+    """``fn(i)`` for each ``i`` below ``count``, on threads of their own (at most ``limit``
+    at once), each with this thread's context (an async body's loop, for async steps);
+    returns once every one settled, having waited on the loop when bridged (which serves
+    async branches meanwhile) and never blocked it."""
+    pool = ThreadPoolExecutor(min(count, limit or count) or 1, prefix)
+    try:
+        futures = [pool.submit(contextvars.copy_context().run, fn, i) for i in range(count)]
+        if not bridged():
+            wait_all(futures)
+        else:
+            wrapped = [asyncio.wrap_future(f) for f in futures]
+            wait(asyncio.gather(*wrapped, return_exceptions=True))
+    finally:
+        pool.shutdown(wait=not bridged())
+    return futures
+
+
+def settled_here(fn: Callable[[int], T], i: int) -> Future[T]:
+    """``fn(i)`` run in this thread, as a settled future: as :func:`on_threads` leaves it
+    (its exception kept, control flow included, for the caller to sort)."""
+    future: Future[T] = Future()
+    try:
+        future.set_result(fn(i))
+    except BaseException as exc:
+        future.set_exception(exc)
+    return future
 
 
 def pause(seconds: float, blocking: Callable[[float], None]) -> None:

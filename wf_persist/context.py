@@ -9,12 +9,10 @@ something new.
 
 from __future__ import annotations
 
-import contextvars
 import datetime as dt
 import random as _random
 import uuid as _uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn, TypeVar, overload
 
 from pydantic import TypeAdapter, ValidationError
@@ -22,7 +20,7 @@ from pydantic import TypeAdapter, ValidationError
 from . import events
 from .arguments import validate_signal
 from .authoring import Call, Step, Workflow, adapter_for, check_call_name, outside_body
-from .bridge import bridged, checked_in_thread, wait_futures
+from .bridge import checked_in_thread, on_threads, settled_here
 from .children import ChildHandle, ChildRunner
 from .control import Reload, Suspended, latched
 from .driving import Driver
@@ -203,18 +201,12 @@ class Context:
             act, inv = branch_names[i]
             return self._steps.run(StepCall(call.step, arguments, act, inv), inline=True)
 
-        workers = min(len(prepared), concurrency or len(prepared)) or 1
-
-        pool = ThreadPoolExecutor(workers, thread_name_prefix="wf-persist-all")
-        try:
-            # Each branch with this thread's context (an async body's loop, for async steps).
-            futures = [
-                pool.submit(contextvars.copy_context().run, branch, i) for i in range(len(prepared))
-            ]
-            wait_futures(futures)  # on the async worker's loop, which serves async branches
-        finally:
-            # A bridged drive never blocks its loop (async branches run there).
-            pool.shutdown(wait=not bridged())
+        if all(a in self._journal.outcomes for a, _ in branch_names):
+            # Every branch recorded (a replay): each returns its outcome without running,
+            # so they are read here, in order, with no threads to start.
+            futures = [settled_here(branch, i) for i in range(len(prepared))]
+        else:
+            futures = on_threads(branch, len(prepared), concurrency, "wf-persist-all")
         for f in futures:  # control flow (lease lost, cancellation) wins over step errors
             exc = f.exception()
             if exc is not None and not isinstance(exc, Exception):
