@@ -866,6 +866,22 @@ def test_runs_share_a_pool_smaller_than_their_number(db_url: str) -> None:
         engine.dispose()
 
 
+@pytest.mark.needs("embedded")
+def test_a_commit_elsewhere_wakes_a_sqlite_worker_within_milliseconds(
+    db_url: str, procs: Processes
+) -> None:
+    """SQLite announces nothing, but a worker process whose poll interval is 30 s reads the
+    database's change counter while it waits: a start from this process (another
+    connection's commit) reaches it at once, each time."""
+    procs.worker(db_url, app_poll_interval=30).wait_for_stderr("serving")
+    with wp.Client(db_url, poll_interval=30) as client:
+        for _ in range(3):
+            began = time.time()
+            handle = client.start("stamped")
+            stamp = client.result(handle.execution_id, timeout=20).unwrap()
+            assert stamp - began < 2.0, f"picked up after {stamp - began:.2f}s"
+
+
 # notifications ----------------------------------------------------------------------------
 
 

@@ -31,12 +31,19 @@ from .wakeups import NOTIFIED_POLL_INTERVAL
 
 if TYPE_CHECKING:
     from .backends import Claim
+    from .backends.base import Changes
     from .runtime import Runtime
 
 log = logging.getLogger("wf_persist.worker")
 
 #: How often a worker looks for runs of workers whose process is gone (presence locks).
 REAP_INTERVAL = 0.1
+
+#: How often a worker that hears no notifications (SQLite) reads its database's change
+#: counter while it waits (``PRAGMA data_version``: a read of shared memory, no disk access):
+#: a commit by another process (a start, a signal) ends the wait, so a separate worker picks
+#: a run up within milliseconds rather than a poll interval.
+CHANGE_PROBE: Final = 0.01
 
 #: The most runs one worker drives at once: far above what a process drives well (a
 #: thread each, or an event loop's share), and a claim's batch size fits every database.
@@ -80,7 +87,9 @@ class Worker:
         poll_interval: seconds between looks for due work when nothing announced any.
             Timers known to this worker fire on time; others within one interval. Where
             notifications reach the worker (PostgreSQL) it looks at most every
-            :data:`~wf_persist.wakeups.NOTIFIED_POLL_INTERVAL` seconds as a safety net.
+            :data:`~wf_persist.wakeups.NOTIFIED_POLL_INTERVAL` seconds as a safety net. On
+            SQLite it also reads the database's change counter every :data:`CHANGE_PROBE`
+            seconds while it waits, and looks at once when another process committed.
             Defaults to the runtime's ``poll_interval`` (0.25 s).
         event_loop: drive the runs of ``async def`` workflows on one event loop instead of
             a thread each (:mod:`wf_persist.async_worker`): ``concurrency`` can then be in
@@ -348,8 +357,7 @@ class Worker:
                     look_at = 0.0
                     continue
                 self._outage.succeeded()
-                until = look_at if not self._reaping() else min(look_at, reap_at)
-                self._wake.wait(max(0.0, until - clocks.elapsed()))
+                self._rest(look_at if not self._reaping() else min(look_at, reap_at), changes)
             with self._lock:
                 self._pool = None
                 inflight = list(self._inflight)
@@ -357,6 +365,28 @@ class Worker:
                 changes.close()
             self._wake.set()
             wait(inflight)  # the runs on the event loop too
+
+    def _rest(self, until: float, changes: Changes | None) -> None:
+        """Wait until ``until`` (monotonic) or a wake. Where the database has a change
+        counter and no notifications (SQLite), it is read every :data:`CHANGE_PROBE`
+        meanwhile while a slot is free: a commit ends the wait as a "maybe" (the look asks
+        what is due before it claims). A probe that fails ends it too: the look meets the
+        failure and waits out the outage."""
+        probe = min(CHANGE_PROBE, self.poll_interval)
+        while True:
+            left = until - clocks.elapsed()
+            if changes is None or self._saturated or self.runtime.listening():
+                self._wake.wait(max(0.0, left))
+                return
+            if left <= 0 or self._wake.wait(min(left, probe)):
+                return
+            try:
+                moved = changes.changed()
+            except Exception:
+                moved = True
+            if moved:
+                self._wake.set()
+                return
 
     def _claim(self, pool: ThreadPoolExecutor) -> int | _Full:
         """Claim due runs for the free slots and start them: how many, or :data:`FULL` if
