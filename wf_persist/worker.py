@@ -370,8 +370,8 @@ class Worker:
         """Wait until ``until`` (monotonic) or a wake. Where the database has a change
         counter and no notifications (SQLite), it is read every :data:`CHANGE_PROBE`
         meanwhile while a slot is free: a commit ends the wait as a "maybe" (the look asks
-        what is due before it claims). A probe that fails ends it too: the look meets the
-        failure and waits out the outage."""
+        what is due before it claims). A probe that fails leaves the rest of the wait to
+        the poll interval (the look then meets the failure, if it lasts)."""
         probe = min(CHANGE_PROBE, self.poll_interval)
         while True:
             left = until - clocks.elapsed()
@@ -383,7 +383,8 @@ class Worker:
             try:
                 moved = changes.changed()
             except Exception:
-                moved = True
+                changes = None
+                continue
             if moved:
                 self._wake.set()
                 return
