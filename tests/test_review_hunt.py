@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import uuid
 from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import Engine, event, func, select
+from sqlalchemy import Engine, event, func, select, text
 from sqlalchemy.pool import AssertionPool, Pool, QueuePool, StaticPool
 
 import wf_persist as wp
@@ -20,6 +21,7 @@ from wf_persist.cli.common import read_json
 from wf_persist.models import executions_table
 from wf_persist.web import create_app
 
+from .conftest import _admin, drop_database, server_url
 from .fixtures import workflows as w
 from .helpers import Processes
 from .test_cli_runs import one_error_line
@@ -145,6 +147,49 @@ def test_a_date_style_psycopg_cannot_read_is_refused_when_the_engine_opens(
     with wp.Runtime(iso) as runtime:  # ISO with any order of day and month reads fine
         runtime.register(any_input)
         assert runtime.client().execute(any_input, {"at": "now"}).unwrap() == {"at": "now"}
+
+
+@pytest.mark.needs("libpq")
+def test_a_client_encoding_other_than_utf8_is_refused_when_the_engine_opens(
+    db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """Under LATIN1 a start with an input of another script wrote its run, then failed
+    decoding its own answer (a raw UnicodeDecodeError); a worker then claimed that run again
+    and again, failing the same way, and an emoji or a Cyrillic key failed in the driver."""
+    engine = make_engine(db_url, connect_args={"client_encoding": "LATIN1"})
+    with pytest.raises(wp.UnsupportedDatabaseError, match="client_encoding 'LATIN1'"):
+        wp.Runtime(engine)
+    with pytest.raises(wp.UnsupportedDatabaseError, match="client_encoding 'LATIN1'"):
+        wp.Client(engine)
+    utf8 = make_engine(db_url, connect_args={"client_encoding": "utf8"})
+    with wp.Runtime(utf8) as runtime:
+        runtime.register(any_input)
+        text = {"at": "café ключ 😀"}
+        assert runtime.client().execute(any_input, text, idempotency_key="ключ😀").unwrap() == text
+
+
+@pytest.mark.needs("libpq")
+def test_a_database_whose_encoding_is_not_utf8_is_refused_when_the_engine_opens(
+    make_engine: Callable[..., Engine],
+) -> None:
+    """A LATIN1 database cannot hold every text wf_persist stores: refused at once, with
+    nothing created in it."""
+    name = f"wf_persist_t_latin1_{uuid.uuid4().hex[:8]}"
+    _admin(
+        "postgresql",
+        f"CREATE DATABASE {name} ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0",
+    )
+    try:
+        engine = make_engine(server_url("postgresql", name))
+        with pytest.raises(wp.UnsupportedDatabaseError, match="encoding is 'LATIN1'"):
+            wp.Runtime(engine)
+        with engine.connect() as conn:
+            assert (
+                conn.scalar(text("SELECT count(*) FROM pg_tables WHERE tablename LIKE 'wf%'")) == 0
+            )
+        engine.dispose()
+    finally:
+        drop_database("postgresql", name)
 
 
 @pytest.mark.needs("sql_mode")

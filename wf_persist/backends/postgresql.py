@@ -97,8 +97,12 @@ class PostgreSQLBackend(RawPath):
         # level, which costs a listener, a set and a reset at every connection taken. A
         # host's engine keeps the per-checkout level.
         with engine.connect() as conn:
-            default = conn.exec_driver_sql("SHOW default_transaction_isolation").scalar()
-            self.date_style = str(conn.exec_driver_sql("SHOW DateStyle").scalar())
+            default, self.date_style, client_encoding, server_encoding = conn.exec_driver_sql(
+                "SELECT current_setting('default_transaction_isolation'),"
+                " current_setting('DateStyle'), current_setting('client_encoding'),"
+                " current_setting('server_encoding')"
+            ).one()
+            self.encodings = (str(client_encoding), str(server_encoding))
             level = conn.get_isolation_level()  # AUTOCOMMIT is a driver setting it omits
             raw: Any = conn.connection.dbapi_connection
             autocommit = conn.dialect.detect_autocommit_setting(raw)
@@ -163,6 +167,20 @@ class PostgreSQLBackend(RawPath):
                 f"this engine's connections use DateStyle '{self.date_style}', whose times "
                 "psycopg cannot read; use ISO, e.g. create_engine(url, connect_args="
                 "{'options': '-c DateStyle=ISO'})"
+            )
+        # Names, keys and JSON documents hold any Unicode text: a narrower encoding fails
+        # on some values (a raw encoding error), or on reading back what was committed.
+        client_encoding, server_encoding = self.encodings
+        if server_encoding.upper() != "UTF8":
+            raise UnsupportedDatabaseError(
+                f"this database's encoding is '{server_encoding}', which cannot hold every "
+                "Unicode text wf_persist stores; use a database created with ENCODING 'UTF8'"
+            )
+        if client_encoding.upper() != "UTF8":
+            raise UnsupportedDatabaseError(
+                f"this engine's connections use client_encoding '{client_encoding}', which "
+                "cannot carry every Unicode text wf_persist stores; use UTF8, e.g. "
+                "create_engine(url, connect_args={'client_encoding': 'utf8'})"
             )
 
     # wake-ups and presence ----------------------------------------------------------
