@@ -1319,3 +1319,90 @@ def test_a_string_that_misstates_its_length_is_measured_as_a_string(
     with pytest.raises((wp.InvalidArgumentError, wp.UnknownWorkflowError)):
         client.start(_Short("w" * 5000), 1)
     assert tables.counts() == before
+
+
+# -- subclasses whose own methods raise ---------------------------------------------------
+
+
+class RaisingText(str):
+    """A ``str`` whose length, hash and equality raise: only its text may be used."""
+
+    def __len__(self) -> int:
+        raise RuntimeError("len")
+
+    def __hash__(self) -> int:
+        raise RuntimeError("hash")
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("eq")
+
+
+class RaisingInt(int):
+    def __lt__(self, other: object) -> bool:
+        raise RuntimeError("lt")
+
+    def __le__(self, other: object) -> bool:
+        raise RuntimeError("le")
+
+    def __ge__(self, other: object) -> bool:
+        raise RuntimeError("ge")
+
+    def __gt__(self, other: object) -> bool:
+        raise RuntimeError("gt")
+
+
+class RaisingFloat(float):
+    def __ge__(self, other: object) -> bool:
+        raise RuntimeError("ge")
+
+    def __gt__(self, other: object) -> bool:
+        raise RuntimeError("gt")
+
+
+class RaisingDelta(dt.timedelta):
+    def total_seconds(self) -> float:
+        raise RuntimeError("total_seconds")
+
+
+@wp.workflow(name="bad-subclassed-calls", version=1)
+def subclassed_calls_wf(ctx: wp.Context) -> list[int]:
+    ctx.sleep(RaisingFloat(0.01), name=RaisingText("nap"))
+    ctx.sleep(RaisingDelta(seconds=0.01))
+    got = ctx.all([wp.call(keep, 1), wp.call(keep, 2)], concurrency=RaisingInt(2))
+    ctx.set_event(RaisingText("progress"), 1)
+    ctx.code(RaisingText("once"), lambda: 1)
+    return [int(v) for v in got]
+
+
+def test_subclassed_arguments_are_used_as_the_plain_values_they_hold(
+    runtime: wp.Runtime, client: wp.WorkflowClient, tables: Tables
+) -> None:
+    """A str, int, float or timedelta subclass whose own comparisons, hash or conversions
+    raise: every entry point reads the plain value it holds (those raised out of start,
+    list, signal and result, and failed the run inside a body); a name too long for any
+    wait is refused as such, also for a buffered signal."""
+    runtime.register(subclassed_calls_wf)  # started by its name below
+    handle = client.start(
+        RaisingText("bad-subclassed-calls"),
+        version=RaisingInt(1),
+        idempotency_key=RaisingText("subclassed"),
+        actor=RaisingText("ops"),
+        timeout=RaisingFloat(60),
+    )
+    assert client.result(handle.execution_id, timeout=RaisingFloat(30)).unwrap() == [1, 2]
+    assert client.get_event(handle.execution_id, RaisingText("progress")) == 1
+    page = client.list(
+        RaisingText("bad-subclassed-calls"), version=RaisingInt(1), status=RaisingText("completed")
+    )
+    assert [i.execution_id for i in page.items] == [handle.execution_id]
+    assert client.start(any_wf, 1, timeout=RaisingDelta(seconds=60)).created
+    waiting = client.start(signal_wf, "any")
+    suspended(client, waiting.execution_id)
+    assert client.signal(waiting.execution_id, RaisingText("go"), 5) == "delivered"
+    before = tables.counts()
+    for name in ("g" * 201, "😀" * 255):
+        with pytest.raises(wp.InvalidArgumentError, match="at most 200 characters"):
+            client.signal(waiting.execution_id, name, 1, buffer=True)
+        with pytest.raises(wp.InvalidArgumentError, match="at most 200 characters"):
+            client.get_event(waiting.execution_id, name, timeout=0)
+    assert tables.counts() == before

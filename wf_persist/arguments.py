@@ -15,6 +15,7 @@ from .authoring import Workflow, adapter_for
 from .error_documents import shown
 from .errors import InvalidArgumentError, SignalPayloadError
 from .models import KEY_WIDTH, WORKFLOW_NAME_WIDTH
+from .timeouts import plain_number
 from .values import non_finite, resolve_type_reference, schema_errors, unstorable
 
 
@@ -72,18 +73,26 @@ def utc(value: object, what: str) -> dt.datetime:
         raise InvalidArgumentError(f"{what} is out of range in UTC: {shown(value)}") from None
 
 
-def check_text(what: str, value: str | None) -> None:
-    """A key or name: the length is ``str``'s own (a subclass may say otherwise)."""
-    if value is not None and (
-        not isinstance(value, str)
-        or not value
-        or str.__len__(value) > KEY_WIDTH
-        or unstorable(value)
-    ):
+def plain_text(value: object) -> str | None:
+    """A ``str`` argument as a plain ``str`` (``None`` for anything else): a subclass's own
+    length, hash or equality may raise or lie."""
+    return str.__str__(value) if isinstance(value, str) else None
+
+
+def check_text(what: str, value: object, width: int = KEY_WIDTH) -> str | None:
+    """A key or name (``None`` passes) as a plain ``str``, at most ``width`` characters."""
+    return None if value is None else required_text(what, value, width)
+
+
+def required_text(what: str, value: object, width: int = KEY_WIDTH) -> str:
+    """A key or name as a plain ``str``, at most ``width`` characters."""
+    text = plain_text(value)
+    if not text or len(text) > width or unstorable(text):
         raise InvalidArgumentError(
-            f"{what} must be a non-empty string of at most {KEY_WIDTH} characters without "
+            f"{what} must be a non-empty string of at most {width} characters without "
             f"NUL or invalid UTF-8, got {shown(value)}"
         )
+    return text
 
 
 def check_id(execution_id: object) -> str:
@@ -103,37 +112,34 @@ def check_id(execution_id: object) -> str:
 def workflow_name(workflow: object) -> str:
     if isinstance(workflow, Workflow):
         return workflow.name
-    if (
-        not isinstance(workflow, str)
-        or not workflow
-        or str.__len__(workflow) > WORKFLOW_NAME_WIDTH
-        or unstorable(workflow)
-    ):
+    name = plain_text(workflow)
+    if not name or len(name) > WORKFLOW_NAME_WIDTH or unstorable(name):
         raise InvalidArgumentError(
             f"expected a workflow or its name (a non-empty string of at most "
             f"{WORKFLOW_NAME_WIDTH} characters without NUL or invalid UTF-8), got {shown(workflow)}"
         )
-    return workflow
+    return name
 
 
-def check_version(version: object) -> None:
-    if version is not None and (
-        isinstance(version, bool) or not isinstance(version, int) or not 1 <= version < 2**31
-    ):
+def check_version(version: object) -> int | None:
+    """A version (``None`` passes) as a plain ``int``."""
+    if version is None:
+        return None
+    number = plain_number(version)
+    if not isinstance(number, int) or not 1 <= number < 2**31:
         raise InvalidArgumentError(f"version must be a positive integer, got {shown(version)}")
+    return number
 
 
-def check_timeout(timeout: object) -> None:
-    """A timeout is ``None`` or a non-negative number of seconds (not NaN)."""
-    if timeout is not None and (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, int | float)
-        or timeout != timeout
-        or timeout < 0
-    ):
+def check_timeout(timeout: object) -> float | None:
+    """A timeout is ``None`` or a non-negative number of seconds (not NaN), returned as a
+    plain ``float``."""
+    if timeout is None:
+        return None
+    number = plain_number(timeout)
+    if number is None or not number >= 0:
         raise InvalidArgumentError(f"timeout must be a number of seconds, got {shown(timeout)}")
-    if isinstance(timeout, int):
-        try:
-            float(timeout)  # deadlines are monotonic floats: 10**400 seconds is not one
-        except OverflowError:
-            raise InvalidArgumentError(f"timeout is out of range: {shown(timeout)}") from None
+    try:
+        return float(number)  # deadlines are monotonic floats: 10**400 seconds is not one
+    except OverflowError:
+        raise InvalidArgumentError(f"timeout is out of range: {shown(timeout)}") from None

@@ -183,7 +183,7 @@ class AsyncClient:
         after 2 ms, then twice as long each time, at most every ``poll_interval``, and at
         once when the database announces its end (PostgreSQL)."""
         execution_id = arguments.check_id(execution_id)
-        arguments.check_timeout(timeout)
+        timeout = arguments.check_timeout(timeout)
         deadline = None if timeout is None else clocks.elapsed() + timeout
         delay = 0.002
         event = asyncio.Event()

@@ -105,8 +105,10 @@ def source_hash(name: str, version: int, fn: Callable[..., Any]) -> str:
 
 
 def _check_name(name: object, what: str, width: int, error: type[Exception]) -> str:
-    if not isinstance(name, str) or not name:
+    """``name`` as a plain ``str`` (a subclass's own length, hash or equality may raise)."""
+    if not isinstance(name, str) or not str.__len__(name):
         raise error(f"{what} must be a non-empty string, got {shown(name)}")
+    name = str.__str__(name)
     if len(name) > width:
         raise error(f"{what} is {len(name)} characters; at most {width} fit the history columns")
     if unstorable(name) is not None:

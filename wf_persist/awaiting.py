@@ -93,7 +93,7 @@ class RunAwaiter(RunReader):
             MissingWorkflowVersionError (see :meth:`WorkflowClient.result`).
         """
         execution_id = arguments.check_id(execution_id)
-        arguments.check_timeout(timeout)
+        timeout = arguments.check_timeout(timeout)
         deadline = None if timeout is None else clocks.elapsed() + timeout
         delay = 0.002
         self._listen()

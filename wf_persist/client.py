@@ -117,7 +117,7 @@ class Client(RunAwaiter, RunControls):
         and, if the entry came from this client's memory, the entry as read: the start must
         check it is still the newest version, that very entry."""
         name = arguments.workflow_name(workflow)
-        arguments.check_version(version)
+        version = arguments.check_version(version)
         what = f"input of workflow {name}"
         # The newest version read before, where the start itself checks it still is (a
         # cataloged version never changes; only a newer one can appear).
@@ -236,8 +236,8 @@ class Client(RunAwaiter, RunControls):
             UnknownWorkflowError, MissingWorkflowVersionError, InvalidPayloadError,
             NotSerializableError, ValueTooLargeError, IdempotencyConflictError.
         """
-        arguments.check_text("idempotency_key", idempotency_key)
-        arguments.check_text("actor", actor)
+        idempotency_key = arguments.check_text("idempotency_key", idempotency_key)
+        actor = arguments.check_text("actor", actor)
         limit = None if timeout is None else duration_seconds(timeout, "timeout", positive=True)
         while True:
             name, pinned, stored, newest = self._prepare_start(workflow, version, payload, session)

@@ -24,6 +24,7 @@ from .bridge import checked_in_thread, on_threads, settled_here
 from .children import ChildHandle, ChildRunner
 from .control import Reload, Suspended, latched
 from .driving import Driver
+from .error_documents import shown
 from .errors import (
     Cancelled,
     CodeExecutionError,
@@ -38,7 +39,7 @@ from .replay import Cursor, Journal, Received, TimedOut
 from .secrets import Redactor
 from .steps import StepCall, StepRunner
 from .timeouts import MAX_DURATION_SECONDS as MAX_DURATION_SECONDS
-from .timeouts import duration_seconds
+from .timeouts import duration_seconds, plain_number
 from .values import from_json, to_json, type_reference
 
 __all__ = ["Context", "Received", "TimedOut"]
@@ -165,13 +166,14 @@ class Context:
         registered for compensation. A replay with different branches (count or steps) is
         a :class:`NonDeterminismError`.
         """
-        if concurrency is not None and (
-            isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1
-        ):
-            raise InvalidArgumentError(
-                f"concurrency must be a positive integer, got {concurrency!r}"
-            )
-        check_call_name(name, "ctx.all name")
+        if concurrency is not None:
+            limit = plain_number(concurrency)
+            if not isinstance(limit, int) or limit < 1:
+                raise InvalidArgumentError(
+                    f"concurrency must be a positive integer, got {shown(concurrency)}"
+                )
+            concurrency = limit
+        name = check_call_name(name, "ctx.all name")
         if not isinstance(calls, Sequence) or isinstance(calls, str):
             raise WorkflowDefinitionError(
                 f"ctx.all takes a list of wp.call(step, ...) items, got {calls!r:.80}"
@@ -259,7 +261,7 @@ class Context:
         Not retried: an exception fails here as :class:`CodeExecutionError`, and a replay
         raises it again without running ``fn``.
         """
-        check_call_name(name, "code block name")
+        name = check_call_name(name, "code block name")
         activity, invocation = self._cursor.enter("code", name)
         adapter = adapter_for(output)
         recorded = self._journal.outcomes.get(activity)
@@ -309,7 +311,7 @@ class Context:
         """
         seconds = _seconds(duration, "sleep duration")
         base_name = f"sleep:{seconds:g}s" if name is None else name
-        check_call_name(base_name, "sleep name")
+        base_name = check_call_name(base_name, "sleep name")
         activity, invocation = self._cursor.enter("sleep", base_name)
         if activity in self._journal.outcomes:
             return
@@ -356,7 +358,7 @@ class Context:
     def _wait_for_signal(
         self, name: str, payload_type: Any, timeout: dt.timedelta | float | None
     ) -> Received[Any] | TimedOut:
-        check_call_name(name, "signal name")
+        name = check_call_name(name, "signal name")
         limit = None if timeout is None else _seconds(timeout, "signal timeout")
         activity, invocation = self._cursor.enter("signal", name)
         adapter = adapter_for(payload_type)
@@ -496,7 +498,7 @@ class Context:
         """Publish ``value`` under ``key`` for clients (``client.get_event(id, key)``); a
         later call with the same key replaces it. Recorded once: a replay publishes nothing
         again."""
-        check_call_name(key, "event key")
+        key = check_call_name(key, "event key")
         activity, invocation = self._cursor.enter("event", key)
         if self._journal.outcomes.get(activity) is not None:
             return

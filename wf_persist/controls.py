@@ -12,6 +12,7 @@ from typing import Any, Literal
 from . import arguments, events, lifecycle, telemetry
 from .error_documents import error_document
 from .errors import Cancelled, InvalidArgumentError
+from .models import CALL_NAME_WIDTH
 from .reading import RunReader
 from .store import children, executions, signals
 
@@ -46,7 +47,7 @@ class RunControls(RunReader):
                 execution ..."); of two concurrent cancels, the second.
             UnknownExecutionError.
         """
-        arguments.check_text("actor", actor)
+        actor = arguments.check_text("actor", actor)
         with self._reading() as conn:
             self._row(conn, execution_id)
         error = error_document(Cancelled(compensate, actor))
@@ -114,8 +115,9 @@ class RunControls(RunReader):
             SignalPayloadError: the payload does not fit; nothing is recorded.
             SignalAlreadyDeliveredError: a concurrent delivery to the same wait won.
         """
-        arguments.check_text("actor", actor)
-        arguments.check_text("signal name", name)
+        actor = arguments.check_text("actor", actor)
+        # No wait takes a longer name (``ctx.wait_for_signal`` refuses it): none is buffered.
+        name = arguments.required_text("signal name", name, CALL_NAME_WIDTH)
         if not isinstance(buffer, bool):
             raise InvalidArgumentError(f"buffer must be True or False, got {buffer!r:.80}")
         with self._reading() as conn:

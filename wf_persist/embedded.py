@@ -211,7 +211,7 @@ class WorkflowClient(Client):
         flight is not interrupted, so the call may return that much later.
         """
         execution_id = arguments.check_id(execution_id)
-        arguments.check_timeout(timeout)
+        timeout = arguments.check_timeout(timeout)
         rt = self.runtime
         rt._check_process()
         deadline = None if timeout is None else clocks.elapsed() + timeout

@@ -14,7 +14,9 @@ from sqlalchemy import Connection, Row
 from . import arguments, clocks, lifecycle
 from .authoring import Workflow
 from .backends import Backend
+from .error_documents import shown
 from .errors import EventNotSetError, InvalidArgumentError, UnknownExecutionError
+from .models import CALL_NAME_WIDTH
 from .records import (
     ExecutionInfo,
     HistoryRecord,
@@ -84,8 +86,8 @@ class RunReader:
             EventNotSetError: the run ended, or ``timeout`` passed, without ``key`` set.
             UnknownExecutionError.
         """
-        arguments.check_text("event key", key)
-        arguments.check_timeout(timeout)
+        key = arguments.required_text("event key", key, CALL_NAME_WIDTH)
+        timeout = arguments.check_timeout(timeout)
         deadline = None if timeout is None else clocks.elapsed() + timeout
         delay = 0.002
         while True:
@@ -141,14 +143,17 @@ class RunReader:
         if created_before is not None:
             created_before = arguments.utc(created_before, "created_before")
         name = None if workflow is None else arguments.workflow_name(workflow)
-        arguments.check_text("actor", actor)
-        arguments.check_version(version)
+        actor = arguments.check_text("actor", actor)
+        version = arguments.check_version(version)
         if version is not None and name is None:
             raise InvalidArgumentError("version filters the runs of one workflow: name it")
-        if status is not None and status not in lifecycle.STATUSES:
-            raise InvalidArgumentError(
-                f"unknown status {status!r}; expected one of {lifecycle.STATUSES}"
-            )
+        if status is not None:
+            known = arguments.plain_text(status)
+            if known not in lifecycle.STATUSES:
+                raise InvalidArgumentError(
+                    f"unknown status {shown(status)}; expected one of {lifecycle.STATUSES}"
+                )
+            status = known
         if limit is not None and (
             # Below 2**31: the page size (plus one) is bound as a database integer.
             isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit < 2**31

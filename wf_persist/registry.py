@@ -96,8 +96,9 @@ class Registry:
         registered, a definition passed in counting as registered. Writes nothing."""
         if not isinstance(workflow, Workflow | str):
             raise InvalidArgumentError(f"expected a workflow or its name, got {shown(workflow)}")
-        check_version(version)
-        name = workflow if isinstance(workflow, str) else workflow.name
+        version = check_version(version)
+        # A plain str: a subclass's own equality or hash may raise.
+        name = str.__str__(workflow) if isinstance(workflow, str) else workflow.name
         with self._lock:
             known = {v: wf for (n, v), wf in self._registry.items() if n == name}
         if isinstance(workflow, Workflow):

@@ -78,8 +78,13 @@ def positive(value: object, what: str) -> float:
 def duration_seconds(duration: dt.timedelta | float, what: str, *, positive: bool = False) -> float:
     """``duration`` (a ``timedelta`` or seconds) in seconds, checked: a real number, not a
     bool, finite, at least 0 (above 0 if ``positive``), at most 1000 years."""
-    seconds = duration.total_seconds() if isinstance(duration, dt.timedelta) else duration
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds >= 0:
+    # The base classes' own methods: a subclass's may raise or lie.
+    seconds = (
+        dt.timedelta.total_seconds(duration)
+        if isinstance(duration, dt.timedelta)
+        else plain_number(duration)
+    )
+    if seconds is None or not seconds >= 0:
         raise InvalidArgumentError(f"{what} must be a non-negative duration, got {shown(duration)}")
     if positive and not seconds > 0:
         raise InvalidArgumentError(f"{what} must be a positive duration, got {shown(duration)}")
