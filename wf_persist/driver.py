@@ -65,13 +65,16 @@ T = TypeVar("T")
 
 
 class DriveClock:
-    """The database's time at the claim, advanced by this process's monotonic clock (and by
-    the time the test kit skips meanwhile, see :meth:`Runtime.time_shift`)."""
+    """The database's time at the claim, advanced by this process's monotonic clock since
+    ``read_at`` (when the claim's answer arrived; default now), and by the time the test kit
+    skips meanwhile (see :meth:`Runtime.time_shift`)."""
 
-    def __init__(self, db_now: dt.datetime, shift: Callable[[], float]) -> None:
+    def __init__(
+        self, db_now: dt.datetime, shift: Callable[[], float], read_at: float | None = None
+    ) -> None:
         self._base = db_now
         self._shift = shift
-        self._t0 = clocks.elapsed() + shift()
+        self._t0 = (clocks.elapsed() if read_at is None else read_at) + shift()
 
     def __call__(self) -> dt.datetime:
         return self._base + dt.timedelta(seconds=clocks.elapsed() + self._shift() - self._t0)

@@ -123,7 +123,7 @@ def drive(
     """
     wf = runtime.definition(claim.workflow_name, claim.workflow_version)
     deadline = run_deadline(claim, wf.timeout)
-    clock = DriveClock(claim.db_now, runtime.time_shift)
+    clock = DriveClock(claim.db_now, runtime.time_shift, claim.read_at)
     lender = Lender(runtime.backend, runtime.timers, keep=not bridge.bridged())
     driver: RunDriver | None = None
     try:

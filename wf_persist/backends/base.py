@@ -49,6 +49,7 @@ from .sql import (
     bump_returning,
     claim_one,
     claim_values,
+    claims_read,
     due,
     held_at,
     history_row,
@@ -179,7 +180,7 @@ class Backend(Connections):
         params = {"p_id": execution_id, "p_owner": owner, "p_ttl": ttl}
         pins = None if workflows is None else tuple(workflows)
         row = conn.execute(claim_one(pins), params).one_or_none()
-        return None if row is None else Claim(*row)
+        return None if row is None else claims_read([row])[0]
 
     def open_claim(self, conn: Connection, claim: Claim) -> Claim:
         """The claim with its run's history read, after recording ``workflow.started`` the
@@ -260,7 +261,7 @@ class Backend(Connections):
             .values(claim_values())
             .returning(*CLAIM_COLUMNS, db_now())
         )
-        return [Claim(*row) for row in conn.execute(stmt, {"p_ttl": ttl, "p_owner": owner})]
+        return claims_read(conn.execute(stmt, {"p_ttl": ttl, "p_owner": owner}).all())
 
     def renew(
         self, conn: Connection, held: Mapping[str, int], ttl: float, owner: str | None = None

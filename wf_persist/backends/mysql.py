@@ -50,6 +50,7 @@ from .sql import (
     WriteShape,
     bump,
     claim_values,
+    claims_read,
     due,
     held_at,
     history_row,
@@ -255,7 +256,7 @@ class MySQLBackend(Backend):
         if not pairs:
             return []
         stmt: Any = select(*CLAIM_COLUMNS, db_now()).where(held_at(dict(pairs)))
-        return [Claim(*row) for row in conn.execute(stmt).all()]
+        return claims_read(conn.execute(stmt).all())
 
     def claim(
         self,

@@ -41,6 +41,7 @@ from .sql import (
     WriteShape,
     bump,
     claim_values,
+    claims_read,
     due,
     pinned,
     renew_values,
@@ -266,8 +267,9 @@ def start_statement(idempotent: bool, leased: bool, notify: bool, newest: bool =
 def claims_of(rows: Sequence[Any]) -> list[Claim]:
     claims = []
     n = len(CLAIM_COLUMNS) + 1  # and the database's time
-    for row in rows:
-        claim, began, found = Claim(*row[:n]), row[n], row[n + 1]
+    read = claims_read(row[:n] for row in rows)
+    for row, claim in zip(rows, read, strict=True):
+        began, found = row[n], row[n + 1]
         claim = claim._replace(db_now=claim.db_now.astimezone(dt.UTC))
         pairs = () if found is None else tuple((int(q), e) for q, e in found)
         # Complete: sequences 1 .. next_seq - 1, less the workflow.started just recorded

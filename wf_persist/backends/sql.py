@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, NamedTuple, cast
 
@@ -29,6 +29,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import IteratorResult, Row
 from sqlalchemy.engine.result import SimpleResultMetaData
 
+from .. import clocks
 from ..events import NewEvent
 from ..lifecycle import ACTIVE
 from ..models import UTC_DATETIME, JSONDoc
@@ -81,6 +82,10 @@ class Claim(NamedTuple):
     started_here: bool = False
     #: The trace context its starter stored, when known without a read (started here).
     trace: Mapping[str, str] | None = None
+    #: When (monotonic) the claim's answer, ``db_now`` with it, reached this process: the
+    #: drive's clock runs from then, not from when the drive began (a long history read or
+    #: a pause in between would otherwise put every time of the drive early).
+    read_at: float | None = None
 
 
 class Fenced(NamedTuple):
@@ -88,6 +93,13 @@ class Fenced(NamedTuple):
 
     sequences: list[int]
     status: str
+
+
+def claims_read(rows: Iterable[Sequence[Any]]) -> list[Claim]:
+    """Claims from their rows (:data:`CLAIM_COLUMNS` and the database's time), stamped with
+    when their answer arrived (now)."""
+    read_at = clocks.elapsed()
+    return [Claim(*row)._replace(read_at=read_at) for row in rows]
 
 
 @dataclass(frozen=True)
