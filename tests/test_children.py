@@ -236,3 +236,56 @@ def test_a_child_pinned_to_another_version_is_decoded_by_that_version_on_replay(
     client = runtime.client()
     handle = client.start(fam.pins_v1_wf, 7)
     assert client.result(handle.execution_id, timeout=30).unwrap() == "int"
+
+
+#: Children of the parent below: enough that cancelling them one transaction each took a
+#: while after the parent's own cancellation had committed.
+MANY = 40
+
+
+@wp.workflow(name="children-waiting-kid", version=1)
+def waiting_kid(ctx: wp.Context, i: int) -> int:
+    ctx.wait_for_signal("go")
+    return i
+
+
+@wp.workflow(name="children-many-parent", version=1)
+def many_parent(ctx: wp.Context, n: int) -> int:
+    kids = [ctx.start_child(waiting_kid, i) for i in range(n)]
+    return sum(int(ctx.child_result(kid)) for kid in kids)
+
+
+@pytest.mark.parametrize("compensate", [False, True], ids=["no-compensate", "compensate"])
+def test_a_cancel_killed_once_its_run_ended_leaves_no_child_running(
+    runtime: wp.Runtime, db_url: str, procs: Processes, compensate: bool
+) -> None:
+    """``wf-persist runs cancel`` is SIGKILLed the moment its run reads as cancelled: every
+    child was cancelled in that same commit. (Each child was cancelled in a transaction of
+    its own after the parent's; killed in between, a parent cancelled without compensation
+    left its children waiting forever, and a second cancel could not reach them.)"""
+    runtime.register(many_parent, waiting_kid)
+    runtime.start_worker(concurrency=8, poll_interval=0.05)
+    client = runtime.client()
+    parent = client.start(many_parent, MANY).execution_id
+
+    def parked() -> bool:
+        kids = _children(client, parent)
+        return (
+            len(kids) == MANY
+            and client.status(parent) == "suspended"
+            and all(client.status(k) == "suspended" for k in kids)
+        )
+
+    wait_until(parked, what="the parent and its children parked", timeout=60)
+    kids = _children(client, parent)
+    args = ["-m", "wf_persist.cli", "runs", "cancel", parent, "--url", db_url]
+    canceller = procs.python(*args, *([] if compensate else ["--no-compensate"]))
+    ended = "failed" if not compensate else "compensating"
+    wait_until(lambda: client.status(parent) in (ended, "failed"), what="the cancel", timeout=60)
+    canceller.kill()
+    statuses = {client.status(k) for k in kids}
+    assert statuses <= {"failed", "compensating"}, statuses
+    for kid in kids:
+        outcome = client.result(kid, timeout=30)
+        assert isinstance(outcome, wp.Failed) and outcome.error["name"] == "Cancelled"
+        assert outcome.error.get("compensate") is compensate

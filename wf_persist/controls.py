@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from . import arguments, events, lifecycle, telemetry
 from .error_documents import error_document
@@ -15,6 +15,9 @@ from .errors import Cancelled, InvalidArgumentError
 from .models import CALL_NAME_WIDTH
 from .reading import RunReader
 from .store import children, executions, signals
+
+#: Tries of a cancellation that met a concurrent transaction (a deadlock with a child ending).
+CANCEL_ATTEMPTS: Final = 3
 
 
 class RunControls(RunReader):
@@ -39,8 +42,8 @@ class RunControls(RunReader):
         ``failed`` at once (``Cancelled``, ``compensate: false``) and no further step of it
         is recorded (a drive in flight stops at its next write). Records
         ``execution.cancelled`` in the same transaction as the status claim.
-        Its unfinished children (``ctx.start_child``) are cancelled the same way, unless
-        started with ``cancel_with_parent=False``.
+        Its unfinished children (``ctx.start_child``) are cancelled the same way, theirs in
+        turn, unless started with ``cancel_with_parent=False``: in the same transaction.
 
         Raises:
             CannotCancelError: the run is not running or suspended ("Cannot cancel completed
@@ -52,38 +55,37 @@ class RunControls(RunReader):
             self._row(conn, execution_id)
         error = error_document(Cancelled(compensate, actor))
         now = self._now()
-        with self.backend.begin() as conn:
-            executions.cancel(
-                conn,
-                self.backend,
-                execution_id,
-                cancelled=events.execution_cancelled(execution_id, compensate, actor, now),
-                compensate=compensate,
-                error=error,
-                now=now,
-            )
+        for attempt in range(CANCEL_ATTEMPTS):
+            try:
+                with self.backend.begin() as conn:
+                    executions.cancel(
+                        conn,
+                        self.backend,
+                        execution_id,
+                        cancelled=events.execution_cancelled(execution_id, compensate, actor, now),
+                        compensate=compensate,
+                        error=error,
+                        now=now,
+                    )
+                    # Its children (theirs in turn) in the same transaction: a cancel cut off
+                    # after its commit would leave them running, and once the run has ended
+                    # no cancel could reach them. (A run unwinding with compensation cancels
+                    # them itself too, before its outcome.)
+                    children.cancel_descendants(
+                        conn,
+                        self.backend,
+                        execution_id,
+                        compensate=compensate,
+                        actor=actor,
+                        now=now,
+                    )
+                break
+            except Exception as exc:
+                # A child ending meanwhile locks itself, then this run (to record its
+                # outcome there): the opposite order. Of a deadlock nothing was written.
+                if attempt + 1 >= CANCEL_ATTEMPTS or not self.backend.contention(exc):
+                    raise
         self._notify()
-        self._cancel_children(execution_id, compensate, actor)
-
-    def _cancel_children(self, execution_id: str, compensate: bool, actor: str | None) -> None:
-        """Its children go with it (each in a transaction of its own, theirs in turn). A
-        run unwinding with compensation does this itself too, before its outcome."""
-        with self._reading() as conn:
-            ids = children.cancelled_with(conn, execution_id)
-        for child_id in ids:
-            with self.backend.begin() as conn:
-                cancelled = children.cancel(
-                    conn,
-                    self.backend,
-                    child_id,
-                    compensate=compensate,
-                    actor=actor,
-                    now=self._now(),
-                )
-            if cancelled:
-                self._cancel_children(child_id, compensate, actor)
-        if ids:
-            self._notify()
 
     def signal(
         self,

@@ -37,6 +37,27 @@ def cancelled_with(conn: Executor, parent_id: str) -> list[str]:
     ]
 
 
+def cancel_descendants(
+    conn: Executor,
+    backend: Backend,
+    parent_id: str,
+    *,
+    compensate: bool,
+    actor: str | None,
+    now: dt.datetime,
+) -> int:
+    """Cancel the unfinished children ``parent_id`` started to be cancelled with it, and
+    theirs in turn, in the caller's transaction (:func:`cancel` each); how many."""
+    count = 0
+    pending = [parent_id]
+    while pending:
+        for child_id in cancelled_with(conn, pending.pop()):
+            if cancel(conn, backend, child_id, compensate=compensate, actor=actor, now=now):
+                count += 1
+                pending.append(child_id)
+    return count
+
+
 def cancel(
     conn: Executor,
     backend: Backend,
