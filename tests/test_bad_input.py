@@ -831,6 +831,39 @@ def test_unknown_well_formed_id_is_unknown_everywhere(client: wp.WorkflowClient)
             call()
 
 
+def test_another_spelling_of_an_id_is_unknown_everywhere(
+    client: wp.WorkflowClient, tables: Tables
+) -> None:
+    """An id in upper case names no run on any backend (MySQL/MariaDB's default collation,
+    which ids keep, found the run by it, and a cancel recorded history under that
+    spelling); nothing is written."""
+    handle = client.start(signal_wf, "any")
+    suspended(client, handle.execution_id)
+    other = handle.execution_id.upper()
+    before = tables.counts()
+    thin = wp.Client(client.runtime.engine)
+    calls: list[Callable[[], object]] = [
+        lambda: client.status(other),
+        lambda: client.describe(other),
+        lambda: client.history(other),
+        lambda: client.pending_signals(other),
+        lambda: client.outcome(other),
+        lambda: client.result(other, timeout=0),
+        lambda: client.get_event(other, "progress", timeout=0),
+        lambda: client.signal(other, "go", 1),
+        lambda: client.signal(other, "go", 1, buffer=True),
+        lambda: client.cancel(other),
+        lambda: thin.status(other),
+        lambda: thin.result(other, timeout=0),
+        lambda: thin.cancel(other),
+    ]
+    for call in calls:
+        with pytest.raises(wp.UnknownExecutionError):
+            call()
+    assert tables.counts() == before
+    assert client.status(handle.execution_id) == "suspended"
+
+
 # -- 8, 10, 12. misuse of ctx -------------------------------------------------------------
 
 MISUSE = {

@@ -73,9 +73,9 @@ class RunReader:
     def pending_signals(self, execution_id: str) -> list[PendingSignal]:
         """The waits the run is parked on (or about to be), oldest first."""
         with self._reading() as conn:
-            waits = signals.pending(conn, arguments.check_id(execution_id))
-            if not waits:
-                self._row(conn, execution_id)
+            # The run first: its id exactly (history rows match other spellings of it where
+            # ids compare case-insensitively).
+            waits = signals.pending(conn, str(self._row(conn, execution_id).id))
         return [PendingSignal.from_event(w) for w in waits]
 
     def get_event(self, execution_id: str, key: str, *, timeout: float | None = None) -> Any:
@@ -181,7 +181,6 @@ class RunReader:
     def history(self, execution_id: str) -> Sequence[HistoryRecord]:
         """Every event of the run in sequence order."""
         with self._reading() as conn:
-            rows = history.load(conn, arguments.check_id(execution_id))
-            if not rows:
-                self._row(conn, execution_id)
+            # Its id exactly, as for pending_signals.
+            rows = history.load(conn, str(self._row(conn, execution_id).id))
         return [HistoryRecord(int(r.sequence), r.created_at, dict(r.event)) for r in rows]

@@ -166,17 +166,24 @@ def get(
     conn: Executor, execution_id: str, options: dict[str, Any] | None = None
 ) -> Row[Any] | None:
     """The execution row, or ``None``."""
-    return (
+    return _exactly(
         connection_of(conn)
         .execute(_GET, {"p_id": execution_id}, execution_options=options or {})
-        .one_or_none()
+        .one_or_none(),
+        execution_id,
     )
+
+
+def _exactly(row: Row[Any] | None, execution_id: str) -> Row[Any] | None:
+    """``row`` if its id is ``execution_id`` exactly: under a case-insensitive collation (ids
+    keep MySQL's default) another spelling finds it, but names another id everywhere."""
+    return row if row is None or row.id == execution_id else None
 
 
 def look(backend: Backend, execution_id: str) -> Row[Any] | None:
     """The execution row (or ``None``) read on its own, outside any transaction: a client's
     look at a run (its status, its outcome), by the backend's quickest read."""
-    return backend.read_one(_GET, {"p_id": execution_id})
+    return _exactly(backend.read_one(_GET, {"p_id": execution_id}), execution_id)
 
 
 def park(conn: Executor, execution_id: str, epoch: int, wake_at: dt.datetime | None) -> None:
