@@ -358,3 +358,26 @@ def test_the_upgrade_command_quotes_the_schema() -> None:
     command = migrate.upgrade_command(make_url("postgresql://u:pw@h/db"), "a;b c")
     assert shlex.split(command)[-2:] == ["--schema", "a;b c"]
     assert "pw" not in command
+
+
+def test_stored_values_reach_the_terminal_as_text_never_as_controls(
+    db_url: str, procs: Processes, runtime: wp.Runtime
+) -> None:
+    """An actor holding escape sequences (retitle the window, clear the screen), a C1
+    control and a right-to-left override, and an id carrying the same, are printed as
+    their escapes by every human-readable command and by the error line; ``--json`` keeps
+    the stored text exactly."""
+    from .fixtures import workflows as w
+
+    runtime.register(w.echo_wf)
+    actor = "ev\x1b]0;PWNED\x07il\x1b[2J\x9b\u202e"
+    run_id = runtime.client().start(w.echo_wf, 1, actor=actor).execution_id
+    acting = ("\x1b", "\x07", "\x9b", "\u202e")
+    for args in (("runs", "list"), ("runs", "show", run_id), ("runs", "history", run_id)):
+        shown = wf(procs, db_url, *args).stdout
+        assert not any(c in shown for c in acting), (args, shown)
+    listed = wf(procs, db_url, "runs", "show", run_id).stdout
+    assert "ev\\u001b]0;PWNED\\u0007il\\u001b[2J\\u009b\\u202e" in listed
+    assert wf_json(procs, db_url, "runs", "show", run_id)["actor"] == actor
+    refused = one_error_line(wf(procs, db_url, "runs", "show", "abc\x1b]0;PWNED\x07", code=1))
+    assert "abc\\u001b]0;PWNED\\u0007" in refused

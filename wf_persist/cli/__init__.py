@@ -17,6 +17,7 @@ from sqlalchemy.exc import DBAPIError
 from ..errors import WfPersistError
 from . import catalog, db, replay, runs, web
 from .common import EXIT_EPILOG, EXIT_ERROR, parse_age
+from .output import visible
 from .worker import load_runtime, worker
 
 __all__ = ["app", "load_runtime", "main", "parse_age"]
@@ -51,7 +52,7 @@ def _options(
 
 def _one_line(text: str) -> None:
     # Plain text on one line: no wrapping to the terminal, no markup read into the message.
-    typer.echo(f"error: {' '.join(text.split())}", err=True)
+    typer.echo(f"error: {visible(' '.join(text.split()))}", err=True)
 
 
 def main() -> None:

@@ -10,10 +10,11 @@ import dataclasses
 import datetime as dt
 import json
 import os
+import re
 import shlex
 import sys
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Final
 
 import typer
 from rich.console import Console
@@ -46,22 +47,38 @@ def plain(value: Any) -> Any:
     return value
 
 
+#: Characters a terminal may act on rather than show: C0 and C1 controls (ESC starts the
+#: sequences that retitle a window, clear a screen or rewrite what was printed), DEL, and the
+#: bidirectional overrides and isolates that reorder what follows them on screen.
+_ACTING: Final = re.compile(
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]"
+)
+
+
+def visible(text: str) -> str:
+    """``text`` with every character a terminal would act on shown as its escape
+    (``\x1b``, ``\u202e``): stored values are data, never instructions to the terminal.
+    Within a JSON string the escape reads back as the same character."""
+    return _ACTING.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
 def emit_json(document: Any, *, indent: int | None = 2) -> None:
     """Print one JSON document (``indent=None``: on one line, as JSON Lines)."""
-    typer.echo(json.dumps(plain(document), indent=indent, ensure_ascii=False))
+    typer.echo(visible(json.dumps(plain(document), indent=indent, ensure_ascii=False)))
 
 
 def compact(value: Any, limit: int | None = None) -> str:
     """A value as one line of JSON, cut at ``limit`` characters."""
-    text = json.dumps(plain(value), ensure_ascii=False)
+    text = visible(json.dumps(plain(value), ensure_ascii=False))
     if limit is not None and len(text) > limit:
         return text[: limit - 1] + "…"
     return text
 
 
 def add_row(table: Table, *cells: str | None) -> None:
-    """Add cells as plain text: values are data, never read as rich markup."""
-    table.add_row(*(Text(cell or "") for cell in cells))
+    """Add cells as plain text: values are data, never read as rich markup, nor as
+    terminal controls."""
+    table.add_row(*(Text(visible(cell or "")) for cell in cells))
 
 
 def when(value: dt.datetime | None) -> str:

@@ -44,6 +44,7 @@ from .output import (
     run_table,
     runs_table,
     signal_command,
+    visible,
 )
 
 app = typer.Typer(
@@ -144,13 +145,13 @@ def show(
     if info.error:
         out.print()
         out.print("error", style="bold")
-        out.print(error_text(info.error), markup=False, highlight=False)
+        out.print(visible(error_text(info.error)), markup=False, highlight=False)
     if waits:
         out.print()
         out.print(pending_table(waits))
         out.print("Send one with (edit the payload first):")
         for command in commands:
-            typer.echo(f"  {command}")
+            typer.echo(f"  {visible(command)}")
     if events:
         out.print()
         out.print(events_table(events))
@@ -190,7 +191,7 @@ def _streamer(json_: bool) -> Callable[[HistoryRecord], None]:
         if json_:
             emit_json(record, indent=None)
         else:
-            typer.echo(history_line(record))
+            typer.echo(visible(history_line(record)))
 
     return stream
 
