@@ -337,3 +337,54 @@ def test_opening_a_host_engine_on_a_missing_file_creates_nothing(
     with pytest.raises(wp.SchemaVersionError):
         wp.Runtime(make_engine(f"sqlite:///{missing}"))
     assert not missing.exists()
+
+
+#: How a host makes each backend's sessions read-only: a pool ``connect`` event, or on
+#: PostgreSQL a connection option (a SET there would be rolled back with its transaction).
+READ_ONLY_SESSION = {
+    "sqlite": "PRAGMA query_only = ON",
+    "mysql": "SET SESSION TRANSACTION READ ONLY",
+}
+
+
+def test_a_read_only_engine_is_refused_by_a_runtime_and_only_reads_through_a_client(
+    backend: str,
+    db_url: str,
+    make_engine: Callable[..., Engine],
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """A host engine whose sessions cannot write: a runtime (which writes its catalog,
+    claims and steps) is refused when it opens; a client opens and reads, and its starts,
+    signals and cancellations are one typed error each with nothing written (they were the
+    driver's errors, and a worker retried its claim forever)."""
+    writer = make_runtime()
+    writer.register(w.two_approvals_wf)
+    run = writer.client().start(w.two_approvals_wf).execution_id
+    assert writer.drive(run)
+    if backend == "postgresql":
+        options = {"options": "-c default_transaction_read_only=on"}
+        engine = make_engine(db_url, connect_args=options)
+    else:
+        engine = make_engine(db_url)
+
+        @event.listens_for(engine, "connect")
+        def _read_only(dbapi_connection: Any, _record: Any) -> None:
+            cursor = dbapi_connection.cursor()
+            cursor.execute(READ_ONLY_SESSION[backend])
+            cursor.close()
+
+    with pytest.raises(wp.UnsupportedDatabaseError, match="read-only"):
+        wp.Runtime(engine)
+    before = writer.client().history(run)
+    with wp.Client(engine) as client:
+        assert client.status(run) == "suspended"
+        assert [p.name for p in client.pending_signals(run)] == ["approval"]
+        for write in (
+            lambda: client.start("two-approvals"),
+            lambda: client.signal(run, "approval", {"approved": True}),
+            lambda: client.cancel(run),
+        ):
+            with pytest.raises(wp.UnsupportedDatabaseError, match="read-only"):
+                write()
+    assert writer.client().history(run) == before
+    assert writer.client().status(run) == "suspended"

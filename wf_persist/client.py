@@ -86,7 +86,10 @@ class Client(RunAwaiter, RunControls):
     ) -> None:
         poll_seconds = positive(poll_interval, "poll_interval")
         telemetry.configure()
-        self._database: Database | None = Database(bind, auto_migrate=auto_migrate, schema=schema)
+        self._database: Database | None = Database(
+            bind, auto_migrate=auto_migrate, schema=schema, writes=False
+        )
+        self._read_only = self._database.read_only
         self.backend: Backend = self._database.backend
         #: The engine this client works through.
         self.engine = self._database.engine
@@ -239,6 +242,7 @@ class Client(RunAwaiter, RunControls):
         idempotency_key = arguments.check_text("idempotency_key", idempotency_key)
         actor = arguments.check_text("actor", actor)
         limit = None if timeout is None else duration_seconds(timeout, "timeout", positive=True)
+        self._writable()
         while True:
             name, pinned, stored, newest = self._prepare_start(workflow, version, payload, session)
             now = self._now()

@@ -10,8 +10,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Literal
 
 from . import arguments, events, lifecycle, telemetry
+from .database import READ_ONLY
 from .error_documents import error_document
-from .errors import Cancelled, InvalidArgumentError
+from .errors import Cancelled, InvalidArgumentError, UnsupportedDatabaseError
 from .models import CALL_NAME_WIDTH
 from .reading import RunReader
 from .store import children, executions, signals
@@ -22,6 +23,14 @@ CANCEL_ATTEMPTS: Final = 3
 
 class RunControls(RunReader):
     """Cancel, signal and purge (the client's state and clock are :class:`Client`'s)."""
+
+    #: Whether the engine's connections may not write (a thin client on a read-only one).
+    _read_only: bool = False
+
+    def _writable(self) -> None:
+        """Before a write: one typed error, not the driver's, where nothing can be written."""
+        if self._read_only:
+            raise UnsupportedDatabaseError(READ_ONLY)
 
     def _now(self) -> dt.datetime:
         """The time to record (the client's clock)."""
@@ -53,6 +62,7 @@ class RunControls(RunReader):
         actor = arguments.check_text("actor", actor)
         with self._reading() as conn:
             self._row(conn, execution_id)
+        self._writable()
         error = error_document(Cancelled(compensate, actor))
         now = self._now()
         for attempt in range(CANCEL_ATTEMPTS):
@@ -124,6 +134,7 @@ class RunControls(RunReader):
             raise InvalidArgumentError(f"buffer must be True or False, got {buffer!r:.80}")
         with self._reading() as conn:
             self._row(conn, execution_id)
+        self._writable()
 
         def validate(wait: Mapping[str, Any]) -> Any:
             stored = arguments.validate_signal(execution_id, name, wait, payload)

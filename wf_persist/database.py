@@ -10,7 +10,15 @@ from sqlalchemy import Engine
 from sqlalchemy.engine import URL
 
 from . import backends, migrate
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, UnsupportedDatabaseError
+
+#: Why a read-only engine cannot be written through.
+READ_ONLY = (
+    "this engine's connections are read-only (a read-only default for transactions, a "
+    "standby, SQLite's query_only): a runtime writes its catalog, claims and steps, and a "
+    "client its starts, signals and cancellations; use a writable engine (a wp.Client on a "
+    "read-only one only reads)"
+)
 
 
 class Database:
@@ -24,6 +32,7 @@ class Database:
             database whose engine this object created; any other database must be at head
             (:class:`~wf_persist.errors.SchemaVersionError` otherwise).
         schema: a PostgreSQL schema holding the wf_ tables.
+        writes: whether its owner writes (a runtime): a read-only engine is then refused.
     """
 
     def __init__(
@@ -32,6 +41,7 @@ class Database:
         *,
         auto_migrate: bool | None = None,
         schema: str | None = None,
+        writes: bool = True,
     ) -> None:
         if bind is not None and not isinstance(bind, str | URL | Engine):
             raise InvalidArgumentError(f"bind must be a URL or an Engine, got {bind!r:.80}")
@@ -44,6 +54,10 @@ class Database:
             self.backend.check()
             if auto_migrate is None:
                 auto_migrate = self.owns_engine and self.backend.embedded
+            #: Whether the engine's connections may not write (a client then only reads).
+            self.read_only = self.backend.read_only()
+            if self.read_only and (writes or auto_migrate):
+                raise UnsupportedDatabaseError(READ_ONLY)
             if auto_migrate:
                 migrate.upgrade(self.backend.engine)
             else:

@@ -279,6 +279,10 @@ class Connections:
             found = conn.dialect.server_version_info or ()
         return tuple(p for p in found if isinstance(p, int)) or None
 
+    def read_only(self) -> bool:
+        """Whether this engine's connections may not write (asked once, when it opens)."""
+        return False
+
     def check(self) -> None:
         """Fail early, and say why, if this database or host engine cannot run wf_persist."""
         pool = self.base_engine.pool

@@ -175,6 +175,13 @@ class MySQLBackend(Backend):
             finally:
                 cursor.close()
 
+    def read_only(self) -> bool:
+        # MariaDB names the session's setting tx_read_only, MySQL 8 transaction_read_only.
+        mariadb = bool(getattr(self.base_engine.dialect, "is_mariadb", False))
+        setting = "tx_read_only" if mariadb else "transaction_read_only"
+        with self.base_engine.connect() as conn:
+            return bool(conn.exec_driver_sql(f"SELECT @@session.{setting}").scalar())
+
     def requirement_problem(self, version: tuple[int, ...] | None) -> str | None:
         mariadb = bool(getattr(self.base_engine.dialect, "is_mariadb", False))
         found = "" if version is None else ".".join(str(p) for p in version)

@@ -153,6 +153,15 @@ class PostgreSQLBackend(RawPath):
             options["isolation_level"] = "READ COMMITTED"
         return options
 
+    def read_only(self) -> bool:
+        # A read-only default for transactions (a host's setting), or a standby.
+        with self.base_engine.connect() as conn:
+            return bool(
+                conn.exec_driver_sql(
+                    "SELECT current_setting('transaction_read_only') = 'on' OR pg_is_in_recovery()"
+                ).scalar()
+            )
+
     def requirement_problem(self, version: tuple[int, ...] | None) -> str | None:
         if version is not None and version < (12,):
             return "PostgreSQL >= 12 is needed; found " + ".".join(str(p) for p in version)

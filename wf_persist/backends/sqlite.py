@@ -348,6 +348,12 @@ class SQLiteBackend(Backend):
     def server_version(self) -> tuple[int, ...] | None:
         return tuple(sqlite3.sqlite_version_info)
 
+    def read_only(self) -> bool:
+        if self.database_missing(self.base_engine.url):
+            return False  # not created by asking (a host's query_only would refuse that too)
+        with self.base_engine.connect() as conn:
+            return bool(conn.exec_driver_sql("PRAGMA query_only").scalar())
+
     def requirement_problem(self, version: tuple[int, ...] | None) -> str | None:
         if version is not None and version < (3, 35):
             found = ".".join(str(p) for p in version)
