@@ -79,3 +79,44 @@ def test_a_sleep_after_a_slow_history_read_lasts_its_length(
     assert rt.drive(execution_id)
     before, after = client.result(execution_id, timeout=30).unwrap()
     assert after - before >= SLOW_READ - 0.05, f"slept {after - before:.3f}s of {SLOW_READ}s"
+
+
+@pytest.mark.lacks("libpq")  # PostgreSQL's claim goes straight to libpq, past these events
+def test_a_sleep_after_a_slow_claim_answer_lasts_its_length(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """The claim's statement has read the database's time (SQLite: the claim's UPDATE ...
+    RETURNING; MySQL: the read after it), then its answer is held up (SLOW_READ, as a pause
+    of the process there would): the drive reads the time again, and the sleep it sets
+    lasts its full length in real time."""
+    rt = make_runtime(lease_ttl=300)
+    rt.register(sleeps_after_a_park)
+    client = rt.client()
+    execution_id = client.start(sleeps_after_a_park, SLOW_READ).execution_id
+    assert rt.drive(execution_id)
+    wait_until(lambda: is_due(rt, execution_id), what="the first sleep")
+    held = threading.Event()
+
+    def slow_claim_answer(
+        _conn: Any, _cursor: Any, statement: str, *_args: Any, **_kwargs: Any
+    ) -> None:
+        claim = (
+            statement.startswith("UPDATE wf_executions SET wake_at") and "lease_owner" in statement
+        )
+        read = statement.startswith("SELECT wf_executions.id, wf_executions.claim_epoch")
+        if ((claim and "RETURNING" in statement) or read) and not held.is_set():
+            held.set()
+            time.sleep(SLOW_READ)
+
+    engine = rt.backend.base_engine
+    event.listen(engine, "after_cursor_execute", slow_claim_answer)
+    try:
+        assert rt.drive(execution_id)
+    finally:
+        event.remove(engine, "after_cursor_execute", slow_claim_answer)
+    assert held.is_set(), "the claim was held up"
+    assert client.status(execution_id) == "suspended", "parked on the second sleep"
+    wait_until(lambda: is_due(rt, execution_id), what="the second sleep", timeout=30)
+    assert rt.drive(execution_id)
+    before, after = client.result(execution_id, timeout=30).unwrap()
+    assert after - before >= SLOW_READ - 0.05, f"slept {after - before:.3f}s of {SLOW_READ}s"

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, Float, literal, select
 
-from . import bridge, drive_telemetry, events, lifecycle, telemetry
+from . import bridge, clocks, drive_telemetry, events, lifecycle, telemetry
 from .backends import Claim
 from .backends.clock import db_later, db_now
 from .bridge import off_loop
@@ -109,6 +109,31 @@ def _left_in_flight(claim: Claim, last: Mapping[str, Any]) -> bool:
     return not (last["type"] == "step.failed" and not last.get("final", True))
 
 
+#: A claim whose answer took longer than this (seconds, from sending it to reading it: a
+#: pause of the process, a slow link) leaves its database time in doubt by as much: the
+#: drive reads the time again (at most CLOCK_READS times) before anything is timed by it.
+CLOCK_DOUBT = 0.25
+CLOCK_READS = 3
+
+
+def _drive_clock(runtime: Runtime, claim: Claim) -> DriveClock:
+    """The drive's clock: the claim's database time, or one read again while that time was
+    in doubt (a sleep set on a clock left behind by a pause would end early)."""
+    now, asked, read = claim.db_now, claim.asked_at, claim.read_at
+    for _ in range(CLOCK_READS):
+        if asked is None or read is None or read - asked <= CLOCK_DOUBT:
+            break
+        asked = clocks.elapsed()
+        now = off_loop(_database_time, runtime)
+        read = clocks.elapsed()
+    return DriveClock(now, runtime.time_shift, read)
+
+
+def _database_time(runtime: Runtime) -> Any:
+    with runtime.backend.read() as conn:
+        return conn.execute(select(db_now())).scalar_one()
+
+
 def drive(
     runtime: Runtime,
     claim: Claim,
@@ -123,7 +148,7 @@ def drive(
     """
     wf = runtime.definition(claim.workflow_name, claim.workflow_version)
     deadline = run_deadline(claim, wf.timeout)
-    clock = DriveClock(claim.db_now, runtime.time_shift, claim.read_at)
+    clock = _drive_clock(runtime, claim)
     lender = Lender(runtime.backend, runtime.timers, keep=not bridge.bridged())
     driver: RunDriver | None = None
     try:

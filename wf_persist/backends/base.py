@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 from sqlalchemy import Connection, func, select, tuple_, update
 
-from .. import events
+from .. import clocks, events
 from ..errors import LeaseLostError
 from ..events import NewEvent
 from ..models import IDEMPOTENCY_KEY, UniqueKey
@@ -179,8 +179,9 @@ class Backend(Connections):
         compare-and-set."""
         params = {"p_id": execution_id, "p_owner": owner, "p_ttl": ttl}
         pins = None if workflows is None else tuple(workflows)
+        asked = clocks.elapsed()
         row = conn.execute(claim_one(pins), params).one_or_none()
-        return None if row is None else claims_read([row])[0]
+        return None if row is None else claims_read([row], asked)[0]
 
     def open_claim(self, conn: Connection, claim: Claim) -> Claim:
         """The claim with its run's history read, after recording ``workflow.started`` the
@@ -261,7 +262,8 @@ class Backend(Connections):
             .values(claim_values())
             .returning(*CLAIM_COLUMNS, db_now())
         )
-        return claims_read(conn.execute(stmt, {"p_ttl": ttl, "p_owner": owner}).all())
+        asked = clocks.elapsed()
+        return claims_read(conn.execute(stmt, {"p_ttl": ttl, "p_owner": owner}).all(), asked)
 
     def renew(
         self, conn: Connection, held: Mapping[str, int], ttl: float, owner: str | None = None

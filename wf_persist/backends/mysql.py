@@ -34,6 +34,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.pool import ConnectionPoolEntry
 
+from .. import clocks
 from ..errors import LeaseLostError, UnsupportedDatabaseError, ValueTooLargeError
 from ..events import NewEvent
 from ..models import UniqueKey
@@ -263,7 +264,8 @@ class MySQLBackend(Backend):
         if not pairs:
             return []
         stmt: Any = select(*CLAIM_COLUMNS, db_now()).where(held_at(dict(pairs)))
-        return claims_read(conn.execute(stmt).all())
+        asked = clocks.elapsed()
+        return claims_read(conn.execute(stmt).all(), asked)
 
     def claim(
         self,

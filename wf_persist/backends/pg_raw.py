@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy import Connection
 from sqlalchemy.engine import Row
 
+from .. import clocks
 from .base import Backend
 from .pg_sql import claims_of
 from .sql import Claim, RowShape
@@ -113,7 +114,8 @@ class RawPath(Backend):
         return shape.one(self._raw(stmt, params))
 
     def _auto(self, stmt: Any, params: dict[str, Any]) -> list[Claim]:
-        return claims_of(self._raw(stmt, params))
+        asked = clocks.elapsed()
+        return claims_of(self._raw(stmt, params), asked)
 
 
 def as_created() -> Callable[[Any, Any, Any], None]:

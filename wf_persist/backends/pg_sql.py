@@ -264,10 +264,10 @@ def start_statement(idempotent: bool, leased: bool, notify: bool, newest: bool =
     return select(*columns).add_cte(begun)
 
 
-def claims_of(rows: Sequence[Any]) -> list[Claim]:
+def claims_of(rows: Sequence[Any], asked_at: float) -> list[Claim]:
     claims = []
     n = len(CLAIM_COLUMNS) + 1  # and the database's time
-    read = claims_read(row[:n] for row in rows)
+    read = claims_read((row[:n] for row in rows), asked_at)
     for row, claim in zip(rows, read, strict=True):
         began, found = row[n], row[n + 1]
         claim = claim._replace(db_now=claim.db_now.astimezone(dt.UTC))

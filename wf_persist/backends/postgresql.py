@@ -31,6 +31,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 
+from .. import clocks
 from ..errors import LeaseLostError, UnsupportedDatabaseError
 from ..events import NewEvent
 from ..models import executions_table as ex
@@ -281,6 +282,7 @@ class PostgreSQLBackend(RawPath):
             params["p_owner"], params["p_ttl"] = lease
         if newest is not None:
             params["p_source_hash"], params["p_registered_at"] = newest
+        asked = clocks.elapsed()
         if conn.in_transaction() or not self.raw_ok:
             params["p_event"] = started.event
             found = conn.execute(stmt, params, execution_options=self.statement_options).all()
@@ -292,7 +294,7 @@ class PostgreSQLBackend(RawPath):
             if newest is not None and not self._still_newest(conn, row, newest):
                 return STALE
             return False
-        return True if lease is None else claims_of(found)[0]._replace(started_here=True)
+        return True if lease is None else claims_of(found, asked)[0]._replace(started_here=True)
 
     def _still_newest(self, conn: Connection, row: Mapping[str, Any], read: Cataloged) -> bool:
         latest = conn.execute(

@@ -86,6 +86,9 @@ class Claim(NamedTuple):
     #: drive's clock runs from then, not from when the drive began (a long history read or
     #: a pause in between would otherwise put every time of the drive early).
     read_at: float | None = None
+    #: When (monotonic) the statement that read ``db_now`` was sent: ``db_now`` is the
+    #: database's time at some moment between the two.
+    asked_at: float | None = None
 
 
 class Fenced(NamedTuple):
@@ -95,11 +98,12 @@ class Fenced(NamedTuple):
     status: str
 
 
-def claims_read(rows: Iterable[Sequence[Any]]) -> list[Claim]:
-    """Claims from their rows (:data:`CLAIM_COLUMNS` and the database's time), stamped with
-    when their answer arrived (now)."""
+def claims_read(rows: Iterable[Sequence[Any]], asked_at: float) -> list[Claim]:
+    """Claims from their rows (:data:`CLAIM_COLUMNS` and the database's time), read by a
+    statement sent at ``asked_at`` (monotonic), stamped with when their answer arrived
+    (now)."""
     read_at = clocks.elapsed()
-    return [Claim(*row)._replace(read_at=read_at) for row in rows]
+    return [Claim(*row)._replace(read_at=read_at, asked_at=asked_at) for row in rows]
 
 
 @dataclass(frozen=True)
