@@ -388,3 +388,32 @@ def test_a_read_only_engine_is_refused_by_a_runtime_and_only_reads_through_a_cli
                 write()
     assert writer.client().history(run) == before
     assert writer.client().status(run) == "suspended"
+
+
+@pytest.mark.needs("embedded")
+def test_an_exclusive_sqlite_locking_mode_is_refused_when_the_engine_opens(
+    db_url: str, make_engine: Callable[..., Engine], make_runtime: Callable[..., wp.Runtime]
+) -> None:
+    """Under locking_mode EXCLUSIVE the first connection to write keeps the lock: a worker
+    could never claim (the run stayed running while its claim loop retried)."""
+    make_runtime().close()  # the file, migrated
+    engine = make_engine(db_url)
+
+    @event.listens_for(engine, "connect")
+    def _exclusive(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.execute("PRAGMA locking_mode = EXCLUSIVE")
+
+    with pytest.raises(wp.UnsupportedDatabaseError, match="locking_mode EXCLUSIVE"):
+        wp.Runtime(engine)
+
+
+def test_cancel_takes_compensate_as_a_bool_only(runtime: wp.Runtime) -> None:
+    """``compensate="yes"`` was taken as true (the web API refused it)."""
+    runtime.register(w.two_approvals_wf)
+    client = runtime.client()
+    run = client.start(w.two_approvals_wf).execution_id
+    for bad in ("yes", 1, None):
+        with pytest.raises(wp.InvalidArgumentError, match="compensate must be True or False"):
+            client.cancel(run, compensate=bad)  # type: ignore[arg-type]
+    assert client.status(run) == "running"
+    assert "execution.cancelled" not in [r.event["type"] for r in client.history(run)]

@@ -60,6 +60,8 @@ class RunControls(RunReader):
             UnknownExecutionError.
         """
         actor = arguments.check_text("actor", actor)
+        if not isinstance(compensate, bool):
+            raise InvalidArgumentError(f"compensate must be True or False, got {compensate!r:.80}")
         with self._reading() as conn:
             self._row(conn, execution_id)
         self._writable()

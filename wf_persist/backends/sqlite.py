@@ -330,6 +330,17 @@ class SQLiteBackend(Backend):
                 "pass wf_persist the URL (it keeps the database in a private file) or use a "
                 "file"
             )
+        if self.database_missing(self.base_engine.url):
+            return  # not created by asking
+        with self.base_engine.connect() as conn:
+            mode = str(conn.exec_driver_sql("PRAGMA locking_mode").scalar()).lower()
+        if mode == "exclusive":
+            # The first connection to write keeps the lock until it closes.
+            raise UnsupportedDatabaseError(
+                "this engine's SQLite connections use locking_mode EXCLUSIVE: the first to "
+                "write keeps the lock, and wf_persist writes from several (a worker's, the "
+                "lease keeper's) that would wait for it forever; use NORMAL"
+            )
 
     def _private_to_each_connection(self) -> bool:
         """Whether each connection has a database of its own: the URL names one in memory
