@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import signal
+import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -289,3 +291,68 @@ def test_a_cancel_killed_once_its_run_ended_leaves_no_child_running(
         outcome = client.result(kid, timeout=30)
         assert isinstance(outcome, wp.Failed) and outcome.error["name"] == "Cancelled"
         assert outcome.error.get("compensate") is compensate
+
+
+@wp.workflow(name="children-tree-mid", version=1)
+def tree_mid(ctx: wp.Context, n: int) -> int:
+    kids = [ctx.start_child(waiting_kid, i) for i in range(n)]
+    return sum(int(ctx.child_result(kid)) for kid in kids)
+
+
+@wp.workflow(name="children-tree-root", version=1)
+def tree_root(ctx: wp.Context, spec: list[int]) -> int:
+    mids = [ctx.start_child(tree_mid, spec[1]) for _ in range(spec[0])]
+    return sum(int(ctx.child_result(m)) for m in mids)
+
+
+def test_cancelling_a_tree_while_its_leaves_finish_meets_no_deadlock(
+    runtime: wp.Runtime,
+) -> None:
+    """A root, 6 children, 36 grandchildren; the grandchildren are signalled (so they end,
+    each recording its outcome in its parent) while the root is cancelled. Cancelling the
+    tree in one transaction from the root down deadlocked with them (PostgreSQL failed the
+    cancel with a raw error after its retries, MariaDB failed the finishing drives): the
+    tree is locked from the leaves up, and everything ends with no failed drive."""
+    runtime.register(tree_root, tree_mid, waiting_kid)
+    runtime.start_worker(concurrency=16, poll_interval=0.05)
+    client = runtime.client()
+    root = client.start(tree_root, [6, 6]).execution_id
+
+    def tree() -> list[str]:
+        return [leaf for mid in _children(client, root) for leaf in _children(client, mid)]
+
+    def parked() -> bool:
+        leaves = tree()
+        return len(leaves) == 36 and all(client.status(x) == "suspended" for x in leaves)
+
+    wait_until(parked, what="the tree parked", timeout=120)
+    leaves = tree()
+    stop = threading.Event()
+    unexpected: list[BaseException] = []
+
+    def signal_leaves(mine: list[str]) -> None:
+        for leaf in mine:
+            if stop.is_set():
+                return
+            try:
+                client.signal(leaf, "go", None)
+            except wp.WfPersistError:
+                pass  # cancelled first
+            except BaseException as exc:
+                unexpected.append(exc)
+
+    signallers = [threading.Thread(target=signal_leaves, args=(leaves[i::3],)) for i in range(3)]
+    for t in signallers:
+        t.start()
+    time.sleep(0.05)
+    client.cancel(root, compensate=False)
+    stop.set()
+    for t in signallers:
+        t.join(60)
+    assert not unexpected, unexpected
+    everyone = [root, *_children(client, root), *leaves]
+    for run in everyone:
+        client.result(run, timeout=60)
+    infos = [client.describe(run) for run in everyone]
+    assert all(i.status in ("completed", "failed") for i in infos), infos
+    assert all(i.drive_failures == 0 for i in infos), [i for i in infos if i.drive_failures]

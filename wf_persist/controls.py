@@ -6,6 +6,7 @@ does to a run besides starting and awaiting it.
 from __future__ import annotations
 
 import datetime as dt
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Literal
 
@@ -70,6 +71,7 @@ class RunControls(RunReader):
         for attempt in range(CANCEL_ATTEMPTS):
             try:
                 with self.backend.begin() as conn:
+                    children.lock_tree(conn, execution_id)
                     executions.cancel(
                         conn,
                         self.backend,
@@ -93,10 +95,12 @@ class RunControls(RunReader):
                     )
                 break
             except Exception as exc:
-                # A child ending meanwhile locks itself, then this run (to record its
-                # outcome there): the opposite order. Of a deadlock nothing was written.
+                # Its tree is locked from the leaves up, as runs ending lock themselves and
+                # then their parents; a tree that grew meanwhile may still meet one. Of a
+                # deadlock nothing was written.
                 if attempt + 1 >= CANCEL_ATTEMPTS or not self.backend.contention(exc):
                     raise
+                time.sleep(0.05 * 2**attempt)
         self._notify()
 
     def signal(

@@ -37,6 +37,25 @@ def cancelled_with(conn: Executor, parent_id: str) -> list[str]:
     ]
 
 
+def lock_tree(conn: Executor, root_id: str) -> None:
+    """Lock the rows of the runs cancelled with ``root_id`` (its children, theirs in turn),
+    deepest first, before ``root_id``'s own: a run ending locks itself, then its parent (to
+    record its outcome there), so taking a tree's locks from the leaves up never waits in a
+    cycle with one (from the root down, a cancel and a finishing child each held what the
+    other wanted)."""
+    levels: list[list[str]] = []
+    seen = {root_id}
+    current = [root_id]
+    while current:
+        below = [c for p in current for c in cancelled_with(conn, p) if c not in seen]
+        seen.update(below)
+        if below:
+            levels.append(below)
+        current = below
+    for level in reversed(levels):
+        executions.lock(conn, level)
+
+
 def cancel_descendants(
     conn: Executor,
     backend: Backend,

@@ -180,6 +180,16 @@ def _exactly(row: Row[Any] | None, execution_id: str) -> Row[Any] | None:
     return row if row is None or row.id == execution_id else None
 
 
+def lock(conn: Executor, execution_ids: Sequence[str]) -> None:
+    """Lock these runs' rows (in id order) until the transaction ends."""
+    connection_of(conn).execute(
+        select(ex.c.id)
+        .where(ex.c.id.in_(sorted(execution_ids)))
+        .order_by(ex.c.id)
+        .with_for_update()
+    ).all()
+
+
 def look(backend: Backend, execution_id: str) -> Row[Any] | None:
     """The execution row (or ``None``) read on its own, outside any transaction: a client's
     look at a run (its status, its outcome), by the backend's quickest read."""
