@@ -1439,3 +1439,34 @@ def test_subclassed_arguments_are_used_as_the_plain_values_they_hold(
         with pytest.raises(wp.InvalidArgumentError, match="at most 200 characters"):
             client.get_event(waiting.execution_id, name, timeout=0)
     assert tables.counts() == before
+
+
+class ClaimsToBeText:
+    """Not a ``str``, though ``isinstance(x, str)`` says so (its ``__class__`` lies)."""
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        return str
+
+
+def test_an_object_claiming_to_be_a_str_is_refused_as_one_typed_error(
+    client: wp.WorkflowClient, tables: Tables
+) -> None:
+    """``isinstance`` believed it, then ``str``'s own methods refused it: a raw TypeError."""
+    run = client.start(signal_wf, "any").execution_id
+    suspended(client, run)
+    fake: Any = ClaimsToBeText()
+    before = tables.counts()
+    calls: list[Callable[[], object]] = [
+        lambda: client.status(fake),
+        lambda: client.start(fake),
+        lambda: client.start(any_wf, 1, idempotency_key=fake),
+        lambda: client.signal(run, fake, 1),
+        lambda: client.cancel(run, actor=fake),
+        lambda: client.get_event(run, fake, timeout=0),
+        lambda: client.list(any_wf, actor=fake),
+    ]
+    for call in calls:
+        with pytest.raises(wp.InvalidArgumentError):
+            call()
+    assert tables.counts() == before

@@ -360,6 +360,11 @@ def test_the_upgrade_command_quotes_the_schema() -> None:
     assert "pw" not in command
 
 
+@wp.workflow(name="cli-raises", version=1)
+def raises_wf(ctx: wp.Context, message: str) -> None:
+    raise ValueError(message)
+
+
 def test_stored_values_reach_the_terminal_as_text_never_as_controls(
     db_url: str, procs: Processes, runtime: wp.Runtime
 ) -> None:
@@ -381,3 +386,8 @@ def test_stored_values_reach_the_terminal_as_text_never_as_controls(
     assert wf_json(procs, db_url, "runs", "show", run_id)["actor"] == actor
     refused = one_error_line(wf(procs, db_url, "runs", "show", "abc\x1b]0;PWNED\x07", code=1))
     assert "abc\\u001b]0;PWNED\\u0007" in refused
+    runtime.register(raises_wf)
+    broken = runtime.client().execute(raises_wf, actor).execution_id
+    failed = wf(procs, db_url, "runs", "result", broken, code=3)
+    assert "PWNED" in failed.stderr
+    assert not any(c in failed.stderr + failed.stdout for c in acting), failed

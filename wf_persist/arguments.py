@@ -76,7 +76,8 @@ def utc(value: object, what: str) -> dt.datetime:
 def plain_text(value: object) -> str | None:
     """A ``str`` argument as a plain ``str`` (``None`` for anything else): a subclass's own
     length, hash or equality may raise or lie."""
-    return str.__str__(value) if isinstance(value, str) else None
+    # type(), not isinstance(): an object's __class__ may claim str.
+    return str.__str__(value) if issubclass(type(value), str) else None
 
 
 def check_text(what: str, value: object, width: int = KEY_WIDTH) -> str | None:
@@ -96,17 +97,13 @@ def required_text(what: str, value: object, width: int = KEY_WIDTH) -> str:
 
 
 def check_id(execution_id: object) -> str:
-    if (
-        not isinstance(execution_id, str)
-        or not execution_id
-        or str.__len__(execution_id) > 36
-        or unstorable(execution_id)
-    ):
+    text = plain_text(execution_id)
+    if not text or len(text) > 36 or unstorable(text):
         raise InvalidArgumentError(
             "an execution id is a string of 36 characters without NUL or invalid UTF-8, "
             f"got {shown(execution_id)}"
         )
-    return str.__str__(execution_id)  # a plain str: a subclass's own hash or equality is not used
+    return text  # a plain str: a subclass's own hash or equality is not used
 
 
 def workflow_name(workflow: object) -> str:

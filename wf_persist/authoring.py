@@ -106,7 +106,8 @@ def source_hash(name: str, version: int, fn: Callable[..., Any]) -> str:
 
 def _check_name(name: object, what: str, width: int, error: type[Exception]) -> str:
     """``name`` as a plain ``str`` (a subclass's own length, hash or equality may raise)."""
-    if not isinstance(name, str) or not str.__len__(name):
+    # type(), not isinstance(): an object's __class__ may claim str.
+    if not issubclass(type(name), str) or not str.__len__(name):  # type: ignore[arg-type]
         raise error(f"{what} must be a non-empty string, got {shown(name)}")
     name = str.__str__(name)
     if len(name) > width:

@@ -94,11 +94,14 @@ class Registry:
     def choose(self, workflow: Workflow[Any, Any] | str, version: int | None) -> Workflow[Any, Any]:
         """The definition a start of ``workflow`` runs: ``version`` if given, else the highest
         registered, a definition passed in counting as registered. Writes nothing."""
-        if not isinstance(workflow, Workflow | str):
+        # type(), not isinstance(): an object's __class__ may claim either.
+        if isinstance(workflow, Workflow) and issubclass(type(workflow), Workflow):
+            name = workflow.name
+        elif issubclass(type(workflow), str):
+            name = str.__str__(workflow)  # plain: a subclass's own equality or hash may raise
+        else:
             raise InvalidArgumentError(f"expected a workflow or its name, got {shown(workflow)}")
         version = check_version(version)
-        # A plain str: a subclass's own equality or hash may raise.
-        name = str.__str__(workflow) if isinstance(workflow, str) else workflow.name
         with self._lock:
             known = {v: wf for (n, v), wf in self._registry.items() if n == name}
         if isinstance(workflow, Workflow):

@@ -201,7 +201,8 @@ def run_table(info: ExecutionInfo) -> Table:
 
 
 def error_text(error: Mapping[str, Any]) -> str:
-    """A stored error document for people: ``Name: message``, its cause, then its traceback."""
+    """A stored error document for people: ``Name: message``, its cause, then its traceback
+    (as :func:`visible` text)."""
     lines = [f"{error.get('name', 'Error')}: {error.get('message', '')}"]
     cause = error.get("cause")
     if isinstance(cause, Mapping):
@@ -215,7 +216,7 @@ def error_text(error: Mapping[str, Any]) -> str:
         trace = doc.get("traceback") if isinstance(doc, Mapping) else None
         if isinstance(trace, str) and trace.strip():
             lines.append(trace.rstrip())
-    return "\n".join(lines)
+    return visible("\n".join(lines))
 
 
 def outcome_document(outcome: Outcome) -> dict[str, Any]:

@@ -145,7 +145,7 @@ def show(
     if info.error:
         out.print()
         out.print("error", style="bold")
-        out.print(visible(error_text(info.error)), markup=False, highlight=False)
+        out.print(error_text(info.error), markup=False, highlight=False)
     if waits:
         out.print()
         out.print(pending_table(waits))
