@@ -271,3 +271,42 @@ def test_sqlite_writers_waiting_their_turn_keep_the_busy_timeout(
         other.close()
     assert len(took) == 3
     assert max(took) < 1.6, took
+
+
+@wp.workflow(name="perf-busy-steps", version=1)
+def busy_steps(ctx: wp.Context, n: int) -> int:
+    return sum(int(ctx.run(w.echo, i)) for i in range(n))
+
+
+@pytest.mark.needs("embedded")
+def test_a_sqlite_worker_does_not_look_at_every_commit_of_its_own_process(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """A worker with free slots reads SQLite's change counter every CHANGE_PROBE while it
+    waits, but commits that bring it nothing to claim (here its own process's run, writing
+    its steps) slow the probe down to the poll interval: a few looks a second, not one
+    per probe."""
+    rt = make_runtime()
+    rt.register(busy_steps)
+    looks: list[str] = []
+
+    def count(_conn: Any, _cursor: Any, statement: str, *_args: Any, **_kwargs: Any) -> None:
+        if "min(wf_executions.wake_at)" in statement:
+            looks.append(statement)
+
+    worker = wp.Worker(rt, concurrency=4, poll_interval=0.25)
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    engine = rt.backend.base_engine
+    event.listen(engine, "after_cursor_execute", count)
+    try:
+        began = time.monotonic()
+        run = rt.client().start(busy_steps, 1500).execution_id
+        assert rt.client().result(run, timeout=120).unwrap() == sum(range(1500))
+        elapsed = time.monotonic() - began
+    finally:
+        event.remove(engine, "after_cursor_execute", count)
+        worker.stop()
+        thread.join(10)
+    assert elapsed > 0.5, "long enough to tell"
+    assert len(looks) <= 4 * (elapsed / 0.25 + 2), f"{len(looks)} looks in {elapsed:.2f}s"

@@ -125,6 +125,11 @@ class Worker:
         self.poll_interval = interval
         self._wake = threading.Event()
         self._stopping = threading.Event()
+        #: The change probe's interval (see :meth:`_rest`), the runs claimed so far, and
+        #: how many had been when a change last ended a rest (None: none did since).
+        self._probe = CHANGE_PROBE
+        self._claimed_total = 0
+        self._woke_at_claims: int | None = None
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._inflight: set[Future[Any]] = set()
@@ -370,9 +375,15 @@ class Worker:
         """Wait until ``until`` (monotonic) or a wake. Where the database has a change
         counter and no notifications (SQLite), it is read every :data:`CHANGE_PROBE`
         meanwhile while a slot is free: a commit ends the wait as a "maybe" (the look asks
-        what is due before it claims). A probe that fails leaves the rest of the wait to
-        the poll interval (the look then meets the failure, if it lasts)."""
-        probe = min(CHANGE_PROBE, self.poll_interval)
+        what is due before it claims). Commits that bring nothing to claim (this process's
+        own drives, another application's writes) double the interval, up to the poll
+        interval; a probe that finds none sets it back. A probe that fails leaves the rest
+        of the wait to the poll interval (the look then meets the failure, if it lasts)."""
+        if self._woke_at_claims is not None:
+            took = self._claimed_total > self._woke_at_claims
+            self._probe = CHANGE_PROBE if took else min(2 * self._probe, self.poll_interval)
+            self._woke_at_claims = None
+        probe = min(self._probe, self.poll_interval)
         while True:
             left = until - clocks.elapsed()
             if changes is None or self._saturated or self.runtime.listening():
@@ -386,8 +397,11 @@ class Worker:
                 changes = None
                 continue
             if moved:
+                self._woke_at_claims = self._claimed_total
                 self._wake.set()
                 return
+            self._probe = CHANGE_PROBE  # quiet: the next commit is news
+            probe = min(CHANGE_PROBE, self.poll_interval)
 
     def _claim(self, pool: ThreadPoolExecutor) -> int | _Full:
         """Claim due runs for the free slots and start them: how many, or :data:`FULL` if
@@ -398,6 +412,7 @@ class Worker:
         if free <= 0:
             return 0
         claimed = self.runtime.claim_due(free)
+        self._claimed_total += len(claimed)
         with self._lock:
             self._saturated = bool(claimed) and len(claimed) == free
         for claim in claimed:
