@@ -45,12 +45,12 @@ def test_the_clock_runs_from_when_the_claim_was_answered() -> None:
     assert fresh() - base < dt.timedelta(seconds=1)
 
 
-@pytest.mark.lacks("libpq")  # PostgreSQL reads the history in the claim's own statement
-def test_a_sleep_after_a_slow_history_read_lasts_its_length(
-    make_runtime: Callable[..., wp.Runtime],
+def _sleep_after_held_drive(
+    make_runtime: Callable[..., wp.Runtime], when: str, held_up: Callable[[str], bool]
 ) -> None:
-    """The drive after the park reads the history after its claim (a query of its own),
-    held up by SLOW_READ here; the sleep it then sets lasts its full length in real time."""
+    """Park a run on its first sleep, drive it on with the statements ``held_up`` picks
+    held up for SLOW_READ (at the engine's ``when`` event), and check that the sleep that
+    drive set lasted its full length in real time."""
     rt = make_runtime(lease_ttl=300)
     rt.register(sleeps_after_a_park)
     client = rt.client()
@@ -60,25 +60,36 @@ def test_a_sleep_after_a_slow_history_read_lasts_its_length(
     wait_until(lambda: is_due(rt, execution_id), what="the first sleep")
     held = threading.Event()
 
-    def slow_history_read(
-        _conn: Any, _cursor: Any, statement: str, *_args: Any, **_kwargs: Any
-    ) -> None:
-        if "FROM wf_history" in statement and "ORDER BY" in statement and not held.is_set():
+    def hold(_conn: Any, _cursor: Any, statement: str, *_args: Any, **_kwargs: Any) -> None:
+        if held_up(statement) and not held.is_set():
             held.set()
             time.sleep(SLOW_READ)
 
     engine = rt.backend.base_engine
-    event.listen(engine, "before_cursor_execute", slow_history_read)
+    event.listen(engine, when, hold)
     try:
         assert rt.drive(execution_id)
     finally:
-        event.remove(engine, "before_cursor_execute", slow_history_read)
-    assert held.is_set(), "the drive read the history"
+        event.remove(engine, when, hold)
+    assert held.is_set(), "a statement was held up"
     assert client.status(execution_id) == "suspended", "parked on the second sleep"
     wait_until(lambda: is_due(rt, execution_id), what="the second sleep", timeout=30)
     assert rt.drive(execution_id)
     before, after = client.result(execution_id, timeout=30).unwrap()
     assert after - before >= SLOW_READ - 0.05, f"slept {after - before:.3f}s of {SLOW_READ}s"
+
+
+@pytest.mark.lacks("libpq")  # PostgreSQL reads the history in the claim's own statement
+def test_a_sleep_after_a_slow_history_read_lasts_its_length(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """The drive after the park reads the history after its claim (a query of its own),
+    held up by SLOW_READ here; the sleep it then sets lasts its full length in real time."""
+    _sleep_after_held_drive(
+        make_runtime,
+        "before_cursor_execute",
+        lambda statement: "FROM wf_history" in statement and "ORDER BY" in statement,
+    )
 
 
 @pytest.mark.lacks("libpq")  # PostgreSQL's claim goes straight to libpq, past these events
@@ -89,34 +100,10 @@ def test_a_sleep_after_a_slow_claim_answer_lasts_its_length(
     RETURNING; MySQL: the read after it), then its answer is held up (SLOW_READ, as a pause
     of the process there would): the drive reads the time again, and the sleep it sets
     lasts its full length in real time."""
-    rt = make_runtime(lease_ttl=300)
-    rt.register(sleeps_after_a_park)
-    client = rt.client()
-    execution_id = client.start(sleeps_after_a_park, SLOW_READ).execution_id
-    assert rt.drive(execution_id)
-    wait_until(lambda: is_due(rt, execution_id), what="the first sleep")
-    held = threading.Event()
 
-    def slow_claim_answer(
-        _conn: Any, _cursor: Any, statement: str, *_args: Any, **_kwargs: Any
-    ) -> None:
-        claim = (
-            statement.startswith("UPDATE wf_executions SET wake_at") and "lease_owner" in statement
-        )
+    def claim_answer(statement: str) -> bool:
+        claim = statement.startswith("UPDATE wf_executions SET wake_at") and "lease_" in statement
         read = statement.startswith("SELECT wf_executions.id, wf_executions.claim_epoch")
-        if ((claim and "RETURNING" in statement) or read) and not held.is_set():
-            held.set()
-            time.sleep(SLOW_READ)
+        return (claim and "RETURNING" in statement) or read
 
-    engine = rt.backend.base_engine
-    event.listen(engine, "after_cursor_execute", slow_claim_answer)
-    try:
-        assert rt.drive(execution_id)
-    finally:
-        event.remove(engine, "after_cursor_execute", slow_claim_answer)
-    assert held.is_set(), "the claim was held up"
-    assert client.status(execution_id) == "suspended", "parked on the second sleep"
-    wait_until(lambda: is_due(rt, execution_id), what="the second sleep", timeout=30)
-    assert rt.drive(execution_id)
-    before, after = client.result(execution_id, timeout=30).unwrap()
-    assert after - before >= SLOW_READ - 0.05, f"slept {after - before:.3f}s of {SLOW_READ}s"
+    _sleep_after_held_drive(make_runtime, "after_cursor_execute", claim_answer)

@@ -866,13 +866,8 @@ def test_runs_share_a_pool_smaller_than_their_number(db_url: str) -> None:
         engine.dispose()
 
 
-@pytest.mark.needs("embedded")
-def test_a_commit_elsewhere_wakes_a_sqlite_worker_within_milliseconds(
-    db_url: str, procs: Processes
-) -> None:
-    """SQLite announces nothing, but a worker process whose poll interval is 30 s reads the
-    database's change counter while it waits: a start from this process (another
-    connection's commit) reaches it at once, each time."""
+def _started_runs_reach_a_worker_process_at_once(db_url: str, procs: Processes) -> None:
+    """A worker process polling every 30 s picks up three runs started here at once."""
     procs.worker(db_url, app_poll_interval=30).wait_for_stderr("serving")
     with wp.Client(db_url, poll_interval=30) as client:
         for _ in range(3):
@@ -880,6 +875,15 @@ def test_a_commit_elsewhere_wakes_a_sqlite_worker_within_milliseconds(
             handle = client.start("stamped")
             stamp = client.result(handle.execution_id, timeout=20).unwrap()
             assert stamp - began < 2.0, f"picked up after {stamp - began:.2f}s"
+
+
+@pytest.mark.needs("embedded")
+def test_a_commit_elsewhere_wakes_a_sqlite_worker_within_milliseconds(
+    db_url: str, procs: Processes
+) -> None:
+    """SQLite announces nothing, but a waiting worker process reads the database's change
+    counter: a start from this process (another connection's commit) reaches it at once."""
+    _started_runs_reach_a_worker_process_at_once(db_url, procs)
 
 
 # notifications ----------------------------------------------------------------------------
@@ -887,14 +891,8 @@ def test_a_commit_elsewhere_wakes_a_sqlite_worker_within_milliseconds(
 
 @pytest.mark.needs("notify")
 def test_a_start_wakes_a_worker_in_another_process_at_once(db_url: str, procs: Processes) -> None:
-    """The worker process polls every 30 s; a start from this process reaches it at once."""
-    procs.worker(db_url, app_poll_interval=30).wait_for_stderr("serving")
-    with wp.Client(db_url, poll_interval=30) as client:
-        for _ in range(3):
-            began = time.time()
-            handle = client.start("stamped")
-            stamp = client.result(handle.execution_id, timeout=20).unwrap()
-            assert stamp - began < 2.0, f"picked up after {stamp - began:.2f}s"
+    """The worker process polls every 30 s; a start from this process notifies it."""
+    _started_runs_reach_a_worker_process_at_once(db_url, procs)
 
 
 @pytest.mark.needs("notify")
