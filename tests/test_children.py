@@ -356,3 +356,50 @@ def test_cancelling_a_tree_while_its_leaves_finish_meets_no_deadlock(
     infos = [client.describe(run) for run in everyone]
     assert all(i.status in ("completed", "failed") for i in infos), infos
     assert all(i.drive_failures == 0 for i in infos), [i for i in infos if i.drive_failures]
+
+
+@wp.workflow(name="children-quick-kid", version=1)
+def quick_kid(ctx: wp.Context, i: int) -> int:
+    return i
+
+
+@wp.workflow(name="children-tree-grow", version=1)
+def tree_grow(ctx: wp.Context, n: int) -> int:
+    kids = [ctx.start_child(quick_kid if i % 2 else waiting_kid, i) for i in range(n)]
+    return sum(int(ctx.child_result(k)) for k in kids)
+
+
+@wp.workflow(name="children-growing-root", version=1)
+def growing_root(ctx: wp.Context, spec: list[int]) -> int:
+    mids = [ctx.start_child(tree_grow, spec[1]) for _ in range(spec[0])]
+    return sum(int(ctx.child_result(m)) for m in mids)
+
+
+def test_cancelling_a_tree_that_is_still_growing_ends_every_run(runtime: wp.Runtime) -> None:
+    """The root's children are still starting theirs (half of which end at once) while the
+    root is cancelled: a tree read before its locks has grown by the time they are taken,
+    which on PostgreSQL deadlocked every try (a raw error, nothing cancelled). The cancel
+    tries again, and in the end cancels top down one transaction at a time: it returns,
+    and every run ends with no failed drive."""
+    runtime.register(growing_root, tree_grow, quick_kid, waiting_kid)
+    runtime.start_worker(concurrency=12, poll_interval=0.05)
+    client = runtime.client()
+    root = client.start(growing_root, [6, 30]).execution_id
+    wait_until(
+        lambda: sum(len(_children(client, m)) for m in _children(client, root)) >= 3,
+        what="the tree growing",
+        timeout=60,
+    )
+    client.cancel(root, compensate=False)
+
+    def everyone() -> list[str]:
+        mids = _children(client, root)
+        return [root, *mids, *(kid for mid in mids for kid in _children(client, mid))]
+
+    wait_until(
+        lambda: all(client.status(run) in ("completed", "failed") for run in everyone()),
+        what="every run ended",
+        timeout=60,
+    )
+    infos = [client.describe(run) for run in everyone()]
+    assert all(i.drive_failures == 0 for i in infos), [i for i in infos if i.drive_failures]

@@ -4,6 +4,7 @@ silently wrong: each is one typed error now, with nothing written."""
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import sqlite3
 import uuid
 from collections.abc import Callable
@@ -13,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import Engine, event, func, select, text
+from sqlalchemy import Engine, event, func, make_url, select, text
 from sqlalchemy.pool import AssertionPool, Pool, QueuePool, StaticPool
 
 import wf_persist as wp
@@ -383,6 +384,7 @@ def test_a_read_only_engine_is_refused_by_a_runtime_and_only_reads_through_a_cli
             lambda: client.start("two-approvals"),
             lambda: client.signal(run, "approval", {"approved": True}),
             lambda: client.cancel(run),
+            lambda: client.purge(older_than=dt.timedelta(0)),
         ):
             with pytest.raises(wp.UnsupportedDatabaseError, match="read-only"):
                 write()
@@ -417,3 +419,23 @@ def test_cancel_takes_compensate_as_a_bool_only(runtime: wp.Runtime) -> None:
             client.cancel(run, compensate=bad)  # type: ignore[arg-type]
     assert client.status(run) == "running"
     assert "execution.cancelled" not in [r.event["type"] for r in client.history(run)]
+
+
+@pytest.mark.needs("embedded")
+def test_a_sqlite_file_opened_read_only_by_its_uri_is_refused_by_a_runtime(
+    db_url: str, make_runtime: Callable[..., wp.Runtime], make_engine: Callable[..., Engine]
+) -> None:
+    """``file:...?mode=ro`` (or ``immutable=1``): its query_only is off, and the first write
+    was the driver's error."""
+    make_runtime().close()  # the file, migrated
+    path = make_url(db_url).database
+    for options in ("mode=ro", "immutable=1"):
+        url = f"sqlite:///file:{path}?{options}&uri=true"
+        with pytest.raises(wp.UnsupportedDatabaseError, match="read-only"):
+            wp.Runtime(url)
+        with pytest.raises(wp.UnsupportedDatabaseError, match="read-only"):
+            wp.Runtime(make_engine(url))
+        with wp.Client(make_engine(url)) as client:
+            assert client.list().items == []
+            with pytest.raises(wp.UnsupportedDatabaseError, match="read-only"):
+                client.purge(older_than=dt.timedelta(0))

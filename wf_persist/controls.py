@@ -19,7 +19,7 @@ from .reading import RunReader
 from .store import children, executions, signals
 
 #: Tries of a cancellation that met a concurrent transaction (a deadlock with a child ending).
-CANCEL_ATTEMPTS: Final = 3
+CANCEL_ATTEMPTS: Final = 5
 
 
 class RunControls(RunReader):
@@ -95,13 +95,47 @@ class RunControls(RunReader):
                     )
                 break
             except Exception as exc:
-                # Its tree is locked from the leaves up, as runs ending lock themselves and
-                # then their parents; a tree that grew meanwhile may still meet one. Of a
-                # deadlock nothing was written.
-                if attempt + 1 >= CANCEL_ATTEMPTS or not self.backend.contention(exc):
+                # A tree that kept growing, or a deadlock all the same: nothing was written.
+                grew = isinstance(exc, children.TreeGrew)
+                if not grew and not self.backend.contention(exc):
                     raise
+                if attempt + 1 >= CANCEL_ATTEMPTS:
+                    # Each in a transaction of its own, top down (as before the one
+                    # transaction): never a lock cycle, but a crash midway leaves the rest.
+                    self._cancel_one_by_one(execution_id, compensate, actor, error, now)
+                    break
                 time.sleep(0.05 * 2**attempt)
         self._notify()
+
+    def _cancel_one_by_one(
+        self,
+        execution_id: str,
+        compensate: bool,
+        actor: str | None,
+        error: dict[str, Any],
+        now: dt.datetime,
+    ) -> None:
+        """The run's cancellation, then each child's (theirs in turn) in its own transaction."""
+        with self.backend.begin() as conn:
+            executions.cancel(
+                conn,
+                self.backend,
+                execution_id,
+                cancelled=events.execution_cancelled(execution_id, compensate, actor, now),
+                compensate=compensate,
+                error=error,
+                now=now,
+            )
+        pending = [execution_id]
+        while pending:
+            with self._reading() as conn:
+                below = children.cancelled_with(conn, pending.pop())
+            for child_id in below:
+                with self.backend.begin() as conn:
+                    if children.cancel(
+                        conn, self.backend, child_id, compensate=compensate, actor=actor, now=now
+                    ):
+                        pending.append(child_id)
 
     def signal(
         self,
@@ -206,6 +240,7 @@ class RunControls(RunReader):
             or not 1 <= batch_size < 2**31
         ):
             raise InvalidArgumentError(f"batch_size must be a positive integer, got {batch_size!r}")
+        self._writable()
         total = 0
         while True:
             with self.backend.begin() as conn:

@@ -148,10 +148,13 @@ def drive(
     """
     wf = runtime.definition(claim.workflow_name, claim.workflow_version)
     deadline = run_deadline(claim, wf.timeout)
-    clock = _drive_clock(runtime, claim)
     lender = Lender(runtime.backend, runtime.timers, keep=not bridge.bridged())
     driver: RunDriver | None = None
     try:
+        try:  # a read that fails is counted as the drive's failure, as a reload's is
+            clock = _drive_clock(runtime, claim)
+        except Exception as exc:
+            raise Halt(exc) from exc
         while True:
             journal, seen = loaded
             cancel_known = journal.cancelled is not None

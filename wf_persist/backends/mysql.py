@@ -181,7 +181,9 @@ class MySQLBackend(Backend):
         mariadb = bool(getattr(self.base_engine.dialect, "is_mariadb", False))
         setting = "tx_read_only" if mariadb else "transaction_read_only"
         with self.base_engine.connect() as conn:
-            return bool(conn.exec_driver_sql(f"SELECT @@session.{setting}").scalar())
+            # The server's read_only refuses every writer without the privilege to bypass it.
+            row = conn.exec_driver_sql(f"SELECT @@session.{setting}, @@global.read_only").one()
+        return bool(row[0]) or bool(row[1])
 
     def requirement_problem(self, version: tuple[int, ...] | None) -> str | None:
         mariadb = bool(getattr(self.base_engine.dialect, "is_mariadb", False))

@@ -360,7 +360,17 @@ class SQLiteBackend(Backend):
         return tuple(sqlite3.sqlite_version_info)
 
     def read_only(self) -> bool:
-        if self.database_missing(self.base_engine.url):
+        url = self.base_engine.url
+        database = url.database or ""
+        if database.startswith("file:") and url.query.get("uri") == "true":
+            # A URI filename opened read-only (its options come as the URL's query).
+            options = {
+                **url.query,
+                **dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(database).query)),
+            }
+            if options.get("mode") == "ro" or options.get("immutable") == "1":
+                return True
+        if self.database_missing(url):
             return False  # not created by asking (a host's query_only would refuse that too)
         with self.base_engine.connect() as conn:
             return bool(conn.exec_driver_sql("PRAGMA query_only").scalar())

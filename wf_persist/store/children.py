@@ -37,12 +37,12 @@ def cancelled_with(conn: Executor, parent_id: str) -> list[str]:
     ]
 
 
-def lock_tree(conn: Executor, root_id: str) -> None:
-    """Lock the rows of the runs cancelled with ``root_id`` (its children, theirs in turn),
-    deepest first, before ``root_id``'s own: a run ending locks itself, then its parent (to
-    record its outcome there), so taking a tree's locks from the leaves up never waits in a
-    cycle with one (from the root down, a cancel and a finishing child each held what the
-    other wanted)."""
+class TreeGrew(Exception):
+    """A run of the tree started a child between the tree's read and its locks."""
+
+
+def _levels(conn: Executor, root_id: str) -> list[list[str]]:
+    """The runs cancelled with ``root_id``, level by level (its children, theirs, ...)."""
     levels: list[list[str]] = []
     seen = {root_id}
     current = [root_id]
@@ -52,8 +52,22 @@ def lock_tree(conn: Executor, root_id: str) -> None:
         if below:
             levels.append(below)
         current = below
+    return levels
+
+
+def lock_tree(conn: Executor, root_id: str) -> None:
+    """Lock the rows of the runs cancelled with ``root_id`` (its children, theirs in turn),
+    deepest first, before ``root_id``'s own: a run ending locks itself, then its parent (to
+    record its outcome there), so taking a tree's locks from the leaves up never waits in a
+    cycle with one (from the root down, a cancel and a finishing child each held what the
+    other wanted). :class:`TreeGrew` if a run of it started a child meanwhile (locking that
+    one now would be the other order): the caller tries again."""
+    levels = _levels(conn, root_id)
     for level in reversed(levels):
         executions.lock(conn, level)
+    locked = {run for level in levels for run in level}
+    if any(run not in locked for level in _levels(conn, root_id) for run in level):
+        raise TreeGrew(root_id)
 
 
 def cancel_descendants(
