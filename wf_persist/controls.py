@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Literal
 
+from sqlalchemy import Connection
+
 from . import arguments, events, lifecycle, telemetry
 from .database import READ_ONLY
 from .error_documents import error_document
@@ -72,15 +74,7 @@ class RunControls(RunReader):
             try:
                 with self.backend.begin() as conn:
                     children.lock_tree(conn, execution_id)
-                    executions.cancel(
-                        conn,
-                        self.backend,
-                        execution_id,
-                        cancelled=events.execution_cancelled(execution_id, compensate, actor, now),
-                        compensate=compensate,
-                        error=error,
-                        now=now,
-                    )
+                    self._cancel_run(conn, execution_id, compensate, actor, error, now)
                     # Its children (theirs in turn) in the same transaction: a cancel cut off
                     # after its commit would leave them running, and once the run has ended
                     # no cancel could reach them. (A run unwinding with compensation cancels
@@ -107,6 +101,26 @@ class RunControls(RunReader):
                 time.sleep(0.05 * 2**attempt)
         self._notify()
 
+    def _cancel_run(
+        self,
+        conn: Connection,
+        execution_id: str,
+        compensate: bool,
+        actor: str | None,
+        error: dict[str, Any],
+        now: dt.datetime,
+    ) -> None:
+        """The run's own cancellation (``execution.cancelled`` and its status), in ``conn``."""
+        executions.cancel(
+            conn,
+            self.backend,
+            execution_id,
+            cancelled=events.execution_cancelled(execution_id, compensate, actor, now),
+            compensate=compensate,
+            error=error,
+            now=now,
+        )
+
     def _cancel_one_by_one(
         self,
         execution_id: str,
@@ -117,15 +131,7 @@ class RunControls(RunReader):
     ) -> None:
         """The run's cancellation, then each child's (theirs in turn) in its own transaction."""
         with self.backend.begin() as conn:
-            executions.cancel(
-                conn,
-                self.backend,
-                execution_id,
-                cancelled=events.execution_cancelled(execution_id, compensate, actor, now),
-                compensate=compensate,
-                error=error,
-                now=now,
-            )
+            self._cancel_run(conn, execution_id, compensate, actor, error, now)
         pending = [execution_id]
         while pending:
             with self._reading() as conn:
