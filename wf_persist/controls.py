@@ -68,13 +68,12 @@ class RunControls(RunReader):
         with self._reading() as conn:
             self._row(conn, execution_id)
         self._writable()
-        error = error_document(Cancelled(compensate, actor))
         now = self._now()
         for attempt in range(CANCEL_ATTEMPTS):
             try:
                 with self.backend.begin() as conn:
                     children.lock_tree(conn, execution_id)
-                    self._cancel_run(conn, execution_id, compensate, actor, error, now)
+                    self._cancel_run(conn, execution_id, compensate, actor, now)
                     # Its children (theirs in turn) in the same transaction: a cancel cut off
                     # after its commit would leave them running, and once the run has ended
                     # no cancel could reach them. (A run unwinding with compensation cancels
@@ -96,7 +95,7 @@ class RunControls(RunReader):
                 if attempt + 1 >= CANCEL_ATTEMPTS:
                     # Each in a transaction of its own, top down (as before the one
                     # transaction): never a lock cycle, but a crash midway leaves the rest.
-                    self._cancel_one_by_one(execution_id, compensate, actor, error, now)
+                    self._cancel_one_by_one(execution_id, compensate, actor, now)
                     break
                 time.sleep(0.05 * 2**attempt)
         self._notify()
@@ -107,7 +106,6 @@ class RunControls(RunReader):
         execution_id: str,
         compensate: bool,
         actor: str | None,
-        error: dict[str, Any],
         now: dt.datetime,
     ) -> None:
         """The run's own cancellation (``execution.cancelled`` and its status), in ``conn``."""
@@ -117,21 +115,16 @@ class RunControls(RunReader):
             execution_id,
             cancelled=events.execution_cancelled(execution_id, compensate, actor, now),
             compensate=compensate,
-            error=error,
+            error=error_document(Cancelled(compensate, actor)),
             now=now,
         )
 
     def _cancel_one_by_one(
-        self,
-        execution_id: str,
-        compensate: bool,
-        actor: str | None,
-        error: dict[str, Any],
-        now: dt.datetime,
+        self, execution_id: str, compensate: bool, actor: str | None, now: dt.datetime
     ) -> None:
         """The run's cancellation, then each child's (theirs in turn) in its own transaction."""
         with self.backend.begin() as conn:
-            self._cancel_run(conn, execution_id, compensate, actor, error, now)
+            self._cancel_run(conn, execution_id, compensate, actor, now)
         pending = [execution_id]
         while pending:
             with self._reading() as conn:
