@@ -301,12 +301,14 @@ def test_a_sqlite_worker_does_not_look_at_every_commit_of_its_own_process(
     event.listen(engine, "after_cursor_execute", count)
     try:
         began = time.monotonic()
-        run = rt.client().start(busy_steps, 1500).execution_id
-        assert rt.client().result(run, timeout=120).unwrap() == sum(range(1500))
+        run = rt.client().start(busy_steps, 3000).execution_id
+        assert rt.client().result(run, timeout=120).unwrap() == sum(range(3000))
         elapsed = time.monotonic() - began
     finally:
         event.remove(engine, "after_cursor_execute", count)
         worker.stop()
         thread.join(10)
-    assert elapsed > 0.5, "long enough to tell"
+    # A probe every 10 ms would look 100 times a second; the bound below allows 16 a second
+    # plus 8, so any run longer than 0.1 s tells the two apart.
+    assert elapsed > 0.25, "long enough to tell"
     assert len(looks) <= 4 * (elapsed / 0.25 + 2), f"{len(looks)} looks in {elapsed:.2f}s"
