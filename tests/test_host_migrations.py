@@ -25,7 +25,7 @@ from wf_persist import migrate
 from .fixtures import workflows as w
 from .fixtures.hostapp.models import Order
 from .fixtures.revisions import ROOT, below_head, cli_env, future_revision, wf_cli
-from .helpers import Processes
+from .helpers import Processes, wait_until
 
 HOSTAPP = Path(__file__).resolve().parent / "fixtures" / "hostapp"
 
@@ -318,3 +318,50 @@ def test_readme_merged_recipe(blank_db_url: str, tmp_path: Path) -> None:
     _alembic(project, "alembic upgrade heads")
     wp.Runtime(blank_db_url).close()
     _use_the_fk(blank_db_url)
+
+
+@pytest.mark.needs("sql_mode")
+@pytest.mark.parametrize("mode", ["ANSI_QUOTES,STRICT_TRANS_TABLES", "ANSI,STRICT_ALL_TABLES"])
+@pytest.mark.parametrize("when", ["connect-event", "init-command"])
+def test_a_host_sql_mode_that_quotes_otherwise_migrates_and_runs(
+    mode: str, when: str, blank_db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """A host's ``sql_mode`` with ANSI quoting, set by a ``connect`` event (after SQLAlchemy's
+    dialect looked at the first connection) or by the driver's init command (before): the
+    upgrade reads no schema through reflection, which parsed ``SHOW CREATE TABLE`` in the
+    other quoting and left the upgrade half-done with a raw error; runs are then driven on
+    the same engine."""
+    from sqlalchemy import event
+
+    setting = f"SET SESSION sql_mode = '{mode}'"
+    if when == "init-command":
+        engine = make_engine(blank_db_url, connect_args={"init_command": setting})
+    else:
+        engine = make_engine(blank_db_url)
+
+        @event.listens_for(engine, "connect")
+        def _mode(dbapi_connection: object, _record: object) -> None:
+            cursor = dbapi_connection.cursor()  # type: ignore[attr-defined]
+            cursor.execute(setting)
+            cursor.close()
+
+    with engine.connect() as conn:
+        assert "ANSI_QUOTES" in str(conn.execute(text("SELECT @@SESSION.sql_mode")).scalar())
+    migrate.upgrade(engine)
+    assert migrate.current(engine) == migrate.heads()[0]
+    with wp.Runtime(engine) as rt:
+        rt.register(w.echo_wf, w.approval_wf)
+        client = rt.client()
+        assert client.result(client.start(w.echo_wf, 2).execution_id, timeout=20).unwrap() == [
+            1,
+            2,
+        ]
+        waiting = client.start(w.approval_wf, None).execution_id
+
+        def parked() -> bool:
+            rt.drive(waiting)
+            return bool(client.pending_signals(waiting))
+
+        wait_until(parked, what="the signal wait")
+        client.signal(waiting, "approval", {"approved": True})
+        assert client.result(waiting, timeout=20).unwrap() == "approved"

@@ -100,13 +100,26 @@ def _modify(table: str, collation: str) -> list[str]:
     ]
 
 
+def _has_fk(bind: sa.Connection) -> bool:
+    """Whether the runs' foreign key exists, read from ``information_schema`` rather than by
+    reflection: SQLAlchemy parses ``SHOW CREATE TABLE``, which a host's ``sql_mode`` (``ANSI``,
+    ``ANSI_QUOTES``, ``ORACLE``) set after the dialect looked prints in another quoting."""
+    found = bind.execute(
+        sa.text(
+            "SELECT COUNT(*) FROM information_schema.REFERENTIAL_CONSTRAINTS"
+            " WHERE CONSTRAINT_SCHEMA = DATABASE() AND TABLE_NAME = 'wf_executions'"
+            " AND CONSTRAINT_NAME = :name"
+        ),
+        {"name": _FK},
+    ).scalar_one()
+    return bool(found)
+
+
 def _recollate(collation: str) -> None:
     """Every name and key column to ``collation``: one copy of each table. The foreign key
     is dropped while its two sides differ and re-created with the runs' new columns."""
     bind = op.get_bind()
-    if not _online() or _FK in {
-        fk["name"] for fk in sa.inspect(bind).get_foreign_keys("wf_executions")
-    }:
+    if not _online() or _has_fk(bind):
         op.execute(f"ALTER TABLE wf_executions DROP FOREIGN KEY {_FK}")
     op.execute("ALTER TABLE wf_workflows " + ", ".join(_modify("wf_workflows", collation)))
     add_fk = (
