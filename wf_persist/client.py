@@ -89,7 +89,7 @@ class Client(RunAwaiter, RunControls):
         self._database: Database | None = Database(
             bind, auto_migrate=auto_migrate, schema=schema, writes=False
         )
-        self._read_only = self._database.read_only
+        self._cannot_write = self._database.cannot_write
         self.backend: Backend = self._database.backend
         #: The engine this client works through.
         self.engine = self._database.engine

@@ -70,6 +70,9 @@ _STRICT = ("STRICT_TRANS_TABLES", "STRICT_ALL_TABLES")
 _DUPLICATE_KEY: Final = 1062
 _DEADLOCK: Final = 1213
 _LOCK_WAIT_TIMEOUT: Final = 1205
+#: The server refusing the user: database access, password, a table's or a column's
+#: privilege, a privilege the statement needs.
+_REFUSED: Final = frozenset({1044, 1045, 1142, 1143, 1227})
 #: The server's status flag "a transaction is open" (PyMySQL keeps the last one it saw).
 _SERVER_STATUS_IN_TRANS: Final = 1
 
@@ -184,6 +187,10 @@ class MySQLBackend(Backend):
             # The server's read_only refuses every writer without the privilege to bypass it.
             row = conn.exec_driver_sql(f"SELECT @@session.{setting}, @@global.read_only").one()
         return bool(row[0]) or bool(row[1])
+
+    @classmethod
+    def refused(cls, exc: BaseException) -> bool:
+        return _code(exc) in _REFUSED
 
     def requirement_problem(self, version: tuple[int, ...] | None) -> str | None:
         mariadb = bool(getattr(self.base_engine.dialect, "is_mariadb", False))

@@ -68,6 +68,9 @@ CHANNEL_BYTES: Final = 64
 #: Key of the advisory lock that serializes concurrent migrations.
 MIGRATION_LOCK_KEY: Final = 0x77665F70657273  # "wf_pers"
 _JSON_COLUMNS = frozenset({"event", "result", "error", "input"})
+#: SQLSTATEs of the server refusing the user: insufficient_privilege, invalid authorization,
+#: invalid password.
+_REFUSED = frozenset({"42501", "28000", "28P01"})
 
 
 class AdvisorySlots(SessionLockSlots):
@@ -162,6 +165,10 @@ class PostgreSQLBackend(RawPath):
                     "SELECT current_setting('transaction_read_only') = 'on' OR pg_is_in_recovery()"
                 ).scalar()
             )
+
+    @classmethod
+    def refused(cls, exc: BaseException) -> bool:
+        return getattr(getattr(exc, "orig", exc), "sqlstate", None) in _REFUSED
 
     def requirement_problem(self, version: tuple[int, ...] | None) -> str | None:
         if version is not None and version < (12,):

@@ -39,6 +39,9 @@ from .sql import HOT_COLUMNS, INSERT_HISTORY, Fenced, WriteShape, bump
 #: How long a SQLite writer waits for the lock before failing (milliseconds).
 BUSY_TIMEOUT_MS: Final = 30_000
 _BEGIN_WRITE: Final = "BEGIN IMMEDIATE"
+#: Primary result codes of SQLite refusing a write: SQLITE_READONLY, SQLITE_AUTH.
+_READONLY: Final = 8
+_AUTH: Final = 23
 #: A connection's busy timeout (ms), read once (see ``SQLiteBackend._queued``).
 _BUSY_TIMEOUT: Final = "wf_persist_busy_timeout_ms"
 #: A wait for the turn this long (ms) or longer is taken off SQLite's busy timeout.
@@ -374,6 +377,12 @@ class SQLiteBackend(Backend):
             return False  # not created by asking (a host's query_only would refuse that too)
         with self.base_engine.connect() as conn:
             return bool(conn.exec_driver_sql("PRAGMA query_only").scalar())
+
+    @classmethod
+    def refused(cls, exc: BaseException) -> bool:
+        # SQLITE_READONLY (a file or directory this process may not write) or SQLITE_AUTH
+        code = getattr(getattr(exc, "orig", exc), "sqlite_errorcode", None)
+        return isinstance(code, int) and code & 0xFF in (_READONLY, _AUTH)
 
     def requirement_problem(self, version: tuple[int, ...] | None) -> str | None:
         if version is not None and version < (3, 35):
