@@ -391,3 +391,33 @@ def test_stored_values_reach_the_terminal_as_text_never_as_controls(
     failed = wf(procs, db_url, "runs", "result", broken, code=3)
     assert "PWNED" in failed.stderr
     assert not any(c in failed.stderr + failed.stdout for c in acting), failed
+
+
+@wp.workflow(name="cli-named-wait", version=1)
+def named_wait_wf(ctx: wp.Context, name: str) -> str:
+    ctx.wait_for_signal(name, dict[str, Any])
+    return "heard"
+
+
+def test_the_pasted_signal_command_names_a_signal_with_control_characters(
+    db_url: str, procs: Processes, runtime: wp.Runtime
+) -> None:
+    """``runs show`` prints a wait's signal name with its terminal controls as escapes; the
+    command it prints for pasting ANSI-C quotes them, so bash reads back the same name (a
+    plain quoted escape named another signal, and the paste was refused)."""
+    name = "go\x1b[2J\u202e'\\"
+    runtime.register(named_wait_wf)
+    run_id = runtime.client().start(named_wait_wf, name).execution_id
+    runtime.drive(run_id)
+    shown = wf(procs, db_url, "runs", "show", run_id).stdout
+    assert not any(c in shown for c in ("\x1b", "\u202e"))
+    (command,) = [
+        line.strip() for line in shown.splitlines() if line.strip().startswith("wf-persist ")
+    ]
+    shell = f'wf-persist() {{ "{sys.executable}" -m wf_persist.cli "$@"; }}; {command}'
+    done = procs.run(
+        ["bash", "-c", shell], check=False, env={"WF_PERSIST_DATABASE_URL": db_url}, name="paste"
+    )
+    assert (done.returncode, done.stdout) == (0, "delivered\n"), done.stderr
+    assert runtime.drive(run_id)
+    assert runtime.client().result(run_id, timeout=10).unwrap() == "heard"

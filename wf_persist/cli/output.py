@@ -310,7 +310,17 @@ def signal_command(
             words += ["--url", resolved.render_as_string(hide_password=False)]
     if schema is not None:
         words += ["--schema", schema]
-    return shlex.join(words)
+    return " ".join(shell_word(word) for word in words)
+
+
+def shell_word(word: str) -> str:
+    """``word`` quoted for a POSIX shell. A word with characters a terminal would act on is
+    ANSI-C quoted (``$'\\u202e'``, bash, zsh and ksh93): printed it stays inert, and pasted
+    it names the same characters again (a plain quoted escape would name others)."""
+    if not _ACTING.search(word):
+        return shlex.quote(word)
+    inner = word.replace("\\", "\\\\").replace("'", "\\'")
+    return "$'" + _ACTING.sub(lambda m: f"\\u{ord(m.group()):04x}", inner) + "'"
 
 
 def pending_table(waits: Iterable[PendingSignal]) -> Table:
