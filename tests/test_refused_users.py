@@ -1,12 +1,14 @@
-"""A database user the server refuses writes (granted SELECT only, or no DELETE): one
-typed error where wf_persist meets it, nothing half-written. Without the
-write probe a runtime opened, then its catalog write, every start and every claim was the
-driver's error (MariaDB's 1142, PostgreSQL's ``InsufficientPrivilege``)."""
+"""A database user the server refuses some writes (granted SELECT only, no DELETE, no
+UPDATE on the append-only history, privileges revoked while it runs; a host's SQLite
+authorizer): one typed error at the entry point that meets the refusal, nothing
+half-written, and every legal grant that covers what wf_persist does keeps working. These
+were the driver's errors (MariaDB's 1142, PostgreSQL's ``InsufficientPrivilege``)."""
 
 from __future__ import annotations
 
 import datetime as dt
 import sqlite3
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -17,6 +19,9 @@ from sqlalchemy import Engine, create_engine, event, make_url, text
 import wf_persist as wp
 
 from .fixtures import workflows as w
+from .helpers import wait_until
+
+WRITES = ("INSERT", "UPDATE", "DELETE")
 
 
 class Restricted:
@@ -26,7 +31,7 @@ class Restricted:
     def __init__(self, backend: str, db_url: str, make_engine: Callable[..., Engine]) -> None:
         self.backend, self.db_url, self.make_engine = backend, db_url, make_engine
         self.name = f"wf_limited_{uuid.uuid4().hex[:10]}"
-        self.denied: set[str] = set()
+        self.denied: set[tuple[str, str | None]] = set()
         self._admin = create_engine(db_url, isolation_level="AUTOCOMMIT")
         if backend == "postgresql":
             self._sql(
@@ -46,20 +51,26 @@ class Restricted:
             for statement in statements:
                 conn.execute(text(statement))
 
-    def deny(self, *verbs: str) -> None:
-        """Take these writes away (the others are granted)."""
-        self.denied = set(verbs)
+    def deny(self, *verbs: str, table: str | None = None) -> None:
+        """Take these writes away (on ``table``, else on every table); grant the others."""
+        self.denied = {(verb, table) for verb in verbs}
         if self.backend == "sqlite":
             return
-        granted = ", ".join(v for v in ("INSERT", "UPDATE", "DELETE") if v not in verbs)
-        taken = ", ".join(verbs)
-        on = "ALL TABLES IN SCHEMA public" if self.backend == "postgresql" else "*"
-        if self.backend == "mysql":
-            on = f"`{make_url(self.db_url).database}`.*"
-        user = self.name if self.backend == "postgresql" else f"'{self.name}'@'%'"
-        statements = [f"GRANT {granted} ON {on} TO {user}"] if granted else []
-        if verbs:
-            statements.append(f"REVOKE {taken} ON {on} FROM {user}")
+        if self.backend == "postgresql":
+            user, qualified = self.name, "{}"
+        else:
+            # Table by table: MySQL applies a database-wide grant's change to a connection
+            # only at its next USE, a table's at its next statement.
+            user, qualified = f"'{self.name}'@'%'", f"`{make_url(self.db_url).database}`.{{}}"
+        statements = []
+        for each in ("wf_workflows", "wf_executions", "wf_history"):
+            name = qualified.format(each)
+            given = [
+                v for v in WRITES if (v, None) not in self.denied and (v, each) not in self.denied
+            ]
+            statements += [f"GRANT SELECT ON {name} TO {user}"]
+            statements += [f"REVOKE {', '.join(WRITES)} ON {name} FROM {user}"]
+            statements += [f"GRANT {', '.join(given)} ON {name} TO {user}"] if given else []
         self._sql(*statements)
 
     def engine(self) -> Engine:
@@ -73,7 +84,10 @@ class Restricted:
         }
 
         def authorize(action: int, table: str | None, *_rest: Any) -> int:
-            refused = actions.get(action) in self.denied and (table or "").startswith("wf_")
+            verb, name = actions.get(action), table or ""
+            refused = name.startswith("wf_") and (
+                (verb, None) in self.denied or (verb, name) in self.denied
+            )
             return sqlite3.SQLITE_DENY if refused else sqlite3.SQLITE_OK
 
         @event.listens_for(engine, "connect")
@@ -113,35 +127,54 @@ def _counts(db_url: str) -> tuple[int, ...]:
         engine.dispose()
 
 
+REFUSED = "refused this engine's user"
+
+
 @pytest.mark.parametrize("denied", ["INSERT", "UPDATE"])
-def test_a_user_refused_writes_is_refused_by_a_runtime_and_only_reads_through_a_client(
+def test_a_user_refused_writes_reads_and_every_write_is_one_typed_error(
     denied: str,
     db_url: str,
     restricted: Restricted,
     make_runtime: Callable[..., wp.Runtime],
 ) -> None:
     writer = make_runtime()
-    writer.register(w.two_approvals_wf)
+    writer.register(w.two_approvals_wf, w.echo_wf)
     run = writer.client().start(w.two_approvals_wf).execution_id
     assert writer.drive(run)
+    fresh = writer.client().start(w.echo_wf, 2).execution_id  # due, never claimed
     before = _counts(db_url)
     restricted.deny(denied, "DELETE")
     engine = restricted.engine()
-    with pytest.raises(wp.UnsupportedDatabaseError, match=f"refuses this engine's user {denied}"):
-        wp.Runtime(engine)
+    # It opens: what it may not do is refused where it is done.
+    with wp.Runtime(engine) as rt:
+        if denied == "INSERT":
+            with pytest.raises(wp.UnsupportedDatabaseError, match=REFUSED):
+                rt.register(w.approval_wf)  # not cataloged yet
+        else:
+            rt.register(w.echo_wf)  # cataloged as is: nothing to write
+            with pytest.raises(wp.UnsupportedDatabaseError, match=REFUSED):
+                rt.drive(fresh)  # its claim
     with wp.Client(engine) as client:
         assert client.status(run) == "suspended"
         assert [p.name for p in client.pending_signals(run)] == ["approval"]
-        for write in (
-            lambda: client.start("two-approvals"),
+        writes: list[Callable[[], object]] = [
             lambda: client.signal(run, "approval", {"approved": True}),
             lambda: client.cancel(run),
-            lambda: client.purge(older_than=dt.timedelta(0)),
-        ):
-            with pytest.raises(wp.UnsupportedDatabaseError, match="refuses this engine's user"):
+        ]
+        if denied == "INSERT":
+            writes.append(lambda: client.start("echo", 2))
+        for write in writes:
+            with pytest.raises(wp.UnsupportedDatabaseError, match=REFUSED):
                 write()
     assert _counts(db_url) == before
     assert writer.client().status(run) == "suspended"
+    assert writer.client().status(fresh) == "running"
+    if denied == "UPDATE":  # a process that only starts runs needs no UPDATE
+        with wp.Client(engine) as starter:
+            first = starter.start("echo", 2, idempotency_key="k")
+            again = starter.start("echo", 2, idempotency_key="k")
+        assert (first.created, again.created) == (True, False)
+        assert again.execution_id == first.execution_id
 
 
 def test_a_user_refused_only_delete_runs_workflows_and_its_purge_is_one_typed_error(
@@ -154,7 +187,106 @@ def test_a_user_refused_only_delete_runs_workflows_and_its_purge_is_one_typed_er
         done = client.start(w.echo_wf, 2).execution_id
         assert client.result(done, timeout=20).unwrap() == [1, 2]
         before = _counts(db_url)
-        with pytest.raises(wp.UnsupportedDatabaseError, match="a purge's DELETE"):
+        with pytest.raises(wp.UnsupportedDatabaseError, match=REFUSED):
             client.purge(older_than=dt.timedelta(0))
         assert _counts(db_url) == before
         assert client.status(done) == "completed"
+
+
+def test_a_purging_user_granted_select_and_delete_only_purges(
+    db_url: str, restricted: Restricted, make_runtime: Callable[..., wp.Runtime]
+) -> None:
+    """A retention job's usual grant: it reads and deletes, never starts a run."""
+    writer = make_runtime()
+    writer.register(w.echo_wf)
+    done = writer.client().start(w.echo_wf, 2).execution_id
+    assert writer.client().result(done, timeout=20).unwrap() == [1, 2]
+    restricted.deny("INSERT", "UPDATE")
+    with wp.Client(restricted.engine()) as janitor:
+        assert janitor.purge(older_than=dt.timedelta(0)) == 1
+    assert _counts(db_url)[1:] == (0, 0)
+
+
+def test_an_append_only_history_grant_runs_every_kind_of_workflow(
+    db_url: str, restricted: Restricted
+) -> None:
+    """wf_persist never updates its history: a host that takes UPDATE away from it (an
+    append-only audit trail) runs steps, sleeps, signals, sagas and cancellations."""
+    from .fixtures import fencing as f
+    from .fixtures import saga as s
+
+    s.reset()
+    restricted.deny("UPDATE", "DELETE", table="wf_history")
+    with wp.Runtime(restricted.engine(), lease_ttl=5) as rt:
+        rt.register(*w.ALL, *s.ALL, *f.ALL)
+        client = rt.client()
+        rt.start_worker(concurrency=2, poll_interval=0.02)
+        assert client.result(client.start(w.echo_wf, 3).execution_id, timeout=20).unwrap() == [
+            1,
+            2,
+            3,
+        ]
+        napped = client.start(f.nap_wf, 0.2).execution_id
+        assert client.result(napped, timeout=20).unwrap() == "rested"
+        saga = client.result(client.start(s.saga_wf, 1).execution_id, timeout=20)
+        assert isinstance(saga, wp.Failed)
+        waiting = client.start(w.approval_wf, None).execution_id
+        wait_until(lambda: client.pending_signals(waiting), 20, "the signal wait")
+        client.signal(waiting, "approval", {"approved": True})
+        assert client.result(waiting, timeout=20).unwrap() == "approved"
+        cancelled = client.start(w.approval_wf, None).execution_id
+        wait_until(lambda: client.pending_signals(cancelled), 20, "the signal wait")
+        client.cancel(cancelled)
+        assert isinstance(client.result(cancelled, timeout=20), wp.Failed)
+
+
+@pytest.mark.needs("server")
+def test_privileges_revoked_while_a_worker_runs(db_url: str, restricted: Restricted) -> None:
+    """Revoked while a runtime and its worker run: starts are one typed error, nothing is
+    written; granted again, the same runtime starts and finishes runs."""
+    restricted.deny()
+    with wp.Runtime(restricted.engine(), lease_ttl=5) as rt:
+        rt.register(w.echo_wf)
+        client = rt.client()
+        rt.start_worker(concurrency=2, poll_interval=0.05)
+        first = client.start(w.echo_wf, 2).execution_id
+        assert client.result(first, timeout=20).unwrap() == [1, 2]
+        restricted.deny("INSERT", "UPDATE", "DELETE")
+        before = _counts(db_url)
+        with pytest.raises(wp.UnsupportedDatabaseError, match=REFUSED):
+            client.start(w.echo_wf, 2)
+        assert _counts(db_url) == before
+        restricted.deny()
+        again = client.start(w.echo_wf, 2).execution_id
+        assert client.result(again, timeout=20).unwrap() == [1, 2]
+
+
+HOLD_HISTORY = {
+    "sqlite": "BEGIN IMMEDIATE",
+    "postgresql": "BEGIN; LOCK TABLE wf_history IN SHARE MODE",
+    "mysql": "LOCK TABLES wf_history READ",
+}
+
+
+def test_a_client_and_a_runtime_open_while_another_session_locks_the_history(
+    backend: str, db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """Opening writes nothing and waits on no lock: a migration or a host's long
+    transaction holding the history does not hold up a process that opens."""
+    holder = create_engine(db_url, isolation_level="AUTOCOMMIT")
+    try:
+        with holder.connect() as conn:
+            raw: Any = conn.connection.driver_connection
+            cursor = raw.cursor()
+            for statement in HOLD_HISTORY[backend].split("; "):
+                cursor.execute(statement)
+            began = time.monotonic()
+            with wp.Client(make_engine(db_url)) as client:
+                assert client.list().items == []
+            with wp.Runtime(make_engine(db_url)):
+                pass
+            assert time.monotonic() - began < 3
+            cursor.execute("UNLOCK TABLES" if backend == "mysql" else "ROLLBACK")
+            cursor.close()
+    finally:
+        holder.dispose()

@@ -9,7 +9,7 @@ from typing import Any
 
 from sqlalchemy import Row
 
-from . import arguments, clocks, lifecycle
+from . import arguments, clocks, lifecycle, refusals
 from .errors import ResultTimeoutError
 from .reading import RunReader
 from .records import Completed, Failed, Outcome
@@ -77,6 +77,7 @@ class RunAwaiter(RunReader):
         with self._ended:
             self._ended.wait(seconds)
 
+    @refusals.typed
     def result(self, execution_id: str, timeout: float | None = None) -> Outcome:
         """Wait for the run to finish and return its outcome.
 
@@ -152,6 +153,7 @@ class RunAwaiter(RunReader):
                 self._wait(wait if remaining is None else min(wait, remaining))
                 delay = min(delay * 2, self._poll())
 
+    @refusals.typed
     def outcome(self, execution_id: str) -> Outcome | None:
         """The run's outcome if it has ended, else ``None``: one read, never a wait."""
         row = self._look(execution_id)

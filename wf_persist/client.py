@@ -16,7 +16,7 @@ from sqlalchemy import Connection, Engine, Row
 from sqlalchemy.engine import URL
 from sqlalchemy.orm import Session
 
-from . import arguments, clocks, events, telemetry
+from . import arguments, clocks, events, refusals, telemetry
 from .authoring import Workflow
 from .awaiting import RunAwaiter
 from .backends import Backend, Cataloged, Stale
@@ -89,7 +89,7 @@ class Client(RunAwaiter, RunControls):
         self._database: Database | None = Database(
             bind, auto_migrate=auto_migrate, schema=schema, writes=False
         )
-        self._cannot_write = self._database.cannot_write
+        self._read_only = self._database.read_only
         self.backend: Backend = self._database.backend
         #: The engine this client works through.
         self.engine = self._database.engine
@@ -206,6 +206,7 @@ class Client(RunAwaiter, RunControls):
 
     # operations -------------------------------------------------------------------------
 
+    @refusals.typed
     def start(
         self,
         workflow: Workflow[Any, Any] | str,

@@ -11,9 +11,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Literal
 
 from sqlalchemy import Connection
-from sqlalchemy.exc import DBAPIError
 
-from . import arguments, events, lifecycle, telemetry
+from . import arguments, events, lifecycle, refusals, telemetry
+from .database import READ_ONLY
 from .error_documents import error_document
 from .errors import Cancelled, InvalidArgumentError, UnsupportedDatabaseError
 from .models import CALL_NAME_WIDTH
@@ -27,14 +27,13 @@ CANCEL_ATTEMPTS: Final = 5
 class RunControls(RunReader):
     """Cancel, signal and purge (the client's state and clock are :class:`Client`'s)."""
 
-    #: Why the engine's connections cannot write (a thin client on a read-only engine, or
-    #: one whose user the database refuses writes), else ``None``.
-    _cannot_write: str | None = None
+    #: Whether the engine's connections may not write (a thin client on a read-only one).
+    _read_only: bool = False
 
     def _writable(self) -> None:
         """Before a write: one typed error, not the driver's, where nothing can be written."""
-        if self._cannot_write:
-            raise UnsupportedDatabaseError(self._cannot_write)
+        if self._read_only:
+            raise UnsupportedDatabaseError(READ_ONLY)
 
     def _now(self) -> dt.datetime:
         """The time to record (the client's clock)."""
@@ -44,6 +43,7 @@ class RunControls(RunReader):
         """A run changed (the client's hook)."""
         raise NotImplementedError
 
+    @refusals.typed
     def cancel(
         self, execution_id: str, *, compensate: bool = True, actor: str | None = None
     ) -> None:
@@ -137,6 +137,7 @@ class RunControls(RunReader):
                     ):
                         pending.append(child_id)
 
+    @refusals.typed
     def signal(
         self,
         execution_id: str,
@@ -193,6 +194,7 @@ class RunControls(RunReader):
         self._notify()
         return "buffered" if buffered else "delivered"
 
+    @refusals.typed
     def purge(
         self,
         *,
@@ -243,18 +245,10 @@ class RunControls(RunReader):
         self._writable()
         total = 0
         while True:
-            try:
-                with self.backend.begin() as conn:
-                    deleted = executions.purge_batch(
-                        conn, finished_before=cutoff, statuses=statuses, limit=batch_size
-                    )
-            except DBAPIError as exc:
-                if not self.backend.refused(exc):
-                    raise
-                raise UnsupportedDatabaseError(
-                    f"the database refuses this engine's user a purge's DELETE ({total} runs "
-                    "deleted before it): grant DELETE on wf_persist's tables"
-                ) from exc
+            with self.backend.begin() as conn:
+                deleted = executions.purge_batch(
+                    conn, finished_before=cutoff, statuses=statuses, limit=batch_size
+                )
             total += deleted
             if on_batch is not None:
                 on_batch(deleted)

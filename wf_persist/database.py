@@ -10,7 +10,7 @@ from sqlalchemy import Engine
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 
-from . import backends, migrate
+from . import backends, migrate, refusals
 from .errors import InvalidArgumentError, UnsupportedDatabaseError
 
 #: Why a read-only engine cannot be written through.
@@ -20,19 +20,6 @@ READ_ONLY = (
     "client its starts, signals and cancellations; use a writable engine (a wp.Client on a "
     "read-only one only reads)"
 )
-
-#: Why an engine whose user may not write our tables cannot be written through.
-_REFUSED = (
-    "the database refuses this engine's user {} (wf_persist's tables need SELECT, INSERT "
-    "and UPDATE, and DELETE to purge): a runtime writes its catalog, claims and steps, and "
-    "a client its starts, signals and cancellations; grant them (a wp.Client without them "
-    "only reads)"
-)
-
-
-def _first_line(exc: DBAPIError) -> str:
-    """The server's own words, without SQLAlchemy's statement and background lines."""
-    return str(exc.orig).strip().splitlines()[0][:300] if exc.orig else type(exc).__name__
 
 
 class Database:
@@ -68,26 +55,18 @@ class Database:
             self.backend.check()
             if auto_migrate is None:
                 auto_migrate = self.owns_engine and self.backend.embedded
-            read_only = self.backend.read_only()
-            if read_only and (writes or auto_migrate):
+            #: Whether the engine's connections may not write (a client then only reads).
+            self.read_only = self.backend.read_only()
+            if self.read_only and (writes or auto_migrate):
                 raise UnsupportedDatabaseError(READ_ONLY)
             if auto_migrate:
                 migrate.upgrade(self.backend.engine)
             else:
                 migrate.assert_at_head(self.backend.engine)
-            refused = None if read_only else self.backend.write_refused()
-            #: Why writes through this engine cannot succeed (``None``: they can); a client
-            #: then only reads.
-            self.cannot_write = READ_ONLY if read_only else refused and _REFUSED.format(refused)
-            if self.cannot_write and writes:
-                raise UnsupportedDatabaseError(self.cannot_write)
         except DBAPIError as exc:
             if self.owns_engine:
                 backends.dispose_engine(engine)
-            if backends.backend_type(engine.dialect.name).refused(exc):
-                raise UnsupportedDatabaseError(
-                    f"the database refused this engine's user: {_first_line(exc)}"
-                ) from exc
+            refusals.translate(backends.backend_type(engine.dialect.name), exc)
             raise
         except BaseException:
             if self.owns_engine:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Row
 
-from . import arguments, clocks
+from . import arguments, clocks, refusals
 from .authoring import Workflow
 from .awaiting import _AGAIN, _WAIT
 from .backends import Cataloged, Claim, Stale
@@ -127,6 +127,7 @@ class WorkflowClient(Client):
             return  # execute() gives it back
         self.runtime.undispatch(execution_id, workflow, self._here.reservation)
 
+    @refusals.typed
     def execute(
         self,
         workflow: Workflow[Any, Any] | str,
@@ -201,6 +202,7 @@ class WorkflowClient(Client):
     def _busy(self, execution_id: str) -> bool:
         return self.runtime.busy_here(execution_id)
 
+    @refusals.typed
     def result(self, execution_id: str, timeout: float | None = None) -> Outcome:
         """Wait for the run to finish and return its outcome, driving it in this thread
         when it is due and nobody drives it: first by claiming it outright (a run just

@@ -11,7 +11,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Row
 
-from . import arguments, clocks, lifecycle
+from . import arguments, clocks, lifecycle, refusals
 from .authoring import Workflow
 from .backends import Backend
 from .error_documents import shown
@@ -62,14 +62,17 @@ class RunReader:
             raise UnknownExecutionError(execution_id)
         return row
 
+    @refusals.typed
     def describe(self, execution_id: str) -> ExecutionInfo:
         """The stored record of a run."""
         return ExecutionInfo.from_row(self._look(execution_id))
 
+    @refusals.typed
     def status(self, execution_id: str) -> str:
         """The run's status: running, suspended, compensating, completed or failed."""
         return self.describe(execution_id).status
 
+    @refusals.typed
     def pending_signals(self, execution_id: str) -> list[PendingSignal]:
         """The waits the run is parked on (or about to be), oldest first."""
         with self._reading() as conn:
@@ -78,6 +81,7 @@ class RunReader:
             waits = signals.pending(conn, str(self._row(conn, execution_id).id))
         return [PendingSignal.from_event(w) for w in waits]
 
+    @refusals.typed
     def get_event(self, execution_id: str, key: str, *, timeout: float | None = None) -> Any:
         """The latest value the run published under ``key`` with ``ctx.set_event``, waiting
         up to ``timeout`` seconds (``None``: until it is set or the run ends) for a first.
@@ -105,12 +109,14 @@ class RunReader:
             self._wait(wait if remaining is None else min(wait, remaining))
             delay = min(delay * 2, self._poll())
 
+    @refusals.typed
     def events(self, execution_id: str) -> dict[str, Any]:
         """Every key the run published with ``ctx.set_event``, with its latest value."""
         with self._reading() as conn:
             self._row(conn, execution_id)
             return history.events_set(conn, execution_id)
 
+    @refusals.typed
     def workflows(self, name: str | None = None) -> list[WorkflowEntry]:
         """The catalog: every registered (name, version), or the versions of ``name``, with
         source hash, registration time and input/output JSON Schemas."""
@@ -120,6 +126,7 @@ class RunReader:
             rows = catalog.entries(conn, self.backend, name)
         return [WorkflowEntry.from_row(r) for r in rows]
 
+    @refusals.typed
     def list(
         self,
         workflow: Workflow[Any, Any] | str | None = None,
@@ -178,6 +185,7 @@ class RunReader:
         next_cursor = encode_cursor(items[-1].created_at, items[-1].execution_id) if more else None
         return Page(items, next_cursor)
 
+    @refusals.typed
     def history(self, execution_id: str) -> Sequence[HistoryRecord]:
         """Every event of the run in sequence order."""
         with self._reading() as conn:

@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from . import refusals
 from .arguments import check_version
 from .authoring import Workflow
 from .backends import Backend
@@ -36,6 +37,7 @@ class Registry:
     def _check_open(self) -> None:
         raise NotImplementedError
 
+    @refusals.typed
     def register(self, *workflows: Workflow[Any, Any], session: Executor | None = None) -> None:
         """Register workflows here and in the database catalog (first registration wins).
 

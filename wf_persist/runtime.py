@@ -26,7 +26,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from . import clocks, drive_telemetry, drives, telemetry
+from . import clocks, drive_telemetry, drives, refusals, telemetry
 from .authoring import Step
 from .backends import Claim
 from .bridge import off_loop
@@ -174,6 +174,7 @@ class Runtime(Registry, Notices, WorkerSide):
         self._check_process()
         return WorkflowClient(self)
 
+    @refusals.typed
     def drive(self, execution_id: str) -> bool:
         """Drive ``execution_id`` until it finishes or parks, if this runtime can claim it.
 

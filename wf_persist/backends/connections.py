@@ -286,39 +286,10 @@ class Connections:
     @classmethod
     def refused(cls, exc: BaseException) -> bool:
         """Whether ``exc`` is the server refusing this engine's user (a missing privilege,
-        failed authentication): no retry can succeed, so it is reported, not retried."""
+        failed authentication, a SQLite authorizer): a caller gets it as
+        :class:`~wf_persist.errors.UnsupportedDatabaseError` (see :mod:`wf_persist.refusals`);
+        a worker backs off and tries again, as a grant may come."""
         return False
-
-    def write_refused(self) -> str | None:
-        """The first write on wf_persist's tables the server refuses this engine's user
-        (``"UPDATE on wf_history"``), or ``None``. Probed once, when a database opens, with
-        statements that match no row, in one transaction rolled back: a user granted only
-        SELECT would otherwise fail its first claim or start with the driver's error. DELETE
-        is not probed: only a purge needs it (and says so when refused)."""
-        from sqlalchemy import false, insert, select, update
-
-        from ..models import metadata
-
-        with self.engine.connect() as conn:
-            try:
-                for table in metadata.sorted_tables:
-                    columns = list(table.columns)
-                    probes = {
-                        "INSERT": insert(table).from_select(
-                            columns, select(*columns).where(false())
-                        ),
-                        "UPDATE": update(table).where(false()).values({c: c for c in columns}),
-                    }
-                    for verb, statement in probes.items():
-                        try:
-                            conn.execute(statement)
-                        except DBAPIError as exc:
-                            if self.refused(exc):
-                                return f"{verb} on {table.name}"
-                            raise
-            finally:
-                conn.rollback()
-        return None
 
     def check(self) -> None:
         """Fail early, and say why, if this database or host engine cannot run wf_persist."""
