@@ -38,6 +38,11 @@ CONFIGURATIONS: dict[str, dict[str, dict[str, Any]]] = {
         "serializable": {"isolation_level": "SERIALIZABLE"},
         "repeatable-read": {"isolation_level": "REPEATABLE READ"},
         "pre-ping-null-pool": {"poolclass": NullPool, "pool_pre_ping": True},
+        # A level among the engine's execution options is set at each checkout, after
+        # any level of an engine derived from it.
+        "options-repeatable-read": {"execution_options": {"isolation_level": "REPEATABLE READ"}},
+        "options-serializable": {"execution_options": {"isolation_level": "SERIALIZABLE"}},
+        "derived-repeatable-read": {},  # engine.execution_options(isolation_level=...)
     },
 }
 
@@ -59,7 +64,12 @@ def test_runs_are_driven_correctly_on_every_host_configuration(
     s.reset()
     f.reset()
     engine = make_engine(db_url, **kwargs)
+    if configuration == "derived-repeatable-read" and family == "server":
+        engine = engine.execution_options(isolation_level="REPEATABLE READ")
     with wp.Runtime(engine, lease_ttl=5) as rt:
+        if family == "server":  # wf_persist's transactions run at its level, whatever the host's
+            with rt.backend.engine.begin() as conn:
+                assert conn.get_isolation_level() == "READ COMMITTED"
         rt.register(*w.ALL, *s.ALL, *f.ALL)
         client = rt.client()
         # steps, a durable sleep, a signal wait, a saga unwind, an idempotent start

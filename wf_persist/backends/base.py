@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 from sqlalchemy import Connection, func, select, tuple_, update
 
 from .. import clocks, events
-from ..errors import LeaseLostError
+from ..errors import LeaseLostError, UnsupportedDatabaseError
 from ..events import NewEvent
 from ..models import IDEMPOTENCY_KEY, UniqueKey
 from ..models import executions_table as ex
@@ -56,6 +56,21 @@ from .sql import (
     pinned,
     renew_values,
 )
+
+
+def complete(
+    execution_id: str, history: tuple[tuple[int, Any], ...], claim: Claim
+) -> tuple[tuple[int, Any], ...]:
+    """``history`` as read for ``claim``, if it holds every event before the claim's
+    ``next_seq``: replaying a history cut short (a host session's row limit, say) would run
+    recorded steps again, so the drive fails instead."""
+    if claim.next_seq > 2 and [s for s, _ in history] != list(range(1, claim.next_seq)):
+        raise UnsupportedDatabaseError(
+            f"run {execution_id}: reading its history gave {len(history)} of "
+            f"{claim.next_seq - 1} events; a setting of this engine's sessions may cut reads "
+            "short (MySQL's sql_select_limit)"
+        )
+    return history
 
 
 class Changes:
@@ -196,7 +211,7 @@ class Backend(Connections):
             if claim.next_seq <= 2
             else conn.execute(LOAD_HISTORY, {"p_id": claim.execution_id}).all()
         )
-        history = tuple((int(r[0]), r[1]) for r in found)
+        history = complete(claim.execution_id, tuple((int(r[0]), r[1]) for r in found), claim)
         if any(e["type"] == "workflow.started" for _, e in history):
             return claim._replace(history=history)
         started = events.workflow_started(
@@ -212,6 +227,8 @@ class Backend(Connections):
             # write holds (READ COMMITTED: this read sees every commit before it).
             found = conn.execute(LOAD_HISTORY, {"p_id": claim.execution_id}).all()
             history = tuple((int(r[0]), r[1]) for r in found)
+            upto = claim._replace(next_seq=fenced.sequences[-1] + 1)
+            complete(claim.execution_id, history, upto)
         return claim._replace(history=history, next_seq=fenced.sequences[-1] + 1)
 
     def claim_to_drive(

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import Any, ClassVar, Final
 
 import pydantic_core
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, event
 from sqlalchemy.engine import URL, Row
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import (
@@ -177,7 +177,23 @@ class Connections:
         """The engine wf_persist works through: same pool, our options; the host's engine
         object stays as it was."""
         options = self.view_options()
-        return engine.execution_options(**options) if options else engine
+        view = engine.execution_options(**options) if options else engine
+        level = options.get("isolation_level")
+        if level is not None and "isolation_level" in engine.get_execution_options():
+            # The host set its level with execution_options(): SQLAlchemy sets it at each
+            # checkout after ours (a derived engine's listeners run first), so our
+            # transactions would run at the host's level (a REPEATABLE READ compare-and-set
+            # fails where ours re-checks). Ours is set again as each transaction begins;
+            # the pool's reset puts the connection back as the host had it.
+            dialect = engine.dialect
+
+            @event.listens_for(view, "begin")
+            def _our_level(conn: Connection) -> None:
+                raw = conn.connection.dbapi_connection
+                if raw is not None:
+                    dialect.set_isolation_level(raw, level)
+
+        return view
 
     @contextlib.contextmanager
     def begin(self, conn: Connection | None = None, *, ours: bool = True) -> Iterator[Connection]:

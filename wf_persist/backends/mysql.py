@@ -70,6 +70,8 @@ _STRICT = ("STRICT_TRANS_TABLES", "STRICT_ALL_TABLES")
 _DUPLICATE_KEY: Final = 1062
 _DEADLOCK: Final = 1213
 _LOCK_WAIT_TIMEOUT: Final = 1205
+#: ``sql_select_limit`` at DEFAULT: no limit.
+_NO_SELECT_LIMIT: Final = 2**64 - 1
 #: The server refusing the user: database access, password, a table's or a column's
 #: privilege, a privilege the statement needs.
 _REFUSED: Final = frozenset({1044, 1045, 1142, 1143, 1227})
@@ -119,11 +121,11 @@ class MySQLBackend(Backend):
 
     def __init__(self, engine: Engine, *, owned: bool, schema: str | None = None) -> None:
         with engine.connect() as conn:
-            mode, packet, client_set, connection_set, results_set = conn.execute(
+            mode, packet, client_set, connection_set, results_set, limit = conn.execute(
                 text(
                     "SELECT @@SESSION.sql_mode, @@max_allowed_packet,"
                     " @@SESSION.character_set_client, @@SESSION.character_set_connection,"
-                    " @@SESSION.character_set_results"
+                    " @@SESSION.character_set_results, @@SESSION.sql_select_limit"
                 )
             ).one()
             # AUTOCOMMIT is a driver setting the isolation level does not report: such an
@@ -138,6 +140,7 @@ class MySQLBackend(Backend):
         results = "utf8mb4" if results_set is None else str(results_set)
         self.character_sets = (str(client_set), str(connection_set), results)
         self.packet_bytes = int(packet)
+        self.select_limit = int(limit)
         self.max_value_bytes = (self.packet_bytes - _PACKET_MARGIN) // 2
 
     @classmethod
@@ -212,6 +215,14 @@ class MySQLBackend(Backend):
                 f"'{self.sql_mode}'), so MySQL would truncate values silently; add "
                 "STRICT_TRANS_TABLES, e.g. create_engine(url, connect_args={'init_command': "
                 "\"SET SESSION sql_mode = CONCAT(@@sql_mode, ',STRICT_TRANS_TABLES')\"})"
+            )
+        if self.select_limit < _NO_SELECT_LIMIT:
+            # Every SELECT would be cut short without a word: a run's history among them,
+            # whose replay would then run its recorded steps again.
+            raise UnsupportedDatabaseError(
+                f"this engine's connections set sql_select_limit ({self.select_limit}), "
+                "which cuts every read short silently (a run's history among them, and "
+                "replaying it would run recorded steps again); leave it at DEFAULT"
             )
         # Names, keys and values may hold any character: a narrower character set fails
         # them in the driver or the server (one with an emoji, say), or mangles them.

@@ -1,0 +1,77 @@
+"""A run's history read short must never be replayed: the steps missing from it would run
+again. A host session's ``sql_select_limit`` (MySQL/MariaDB) cut every read silently; it is
+refused when an engine opens, and a claim whose history is not every event up to its run's
+next sequence fails its drive instead of replaying it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, create_engine, text
+
+import wf_persist as wp
+
+from .fixtures import workflows as w
+from .helpers import wait_until
+
+
+@wp.workflow(name="short-read-steps", version=1)
+def steps_then_wait(ctx: wp.Context) -> int:
+    total = sum(int(ctx.run(w.echo, i)) for i in range(4))
+    ctx.wait_for_signal("go", dict[str, Any])
+    return total
+
+
+@pytest.mark.needs("sql_mode")
+def test_a_session_select_limit_is_refused_when_an_engine_opens(
+    db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    limited = make_engine(db_url, connect_args={"init_command": "SET SESSION sql_select_limit=5"})
+    for opening in (wp.Runtime, wp.Client):
+        with pytest.raises(wp.UnsupportedDatabaseError, match="sql_select_limit"):
+            opening(limited)
+
+
+def test_a_history_read_short_fails_the_drive_and_runs_no_recorded_step_again(
+    db_url: str, runtime: wp.Runtime
+) -> None:
+    runtime.register(steps_then_wait)
+    client = runtime.client()
+    run = client.start(steps_then_wait).execution_id
+    assert runtime.drive(run)
+    assert [p.name for p in client.pending_signals(run)] == ["go"]
+    ran = w.CALLS["echo"]
+    engine = create_engine(db_url)
+    try:
+        with engine.begin() as conn:  # one recorded step's completion goes missing
+            gone = conn.execute(
+                text(
+                    "DELETE FROM wf_history WHERE execution_id = :r AND type = 'step.completed'"
+                    " AND sequence = (SELECT MIN(sequence) FROM (SELECT sequence FROM"
+                    " wf_history WHERE execution_id = :r AND type = 'step.completed') AS s)"
+                ),
+                {"r": run},
+            ).rowcount
+        assert gone == 1
+        client.signal(run, "go", {})
+    finally:
+        engine.dispose()
+    # Driven here: a claim that reads the history itself is refused (one typed error,
+    # nothing claimed); one that leaves it to the drive fails the drive.
+    try:
+        runtime.drive(run)
+    except wp.UnsupportedDatabaseError as exc:
+        assert "reading its history gave" in str(exc)
+    assert w.CALLS["echo"] == ran, "a recorded step ran again"
+    # By a worker: each drive fails, counted; the run never completes.
+    runtime.start_worker(poll_interval=0.05)
+
+    def failures() -> list[dict[str, Any]]:
+        return [r.event for r in client.history(run) if r.event["type"] == "drive.failed"]
+
+    wait_until(failures, 20, "a failed drive")
+    assert "reading its history gave" in str(failures()[-1])
+    assert w.CALLS["echo"] == ran, "a recorded step ran again"
+    assert client.status(run) != "completed"
