@@ -316,3 +316,50 @@ def test_driver_state_an_application_leaves_on_a_raw_connection_is_put_back(
     with rt.transaction() as conn:
         first = conn.exec_driver_sql("SELECT txid_current()").scalar()
         assert conn.exec_driver_sql("SELECT txid_current()").scalar() == first
+
+
+@pytest.mark.needs("embedded")
+def test_a_sqlite_host_engine_that_never_waits_for_the_lock(
+    db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """pysqlite ``timeout=0`` (busy timeout 0: fail at once on a lock): wf_persist writes
+    and reads from several connections at once, and its starts failed each other's with a
+    raw "database is locked". Its transactions wait for the lock as long as they need (the
+    floor), and the host's connections keep their own timeout."""
+    engine = make_engine(db_url, connect_args={"timeout": 0.0})
+    failures: list[str] = []
+    with wp.Runtime(engine) as rt:
+        rt.register(w.echo_wf)
+        rt.start_worker(concurrency=4, poll_interval=0.01)
+        client = rt.client()
+
+        def starts() -> None:
+            try:
+                for _ in range(15):
+                    run = client.start(w.echo_wf, 3).execution_id
+                    assert client.result(run, timeout=30).unwrap() == [1, 2, 3]
+            except Exception as exc:  # what the test is about: report it
+                failures.append(repr(exc))
+
+        threads = [threading.Thread(target=starts) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert failures == []
+    with engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 0
+
+
+@pytest.mark.needs("embedded")
+@pytest.mark.parametrize("option", ["cache=shared", "nolock=1"])
+def test_sqlite_uris_whose_connections_cannot_wait_for_each_other_are_refused(
+    option: str, db_url: str
+) -> None:
+    """Shared cache (table locks that fail at once) and nolock (no lock at all): concurrent
+    starts failed with raw "database table is locked" or "disk I/O error"."""
+    wp.Runtime(db_url).close()  # the file, migrated
+    url = f"sqlite:///file:{make_url(db_url).database}?{option}&uri=true"
+    for opening in (wp.Runtime, wp.Client):
+        with pytest.raises(wp.UnsupportedDatabaseError, match=option):
+            opening(url)

@@ -38,6 +38,9 @@ from .sql import HOT_COLUMNS, INSERT_HISTORY, Fenced, WriteShape, bump
 
 #: How long a SQLite writer waits for the lock before failing (milliseconds).
 BUSY_TIMEOUT_MS: Final = 30_000
+#: The least a transaction of wf_persist's waits for SQLite's lock, whatever the host's
+#: connections say (pysqlite's default).
+MIN_BUSY_TIMEOUT_MS: Final = 5_000
 _BEGIN_WRITE: Final = "BEGIN IMMEDIATE"
 #: Primary result codes of SQLite refusing a write: SQLITE_READONLY, SQLITE_AUTH.
 _READONLY: Final = 8
@@ -126,6 +129,17 @@ class DataVersion(Changes):
         dispose_pool(self._engine)
 
 
+def _uri_options(url: URL) -> dict[str, str]:
+    """The options of a URI filename (``sqlite:///file:x?mode=ro&uri=true``: the URL's
+    query, and any in the filename itself); none for a plain path."""
+    database = url.database or ""
+    uri = str(url.query.get("uri", "")).lower() in ("true", "1", "yes", "on")
+    if not (database.startswith("file:") and uri):
+        return {}
+    found = {k: v for k, v in url.query.items() if isinstance(v, str)}
+    return {**found, **dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(database).query))}
+
+
 class SQLiteBackend(Backend):
     names: ClassVar[tuple[str, ...]] = ("sqlite",)
     async_driver: ClassVar[str] = "aiosqlite"
@@ -209,8 +223,9 @@ class SQLiteBackend(Backend):
         return raw.isolation_level is None and getattr(raw, "autocommit", _LEGACY) == _LEGACY
 
     @contextlib.contextmanager
-    def _queued(self, conn: Connection) -> Iterator[None]:
-        """Hold this process's turn to write while a write transaction of wf_persist's runs.
+    def _queued(self, conn: Connection, turn: bool) -> Iterator[None]:
+        """Hold this process's turn to write (``turn``) while a transaction of wf_persist's
+        runs, and give SQLite at least :data:`MIN_BUSY_TIMEOUT_MS` to wait for its lock.
 
         SQLite takes one writer at a time, and a connection that finds the database locked
         sleeps in its busy handler, for up to 100 ms between tries, however soon the lock
@@ -219,33 +234,39 @@ class SQLiteBackend(Backend):
         moment the last one commits. Writers of other processes (and an application's own
         transactions) still meet at SQLite's lock. The turn and the lock share the
         connection's busy timeout: a writer that waited long for its turn gives SQLite only
-        what is left of it (a host's short timeout stays short). ``wp.AsyncClient``'s
-        connections (aiosqlite, one event loop's) take no turn: they wait in SQLite as
-        before."""
+        what is left of it. A host's timeout below the floor (0: fail at once) is raised
+        for wf_persist's transactions only, and put back after: its writes and reads come
+        from several connections at once, and would fail each other with SQLite's "database
+        is locked". ``wp.AsyncClient``'s connections (aiosqlite, one event loop's) take no
+        turn: they wait in SQLite as before."""
         raw: Any = conn.connection.driver_connection
         if not isinstance(raw, sqlite3.Connection):
             yield
             return
         info = conn.connection.info
+        got = changed = False
         try:
-            budget = info.get(_BUSY_TIMEOUT)
-            if budget is None:
-                budget = info[_BUSY_TIMEOUT] = int(raw.execute("PRAGMA busy_timeout").fetchone()[0])
+            host = info.get(_BUSY_TIMEOUT)
+            if host is None:
+                host = info[_BUSY_TIMEOUT] = int(raw.execute("PRAGMA busy_timeout").fetchone()[0])
+            budget = max(host, MIN_BUSY_TIMEOUT_MS)
             began = clocks.elapsed()
-            got = self._writers.acquire(timeout=budget / 1000) if budget > 0 else False
+            got = self._writers.acquire(timeout=budget / 1000) if turn else False
             waited = int((clocks.elapsed() - began) * 1000)
-            shortened = waited >= _SHORTEN_AFTER_MS
-            if shortened:
+            changed = budget != host or waited >= _SHORTEN_AFTER_MS
+            if changed:
                 raw.execute(f"PRAGMA busy_timeout = {max(0, budget - waited)}")
         except sqlite3.Error as exc:
+            if got:
+                self._writers.release()
             raise self.raw_failure(conn, exc, "PRAGMA busy_timeout", None) from exc
         try:
             yield
         finally:
             try:
-                if shortened:
+                if changed:
                     with contextlib.suppress(sqlite3.Error):  # a dead connection is dropped
-                        raw.execute(f"PRAGMA busy_timeout = {budget}")
+                        raw.execute(f"PRAGMA busy_timeout = {host}")
             finally:
                 if got:
                     self._writers.release()
@@ -259,8 +280,7 @@ class SQLiteBackend(Backend):
                 yield conn
             return
         conn.execution_options(**{MANUAL_BEGIN: True})  # this Connection object only
-        turn = self._queued(conn) if queue else contextlib.nullcontext()
-        with turn, self._controlled(conn), conn.begin():
+        with self._queued(conn, queue), self._controlled(conn), conn.begin():
             conn.exec_driver_sql(begin)
             yield conn
 
@@ -333,6 +353,16 @@ class SQLiteBackend(Backend):
                 "pass wf_persist the URL (it keeps the database in a private file) or use a "
                 "file"
             )
+        options = _uri_options(self.base_engine.url)
+        if options.get("cache") == "shared" or options.get("nolock") == "1":
+            # Shared cache: connections lock tables, and one that meets a lock fails at once
+            # (SQLITE_LOCKED, no busy timeout); nolock: nothing keeps two writers apart.
+            raise UnsupportedDatabaseError(
+                "this engine's SQLite URI opens the database with "
+                + ("cache=shared" if options.get("cache") == "shared" else "nolock=1")
+                + ", under which wf_persist's connections (it writes from several at once) "
+                "fail each other instead of waiting; open the file without it"
+            )
         if self.database_missing(self.base_engine.url):
             return  # not created by asking
         with self.base_engine.connect() as conn:
@@ -364,15 +394,9 @@ class SQLiteBackend(Backend):
 
     def read_only(self) -> bool:
         url = self.base_engine.url
-        database = url.database or ""
-        if database.startswith("file:") and url.query.get("uri") == "true":
-            # A URI filename opened read-only (its options come as the URL's query).
-            options = {
-                **url.query,
-                **dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(database).query)),
-            }
-            if options.get("mode") == "ro" or options.get("immutable") == "1":
-                return True
+        options = _uri_options(url)  # a URI filename opened read-only
+        if options.get("mode") == "ro" or options.get("immutable") == "1":
+            return True
         if self.database_missing(url):
             return False  # not created by asking (a host's query_only would refuse that too)
         with self.base_engine.connect() as conn:
@@ -460,7 +484,7 @@ class SQLiteBackend(Backend):
         statement = update_sql
         try:  # a connection closed under us fails at its first touch: the cursor, say
             controlled = contextlib.nullcontext() if self._ours(raw) else self._controlled(conn)
-            with self._queued(conn), controlled:
+            with self._queued(conn, True), controlled:
                 cursor = raw.cursor()
                 cursor.execute(_BEGIN_WRITE)
                 try:
