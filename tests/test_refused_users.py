@@ -127,7 +127,7 @@ def _counts(db_url: str) -> tuple[int, ...]:
         engine.dispose()
 
 
-REFUSED = "refused this engine's user"
+REFUSED = "refused this engine"
 
 
 @pytest.mark.parametrize("denied", ["INSERT", "UPDATE"])
@@ -290,3 +290,29 @@ def test_a_client_and_a_runtime_open_while_another_session_locks_the_history(
             cursor.close()
     finally:
         holder.dispose()
+
+
+def test_an_upgrade_through_a_read_only_engine_is_one_typed_error(
+    backend: str, blank_db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """A deploy pipeline's upgrade on a read-only engine (a standby, a read-only session)
+    raised the driver's error."""
+    from wf_persist import migrate
+
+    from .test_review_hunt import READ_ONLY_SESSION
+
+    if backend == "postgresql":
+        options = {"options": "-c default_transaction_read_only=on"}
+        engine = make_engine(blank_db_url, connect_args=options)
+    else:
+        engine = make_engine(blank_db_url)
+
+        @event.listens_for(engine, "connect")
+        def _read_only(dbapi_connection: Any, _record: Any) -> None:
+            cursor = dbapi_connection.cursor()
+            cursor.execute(READ_ONLY_SESSION[backend])
+            cursor.close()
+
+    with pytest.raises(wp.UnsupportedDatabaseError, match=REFUSED):
+        migrate.upgrade(engine)
+    assert migrate.current(blank_db_url) is None

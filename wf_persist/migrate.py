@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 from sqlalchemy import Connection, Engine, column, inspect, select, table
 from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.util.concurrency import await_, in_greenlet
 
-from . import backends
+from . import backends, refusals
 from .errors import (
     InvalidArgumentError,
     MergedSchemaVersionError,
@@ -188,15 +189,20 @@ def _url_of(bind: Bind) -> URL:
 
 
 @contextlib.contextmanager
-def _revision_errors() -> Iterator[None]:
+def _revision_errors(bind: Bind) -> Iterator[None]:
     """Alembic's refusal of a revision (unknown, ambiguous, not reachable) as the typed
-    :class:`InvalidArgumentError` that callers (the CLI) report in one line."""
+    :class:`InvalidArgumentError`, and the database's refusal of the engine (a privilege
+    it lacks, a read-only server) as :class:`UnsupportedDatabaseError`, that callers (the
+    CLI) report in one line."""
     from alembic.util import CommandError
 
     try:
         yield
     except CommandError as exc:
         raise InvalidArgumentError(f"revision: {exc}") from exc
+    except DBAPIError as exc:
+        refusals.translate(backends.backend_type(_url_of(bind).get_backend_name()), exc)
+        raise
 
 
 def upgrade(
@@ -222,7 +228,7 @@ def upgrade(
     from alembic import command
 
     schema = _schema_to_migrate(bind, schema)
-    with _alembic_turn(), _revision_errors():
+    with _alembic_turn(), _revision_errors(bind):
         if sql:
             buf = io.StringIO()
             command.upgrade(_config(None, _url_of(bind), buf, schema), revision, sql=True)
@@ -247,7 +253,7 @@ def downgrade(
     from alembic import command
 
     schema = _schema_to_migrate(bind, schema)
-    with _alembic_turn(), _revision_errors():
+    with _alembic_turn(), _revision_errors(bind):
         if sql:
             buf = io.StringIO()
             rng = revision if ":" in revision else f"{SCHEMA_HEAD}:{revision}"

@@ -100,8 +100,30 @@ class UTCDateTime(TypeDecorator[dt.datetime]):
 UTC_DATETIME: Final = UTCDateTime()
 
 
+class ExactJSONB(TypeDecorator[Any]):
+    """JSONB whose documents psycopg sends as :func:`~wf_persist.json_text.json_text` writes
+    them, whatever serializer the engine was given: a float of magnitude 1e16 or more
+    written as ``1e+16`` (``json.dumps``' way) comes back from JSONB as an integer."""
+
+    impl = postgresql.JSONB
+    cache_ok = True
+    render_bind_cast = True  # ``%(x)s::JSONB``, as JSONB's own binds under psycopg
+
+    def bind_processor(self, dialect: Dialect) -> Any:
+        if dialect.driver != "psycopg":
+            return self.impl_instance.dialect_impl(dialect).bind_processor(dialect)
+        from psycopg.types.json import Jsonb
+
+        from .json_text import json_text
+
+        def process(value: Any) -> Any:
+            return None if value is None else Jsonb(value, json_text)
+
+        return process
+
+
 #: JSON that is JSONB on PostgreSQL; SQL NULL stands for "absent".
-JSONDoc = JSON(none_as_null=True).with_variant(postgresql.JSONB(none_as_null=True), "postgresql")
+JSONDoc = JSON(none_as_null=True).with_variant(ExactJSONB(none_as_null=True), "postgresql")
 
 
 #: MySQL/MariaDB table options. Ids keep the database's default collation, so a host's

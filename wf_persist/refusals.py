@@ -1,5 +1,6 @@
 """The database refusing this engine's user (a privilege not granted, or revoked while a
-process runs; a host's SQLite authorizer), reported at every public entry point as one
+process runs; a host's SQLite authorizer) or its writes (a read-only server, a primary
+demoted to a standby after a failover), reported at every public entry point as one
 typed :class:`~wf_persist.errors.UnsupportedDatabaseError` instead of the driver's error.
 
 No privilege is probed in advance: a probe would have to write (firing a host's triggers,
@@ -29,7 +30,7 @@ class _Refuses(Protocol):
 def refusal(exc: DBAPIError) -> UnsupportedDatabaseError:
     """The typed error for the server's refusal ``exc``, in the server's own words."""
     said = str(exc.orig).strip().splitlines()[0][:300] if exc.orig else type(exc).__name__
-    return UnsupportedDatabaseError(f"the database refused this engine's user: {said}")
+    return UnsupportedDatabaseError(f"the database refused this engine: {said}")
 
 
 def translate(backend: _Refuses, exc: DBAPIError) -> None:

@@ -11,8 +11,6 @@ and fenced writes; each database's backend subclasses that.
 from __future__ import annotations
 
 import contextlib
-import json
-import json.encoder
 import os
 from collections.abc import Iterator
 from typing import Any, ClassVar, Final
@@ -31,41 +29,11 @@ from sqlalchemy.pool import (
 )
 
 from ..errors import ForkedRuntimeError, UnsupportedDatabaseError, ValueTooLargeError
+from ..json_text import json_text
 from .slots import Slots
 
 #: Types whose JSON text is a few dozen bytes whatever the value (no size check needed).
 _BOUNDED: Final = (int, float, bool)
-
-
-def _encoder() -> Any:
-    """``json.dumps`` with its defaults, made once: ``dumps`` builds a C encoder on every
-    call, which costs about as much as encoding a step's event. No circular-reference check:
-    every document written is JSON pydantic dumped or wf_persist built, which has no cycle
-    (one would still fail, with RecursionError)."""
-    make = getattr(json.encoder, "c_make_encoder", None)
-    if make is None:  # an interpreter without the C accelerator
-        return None
-    return make(
-        None,
-        json.JSONEncoder().default,
-        json.encoder.encode_basestring_ascii,
-        None,
-        ": ",
-        ", ",
-        False,
-        False,
-        True,
-    )
-
-
-_ENCODE: Final = _encoder()
-
-
-def json_text(value: Any) -> str:
-    """``json.dumps(value)``, the text every write sends for a JSON column, made faster."""
-    if _ENCODE is None:
-        return json.dumps(value)
-    return "".join(_ENCODE(value, 0))
 
 
 def dispose_pool(engine: Engine) -> None:

@@ -72,9 +72,10 @@ _DEADLOCK: Final = 1213
 _LOCK_WAIT_TIMEOUT: Final = 1205
 #: ``sql_select_limit`` at DEFAULT: no limit.
 _NO_SELECT_LIMIT: Final = 2**64 - 1
-#: The server refusing the user: database access, password, a table's or a column's
-#: privilege, a privilege the statement needs.
-_REFUSED: Final = frozenset({1044, 1045, 1142, 1143, 1227})
+#: The server refusing the user (database access, password, a table's or a column's
+#: privilege, a privilege the statement needs) or a write (a read-only server or
+#: transaction, as a demoted primary is).
+_REFUSED: Final = frozenset({1044, 1045, 1142, 1143, 1227, 1290, 1792, 1836})
 #: The server's status flag "a transaction is open" (PyMySQL keeps the last one it saw).
 _SERVER_STATUS_IN_TRANS: Final = 1
 

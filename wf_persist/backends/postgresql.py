@@ -34,10 +34,10 @@ from sqlalchemy.exc import DBAPIError
 from .. import clocks
 from ..errors import LeaseLostError, UnsupportedDatabaseError
 from ..events import NewEvent
+from ..json_text import json_text
 from ..models import executions_table as ex
 from ..models import workflows_table as wf
 from ..wakeups import DUE, NOT_AVAILABLE, Listener
-from .connections import json_text
 from .pg_presence import PRESENT_MARK, REAP, UNSUPPORTED, PGListener, advisory_locks_work
 from .pg_raw import RawPath, as_created
 from .pg_sql import (
@@ -68,9 +68,10 @@ CHANNEL_BYTES: Final = 64
 #: Key of the advisory lock that serializes concurrent migrations.
 MIGRATION_LOCK_KEY: Final = 0x77665F70657273  # "wf_pers"
 _JSON_COLUMNS = frozenset({"event", "result", "error", "input"})
-#: SQLSTATEs of the server refusing the user: insufficient_privilege, invalid authorization,
-#: invalid password.
-_REFUSED = frozenset({"42501", "28000", "28P01"})
+#: SQLSTATEs of the server refusing the user (insufficient_privilege, invalid
+#: authorization, invalid password) or a write (read_only_sql_transaction: a standby, a
+#: demoted primary).
+_REFUSED = frozenset({"42501", "28000", "28P01", "25006"})
 
 
 class AdvisorySlots(SessionLockSlots):

@@ -31,9 +31,10 @@ from sqlalchemy.pool import ConnectionPoolEntry
 from .. import clocks
 from ..errors import LeaseLostError, UnsupportedDatabaseError
 from ..events import NewEvent
+from ..json_text import json_text
 from ..models import executions_table as ex
 from .base import Backend, Changes
-from .connections import dispose_pool, json_text
+from .connections import dispose_pool
 from .sql import HOT_COLUMNS, INSERT_HISTORY, Fenced, WriteShape, bump
 
 #: How long a SQLite writer waits for the lock before failing (milliseconds).
