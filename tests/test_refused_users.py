@@ -299,20 +299,9 @@ def test_an_upgrade_through_a_read_only_engine_is_one_typed_error(
     raised the driver's error."""
     from wf_persist import migrate
 
-    from .test_review_hunt import READ_ONLY_SESSION
+    from .test_review_hunt import read_only_engine
 
-    if backend == "postgresql":
-        options = {"options": "-c default_transaction_read_only=on"}
-        engine = make_engine(blank_db_url, connect_args=options)
-    else:
-        engine = make_engine(blank_db_url)
-
-        @event.listens_for(engine, "connect")
-        def _read_only(dbapi_connection: Any, _record: Any) -> None:
-            cursor = dbapi_connection.cursor()
-            cursor.execute(READ_ONLY_SESSION[backend])
-            cursor.close()
-
+    engine = read_only_engine(backend, blank_db_url, make_engine)
     with pytest.raises(wp.UnsupportedDatabaseError, match=REFUSED):
         migrate.upgrade(engine)
     assert migrate.current(blank_db_url) is None

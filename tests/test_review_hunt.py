@@ -348,6 +348,22 @@ READ_ONLY_SESSION = {
 }
 
 
+def read_only_engine(backend: str, url: str, make_engine: Callable[..., Engine]) -> Engine:
+    """An engine on ``url`` whose sessions are read-only, made as a host would."""
+    if backend == "postgresql":
+        options = {"options": "-c default_transaction_read_only=on"}
+        return make_engine(url, connect_args=options)
+    engine = make_engine(url)
+
+    @event.listens_for(engine, "connect")
+    def _read_only(dbapi_connection: Any, _record: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        cursor.execute(READ_ONLY_SESSION[backend])
+        cursor.close()
+
+    return engine
+
+
 def test_a_read_only_engine_is_refused_by_a_runtime_and_only_reads_through_a_client(
     backend: str,
     db_url: str,
@@ -362,18 +378,7 @@ def test_a_read_only_engine_is_refused_by_a_runtime_and_only_reads_through_a_cli
     writer.register(w.two_approvals_wf)
     run = writer.client().start(w.two_approvals_wf).execution_id
     assert writer.drive(run)
-    if backend == "postgresql":
-        options = {"options": "-c default_transaction_read_only=on"}
-        engine = make_engine(db_url, connect_args=options)
-    else:
-        engine = make_engine(db_url)
-
-        @event.listens_for(engine, "connect")
-        def _read_only(dbapi_connection: Any, _record: Any) -> None:
-            cursor = dbapi_connection.cursor()
-            cursor.execute(READ_ONLY_SESSION[backend])
-            cursor.close()
-
+    engine = read_only_engine(backend, db_url, make_engine)
     with pytest.raises(wp.UnsupportedDatabaseError, match="read-only"):
         wp.Runtime(engine)
     before = writer.client().history(run)
