@@ -363,3 +363,20 @@ def test_sqlite_uris_whose_connections_cannot_wait_for_each_other_are_refused(
     for opening in (wp.Runtime, wp.Client):
         with pytest.raises(wp.UnsupportedDatabaseError, match=option):
             opening(url)
+
+
+@pytest.mark.needs("embedded")
+def test_a_busy_timeout_the_host_changes_later_is_the_one_put_back(
+    db_url: str, make_engine: Callable[..., Engine], runtime: wp.Runtime
+) -> None:
+    """Raised for wf_persist's transactions, a short busy timeout is put back as the host
+    last set it, not as it was when wf_persist first saw the connection."""
+    runtime.register(w.echo_wf)
+    engine = make_engine(db_url, connect_args={"timeout": 0.0}, pool_size=1, max_overflow=0)
+    with wp.Client(engine) as client:
+        client.start("echo", 2)  # the one connection, seen at 0
+        with engine.connect() as conn:
+            conn.exec_driver_sql("PRAGMA busy_timeout = 2000")
+        client.start("echo", 2)
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 2000

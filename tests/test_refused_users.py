@@ -32,6 +32,7 @@ class Restricted:
         self.backend, self.db_url, self.make_engine = backend, db_url, make_engine
         self.name = f"wf_limited_{uuid.uuid4().hex[:10]}"
         self.denied: set[tuple[str, str | None]] = set()
+        self.hidden: str | None = None
         self._admin = create_engine(db_url, isolation_level="AUTOCOMMIT")
         if backend == "postgresql":
             self._sql(
@@ -73,6 +74,20 @@ class Restricted:
             statements += [f"GRANT {', '.join(given)} ON {name} TO {user}"] if given else []
         self._sql(*statements)
 
+    def hide(self, view: str) -> None:
+        """Take reading ``view`` away (its tables stay readable)."""
+        self.hidden = view
+        if self.backend == "postgresql":
+            self._sql(f"REVOKE SELECT ON {view} FROM {self.name}")
+        elif self.backend == "mysql":  # a database-wide SELECT covers views: table by table
+            database = make_url(self.db_url).database
+            user = f"'{self.name}'@'%'"
+            tables = ("wf_workflows", "wf_executions", "wf_history", "wf_persist_alembic_version")
+            self._sql(
+                f"REVOKE SELECT ON `{database}`.* FROM {user}",
+                *(f"GRANT SELECT ON `{database}`.{t} TO {user}" for t in tables),
+            )
+
     def engine(self) -> Engine:
         if self.backend != "sqlite":
             return self.make_engine(make_url(self.db_url).set(username=self.name))
@@ -83,12 +98,14 @@ class Restricted:
             sqlite3.SQLITE_DELETE: "DELETE",
         }
 
-        def authorize(action: int, table: str | None, *_rest: Any) -> int:
+        def authorize(action: int, table: str | None, *rest: Any) -> int:
             verb, name = actions.get(action), table or ""
             refused = name.startswith("wf_") and (
                 (verb, None) in self.denied or (verb, name) in self.denied
             )
-            return sqlite3.SQLITE_DENY if refused else sqlite3.SQLITE_OK
+            through = rest[-1] if rest else None  # the view a read goes through
+            hidden = action == sqlite3.SQLITE_READ and through and through == self.hidden
+            return sqlite3.SQLITE_DENY if refused or hidden else sqlite3.SQLITE_OK
 
         @event.listens_for(engine, "connect")
         def _authorizer(dbapi_connection: Any, _record: Any) -> None:
@@ -305,3 +322,58 @@ def test_an_upgrade_through_a_read_only_engine_is_one_typed_error(
     with pytest.raises(wp.UnsupportedDatabaseError, match=REFUSED):
         migrate.upgrade(engine)
     assert migrate.current(blank_db_url) is None
+
+
+def test_the_web_view_on_a_user_not_granted_its_views_answers_with_the_refusal(
+    restricted: Restricted, make_runtime: Callable[..., wp.Runtime]
+) -> None:
+    """The run page reads the waits view: a user granted the tables only got a raw error
+    (a 500); it is the refusal, as any typed error is (400)."""
+    import httpx
+
+    from wf_persist.web import create_app
+
+    from .webserver import serving
+
+    writer = make_runtime()
+    writer.register(w.two_approvals_wf)
+    run = writer.client().start(w.two_approvals_wf).execution_id
+    assert writer.drive(run)
+    restricted.deny("INSERT", "UPDATE", "DELETE")
+    restricted.hide("wf_execution_waits")
+    with wp.Client(restricted.engine()) as client:
+        assert client.status(run) == "suspended"  # its tables read
+        app = create_app(client=client)
+        with serving(app) as base, httpx.Client(base_url=base, timeout=30) as http:
+            answer = http.get(f"/api/runs/{run}")
+    assert answer.status_code == 400, answer.text
+    assert REFUSED in answer.json()["error"]
+
+
+@pytest.mark.needs("embedded")
+def test_only_sqlite_refusals_a_grant_could_lift_count_as_refused(tmp_path: Any) -> None:
+    """A database file moved away under an open connection is SQLITE_READONLY_DBMOVED, an
+    accident of the file system: not the engine's user refused (a worker would wait for a
+    grant forever); an authorizer's denial and a read-only file are."""
+    from sqlalchemy.exc import DBAPIError
+
+    from wf_persist.backends.sqlite import SQLiteBackend
+
+    path = tmp_path / "moved.sqlite3"
+    raw = sqlite3.connect(path)
+    raw.execute("CREATE TABLE t (x)")
+    raw.commit()
+    path.rename(tmp_path / "elsewhere.sqlite3")
+    with pytest.raises(sqlite3.OperationalError) as moved:
+        raw.execute("INSERT INTO t VALUES (1)")
+    assert moved.value.sqlite_errorcode == 8 | 4 << 8  # SQLITE_READONLY_DBMOVED
+    raw.set_authorizer(lambda *_: sqlite3.SQLITE_DENY)
+    with pytest.raises(sqlite3.DatabaseError) as denied:
+        raw.execute("SELECT 1")
+    raw.close()
+
+    def wrapped(exc: Exception) -> Any:
+        return DBAPIError.instance(None, None, exc, sqlite3.Error)
+
+    assert not SQLiteBackend.refused(wrapped(moved.value))
+    assert SQLiteBackend.refused(wrapped(denied.value))

@@ -75,3 +75,32 @@ def test_a_history_read_short_fails_the_drive_and_runs_no_recorded_step_again(
     assert "reading its history gave" in str(failures()[-1])
     assert w.CALLS["echo"] == ran, "a recorded step ran again"
     assert client.status(run) != "completed"
+
+
+@wp.workflow(name="short-read-race", version=1)
+def step_wait_step_wait(ctx: wp.Context) -> str:
+    ctx.run(w.echo, 1)
+    ctx.wait_for_signal("go", int)
+    ctx.run(w.echo, 2)
+    got = ctx.wait_for_signal("later", int)
+    assert isinstance(got, wp.Received)
+    return f"later {got.value}"
+
+
+def test_events_appended_between_a_batch_claim_and_its_read_are_no_short_read(
+    runtime: wp.Runtime,
+) -> None:
+    """A worker's batch claim reads the history later, in a transaction of its own: a
+    signal buffered in between makes the read longer than the claim's sequence, which is
+    no short read (the first check failed such drives: a child's end or a cancellation
+    meeting a busy worker did it)."""
+    runtime.register(step_wait_step_wait)
+    client = runtime.client()
+    run = client.start(step_wait_step_wait).execution_id
+    assert runtime.drive(run)
+    client.signal(run, "go", 1)
+    (claim,) = runtime.claim_due(1)
+    assert client.signal(run, "later", 5, buffer=True) == "buffered"
+    runtime.drive_claim(claim)
+    assert client.result(run, timeout=20).unwrap() == "later 5"
+    assert [r for r in client.history(run) if r.event["type"] == "drive.failed"] == []

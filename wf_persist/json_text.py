@@ -40,11 +40,6 @@ def json_text(value: Any) -> str:
     return _exact_floats(value) if "e+" in text else text
 
 
-#: Stands in for a float while a document is encoded: NUL and a random token, which no
-#: recorded text holds (NUL is refused in values).
-_MARK: Final = f"\x00wf{os.urandom(6).hex()}"
-
-
 def _exact_floats(value: Any) -> str:
     """``value`` as JSON text where each float written with a positive exponent
     (``1e+16``, any of magnitude 1e16 or more: every such float is an integer) is written
@@ -53,11 +48,14 @@ def _exact_floats(value: Any) -> str:
     10000000000000000 (past 64 bits, one no step argument may hold), so a replay saw
     another value than the run had."""
     found: list[str] = []
+    # Stands in for a float while the document is encoded: NUL and a token drawn for this
+    # call, which no text of the document can hold by chance or by design.
+    mark = f"\x00wf{os.urandom(8).hex()}"
 
     def marked(v: Any) -> Any:
         if isinstance(v, float) and "e+" in repr(v):
             found.append(f"{int(v)}.0")
-            return f"{_MARK}{len(found) - 1}\x00"
+            return f"{mark}{len(found) - 1}\x00"
         if isinstance(v, dict):
             return {k: marked(x) for k, x in v.items()}
         if isinstance(v, list | tuple):
@@ -65,7 +63,7 @@ def _exact_floats(value: Any) -> str:
         return v
 
     text = json.dumps(marked(value))
-    mark = json.dumps(_MARK)[1:-1]
+    quoted = json.dumps(mark)[1:-1]
     for i, digits in enumerate(found):
-        text = text.replace(f'"{mark}{i}\\u0000"', digits, 1)
+        text = text.replace(f'"{quoted}{i}\\u0000"', digits, 1)
     return text

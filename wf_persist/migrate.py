@@ -398,14 +398,25 @@ def _read_state(conn: Connection, schema: str | None) -> SchemaState:
         standalone = _versions(
             conn, inspector.has_table(VERSION_TABLE, schema), VERSION_TABLE, schema
         )
-        host = _versions(
-            conn, inspector.has_table(HOST_VERSION_TABLE, schema), HOST_VERSION_TABLE, schema
-        )
+        host = _host_versions(conn, inspector, schema)
     finally:
         if began and conn.in_transaction():
             conn.rollback()
     merged = tuple(r for r in host if r.startswith("wf_"))
     return SchemaState(standalone, merged, conn.engine.url, schema)
+
+
+def _host_versions(conn: Connection, inspector: Any, schema: str | None) -> tuple[str, ...]:
+    """The host's Alembic revisions; none where the database refuses this engine's user
+    their table (a user granted wf_persist's tables only: MySQL refuses even to describe
+    it). Such a user sees the database as wf_persist's own version table records it."""
+    try:
+        exists = inspector.has_table(HOST_VERSION_TABLE, schema)
+        return _versions(conn, exists, HOST_VERSION_TABLE, schema)
+    except DBAPIError as exc:
+        if not backends.backend_type(conn.dialect.name).refused(exc):
+            raise
+        return ()
 
 
 def _versions(conn: Connection, exists: bool, name: str, schema: str | None) -> tuple[str, ...]:

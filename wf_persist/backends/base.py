@@ -62,9 +62,13 @@ def complete(
     execution_id: str, history: tuple[tuple[int, Any], ...], claim: Claim
 ) -> tuple[tuple[int, Any], ...]:
     """``history`` as read for ``claim``, if it holds every event before the claim's
-    ``next_seq``: replaying a history cut short (a host session's row limit, say) would run
-    recorded steps again, so the drive fails instead."""
-    if claim.next_seq > 2 and [s for s, _ in history] != list(range(1, claim.next_seq)):
+    ``next_seq`` (and any appended since, a signal or a child's end, after them): replaying
+    a history cut short (a host session's row limit, say) would run recorded steps again,
+    so the drive fails instead."""
+    sequences = [s for s, _ in history]
+    if claim.next_seq > 2 and (
+        len(sequences) < claim.next_seq - 1 or sequences != list(range(1, len(sequences) + 1))
+    ):
         raise UnsupportedDatabaseError(
             f"run {execution_id}: reading its history gave {len(history)} of "
             f"{claim.next_seq - 1} events; a setting of this engine's sessions may cut reads "

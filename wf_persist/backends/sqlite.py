@@ -43,9 +43,10 @@ BUSY_TIMEOUT_MS: Final = 30_000
 #: connections say (pysqlite's default).
 MIN_BUSY_TIMEOUT_MS: Final = 5_000
 _BEGIN_WRITE: Final = "BEGIN IMMEDIATE"
-#: Primary result codes of SQLite refusing a write: SQLITE_READONLY, SQLITE_AUTH.
-_READONLY: Final = 8
-_AUTH: Final = 23
+#: SQLite refusing the engine: SQLITE_READONLY (a file this process may not write),
+#: SQLITE_READONLY_DIRECTORY (nor its directory), SQLITE_AUTH (a host's authorizer). Not
+#: the other READONLY codes (a file moved, a hot journal): no grant would help those.
+_REFUSED: Final = frozenset({8, 8 | 6 << 8, 23})
 #: A connection's busy timeout (ms), read once (see ``SQLiteBackend._queued``).
 _BUSY_TIMEOUT: Final = "wf_persist_busy_timeout_ms"
 #: A wait for the turn this long (ms) or longer is taken off SQLite's busy timeout.
@@ -248,7 +249,8 @@ class SQLiteBackend(Backend):
         got = changed = False
         try:
             host = info.get(_BUSY_TIMEOUT)
-            if host is None:
+            if host is None or host < MIN_BUSY_TIMEOUT_MS:
+                # Read each time where it is raised: the host may have changed it since.
                 host = info[_BUSY_TIMEOUT] = int(raw.execute("PRAGMA busy_timeout").fetchone()[0])
             budget = max(host, MIN_BUSY_TIMEOUT_MS)
             began = clocks.elapsed()
@@ -405,9 +407,8 @@ class SQLiteBackend(Backend):
 
     @classmethod
     def refused(cls, exc: BaseException) -> bool:
-        # SQLITE_READONLY (a file or directory this process may not write) or SQLITE_AUTH
         code = getattr(getattr(exc, "orig", exc), "sqlite_errorcode", None)
-        return isinstance(code, int) and code & 0xFF in (_READONLY, _AUTH)
+        return code in _REFUSED
 
     def requirement_problem(self, version: tuple[int, ...] | None) -> str | None:
         if version is not None and version < (3, 35):

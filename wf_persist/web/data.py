@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Column, MetaData, Table, select
+from sqlalchemy.exc import DBAPIError
 
+from .. import refusals
 from ..cli.output import plain
 from ..client import Client
 from ..errors import InvalidArgumentError
@@ -175,16 +177,20 @@ def run(client: Client, execution_id: str) -> dict[str, Any]:
 
 
 def _wait(client: Client, execution_id: str) -> dict[str, Any] | None:
-    with client.backend.read() as conn:
-        row = (
-            conn.execute(
-                select(_WAITS.c.waiting_kind, _WAITS.c.waiting_for, _WAITS.c.wake_at)
-                .select_from(_WAITS)
-                .where(_WAITS.c.execution_id == execution_id),
+    try:
+        with client.backend.read() as conn:
+            row = (
+                conn.execute(
+                    select(_WAITS.c.waiting_kind, _WAITS.c.waiting_for, _WAITS.c.wake_at)
+                    .select_from(_WAITS)
+                    .where(_WAITS.c.execution_id == execution_id),
+                )
+                .mappings()
+                .first()
             )
-            .mappings()
-            .first()
-        )
+    except DBAPIError as exc:  # a user granted the tables but not the view, say
+        refusals.translate(client.backend, exc)
+        raise
     if row is None or row["waiting_kind"] is None:
         return None
     wake = row["wake_at"]
