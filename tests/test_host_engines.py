@@ -380,3 +380,15 @@ def test_a_busy_timeout_the_host_changes_later_is_the_one_put_back(
         client.start("echo", 2)
         with engine.connect() as conn:
             assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 2000
+
+
+@pytest.mark.needs("schemas")
+@pytest.mark.parametrize("path", ["", "no_such_schema"])
+def test_a_search_path_naming_no_schema_is_refused_for_what_it_is(
+    path: str, db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """Every name resolved nowhere, and the runtime said the database was not migrated."""
+    engine = make_engine(db_url, connect_args={"options": f"-c search_path={path}"})
+    for opening in (wp.Runtime, wp.Client):
+        with pytest.raises(wp.UnsupportedDatabaseError, match="names no schema"):
+            opening(engine)

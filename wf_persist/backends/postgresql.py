@@ -102,11 +102,16 @@ class PostgreSQLBackend(RawPath):
         # level, which costs a listener, a set and a reset at every connection taken. A
         # host's engine keeps the per-checkout level.
         with engine.connect() as conn:
-            default, self.date_style, client_encoding, server_encoding = conn.exec_driver_sql(
+            found = conn.exec_driver_sql(
                 "SELECT current_setting('default_transaction_isolation'),"
                 " current_setting('DateStyle'), current_setting('client_encoding'),"
-                " current_setting('server_encoding')"
+                " current_setting('server_encoding'), current_schema(),"
+                " current_setting('search_path')"
             ).one()
+            default, self.date_style, client_encoding, server_encoding = found[:4]
+            #: Where unqualified names resolve (None: the search path names no schema
+            #: that exists) and the path itself, for saying so.
+            self.current_schema, self.search_path = found[4], str(found[5])
             self.encodings = (str(client_encoding), str(server_encoding))
             level = conn.get_isolation_level()  # AUTOCOMMIT is a driver setting it omits
             raw: Any = conn.connection.dbapi_connection
@@ -193,6 +198,13 @@ class PostgreSQLBackend(RawPath):
             raise UnsupportedDatabaseError(
                 f"this database's encoding is '{server_encoding}', which cannot hold every "
                 "Unicode text wf_persist stores; use a database created with ENCODING 'UTF8'"
+            )
+        if self.current_schema is None and not self.schema_map:
+            # Every name of wf_persist's would resolve nowhere: "not migrated", wrongly.
+            raise UnsupportedDatabaseError(
+                f"this engine's connections have search_path '{self.search_path}', which "
+                "names no schema that exists, so wf_persist's tables cannot be found; set "
+                "one (connect_args={'options': '-c search_path=public'}) or pass schema="
             )
         if client_encoding.upper() != "UTF8":
             raise UnsupportedDatabaseError(
