@@ -25,13 +25,35 @@ def steps_then_wait(ctx: wp.Context) -> int:
 
 
 @pytest.mark.needs("sql_mode")
-def test_a_session_select_limit_is_refused_when_an_engine_opens(
-    db_url: str, make_engine: Callable[..., Engine]
+@pytest.mark.parametrize(
+    ("setting", "says"),
+    [("sql_select_limit=5", "sql_select_limit"), ("max_join_size=10", "max_join_size")],
+)
+def test_session_limits_on_reads_are_refused_when_an_engine_opens(
+    setting: str, says: str, db_url: str, make_engine: Callable[..., Engine]
 ) -> None:
-    limited = make_engine(db_url, connect_args={"init_command": "SET SESSION sql_select_limit=5"})
+    """``sql_select_limit`` cut reads short silently; ``max_join_size`` refused a worker's
+    claims and a page of runs once there were more rows than it allows (a raw 1104)."""
+    limited = make_engine(db_url, connect_args={"init_command": f"SET SESSION {setting}"})
     for opening in (wp.Runtime, wp.Client):
-        with pytest.raises(wp.UnsupportedDatabaseError, match="sql_select_limit"):
+        with pytest.raises(wp.UnsupportedDatabaseError, match=says):
             opening(limited)
+
+
+@pytest.mark.needs("sql_mode")
+def test_an_upgrade_through_a_session_with_max_join_size_completes_and_puts_it_back(
+    blank_db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """The upgrade reads information_schema, which max_join_size refused (a raw 1104 half-way
+    through wf_0010); the session's setting is put back after."""
+    from wf_persist import migrate
+
+    setting = "SET SESSION sql_safe_updates=1, max_join_size=10"
+    engine = make_engine(blank_db_url, connect_args={"init_command": setting}, pool_size=1)
+    migrate.upgrade(engine)
+    assert migrate.current(engine) == migrate.heads()[0]
+    with engine.connect() as conn:
+        assert conn.exec_driver_sql("SELECT @@sql_big_selects").scalar() == 0
 
 
 def test_a_history_read_short_fails_the_drive_and_runs_no_recorded_step_again(

@@ -61,6 +61,8 @@ from .sql import (
 
 #: Name of the lock that serializes concurrent migrations.
 MIGRATION_LOCK: Final = "wf_persist_migrate"
+#: Where an upgrade keeps its connection's sql_big_selects to put back.
+_BIG_SELECTS: Final = "wf_persist_big_selects"
 #: Statements and values over ``max_allowed_packet`` break the connection: values stay well
 #: inside it (a step write carries its input and its result).
 _PACKET_MARGIN: Final = 64 * 1024
@@ -122,11 +124,12 @@ class MySQLBackend(Backend):
 
     def __init__(self, engine: Engine, *, owned: bool, schema: str | None = None) -> None:
         with engine.connect() as conn:
-            mode, packet, client_set, connection_set, results_set, limit = conn.execute(
+            mode, packet, client_set, connection_set, results_set, limit, big = conn.execute(
                 text(
                     "SELECT @@SESSION.sql_mode, @@max_allowed_packet,"
                     " @@SESSION.character_set_client, @@SESSION.character_set_connection,"
-                    " @@SESSION.character_set_results, @@SESSION.sql_select_limit"
+                    " @@SESSION.character_set_results, @@SESSION.sql_select_limit,"
+                    " @@SESSION.sql_big_selects"
                 )
             ).one()
             # AUTOCOMMIT is a driver setting the isolation level does not report: such an
@@ -142,6 +145,7 @@ class MySQLBackend(Backend):
         self.character_sets = (str(client_set), str(connection_set), results)
         self.packet_bytes = int(packet)
         self.select_limit = int(limit)
+        self.big_selects = bool(big)
         self.max_value_bytes = (self.packet_bytes - _PACKET_MARGIN) // 2
 
     @classmethod
@@ -224,6 +228,15 @@ class MySQLBackend(Backend):
                 f"this engine's connections set sql_select_limit ({self.select_limit}), "
                 "which cuts every read short silently (a run's history among them, and "
                 "replaying it would run recorded steps again); leave it at DEFAULT"
+            )
+        if not self.big_selects:
+            # max_join_size (which turns sql_big_selects off): any read the optimizer
+            # expects to examine more rows fails, a worker's claim or a page of runs.
+            raise UnsupportedDatabaseError(
+                "this engine's connections set max_join_size (sql_big_selects is off), so "
+                "the server refuses any read it expects to examine more rows, a worker's "
+                "claim among them; leave max_join_size at its default or set "
+                "sql_big_selects=1"
             )
         # Names, keys and values may hold any character: a narrower character set fails
         # them in the driver or the server (one with an emoji, say), or mangles them.
@@ -415,7 +428,15 @@ class MySQLBackend(Backend):
         got = conn.execute(text(f"SELECT GET_LOCK('{MIGRATION_LOCK}', 600)")).scalar_one()
         if got != 1:
             raise UnsupportedDatabaseError("could not take the wf_persist migration lock")
+        # A host's max_join_size (which turns sql_big_selects off) refuses the upgrade's
+        # reads of information_schema: allowed for the upgrade, put back after.
+        big = conn.execute(text("SELECT @@SESSION.sql_big_selects")).scalar_one()
+        conn.info[_BIG_SELECTS] = int(big)
+        conn.execute(text("SET SESSION sql_big_selects = 1"))
 
     @classmethod
     def migration_unlock(cls, conn: Connection) -> None:
+        big = conn.info.pop(_BIG_SELECTS, None)
+        if big is not None:
+            conn.execute(text("SET SESSION sql_big_selects = :big"), {"big": big})
         conn.execute(text(f"SELECT RELEASE_LOCK('{MIGRATION_LOCK}')"))
