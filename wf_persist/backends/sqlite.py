@@ -39,9 +39,11 @@ from .sql import HOT_COLUMNS, INSERT_HISTORY, Fenced, WriteShape, bump
 
 #: How long a SQLite writer waits for the lock before failing (milliseconds).
 BUSY_TIMEOUT_MS: Final = 30_000
-#: The least a transaction of wf_persist's waits for SQLite's lock, whatever the host's
-#: connections say (pysqlite's default).
-MIN_BUSY_TIMEOUT_MS: Final = 5_000
+#: The least a transaction of wf_persist's waits for SQLite's lock (and its turn), whatever
+#: the host's connections say: at 0 its own connections failed each other at once. A
+#: host's longer timeout is kept, and with it how soon a start gives up on a lock another
+#: process holds.
+MIN_BUSY_TIMEOUT_MS: Final = 1_000
 _BEGIN_WRITE: Final = "BEGIN IMMEDIATE"
 #: SQLite refusing the engine: SQLITE_READONLY (a file this process may not write),
 #: SQLITE_READONLY_DIRECTORY (nor its directory), SQLITE_AUTH (a host's authorizer). Not
