@@ -67,3 +67,49 @@ def test_big_floats_round_trip_through_starts_replays_signals_and_results(
     assert _kinds(got) == _kinds(expected)
     stored = [r.event for r in client.history(run) if r.event["type"] == "step.completed"]
     assert _kinds(stored[0]["result"]) == _kinds(expected["made"])
+
+
+SEEN: list[str] = []
+
+
+@wp.step
+def key_map() -> dict[str, int]:
+    return {"bb": 1, "a": 2, "ccc": 3}
+
+
+@wp.step
+def handle_key(key: str) -> str:
+    SEEN.append(key)
+    return key
+
+
+@wp.step
+def signed_zero() -> Any:
+    return {"z": -0.0}
+
+
+@wp.workflow(name="replayed-key-order", version=1)
+def key_order_wf(ctx: wp.Context) -> list[Any]:
+    seen = []
+    for key in ctx.run(key_map):
+        seen.append(ctx.run(handle_key, key))
+        ctx.sleep(0.001)  # parks: what follows is a replay
+    zero = ctx.run(signed_zero)["z"]
+    ctx.sleep(0.001)
+    return [seen, repr(zero), repr(ctx.run(signed_zero)["z"])]
+
+
+def test_a_recorded_dict_is_seen_by_its_run_as_its_replays_read_it(runtime: wp.Runtime) -> None:
+    """PostgreSQL's JSONB reorders an object's keys (shortest first) and drops the sign of
+    -0.0: a run looping over a step's dict saw one order, its replay another, and called the
+    next step with a key it had already handled (recorded results matched by position)."""
+    SEEN.clear()
+    runtime.register(key_order_wf)
+    client = runtime.client()
+    run = client.start(key_order_wf).execution_id
+    while runtime.drive(run) and client.status(run) != "completed":
+        pass
+    seen, zero_then, zero_again = client.result(run, timeout=20).unwrap()
+    assert sorted(seen) == ["a", "bb", "ccc"]  # each key handled once
+    assert seen == SEEN, "a step ran with another key than its run had recorded"
+    assert zero_then == zero_again  # the same value before and after a replay

@@ -280,7 +280,7 @@ class Context:
                 # New work like a step: not started without the lease (checked as late).
                 call = self._driver.code_function(name, fn)
                 produced = settle(checked_in_thread(self._driver.check_lease, call))
-            stored = to_json(adapter, produced, what)
+            stored = self._driver.as_stored(to_json(adapter, produced, what))
             self._driver.check_size(what, stored)
         except Exception as exc:
             cause = self.error_document(exc)

@@ -396,6 +396,10 @@ class RunDriver(ChildDriving):
     def check_size(self, what: str, value: Any) -> None:
         self.backend.check_size(what, value)
 
+    def as_stored(self, doc: Any) -> Any:
+        """A recorded document as a replay will read it back (see ``Backend.as_stored``)."""
+        return self.backend.as_stored(doc)
+
     def secret_resolver(self) -> SecretResolver | None:
         return self.runtime.secret_resolver
 

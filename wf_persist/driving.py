@@ -55,6 +55,9 @@ class Driver(Protocol):
     def check_size(self, what: str, value: Any) -> None:
         """Refuse a value this database cannot store."""
 
+    def as_stored(self, doc: Any) -> Any:
+        """A recorded document as a replay will read it back from this database."""
+
     def secret_resolver(self) -> SecretResolver | None:
         """The resolver of the process running the step."""
 

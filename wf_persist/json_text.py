@@ -67,3 +67,24 @@ def _exact_floats(value: Any) -> str:
     for i, digits in enumerate(found):
         text = text.replace(f'"{quoted}{i}\\u0000"', digits, 1)
     return text
+
+
+def as_jsonb(doc: Any) -> Any:
+    """``doc`` as PostgreSQL's JSONB gives it back: each object's keys shortest first, then
+    by their UTF-8 bytes, and ``-0.0`` as ``0.0`` (a decimal has no negative zero). A run
+    handed the value it recorded in its own order would replay in another: a loop over a
+    step's dict called the next step with another key than it had recorded."""
+    if isinstance(doc, dict):
+        keys = sorted(
+            doc,
+            key=lambda k: (
+                len(k.encode("utf-8", "surrogatepass")),
+                k.encode("utf-8", "surrogatepass"),
+            ),
+        )
+        return {k: as_jsonb(doc[k]) for k in keys}
+    if isinstance(doc, list):
+        return [as_jsonb(v) for v in doc]
+    if type(doc) is float and doc == 0.0:
+        return 0.0
+    return doc

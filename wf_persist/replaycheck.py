@@ -118,6 +118,9 @@ class _DryDriver:
     def check_size(self, what: str, value: Any) -> None:
         return None
 
+    def as_stored(self, doc: Any) -> Any:
+        return doc
+
     def secret_resolver(self) -> SecretResolver | None:
         return None
 

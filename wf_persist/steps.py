@@ -295,7 +295,7 @@ class StepRunner:
                     # An attempt given up at its timeout runs on: it keeps the slot.
                     result = self._call(step, values, lambda: slot.pop_all().close)
         what = f"result of step {step.name}"
-        stored = to_json(step.output_adapter, result, what)
+        stored = self.driver.as_stored(to_json(step.output_adapter, result, what))
         self.driver.check_size(what, stored)
         return step.output_adapter.validate_python(stored), stored
 

@@ -294,6 +294,11 @@ class Connections:
         """Bytes a JSON text takes on the wire."""
         return len(text.encode("utf-8", "surrogatepass"))
 
+    def as_stored(self, doc: Any) -> Any:
+        """``doc`` as this database gives it back: what a run sees of a value it just
+        recorded must be what a replay reads (here: the same)."""
+        return doc
+
     def check_size(self, what: str, value: Any) -> None:
         """Refuse a value larger than the backend can store (a typed error, never a retry).
 

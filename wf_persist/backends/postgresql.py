@@ -34,7 +34,7 @@ from sqlalchemy.exc import DBAPIError
 from .. import clocks
 from ..errors import LeaseLostError, UnsupportedDatabaseError
 from ..events import NewEvent
-from ..json_text import json_text
+from ..json_text import as_jsonb, json_text
 from ..models import executions_table as ex
 from ..models import workflows_table as wf
 from ..wakeups import DUE, NOT_AVAILABLE, Listener
@@ -171,6 +171,9 @@ class PostgreSQLBackend(RawPath):
                     "SELECT current_setting('transaction_read_only') = 'on' OR pg_is_in_recovery()"
                 ).scalar()
             )
+
+    def as_stored(self, doc: Any) -> Any:
+        return as_jsonb(doc)
 
     @classmethod
     def refused(cls, exc: BaseException) -> bool:
