@@ -63,14 +63,11 @@ class Database:
                 migrate.upgrade(self.backend.engine)
             else:
                 migrate.assert_at_head(self.backend.engine)
-        except DBAPIError as exc:
+        except BaseException as exc:
             if self.owns_engine:
                 backends.dispose_engine(engine)
-            refusals.translate(backends.backend_type(engine.dialect.name), exc)
-            raise
-        except BaseException:
-            if self.owns_engine:
-                backends.dispose_engine(engine)
+            if isinstance(exc, DBAPIError):
+                refusals.translate(backends.backend_type(engine.dialect.name), exc)
             raise
         self.base_engine = engine
         self.schema = schema

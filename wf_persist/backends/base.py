@@ -58,20 +58,19 @@ from .sql import (
 )
 
 
-def complete(
-    execution_id: str, history: tuple[tuple[int, Any], ...], claim: Claim
-) -> tuple[tuple[int, Any], ...]:
-    """``history`` as read for ``claim``, if it holds every event before the claim's
-    ``next_seq`` (and any appended since, a signal or a child's end, after them): replaying
-    a history cut short (a host session's row limit, say) would run recorded steps again,
-    so the drive fails instead."""
+def complete(execution_id: str, found: Sequence[Any], next_seq: int) -> tuple[tuple[int, Any], ...]:
+    """The ``(sequence, event)`` rows read of a run's history, if they hold every event
+    before ``next_seq`` (and any appended since, a signal or a child's end, after them):
+    replaying a history cut short (a host session's row limit, say) would run recorded
+    steps again, so the drive fails instead."""
+    history = tuple((int(r[0]), r[1]) for r in found)
     sequences = [s for s, _ in history]
-    if claim.next_seq > 2 and (
-        len(sequences) < claim.next_seq - 1 or sequences != list(range(1, len(sequences) + 1))
+    if next_seq > 2 and (
+        len(sequences) < next_seq - 1 or sequences != list(range(1, len(sequences) + 1))
     ):
         raise UnsupportedDatabaseError(
             f"run {execution_id}: reading its history gave {len(history)} of "
-            f"{claim.next_seq - 1} events; a setting of this engine's sessions may cut reads "
+            f"{next_seq - 1} events; a setting of this engine's sessions may cut reads "
             "short (MySQL's sql_select_limit)"
         )
     return history
@@ -215,7 +214,7 @@ class Backend(Connections):
             if claim.next_seq <= 2
             else conn.execute(LOAD_HISTORY, {"p_id": claim.execution_id}).all()
         )
-        history = complete(claim.execution_id, tuple((int(r[0]), r[1]) for r in found), claim)
+        history = complete(claim.execution_id, found, claim.next_seq)
         if any(e["type"] == "workflow.started" for _, e in history):
             return claim._replace(history=history)
         started = events.workflow_started(
@@ -230,9 +229,7 @@ class Backend(Connections):
             # its workflow.started as read, so read it all now, under the row lock the
             # write holds (READ COMMITTED: this read sees every commit before it).
             found = conn.execute(LOAD_HISTORY, {"p_id": claim.execution_id}).all()
-            history = tuple((int(r[0]), r[1]) for r in found)
-            upto = claim._replace(next_seq=fenced.sequences[-1] + 1)
-            complete(claim.execution_id, history, upto)
+            history = complete(claim.execution_id, found, fenced.sequences[-1] + 1)
         return claim._replace(history=history, next_seq=fenced.sequences[-1] + 1)
 
     def claim_to_drive(

@@ -124,14 +124,21 @@ class MySQLBackend(Backend):
 
     def __init__(self, engine: Engine, *, owned: bool, schema: str | None = None) -> None:
         with engine.connect() as conn:
-            mode, packet, client_set, connection_set, results_set, limit, big = conn.execute(
+            # MariaDB names the session's read-only setting tx_read_only, MySQL 8
+            # transaction_read_only; the server's read_only refuses every writer without
+            # the privilege to bypass it.
+            mariadb = bool(getattr(conn.dialect, "is_mariadb", False))
+            session_ro = "tx_read_only" if mariadb else "transaction_read_only"
+            found = conn.execute(
                 text(
                     "SELECT @@SESSION.sql_mode, @@max_allowed_packet,"
                     " @@SESSION.character_set_client, @@SESSION.character_set_connection,"
                     " @@SESSION.character_set_results, @@SESSION.sql_select_limit,"
-                    " @@SESSION.sql_big_selects"
+                    f" @@SESSION.sql_big_selects, @@SESSION.{session_ro} OR @@GLOBAL.read_only"
                 )
             ).one()
+            mode, packet, client_set, connection_set, results_set, limit, big = found[:7]
+            self._read_only = bool(found[7])
             # AUTOCOMMIT is a driver setting the isolation level does not report: such an
             # engine needs our level set too, or our transactions would not be transactions.
             raw: Any = conn.connection.dbapi_connection
@@ -188,13 +195,7 @@ class MySQLBackend(Backend):
                 cursor.close()
 
     def read_only(self) -> bool:
-        # MariaDB names the session's setting tx_read_only, MySQL 8 transaction_read_only.
-        mariadb = bool(getattr(self.base_engine.dialect, "is_mariadb", False))
-        setting = "tx_read_only" if mariadb else "transaction_read_only"
-        with self.base_engine.connect() as conn:
-            # The server's read_only refuses every writer without the privilege to bypass it.
-            row = conn.exec_driver_sql(f"SELECT @@session.{setting}, @@global.read_only").one()
-        return bool(row[0]) or bool(row[1])
+        return self._read_only
 
     @classmethod
     def refused(cls, exc: BaseException) -> bool:

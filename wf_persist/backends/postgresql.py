@@ -106,12 +106,15 @@ class PostgreSQLBackend(RawPath):
                 "SELECT current_setting('default_transaction_isolation'),"
                 " current_setting('DateStyle'), current_setting('client_encoding'),"
                 " current_setting('server_encoding'), current_schema(),"
-                " current_setting('search_path')"
+                " current_setting('search_path'),"
+                " current_setting('transaction_read_only') = 'on' OR pg_is_in_recovery()"
             ).one()
             default, self.date_style, client_encoding, server_encoding = found[:4]
             #: Where unqualified names resolve (None: the search path names no schema
             #: that exists) and the path itself, for saying so.
             self.current_schema, self.search_path = found[4], str(found[5])
+            # A read-only default for transactions (a host's setting), or a standby.
+            self._read_only = bool(found[6])
             self.encodings = (str(client_encoding), str(server_encoding))
             level = conn.get_isolation_level()  # AUTOCOMMIT is a driver setting it omits
             raw: Any = conn.connection.dbapi_connection
@@ -164,13 +167,7 @@ class PostgreSQLBackend(RawPath):
         return options
 
     def read_only(self) -> bool:
-        # A read-only default for transactions (a host's setting), or a standby.
-        with self.base_engine.connect() as conn:
-            return bool(
-                conn.exec_driver_sql(
-                    "SELECT current_setting('transaction_read_only') = 'on' OR pg_is_in_recovery()"
-                ).scalar()
-            )
+        return self._read_only
 
     def as_stored(self, doc: Any) -> Any:
         return as_jsonb(doc)

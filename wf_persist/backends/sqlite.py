@@ -255,12 +255,13 @@ class SQLiteBackend(Backend):
                 # Read each time where it is raised: the host may have changed it since.
                 host = info[_BUSY_TIMEOUT] = int(raw.execute("PRAGMA busy_timeout").fetchone()[0])
             budget = max(host, MIN_BUSY_TIMEOUT_MS)
-            began = clocks.elapsed()
-            got = self._writers.acquire(timeout=budget / 1000) if turn else False
-            waited = int((clocks.elapsed() - began) * 1000)
-            changed = budget != host or waited >= _SHORTEN_AFTER_MS
-            if changed:
-                raw.execute(f"PRAGMA busy_timeout = {max(0, budget - waited)}")
+            if turn or budget != host:  # else a read with time enough: nothing to do
+                began = clocks.elapsed()
+                got = self._writers.acquire(timeout=budget / 1000) if turn else False
+                waited = int((clocks.elapsed() - began) * 1000)
+                changed = budget != host or waited >= _SHORTEN_AFTER_MS
+                if changed:
+                    raw.execute(f"PRAGMA busy_timeout = {max(0, budget - waited)}")
         except sqlite3.Error as exc:
             if got:
                 self._writers.release()
