@@ -16,7 +16,13 @@ from .error_documents import shown
 from .errors import InvalidArgumentError, SignalPayloadError
 from .models import KEY_WIDTH, WORKFLOW_NAME_WIDTH
 from .timeouts import plain_number
-from .values import non_finite, resolve_type_reference, schema_errors, unstorable
+from .values import (
+    colliding_keys,
+    non_finite,
+    resolve_type_reference,
+    schema_errors,
+    unstorable,
+)
 
 
 def validate_signal(execution_id: str, name: str, wait: Mapping[str, Any], payload: Any) -> Any:
@@ -35,16 +41,23 @@ def signal_document(execution_id: str, name: str, wait: Mapping[str, Any], paylo
     tp = resolve_type_reference(wait.get("payloadType"))
     if tp is not None and isinstance(payload, tp):
         try:
-            return adapter_for(tp).dump_python(payload, mode="json")
+            dumped = adapter_for(tp).dump_python(payload, mode="json")
         # bytes not UTF-8; ValueError: pydantic's "Maximum serialization depth exceeded"
         except (PydanticSerializationError, UnicodeDecodeError, ValueError) as exc:
             raise SignalPayloadError(execution_id, name, [{"loc": (), "msg": str(exc)}]) from exc
+        problem = colliding_keys(payload)
+        if problem is not None:
+            raise SignalPayloadError(execution_id, name, [{"loc": (), "msg": problem}])
+        return dumped
     try:
         text = json.dumps(payload, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
         # Said as for any value (an integer of more digits than Python prints, say).
         problem = unstorable(payload) or str(exc)
         raise SignalPayloadError(execution_id, name, [{"loc": (), "msg": problem}]) from exc
+    doc, lost = parsed(text)
+    if lost is not None:
+        raise SignalPayloadError(execution_id, name, [{"loc": (), "msg": lost}])
     if tp is not None:
         # Strict JSON validation: the payload must already have the declared shape ("yes" is
         # not a boolean), as the recorded JSON Schema would judge it.
@@ -54,13 +67,33 @@ def signal_document(execution_id: str, name: str, wait: Mapping[str, Any], paylo
         except ValidationError as exc:
             errors = [dict(e) for e in exc.errors(include_url=False)]
             raise SignalPayloadError(execution_id, name, errors) from exc
-    doc = json.loads(text)
     schema = wait.get("payloadSchema")
     if schema:
         errors = schema_errors(schema, doc)
         if errors:
             raise SignalPayloadError(execution_id, name, errors)
     return doc
+
+
+def parsed(text: str) -> tuple[Any, str | None]:
+    """``json.loads(text)``, and why a key of the payload would be lost: ``json.dumps``
+    writes ``{1: "a", "1": "b"}`` (or ``{None: 1, "null": 2}``) with one key twice, and
+    reading it back keeps one entry, silently."""
+    lost: list[str] = []
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        doc: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in doc and not lost:
+                lost.append(
+                    f"two of its keys are both written as the JSON key {shown(key)}, so one "
+                    "entry would be lost"
+                )
+            doc[key] = value
+        return doc
+
+    doc = json.loads(text, object_pairs_hook=unique)
+    return doc, (lost[0] if lost else None)
 
 
 def utc(value: object, what: str) -> dt.datetime:

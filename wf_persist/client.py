@@ -390,11 +390,11 @@ def _cataloged_document(what: str, payload: Any, schema: Any) -> Any:
     problem = unstorable(payload)
     if problem is None:
         try:
-            doc = json.loads(json.dumps(payload, allow_nan=False))
+            doc, lost = arguments.parsed(json.dumps(payload, allow_nan=False))
         except (TypeError, ValueError, RecursionError) as exc:
             raise NotSerializableError(what, f"it is not JSON: {exc}") from None
         # Checked again as JSON: a tuple (which the first look passes over) became a list.
-        problem = unstorable(doc)
+        problem = lost or unstorable(doc)
     if problem is not None:
         raise NotSerializableError(what, problem)
     if schema is not None:

@@ -121,6 +121,57 @@ def _non_finite_key(key: Any, depth: int) -> bool:
     return non_finite(key, depth)
 
 
+#: Values with no keys inside: the walk for colliding keys skips them without a call.
+_LEAVES: Final = frozenset({str, int, float, bool, type(None), bytes})
+
+
+def colliding_keys(value: Any, depth: int = 0) -> str | None:
+    """Why a dict in ``value`` would lose an entry in JSON, or ``None``: JSON keys are
+    text, so ``{1: "a", "1": "b"}`` (or ``True`` and ``"true"``, ``(1, 2)`` and
+    ``"1,2"``) would store one entry and drop the other, silently."""
+    kind = type(value)
+    if kind in _LEAVES or depth > 64:
+        return None
+    if isinstance(value, dict):
+        plain = True
+        for k, v in value.items():
+            if type(k) is not str:
+                plain = False
+            if type(v) not in _LEAVES:
+                found = colliding_keys(v, depth + 1)
+                if found:
+                    return found
+        return None if plain else _collision(value)
+    if isinstance(value, list | tuple | set | frozenset):
+        for v in value:
+            if type(v) not in _LEAVES:
+                found = colliding_keys(v, depth + 1)
+                if found:
+                    return found
+        return None
+    fields = getattr(value, "__dict__", None)
+    if isinstance(fields, dict) and (is_dataclass(value) or isinstance(value, BaseModel)):
+        return colliding_keys(list(fields.values()), depth + 1)
+    return None
+
+
+def _collision(mapping: dict[Any, Any]) -> str | None:
+    """Two keys of ``mapping`` that JSON writes as one text, said for people."""
+    seen: dict[str, Any] = {}
+    for key in mapping:
+        try:
+            text = next(iter(pydantic_core.to_jsonable_python({key: None})))
+        except Exception:  # a key JSON cannot write is refused where the value is dumped
+            continue
+        if text in seen:
+            return (
+                f"its keys {shown(seen[text])} and {shown(key)} are both written as the JSON "
+                f"key {shown(text)}, so one entry would be lost"
+            )
+        seen[text] = key
+    return None
+
+
 def to_json(adapter: TypeAdapter[Any], value: Any, what: str) -> Any:
     """Validate ``value`` and return its JSON form (what gets stored).
 
@@ -146,6 +197,7 @@ def to_json(adapter: TypeAdapter[Any], value: Any, what: str) -> Any:
     # tells them apart.
     if (nulls or problem) and non_finite(validated):
         raise NotSerializableError(what, _NON_FINITE)
+    problem = problem or colliding_keys(validated)
     if problem is not None:
         raise NotSerializableError(what, problem)
     return doc

@@ -1,0 +1,135 @@
+"""Keys that JSON writes alike. JSON keys are text, so ``{1: "a", "1": "b"}`` stored one
+entry and dropped the other, silently, on every backend and through every path a value is
+written by: the run saw ``{"1": "b"}``. Such values are refused with a typed error where
+they are produced, and nothing is written; keys that stay distinct as text are stored as
+their text (``test_bad_input.py`` refuses the colliding ones on every path)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import pydantic
+import pytest
+import sqlalchemy as sa
+
+import wf_persist as wp
+from wf_persist.models import executions_table, history_table
+from wf_persist.values import colliding_keys
+
+LOST = "both written as the JSON key"
+
+
+@wp.step
+def keyed(value: Any) -> Any:
+    return value
+
+
+@wp.workflow(name="keys-any", version=1)
+def keys_wf(ctx: wp.Context, value: Any) -> Any:
+    stepped = ctx.run(keyed, value)
+    signalled = ctx.wait_for_signal("more", Any)
+    assert isinstance(signalled, wp.Received)
+    return {"input": value, "step": stepped, "signal": signalled.value}
+
+
+class Bag(pydantic.BaseModel):
+    inner: dict[Any, int]
+
+
+@dataclasses.dataclass
+class Box:
+    items: list[dict[Any, int]]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {1: "a", "1": "b"},
+        {True: 1, "true": 2},
+        {(1, 2): 1, "1,2": 2},
+        {None: 1, "None": 2},
+        [0, {"deep": [{1.5: 0, "1.5": 1}]}],
+        Bag(inner={3: 1, "3": 2}),
+        Box(items=[{}, {False: 0, "false": 1}]),
+    ],
+    ids=["int", "bool", "tuple", "none", "nested", "model", "dataclass"],
+)
+def test_keys_written_alike_are_found(value: Any) -> None:
+    assert LOST in (colliding_keys(value) or "")
+
+
+@pytest.mark.parametrize(
+    "value",
+    [{1: "a", 2: "b"}, {"1": 1, "2": 2}, {True: 1, False: 2}, [{1: 0}, {"1": 0}], {}, "x", 1],
+)
+def test_distinct_keys_are_not_refused(value: Any) -> None:
+    assert colliding_keys(value) is None
+
+
+@pytest.fixture
+def thin(db_url: str) -> Iterator[wp.Client]:
+    with wp.Client(db_url, poll_interval=0.05) as client:
+        yield client
+
+
+def _counts(engine: sa.Engine) -> tuple[int, int]:
+    with engine.connect() as conn:
+        return (
+            conn.execute(sa.select(sa.func.count()).select_from(executions_table)).scalar_one(),
+            conn.execute(sa.select(sa.func.count()).select_from(history_table)).scalar_one(),
+        )
+
+
+def test_a_thin_client_refuses_keys_written_alike_and_writes_nothing(
+    runtime: wp.Runtime, thin: wp.Client
+) -> None:
+    runtime.register(keys_wf)  # catalogs its (Any) input schema
+    before = _counts(thin.engine)
+    for value in ({1: "a", "1": "b"}, [{"k": {None: 1, "null": 2}}]):
+        with pytest.raises(wp.NotSerializableError, match=LOST):
+            thin.start("keys-any", value)
+    assert _counts(thin.engine) == before
+    run = thin.start("keys-any", {"ok": 1}).execution_id
+    runtime.drive(run)
+    parked = _counts(thin.engine)
+    with pytest.raises(wp.SignalPayloadError, match=LOST):
+        thin.signal(run, "more", {2: "a", "2": "b"})
+    assert _counts(thin.engine) == parked
+    assert thin.status(run) == "suspended"
+
+
+def test_a_signal_refuses_keys_json_writes_alike_and_the_run_keeps_waiting(
+    runtime: wp.Runtime,
+) -> None:
+    runtime.register(keys_wf)
+    client = runtime.client()
+    run = client.start(keys_wf, {"ok": 1}).execution_id
+    runtime.drive(run)
+    engine = runtime.database.backend.engine
+    before = _counts(engine)
+    # A signal's payload is written as json.dumps writes it: None as "null".
+    for payload in ({None: 1, "null": 2}, {"a": [{1: 0, "1": 1}]}):
+        with pytest.raises(wp.SignalPayloadError, match=LOST):
+            client.signal(run, "more", payload)
+    assert _counts(engine) == before, "nothing recorded"
+    client.signal(run, "more", {5: "five"})
+    runtime.drive(run)
+    assert client.result(run, timeout=10).unwrap()["signal"] == {"5": "five"}
+
+
+def test_distinct_keys_are_stored_as_their_text_everywhere(runtime: wp.Runtime) -> None:
+    runtime.register(keys_wf)
+    client = runtime.client()
+    value = {1: "a", 2: "b", "c": {True: [1], None: 0}}
+    run = client.start(keys_wf, value).execution_id
+    runtime.drive(run)
+    client.signal(run, "more", {1: "x", 2: "y"})
+    runtime.drive(run)
+    text = {"1": "a", "2": "b", "c": {"true": [1], "None": 0}}
+    assert client.result(run, timeout=10).unwrap() == {
+        "input": text,
+        "step": text,
+        "signal": {"1": "x", "2": "y"},
+    }
