@@ -19,6 +19,7 @@ revisions shipped with the package (see :mod:`wf_persist.migrate`).
 from __future__ import annotations
 
 import datetime as dt
+import json
 from dataclasses import dataclass
 from typing import Any, Final, cast
 
@@ -122,8 +123,35 @@ class ExactJSONB(TypeDecorator[Any]):
         return process
 
 
+class OwnJSON(TypeDecorator[Any]):
+    """JSON written by :func:`~wf_persist.json_text.json_text` and read by ``json.loads``,
+    whatever ``json_serializer``/``json_deserializer`` a host gave its engine: one that
+    sorts keys or reads numbers as ``Decimal`` would hand a replay another value than the
+    run saw when it recorded it."""
+
+    impl = JSON
+    cache_ok = True
+
+    def bind_processor(self, dialect: Dialect) -> Any:
+        from .json_text import json_text
+
+        def process(value: Any) -> Any:
+            return None if value is None else json_text(value)
+
+        return process
+
+    def result_processor(self, dialect: Dialect, coltype: object) -> Any:
+        def process(value: Any) -> Any:
+            if isinstance(value, bytes | bytearray):
+                value = value.decode("utf-8")
+            # Not text: SQL NULL, or a number SQLite's NUMERIC affinity kept as one.
+            return json.loads(value) if isinstance(value, str) else value
+
+        return process
+
+
 #: JSON that is JSONB on PostgreSQL; SQL NULL stands for "absent".
-JSONDoc = JSON(none_as_null=True).with_variant(ExactJSONB(none_as_null=True), "postgresql")
+JSONDoc = OwnJSON(none_as_null=True).with_variant(ExactJSONB(none_as_null=True), "postgresql")
 
 
 #: MySQL/MariaDB table options. Ids keep the database's default collation, so a host's

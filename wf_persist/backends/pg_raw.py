@@ -16,6 +16,7 @@ from sqlalchemy.engine import Row
 
 from .. import clocks
 from .base import Backend
+from .pg_json import own_loads
 from .pg_sql import claims_of
 from .sql import Claim, RowShape
 
@@ -80,6 +81,7 @@ class RawPath(Backend):
                 raw.isolation_level = IsolationLevel.READ_COMMITTED
                 try:
                     with raw.transaction(), raw.cursor() as cursor:
+                        own_loads(cursor)
                         cursor.execute(sql, params)
                         return cursor.fetchall()
                 finally:
@@ -92,6 +94,7 @@ class RawPath(Backend):
             raw.autocommit = True
             try:
                 with raw.cursor() as cursor:
+                    own_loads(cursor)
                     cursor.execute(sql, params)
                     return cursor.fetchall()
             finally:

@@ -20,6 +20,8 @@ from typing import Any, Final
 from psycopg import errors, pq
 from psycopg.adapt import PyFormat, Transformer
 
+from .pg_json import context_of
+
 _PLACEHOLDER: Final = re.compile(r"%\((\w+)\)s|%%")
 #: The server forgot a statement we prepared (``DEALLOCATE``/``DISCARD ALL`` by the host).
 _UNKNOWN_STATEMENT: Final = "26000"
@@ -32,7 +34,8 @@ class _Session:
     with how many more executions its plan serves), and a transformer (its dumpers and
     loaders found once per type, as a cursor keeps one) made for the session's settings that
     loading and dumping follow (client encoding, time zone, date style): a new one if the
-    host changes any of them."""
+    host changes any of them. JSON is loaded with ``json.loads`` whatever the host's
+    loaders (:mod:`.pg_json`)."""
 
     __slots__ = ("names", "settings", "tx")
 
@@ -45,7 +48,7 @@ class _Session:
         status = raw.pgconn.parameter_status
         settings = (status(b"client_encoding"), status(b"TimeZone"), status(b"DateStyle"))
         if self.tx is None or settings != self.settings:
-            self.tx = Transformer.from_context(raw)
+            self.tx = Transformer.from_context(context_of(raw))
             self.settings = settings
         return self.tx
 

@@ -38,6 +38,7 @@ from ..json_text import as_jsonb, json_text
 from ..models import executions_table as ex
 from ..models import workflows_table as wf
 from ..wakeups import DUE, NOT_AVAILABLE, Listener
+from . import pg_json
 from .pg_presence import PRESENT_MARK, REAP, UNSUPPORTED, PGListener, advisory_locks_work
 from .pg_raw import RawPath, as_created
 from .pg_sql import (
@@ -146,6 +147,10 @@ class PostgreSQLBackend(RawPath):
             from . import pg_wire
 
             self.wire = pg_wire
+        if engine.dialect.driver == "psycopg" and (owned or self.engine is not engine):
+            # Our statements read JSON with json.loads whatever loaders the host set
+            # (pg_json); the host's own statements keep theirs.
+            event.listen(self.engine, "before_cursor_execute", pg_json.cursor_loads)
         self._rendered: dict[Any, tuple[str, dict[str, Any]]] = {}
         self._shapes: dict[Any, RowShape] = {}
         idle_ms = int((self.idle_timeout or 0) * 1000)
