@@ -17,7 +17,7 @@ from .errors import InvalidArgumentError, SignalPayloadError
 from .models import KEY_WIDTH, WORKFLOW_NAME_WIDTH
 from .timeouts import plain_number
 from .values import (
-    colliding_keys,
+    lost_keys,
     non_finite,
     resolve_type_reference,
     schema_errors,
@@ -40,12 +40,13 @@ def validate_signal(execution_id: str, name: str, wait: Mapping[str, Any], paylo
 def signal_document(execution_id: str, name: str, wait: Mapping[str, Any], payload: Any) -> Any:
     tp = resolve_type_reference(wait.get("payloadType"))
     if tp is not None and isinstance(payload, tp):
+        adapter = adapter_for(tp)
         try:
-            dumped = adapter_for(tp).dump_python(payload, mode="json")
+            dumped = adapter.dump_python(payload, mode="json")
         # bytes not UTF-8; ValueError: pydantic's "Maximum serialization depth exceeded"
         except (PydanticSerializationError, UnicodeDecodeError, ValueError) as exc:
             raise SignalPayloadError(execution_id, name, [{"loc": (), "msg": str(exc)}]) from exc
-        problem = colliding_keys(payload)
+        problem = lost_keys(adapter, payload, dumped)
         if problem is not None:
             raise SignalPayloadError(execution_id, name, [{"loc": (), "msg": problem}])
         return dumped

@@ -8,6 +8,7 @@ on every retry.
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import math
@@ -121,47 +122,83 @@ def _non_finite_key(key: Any, depth: int) -> bool:
     return non_finite(key, depth)
 
 
-#: Values with no keys inside: the walk for colliding keys skips them without a call.
+#: Values with no keys inside: the walk for lost keys passes them without a call.
 _LEAVES: Final = frozenset({str, int, float, bool, type(None), bytes})
 
 
-def colliding_keys(value: Any, depth: int = 0) -> str | None:
-    """Why a dict in ``value`` would lose an entry in JSON, or ``None``: JSON keys are
-    text, so ``{1: "a", "1": "b"}`` (or ``True`` and ``"true"``, ``(1, 2)`` and
-    ``"1,2"``) would store one entry and drop the other, silently."""
+def lost_keys(adapter: TypeAdapter[Any], validated: Any, doc: Any) -> str | None:
+    """Why ``doc`` (``validated`` dumped to JSON) lost a dict entry, or ``None``: JSON keys
+    are text, so ``{1: "a", "1": "b"}`` (or ``True`` and ``"true"``, ``(1, 2)`` and
+    ``"1,2"``) becomes one entry, silently.
+
+    Each dict of the value as the adapter dumps it in Python mode (models as dicts, fields
+    excluded or serialized as the JSON dump does, keys not yet text) is set against the
+    JSON dict in its place: fewer entries there means keys were written alike. The walk
+    follows the JSON side, which has no cycles (fields a dump leaves out are never read)."""
+    if not _has_dict(doc) or _plain(validated, 0):
+        return None
+    try:
+        python = adapter.dump_python(validated)
+    except Exception:
+        return None
+    return _lost(python, doc)
+
+
+def _plain(value: Any, depth: int) -> bool:
+    """Whether ``value`` is JSON already (dicts of text keys, lists, text, numbers): the
+    common case, where no key can be lost and no second dump is needed. Dumped to JSON
+    already, so it has no cycle."""
     kind = type(value)
-    if kind in _LEAVES or depth > 64:
+    if kind is dict:
+        return depth <= MAX_DEPTH and all(
+            type(k) is str and (type(v) in _LEAVES or _plain(v, depth + 1))
+            for k, v in value.items()
+        )
+    if kind is list:
+        return depth <= MAX_DEPTH and all(type(v) in _LEAVES or _plain(v, depth + 1) for v in value)
+    return kind in _LEAVES
+
+
+def _has_dict(doc: Any) -> bool:
+    if isinstance(doc, dict):
+        return True
+    return isinstance(doc, list) and any(type(v) not in _LEAVES and _has_dict(v) for v in doc)
+
+
+def _lost(python: Any, doc: Any) -> str | None:
+    """:func:`lost_keys` of one place; where the two dumps differ in shape (a serializer
+    used only for JSON), nothing below is judged."""
+    if isinstance(python, dict):
+        if not isinstance(doc, dict):
+            return None
+        if len(doc) < len(python):
+            return _collision(python)
+        if len(doc) != len(python):
+            return None
+        pairs: Any = zip(python.values(), doc.values(), strict=True)
+    elif isinstance(python, list | tuple | collections.deque):
+        if not isinstance(doc, list) or len(doc) != len(python):
+            return None
+        pairs = zip(python, doc, strict=True)
+    else:
         return None
-    if isinstance(value, dict):
-        plain = True
-        for k, v in value.items():
-            if type(k) is not str:
-                plain = False
-            if type(v) not in _LEAVES:
-                found = colliding_keys(v, depth + 1)
-                if found:
-                    return found
-        return None if plain else _collision(value)
-    if isinstance(value, list | tuple | set | frozenset):
-        for v in value:
-            if type(v) not in _LEAVES:
-                found = colliding_keys(v, depth + 1)
-                if found:
-                    return found
-        return None
-    fields = getattr(value, "__dict__", None)
-    if isinstance(fields, dict) and (is_dataclass(value) or isinstance(value, BaseModel)):
-        return colliding_keys(list(fields.values()), depth + 1)
+    for inner, written in pairs:
+        if type(written) in _LEAVES:
+            continue
+        found = _lost(inner, written)
+        if found:
+            return found
     return None
 
 
-def _collision(mapping: dict[Any, Any]) -> str | None:
-    """Two keys of ``mapping`` that JSON writes as one text, said for people."""
+def _collision(mapping: dict[Any, Any]) -> str:
+    """Two keys of ``mapping`` that JSON writes as one text, said for people (by the
+    default key text; a key serializer of the type's own is named as such)."""
     seen: dict[str, Any] = {}
     for key in mapping:
         try:
             text = next(iter(pydantic_core.to_jsonable_python({key: None})))
-        except Exception:  # a key JSON cannot write is refused where the value is dumped
+        except Exception:
             continue
         if text in seen:
             return (
@@ -169,7 +206,10 @@ def _collision(mapping: dict[Any, Any]) -> str | None:
                 f"key {shown(text)}, so one entry would be lost"
             )
         seen[text] = key
-    return None
+    return (
+        f"{len(mapping)} of its keys are written as fewer JSON keys by the type's own key "
+        "serializer, so entries would be lost"
+    )
 
 
 def to_json(adapter: TypeAdapter[Any], value: Any, what: str) -> Any:
@@ -197,7 +237,7 @@ def to_json(adapter: TypeAdapter[Any], value: Any, what: str) -> Any:
     # tells them apart.
     if (nulls or problem) and non_finite(validated):
         raise NotSerializableError(what, _NON_FINITE)
-    problem = problem or colliding_keys(validated)
+    problem = problem or lost_keys(adapter, validated, doc)
     if problem is not None:
         raise NotSerializableError(what, problem)
     return doc
