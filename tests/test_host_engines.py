@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, make_url, text
+from sqlalchemy import Engine, event, make_url, text
 from sqlalchemy.pool import NullPool
 
 import wf_persist as wp
+from wf_persist import migrate
 
 from .fixtures import fencing as f
 from .fixtures import saga as s
@@ -363,6 +364,34 @@ def test_sqlite_uris_whose_connections_cannot_wait_for_each_other_are_refused(
     for opening in (wp.Runtime, wp.Client):
         with pytest.raises(wp.UnsupportedDatabaseError, match=option):
             opening(url)
+
+
+@pytest.mark.needs("embedded")
+def test_a_sqlite_host_engine_with_count_changes_is_refused(
+    db_url: str, make_engine: Callable[..., Engine], tmp_path: Path
+) -> None:
+    """``PRAGMA count_changes`` (deprecated) makes every write return a row of its count:
+    a run's drives failed forever on a raw IntegrityError (stuck), and an upgrade with a
+    raw-sounding "expected to match one row"."""
+
+    def counting(url: str) -> Engine:
+        engine = make_engine(url)
+
+        @event.listens_for(engine, "connect")
+        def _count(dbapi_connection: Any, _record: Any) -> None:
+            dbapi_connection.execute("PRAGMA count_changes = ON")
+
+        return engine
+
+    wp.Runtime(db_url).close()  # the file, migrated
+    for opening in (wp.Runtime, wp.Client):
+        with pytest.raises(wp.UnsupportedDatabaseError, match="count_changes"):
+            opening(counting(db_url))
+    fresh = f"sqlite:///{tmp_path / 'fresh.db'}"
+    with pytest.raises(wp.UnsupportedDatabaseError, match="count_changes"):
+        migrate.upgrade(counting(fresh))
+    with make_engine(fresh).connect() as conn:  # nothing of it was left
+        assert conn.exec_driver_sql("SELECT name FROM sqlite_master").all() == []
 
 
 @pytest.mark.needs("embedded")

@@ -144,6 +144,12 @@ def _uri_options(url: URL) -> dict[str, str]:
     return {**found, **dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(database).query))}
 
 
+_COUNT_CHANGES: Final = (
+    "this engine's SQLite connections set the deprecated PRAGMA count_changes, under which "
+    "every write returns a row of its count where wf_persist reads what it wrote; leave it off"
+)
+
+
 class SQLiteBackend(Backend):
     names: ClassVar[tuple[str, ...]] = ("sqlite",)
     async_driver: ClassVar[str] = "aiosqlite"
@@ -373,6 +379,12 @@ class SQLiteBackend(Backend):
             return  # not created by asking
         with self.base_engine.connect() as conn:
             mode = str(conn.exec_driver_sql("PRAGMA locking_mode").scalar()).lower()
+            # No row where SQLite was built without its deprecated pragmas.
+            counting = conn.exec_driver_sql("PRAGMA count_changes").scalar()
+        if counting:
+            # Every INSERT, UPDATE and DELETE returns a row of its count: a write's rows are
+            # read as what RETURNING gave, and a run's drives fail forever.
+            raise UnsupportedDatabaseError(_COUNT_CHANGES)
         if mode == "exclusive":
             # The first connection to write keeps the lock until it closes.
             raise UnsupportedDatabaseError(
@@ -380,6 +392,13 @@ class SQLiteBackend(Backend):
                 "write keeps the lock, and wf_persist writes from several (a worker's, the "
                 "lease keeper's) that would wait for it forever; use NORMAL"
             )
+
+    @classmethod
+    def migration_lock(cls, conn: Connection) -> None:
+        # The upgrade's transaction is the lock (BEGIN IMMEDIATE); Alembic's bookkeeping
+        # counts the rows its UPDATE changed, which count_changes hides.
+        if conn.exec_driver_sql("PRAGMA count_changes").scalar():
+            raise UnsupportedDatabaseError(_COUNT_CHANGES)
 
     def _private_to_each_connection(self) -> bool:
         """Whether each connection has a database of its own: the URL names one in memory
