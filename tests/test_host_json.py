@@ -166,3 +166,108 @@ def test_an_async_host_engines_json_functions_do_not_reach_wf_persists_columns(
             await engine.dispose()
 
     asyncio.run(read())
+
+
+def _kinds_run(runtime: wp.Runtime) -> Any:
+    """:func:`_drive_through`'s run, its outcome."""
+    runtime.register(host_json_wf)
+    client = runtime.client()
+    run = client.start(host_json_wf, {"b": 2, "a": 0.5}).execution_id
+    assert runtime.drive(run)
+    time.sleep(0.05)
+    runtime.drive(run)
+    return client.result(run, timeout=20).unwrap()
+
+
+@pytest.mark.needs("libpq")
+def test_a_host_loader_class_derived_from_psycopgs_does_not_reach_wf_persist(
+    db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """A loader class of the host's that derives from psycopg's JSON loaders and brings its
+    own ``load`` inherits psycopg's ``json.loads``: looking at that function alone took it
+    for psycopg's own."""
+    from psycopg.types.json import JsonbBinaryLoader, JsonbLoader, JsonLoader
+
+    class HostJson(JsonLoader):
+        def load(self, data: Any) -> Any:
+            return _loads(bytes(data))
+
+    class HostJsonb(JsonbLoader):
+        def load(self, data: Any) -> Any:
+            return _loads(bytes(data))
+
+    class HostJsonbBinary(JsonbBinaryLoader):
+        def load(self, data: Any) -> Any:
+            return _loads(bytes(data)[1:])
+
+    engine = make_engine(db_url)
+
+    @event.listens_for(engine, "connect")
+    def _host_loaders(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.adapters.register_loader("json", HostJson)
+        dbapi_connection.adapters.register_loader("jsonb", HostJsonb)
+        dbapi_connection.adapters.register_loader("jsonb", HostJsonbBinary)
+
+    with wp.Runtime(engine) as runtime:
+        out = _kinds_run(runtime)
+    assert out["again"] == out["first"]
+    assert dict(out["first"]) == {"zz": "int", "a": "float", "list": "list"}
+
+
+@pytest.mark.needs("libpq")
+def test_loaders_a_host_sets_on_a_connection_wf_persist_already_used_do_not_reach_it(
+    db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """libpq's fast path kept the connection's own adapters: loaders the host set on the
+    connection after wf_persist's first statement there reached wf_persist's reads."""
+    from psycopg.types.json import set_json_loads
+
+    engine = make_engine(db_url, pool_size=1, max_overflow=0)
+    with wp.Runtime(engine) as runtime:
+        runtime.register(host_json_wf)
+        runtime.client().start(host_json_wf, 0)  # the one connection, through libpq
+        with engine.connect() as conn:
+            set_json_loads(_loads, conn.connection.driver_connection)
+        out = _kinds_run(runtime)
+    assert out["again"] == out["first"]
+    assert dict(out["first"]) == {"zz": "int", "a": "float", "list": "list"}
+
+
+def test_starts_in_a_host_transaction_and_async_starts_never_read_through_the_host(
+    db_url: str, make_engine: Callable[..., Engine], runtime: wp.Runtime
+) -> None:
+    """A start in the host's own transaction (``session=``) and an asyncio client's start
+    run on the host's connections: the row the start returned was decoded by the host's
+    function, and one that refuses wf_persist's documents failed the start."""
+    from sqlalchemy.ext.asyncio import create_async_engine
+    from sqlalchemy.orm import Session
+
+    from wf_persist.backends import backend_type, normalize_url
+
+    seen: list[Any] = []
+
+    def refusing(text: Any) -> Any:
+        seen.append(text)
+        raise ValueError("the host's format only")
+
+    runtime.register(host_json_wf)  # cataloged
+    host = make_engine(db_url, json_deserializer=refusing)
+    with wp.Runtime(host) as on_host:
+        on_host.register(host_json_wf)
+        with Session(host) as session, session.begin():
+            first = on_host.client().start(host_json_wf, {"a": 0.5}, session=session)
+    url = normalize_url(db_url)
+    async_url = backend_type(url.get_backend_name()).async_url(url)
+
+    async def start() -> str:
+        engine = create_async_engine(async_url, json_deserializer=refusing)
+        try:
+            async with wp.AsyncClient(engine) as client:
+                return (await client.start("host-json", {"a": 1.5})).execution_id
+        finally:
+            await engine.dispose()
+
+    second = asyncio.run(start())
+    assert seen == []
+    for run, seed in ((first.execution_id, {"a": 0.5}), (second, {"a": 1.5})):
+        assert runtime.client().describe(run).input == seed

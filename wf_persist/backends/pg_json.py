@@ -14,18 +14,21 @@ from __future__ import annotations
 import json
 from typing import Any
 
-#: ``json`` and ``jsonb`` by their type oids, each in the text (0) and binary (1) format.
-_LOADERS = tuple((oid, fmt) for oid in (114, 3802) for fmt in (0, 1))
-
 
 def plain(adapters: Any) -> bool:
-    """Whether ``adapters`` (a psycopg ``AdaptersMap``) load JSON with ``json.loads``,
-    psycopg's default."""
-    for oid, fmt in _LOADERS:
-        loader = adapters.get_loader(oid, fmt)
-        if getattr(loader, "_loads", None) is not json.loads:
-            return False
-    return True
+    """Whether ``adapters`` (a psycopg ``AdaptersMap``) load JSON with psycopg's own
+    loaders, reading with ``json.loads``: a loader class of the host's, also one derived
+    from psycopg's with its own ``load``, or a function set globally, is not plain."""
+    from psycopg.types import json as pg
+
+    if pg._JsonLoader._loads is not json.loads:  # set_json_loads(fn) with no context
+        return False
+    return (
+        adapters.get_loader(114, 0) is pg.JsonLoader
+        and adapters.get_loader(114, 1) is pg.JsonBinaryLoader
+        and adapters.get_loader(3802, 0) is pg.JsonbLoader
+        and adapters.get_loader(3802, 1) is pg.JsonbBinaryLoader
+    )
 
 
 def _set_loads(context: Any) -> None:
@@ -43,8 +46,9 @@ def own_loads(context: Any) -> None:
 
 
 class Context:
-    """An adaptation context of a connection with its adapters but our JSON loaders, for a
-    transformer made outside a cursor (:mod:`.pg_wire`)."""
+    """An adaptation context of a connection with a copy of its adapters and our JSON
+    loaders, for a transformer made outside a cursor (:mod:`.pg_wire`): loaders the host
+    sets on the connection later do not reach it either."""
 
     __slots__ = ("adapters", "connection")
 
@@ -54,11 +58,6 @@ class Context:
         self.connection = connection
         self.adapters = AdaptersMap(connection.adapters)
         _set_loads(self)
-
-
-def context_of(connection: Any) -> Any:
-    """``connection`` itself if it loads JSON with ``json.loads``, else a :class:`Context`."""
-    return connection if plain(connection.adapters) else Context(connection)
 
 
 def cursor_loads(

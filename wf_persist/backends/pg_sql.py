@@ -254,7 +254,9 @@ def start_statement(idempotent: bool, leased: bool, notify: bool, newest: bool =
         .cte("wf_begun")
     )
     columns: list[Any] = [
-        *(c[col.name] for col in CLAIM_COLUMNS),
+        # A run not claimed here needs no input back: it would be decoded by the loaders
+        # of a host's connection where the start runs in the host's transaction.
+        *(c[col.name] if leased or col is not ex.c.input else null() for col in CLAIM_COLUMNS),
         db_now(),
         literal_column("true").label("began"),
         null().label("history"),

@@ -20,7 +20,7 @@ from typing import Any, Final
 from psycopg import errors, pq
 from psycopg.adapt import PyFormat, Transformer
 
-from .pg_json import context_of
+from .pg_json import Context
 
 _PLACEHOLDER: Final = re.compile(r"%\((\w+)\)s|%%")
 #: The server forgot a statement we prepared (``DEALLOCATE``/``DISCARD ALL`` by the host).
@@ -48,7 +48,7 @@ class _Session:
         status = raw.pgconn.parameter_status
         settings = (status(b"client_encoding"), status(b"TimeZone"), status(b"DateStyle"))
         if self.tx is None or settings != self.settings:
-            self.tx = Transformer.from_context(context_of(raw))
+            self.tx = Transformer.from_context(Context(raw))
             self.settings = settings
         return self.tx
 
