@@ -21,7 +21,10 @@ def plain(adapters: Any) -> bool:
     from psycopg's with its own ``load``, or a function set globally, is not plain."""
     from psycopg.types import json as pg
 
-    if pg._JsonLoader._loads is not json.loads:  # set_json_loads(fn) with no context
+    # set_json_loads(fn) with no context sets the base class's function (psycopg's own
+    # name for it: where a release has no such class, nothing is taken as plain).
+    base = getattr(pg, "_JsonLoader", None)
+    if getattr(base, "_loads", None) is not json.loads:
         return False
     return (
         adapters.get_loader(114, 0) is pg.JsonLoader
