@@ -13,7 +13,7 @@ import json
 import time
 from collections.abc import Callable
 from decimal import Decimal
-from typing import Any
+from typing import Any, Final
 
 import pytest
 import sqlalchemy as sa
@@ -83,25 +83,33 @@ def test_a_host_engines_json_functions_do_not_reach_wf_persists_columns(
     assert host_table(engine) == {"x": Decimal("1.5")}
 
 
-def _drive_through(runtime: wp.Runtime, engine: Engine) -> None:
-    """A run whose first drive records two steps and parks at a sleep; the next drive
-    replays them from the history."""
+SEED: Final = {"b": 2, "a": 0.5}
+
+
+def _replayed(runtime: wp.Runtime) -> tuple[str, Any]:
+    """A run whose first drive records two steps and parks at a sleep, and whose next
+    drive replays them from the history; its id and outcome."""
     runtime.register(host_json_wf)
     client = runtime.client()
-    seed = {"b": 2, "a": 0.5}
-    run = client.start(host_json_wf, seed).execution_id
+    run = client.start(host_json_wf, SEED).execution_id
     assert runtime.drive(run)
     time.sleep(0.05)
     runtime.drive(run)
-    out = client.result(run, timeout=20).unwrap()
+    return run, client.result(run, timeout=20).unwrap()
+
+
+def _drive_through(runtime: wp.Runtime, engine: Engine) -> None:
+    """:func:`_replayed`, every read of it exact."""
+    client = runtime.client()
+    run, out = _replayed(runtime)
     # The replay saw the value the first drive saw: same keys in the same order, same types.
     assert out["again"] == out["first"], out
     assert dict((k, t) for k, t in out["first"]) == {"zz": "int", "a": "float", "list": "list"}
     assert type(out["doc"]["zz"]) is int and type(out["doc"]["a"]) is float
     assert [type(v) for v in out["doc"]["list"]] == [int, float]
-    assert out["seed"] == seed and type(out["seed"]["b"]) is int
+    assert out["seed"] == SEED and type(out["seed"]["b"]) is int
     described = client.describe(run)
-    assert described.input == seed and type(described.input["a"]) is float
+    assert described.input == SEED and type(described.input["a"]) is float
     completed = [r.event for r in client.history(run) if r.event["type"] == "step.completed"]
     assert type(completed[0]["result"]["zz"]) is int
     with wp.Client(engine) as thin:
@@ -141,14 +149,7 @@ def test_an_async_host_engines_json_functions_do_not_reach_wf_persists_columns(
 
     url = normalize_url(db_url)
     async_url = backend_type(url.get_backend_name()).async_url(url)
-    runtime.register(host_json_wf)
-    client = runtime.client()
-    seed = {"b": 2, "a": 0.5}
-    run = client.start(host_json_wf, seed).execution_id
-    assert runtime.drive(run)
-    time.sleep(0.05)
-    runtime.drive(run)
-    expected = client.result(run, timeout=20).unwrap()
+    run, expected = _replayed(runtime)
 
     async def read() -> None:
         engine = create_async_engine(async_url, json_serializer=_dumps, json_deserializer=_loads)
@@ -166,17 +167,6 @@ def test_an_async_host_engines_json_functions_do_not_reach_wf_persists_columns(
             await engine.dispose()
 
     asyncio.run(read())
-
-
-def _kinds_run(runtime: wp.Runtime) -> Any:
-    """:func:`_drive_through`'s run, its outcome."""
-    runtime.register(host_json_wf)
-    client = runtime.client()
-    run = client.start(host_json_wf, {"b": 2, "a": 0.5}).execution_id
-    assert runtime.drive(run)
-    time.sleep(0.05)
-    runtime.drive(run)
-    return client.result(run, timeout=20).unwrap()
 
 
 @pytest.mark.needs("libpq")
@@ -209,7 +199,7 @@ def test_a_host_loader_class_derived_from_psycopgs_does_not_reach_wf_persist(
         dbapi_connection.adapters.register_loader("jsonb", HostJsonbBinary)
 
     with wp.Runtime(engine) as runtime:
-        out = _kinds_run(runtime)
+        _, out = _replayed(runtime)
     assert out["again"] == out["first"]
     assert dict(out["first"]) == {"zz": "int", "a": "float", "list": "list"}
 
@@ -228,7 +218,7 @@ def test_loaders_a_host_sets_on_a_connection_wf_persist_already_used_do_not_reac
         runtime.client().start(host_json_wf, 0)  # the one connection, through libpq
         with engine.connect() as conn:
             set_json_loads(_loads, conn.connection.driver_connection)
-        out = _kinds_run(runtime)
+        _, out = _replayed(runtime)
     assert out["again"] == out["first"]
     assert dict(out["first"]) == {"zz": "int", "a": "float", "list": "list"}
 
