@@ -10,7 +10,7 @@ import collections
 import dataclasses
 import time
 from collections.abc import Iterator
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
 import pydantic
 import pytest
@@ -162,6 +162,90 @@ def test_what_a_dump_leaves_out_is_not_judged_and_not_walked() -> None:
 )
 def test_distinct_keys_are_not_refused(value: Any) -> None:
     to_json(ANY, value, "value")
+
+
+class User(pydantic.BaseModel):
+    id: int
+    name: str
+
+
+#: A reference by id in JSON, the whole user in Python.
+UserRef = Annotated[User, pydantic.PlainSerializer(lambda u: {"id": u.id}, when_used="json")]
+
+
+class Pair(pydantic.BaseModel):
+    a: int
+    b: int
+
+    @pydantic.model_serializer(when_used="json")
+    def _both(self) -> dict[str, Any]:
+        return {"ab": [self.a, self.b]}
+
+
+class Counted(pydantic.BaseModel):
+    d: dict[str, int]
+
+    @pydantic.field_serializer("d", when_used="json")
+    def _count(self, d: dict[str, int]) -> dict[str, int]:
+        return {"n": len(d)}
+
+
+#: Entries of None left out of the JSON.
+Compact = Annotated[
+    dict[str, Any],
+    pydantic.PlainSerializer(
+        lambda d: {k: v for k, v in d.items() if v is not None}, when_used="json"
+    ),
+]
+
+
+class Tree(pydantic.BaseModel):
+    id: int
+    kids: list[Tree] = []
+
+
+class Job(pydantic.BaseModel):
+    name: str
+    graph: Annotated[Tree, pydantic.PlainSerializer(lambda t: {"root": t.id}, when_used="json")]
+    extra: dict[int, int] = {1: 1}
+
+
+def test_serializers_for_json_only_are_judged_by_what_they_write() -> None:
+    """A serializer used only for JSON (a reference by id, a compact form) writes fewer
+    keys than the Python value has: comparing the two dumps refused such values, stored
+    whole before, and walked the subtree the JSON form leaves out (a shared tree of 2**22
+    paths took a minute)."""
+    assert to_json(pydantic.TypeAdapter(UserRef), User(id=1, name="n"), "x") == {"id": 1}
+    assert to_json(pydantic.TypeAdapter(Pair), Pair(a=1, b=2), "x") == {"ab": [1, 2]}
+    assert to_json(pydantic.TypeAdapter(Counted), Counted(d={"x": 1, "y": 2}), "x") == {
+        "d": {"n": 2}
+    }
+    assert to_json(pydantic.TypeAdapter(Compact), {"a": (1, 2), "b": None}, "x") == {"a": [1, 2]}
+    tree = Tree(id=0)
+    for i in range(1, 23):
+        tree = Tree(id=i, kids=[tree, tree])
+    began = time.perf_counter()
+    job = to_json(pydantic.TypeAdapter(Job), Job(name="j", graph=tree), "x")
+    assert job == {"name": "j", "graph": {"root": 22}, "extra": {"1": 1}}
+    assert time.perf_counter() - began < 2
+
+
+@dataclasses.dataclass(eq=False)
+class Held:
+    d: dict[Any, int]
+
+
+#: Keys written in lower case: "A" and "a" become one.
+Lower = Annotated[str, pydantic.PlainSerializer(lambda s: s.lower())]
+
+
+def test_keys_merged_inside_sets_or_by_a_key_serializer_are_refused() -> None:
+    with pytest.raises(wp.NotSerializableError, match=LOST):
+        to_json(pydantic.TypeAdapter(set[Held]), {Held({1: 1, "1": 2})}, "x")
+    with pytest.raises(wp.NotSerializableError, match=LOST):
+        to_json(ANY, frozenset({Held({True: 1, "true": 2})}), "x")
+    with pytest.raises(wp.NotSerializableError, match=LOST):
+        to_json(pydantic.TypeAdapter(dict[Lower, int]), {"A": 1, "a": 2}, "x")
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ from .timeouts import plain_number
 from .values import (
     lost_keys,
     non_finite,
+    parsed,
     resolve_type_reference,
     schema_errors,
     unstorable,
@@ -74,27 +75,6 @@ def signal_document(execution_id: str, name: str, wait: Mapping[str, Any], paylo
         if errors:
             raise SignalPayloadError(execution_id, name, errors)
     return doc
-
-
-def parsed(text: str) -> tuple[Any, str | None]:
-    """``json.loads(text)``, and why a key of the payload would be lost: ``json.dumps``
-    writes ``{1: "a", "1": "b"}`` (or ``{None: 1, "null": 2}``) with one key twice, and
-    reading it back keeps one entry, silently."""
-    lost: list[str] = []
-
-    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        doc: dict[str, Any] = {}
-        for key, value in pairs:
-            if key in doc and not lost:
-                lost.append(
-                    f"two of its keys are both written as the JSON key {shown(key)}, so one "
-                    "entry would be lost"
-                )
-            doc[key] = value
-        return doc
-
-    doc = json.loads(text, object_pairs_hook=unique)
-    return doc, (lost[0] if lost else None)
 
 
 def utc(value: object, what: str) -> dt.datetime:

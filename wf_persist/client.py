@@ -42,7 +42,7 @@ from .records import (
 from .runtime import Clock, utc_now
 from .store import Executor, catalog, executions
 from .timeouts import duration_seconds, positive
-from .values import schema_errors, unstorable
+from .values import parsed, schema_errors, unstorable
 from .wakeups import Ends, Wakeups
 
 __all__ = [
@@ -390,7 +390,7 @@ def _cataloged_document(what: str, payload: Any, schema: Any) -> Any:
     problem = unstorable(payload)
     if problem is None:
         try:
-            doc, lost = arguments.parsed(json.dumps(payload, allow_nan=False))
+            doc, lost = parsed(json.dumps(payload, allow_nan=False))
         except (TypeError, ValueError, RecursionError) as exc:
             raise NotSerializableError(what, f"it is not JSON: {exc}") from None
         # Checked again as JSON: a tuple (which the first look passes over) became a list.

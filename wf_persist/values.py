@@ -8,12 +8,12 @@ on every retry.
 
 from __future__ import annotations
 
-import collections
 import functools
 import json
 import math
 import re
 import sys
+import weakref
 from collections.abc import Iterator
 from dataclasses import is_dataclass
 from decimal import Decimal
@@ -131,17 +131,62 @@ def lost_keys(adapter: TypeAdapter[Any], validated: Any, doc: Any) -> str | None
     are text, so ``{1: "a", "1": "b"}`` (or ``True`` and ``"true"``, ``(1, 2)`` and
     ``"1,2"``) becomes one entry, silently.
 
-    Each dict of the value as the adapter dumps it in Python mode (models as dicts, fields
-    excluded or serialized as the JSON dump does, keys not yet text) is set against the
-    JSON dict in its place: fewer entries there means keys were written alike. The walk
-    follows the JSON side, which has no cycles (fields a dump leaves out are never read)."""
-    if not _has_dict(doc) or _plain(validated, 0):
+    pydantic's JSON text keeps both (``{"1":"a","1":"b"}``): the value is written as text
+    by the same serializers (those for JSON only too) and read back watching for a key
+    twice. Plain JSON data (text keys, lists) cannot lose one and is passed at once."""
+    if not _has_dict(doc) or (_plain(validated, 0) and not _serializes(adapter)):
         return None
     try:
-        python = adapter.dump_python(validated)
+        text = adapter.dump_json(validated)
     except Exception:
-        return None
-    return _lost(python, doc)
+        return None  # it was dumped already: nothing to judge that dump did not
+    return parsed(text)[1]
+
+
+def parsed(text: str | bytes) -> tuple[Any, str | None]:
+    """``json.loads(text)``, and why an entry of it would be lost: JSON text written from
+    a dict whose keys became one text has that key twice (``json.dumps`` and pydantic write
+    both), and reading it keeps one entry, silently."""
+    lost: list[str] = []
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        doc = dict(pairs)
+        if len(doc) < len(pairs) and not lost:
+            seen: set[str] = set()
+            for key, _ in pairs:
+                if key in seen:
+                    lost.append(
+                        f"two of its keys are both written as the JSON key {shown(key)}, so "
+                        "one entry would be lost"
+                    )
+                    break
+                seen.add(key)
+        return doc
+
+    return json.loads(text, object_pairs_hook=unique), (lost[0] if lost else None)
+
+
+_SERIALIZES: weakref.WeakKeyDictionary[TypeAdapter[Any], bool] = weakref.WeakKeyDictionary()
+
+
+def _serializes(adapter: TypeAdapter[Any]) -> bool:
+    """Whether ``adapter``'s type has a serializer of its own anywhere (one may write two
+    text keys as one: ``"A"`` and ``"a"`` in lower case), found once per adapter."""
+    found = _SERIALIZES.get(adapter)
+    if found is None:
+        found = _SERIALIZES[adapter] = _has_serializer(adapter.core_schema, set())
+    return found
+
+
+def _has_serializer(schema: Any, seen: set[int]) -> bool:
+    if id(schema) in seen:
+        return False
+    seen.add(id(schema))
+    if isinstance(schema, dict):
+        return "serialization" in schema or any(_has_serializer(v, seen) for v in schema.values())
+    if isinstance(schema, list | tuple):
+        return any(_has_serializer(v, seen) for v in schema)
+    return False
 
 
 def _plain(value: Any, depth: int) -> bool:
@@ -163,53 +208,6 @@ def _has_dict(doc: Any) -> bool:
     if isinstance(doc, dict):
         return True
     return isinstance(doc, list) and any(type(v) not in _LEAVES and _has_dict(v) for v in doc)
-
-
-def _lost(python: Any, doc: Any) -> str | None:
-    """:func:`lost_keys` of one place; where the two dumps differ in shape (a serializer
-    used only for JSON), nothing below is judged."""
-    if isinstance(python, dict):
-        if not isinstance(doc, dict):
-            return None
-        if len(doc) < len(python):
-            return _collision(python)
-        if len(doc) != len(python):
-            return None
-        pairs: Any = zip(python.values(), doc.values(), strict=True)
-    elif isinstance(python, list | tuple | collections.deque):
-        if not isinstance(doc, list) or len(doc) != len(python):
-            return None
-        pairs = zip(python, doc, strict=True)
-    else:
-        return None
-    for inner, written in pairs:
-        if type(written) in _LEAVES:
-            continue
-        found = _lost(inner, written)
-        if found:
-            return found
-    return None
-
-
-def _collision(mapping: dict[Any, Any]) -> str:
-    """Two keys of ``mapping`` that JSON writes as one text, said for people (by the
-    default key text; a key serializer of the type's own is named as such)."""
-    seen: dict[str, Any] = {}
-    for key in mapping:
-        try:
-            text = next(iter(pydantic_core.to_jsonable_python({key: None})))
-        except Exception:
-            continue
-        if text in seen:
-            return (
-                f"its keys {shown(seen[text])} and {shown(key)} are both written as the JSON "
-                f"key {shown(text)}, so one entry would be lost"
-            )
-        seen[text] = key
-    return (
-        f"{len(mapping)} of its keys are written as fewer JSON keys by the type's own key "
-        "serializer, so entries would be lost"
-    )
 
 
 def to_json(adapter: TypeAdapter[Any], value: Any, what: str) -> Any:
