@@ -9,7 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Annotated, Any, Final
 
 import pydantic
@@ -313,3 +313,18 @@ def test_distinct_keys_are_stored_as_their_text_everywhere(runtime: wp.Runtime) 
         "step": text,
         "signal": {"1": "x", "2": "y"},
     }
+
+
+class Rows(pydantic.BaseModel):
+    rows: Iterable[dict[Any, str]]
+
+
+def test_keys_merged_inside_an_iterator_are_refused() -> None:
+    """An iterator is read by the one dump that is stored and checked: a second dump for
+    the check saw it empty, and the merged key was lost."""
+    with pytest.raises(wp.NotSerializableError, match=LOST):
+        to_json(ANY, (d for d in [{1: "a", "1": "b"}]), "x")
+    with pytest.raises(wp.NotSerializableError, match=LOST):
+        to_json(pydantic.TypeAdapter(Rows), {"rows": [{1: "a", "1": "b"}]}, "x")
+    rows = to_json(pydantic.TypeAdapter(Rows), {"rows": iter([{1: "a", 2: "b"}])}, "x")
+    assert rows == {"rows": [{"1": "a", "2": "b"}]}

@@ -17,7 +17,7 @@ from .errors import InvalidArgumentError, SignalPayloadError
 from .models import KEY_WIDTH, WORKFLOW_NAME_WIDTH
 from .timeouts import plain_number
 from .values import (
-    lost_keys,
+    json_form,
     non_finite,
     parsed,
     resolve_type_reference,
@@ -43,11 +43,10 @@ def signal_document(execution_id: str, name: str, wait: Mapping[str, Any], paylo
     if tp is not None and isinstance(payload, tp):
         adapter = adapter_for(tp)
         try:
-            dumped = adapter.dump_python(payload, mode="json")
+            dumped, problem = json_form(adapter, payload)
         # bytes not UTF-8; ValueError: pydantic's "Maximum serialization depth exceeded"
         except (PydanticSerializationError, UnicodeDecodeError, ValueError) as exc:
             raise SignalPayloadError(execution_id, name, [{"loc": (), "msg": str(exc)}]) from exc
-        problem = lost_keys(adapter, payload, dumped)
         if problem is not None:
             raise SignalPayloadError(execution_id, name, [{"loc": (), "msg": problem}])
         return dumped

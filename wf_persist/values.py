@@ -126,21 +126,23 @@ def _non_finite_key(key: Any, depth: int) -> bool:
 _LEAVES: Final = frozenset({str, int, float, bool, type(None), bytes})
 
 
-def lost_keys(adapter: TypeAdapter[Any], validated: Any, doc: Any) -> str | None:
-    """Why ``doc`` (``validated`` dumped to JSON) lost a dict entry, or ``None``: JSON keys
+def json_form(adapter: TypeAdapter[Any], validated: Any) -> tuple[Any, str | None]:
+    """``validated``'s JSON form, and why it would lose a dict entry (or ``None``): JSON keys
     are text, so ``{1: "a", "1": "b"}`` (or ``True`` and ``"true"``, ``(1, 2)`` and
     ``"1,2"``) becomes one entry, silently.
 
-    pydantic's JSON text keeps both (``{"1":"a","1":"b"}``): the value is written as text
-    by the same serializers (those for JSON only too) and read back watching for a key
-    twice. Plain JSON data (text keys, lists) cannot lose one and is passed at once."""
-    if not _has_dict(doc) or (_plain(validated, 0) and not _serializes(adapter)):
-        return None
+    pydantic's JSON text keeps both (``{"1":"a","1":"b"}``): it is read back watching for a
+    key twice. One dump, so an iterator in the value is read once. Plain JSON data (text
+    keys, lists) whose type has no serializer of its own cannot lose a key and is dumped
+    to Python directly (the common case, and faster); so is a value whose JSON text cannot
+    be made, for the reason that dump gives."""
+    if _plain(validated, 0) and not _serializes(adapter):
+        return adapter.dump_python(validated, mode="json"), None
     try:
         text = adapter.dump_json(validated)
     except Exception:
-        return None  # it was dumped already: nothing to judge that dump did not
-    return parsed(text)[1]
+        return adapter.dump_python(validated, mode="json"), None
+    return parsed(text)
 
 
 def parsed(text: str | bytes) -> tuple[Any, str | None]:
@@ -204,12 +206,6 @@ def _plain(value: Any, depth: int) -> bool:
     return kind in _LEAVES
 
 
-def _has_dict(doc: Any) -> bool:
-    if isinstance(doc, dict):
-        return True
-    return isinstance(doc, list) and any(type(v) not in _LEAVES and _has_dict(v) for v in doc)
-
-
 def to_json(adapter: TypeAdapter[Any], value: Any, what: str) -> Any:
     """Validate ``value`` and return its JSON form (what gets stored).
 
@@ -218,7 +214,7 @@ def to_json(adapter: TypeAdapter[Any], value: Any, what: str) -> Any:
     """
     try:
         validated = adapter.validate_python(value)
-        doc = adapter.dump_python(validated, mode="json")
+        doc, lost = json_form(adapter, validated)
     except ValidationError as exc:
         raise InvalidPayloadError(what, [dict(e) for e in exc.errors(include_url=False)]) from exc
     except (PydanticSerializationError, UnicodeDecodeError, TypeError) as exc:
@@ -235,7 +231,7 @@ def to_json(adapter: TypeAdapter[Any], value: Any, what: str) -> Any:
     # tells them apart.
     if (nulls or problem) and non_finite(validated):
         raise NotSerializableError(what, _NON_FINITE)
-    problem = problem or lost_keys(adapter, validated, doc)
+    problem = problem or lost
     if problem is not None:
         raise NotSerializableError(what, problem)
     return doc
