@@ -42,6 +42,7 @@ from sqlalchemy.dialects import mysql, postgresql
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator, TypeEngine
 
+from .json_text import json_text
 from .lifecycle import ACTIVE, STATUSES
 
 NAMING_CONVENTION: Final = {
@@ -115,8 +116,6 @@ class ExactJSONB(TypeDecorator[Any]):
             return self.impl_instance.dialect_impl(dialect).bind_processor(dialect)
         from psycopg.types.json import Jsonb
 
-        from .json_text import json_text
-
         def process(value: Any) -> Any:
             return None if value is None else Jsonb(value, json_text)
 
@@ -133,8 +132,6 @@ class OwnJSON(TypeDecorator[Any]):
     cache_ok = True
 
     def bind_processor(self, dialect: Dialect) -> Any:
-        from .json_text import json_text
-
         def process(value: Any) -> Any:
             return None if value is None else json_text(value)
 

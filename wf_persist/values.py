@@ -122,7 +122,7 @@ def _non_finite_key(key: Any, depth: int) -> bool:
     return non_finite(key, depth)
 
 
-#: Values with no keys inside: the walk for lost keys passes them without a call.
+#: Values with no keys inside: :func:`_plain` passes them without a call.
 _LEAVES: Final = frozenset({str, int, float, bool, type(None), bytes})
 
 
@@ -136,7 +136,7 @@ def json_form(adapter: TypeAdapter[Any], validated: Any) -> tuple[Any, str | Non
     keys, lists) whose type has no serializer of its own cannot lose a key and is dumped
     to Python directly (the common case, and faster); so is a value whose JSON text cannot
     be made, for the reason that dump gives."""
-    if _plain(validated, 0) and not _serializes(adapter):
+    if not _serializes(adapter) and _plain(validated, 0):
         return adapter.dump_python(validated, mode="json"), None
     try:
         text = adapter.dump_json(validated)
@@ -193,8 +193,8 @@ def _has_serializer(schema: Any, seen: set[int]) -> bool:
 
 def _plain(value: Any, depth: int) -> bool:
     """Whether ``value`` is JSON already (dicts of text keys, lists, text, numbers): the
-    common case, where no key can be lost and no second dump is needed. Dumped to JSON
-    already, so it has no cycle."""
+    common case, where no key can be lost. Looked at no deeper than a storable document
+    goes, so a cycle ends it (the dump then refuses the value)."""
     kind = type(value)
     if kind is dict:
         return depth <= MAX_DEPTH and all(
