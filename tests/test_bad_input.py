@@ -1223,6 +1223,8 @@ def test_bad_list_workflow(client: wp.WorkflowClient, workflow: Any) -> None:
         {"older_than": dt.timedelta(0), "statuses": None},
         {"older_than": dt.timedelta(0), "statuses": [["completed"]]},
         {"older_than": dt.timedelta.max},
+        {"older_than": dt.timedelta(days=-1)},  # an age in the future: every finished run
+        {"older_than": -dt.timedelta.resolution},
         {"older_than": dt.datetime(9999, 12, 31, 23, tzinfo=dt.timezone(-dt.timedelta(hours=5)))},
     ],
     ids=repr,

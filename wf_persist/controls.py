@@ -209,7 +209,7 @@ class RunControls(RunReader):
         holds locks for long. Running, suspended and compensating runs are never touched.
 
         Args:
-            older_than: an age (``timedelta``) or an aware cutoff time.
+            older_than: an age (a ``timedelta``, not negative) or an aware cutoff time.
             statuses: which finished runs to delete (``completed``, ``failed``).
             on_batch: called with the number of runs each committed batch deleted (a
                 progress display, for a purge that takes long).
@@ -218,6 +218,8 @@ class RunControls(RunReader):
             How many runs were deleted.
         """
         if isinstance(older_than, dt.timedelta):
+            if older_than < dt.timedelta(0):  # a cutoff in the future: every finished run
+                raise InvalidArgumentError(f"older_than must not be negative, got {older_than!r}")
             try:
                 cutoff = self._now() - older_than
             except OverflowError:
