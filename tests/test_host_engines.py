@@ -421,3 +421,37 @@ def test_a_search_path_naming_no_schema_is_refused_for_what_it_is(
     for opening in (wp.Runtime, wp.Client):
         with pytest.raises(wp.UnsupportedDatabaseError, match="names no schema"):
             opening(engine)
+
+
+@pytest.mark.needs("schemas")
+def test_a_search_path_that_shadows_postgresql_functions_is_refused(
+    db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """A host's own ``statement_timestamp()`` found before pg_catalog's (a legal
+    ``search_path=public,x,pg_catalog``) was wf_persist's clock: a frozen one left every
+    timer never due, the run suspended for good. Refused at open, naming it; a schema after
+    pg_catalog, or one with only names wf_persist never calls, is fine."""
+    admin = make_engine(db_url)
+    clock, other = (f"shadow_{uuid.uuid4().hex[:8]}" for _ in range(2))
+    frozen = "RETURNS timestamptz LANGUAGE sql STABLE AS $$ SELECT timestamptz '2001-01-01Z' $$"
+    with admin.begin() as conn:
+        conn.exec_driver_sql(f"CREATE SCHEMA {clock}")
+        conn.exec_driver_sql(f"CREATE FUNCTION {clock}.statement_timestamp() {frozen}")
+        conn.exec_driver_sql(f"CREATE SCHEMA {other}")
+        conn.exec_driver_sql(f"CREATE FUNCTION {other}.format(int) {frozen}")
+        conn.exec_driver_sql(f"CREATE TABLE {other}.line (x int)")  # a type named as one
+    try:
+        shadowing = make_engine(
+            db_url, connect_args={"options": f"-c search_path=public,{clock},pg_catalog"}
+        )
+        for opening in (wp.Runtime, wp.Client):
+            with pytest.raises(wp.UnsupportedDatabaseError, match=f"finds {clock}.statement_"):
+                opening(shadowing)
+        for path in (f"public,pg_catalog,{clock}", f"public,{other},pg_catalog"):
+            engine = make_engine(db_url, connect_args={"options": f"-c search_path={path}"})
+            with wp.Runtime(engine) as rt:
+                rt.register(w.napper_wf)
+                assert rt.client().execute(w.napper_wf, 0.05).unwrap() == "ok"
+    finally:
+        with admin.begin() as conn:
+            conn.exec_driver_sql(f"DROP SCHEMA {clock}, {other} CASCADE")

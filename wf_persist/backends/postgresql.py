@@ -66,6 +66,35 @@ log = logging.getLogger("wf_persist.worker")
 
 #: The longest channel name PostgreSQL takes is one byte short of this (NAMEDATALEN).
 CHANNEL_BYTES: Final = 64
+#: PostgreSQL's own functions, operators and types that wf_persist's statements name
+#: unqualified (types other than those SQL spells as keywords, like VARCHAR or BIGINT).
+_CALLED: Final = (
+    *("statement_timestamp", "clock_timestamp", "now", "make_interval", "current_setting"),
+    *("current_schema", "current_schemas", "pg_is_in_recovery", "array_position", "unnest"),
+    *("json_agg", "json_build_array", "jsonb_build_object", "count", "min", "max", "lower"),
+    *("upper", "length", "octet_length", "pg_notify", "hashtextextended", "pg_advisory_lock"),
+    *("pg_try_advisory_lock", "pg_try_advisory_xact_lock", "pg_advisory_unlock"),
+    *("pg_advisory_xact_lock", "=", "<>", "<", "<=", ">", ">=", "+", "-", "||", "->", "->>"),
+    *("jsonb", "json", "text"),
+)
+_PATH: Final = "pg_catalog.current_schemas(true)"
+_CATALOG_AT: Final = f"pg_catalog.array_position({_PATH}, 'pg_catalog')"
+#: The first of :data:`_CALLED` that a schema searched before ``pg_catalog`` (a
+#: ``search_path`` naming it after another) has one of the same name of: the host's would
+#: be used in its place. Looked for only where ``pg_catalog`` is not searched first; every
+#: name here is qualified, so none is shadowed.
+_SHADOWING: Final = f"""CASE WHEN {_CATALOG_AT} OPERATOR(pg_catalog.>) 1 THEN (
+ SELECT n.nspname OPERATOR(pg_catalog.||) '.' OPERATOR(pg_catalog.||) o.name
+ FROM (SELECT pronamespace AS ns, proname AS name FROM pg_catalog.pg_proc
+       UNION ALL SELECT oprnamespace, oprname FROM pg_catalog.pg_operator
+       UNION ALL SELECT typnamespace, typname FROM pg_catalog.pg_type) AS o
+ JOIN pg_catalog.pg_namespace AS n ON n.oid OPERATOR(pg_catalog.=) o.ns
+ WHERE n.nspname OPERATOR(pg_catalog.=)
+   ANY (({_PATH})[1:{_CATALOG_AT} OPERATOR(pg_catalog.-) 1])
+ AND o.name OPERATOR(pg_catalog.=)
+   ANY ('{{{",".join(f'"{n}"' for n in _CALLED)}}}'::pg_catalog.name[])
+ ORDER BY pg_catalog.array_position({_PATH}, n.nspname), o.name
+ LIMIT 1) END"""
 #: Key of the advisory lock that serializes concurrent migrations.
 MIGRATION_LOCK_KEY: Final = 0x77665F70657273  # "wf_pers"
 _JSON_COLUMNS = frozenset({"event", "result", "error", "input"})
@@ -104,11 +133,14 @@ class PostgreSQLBackend(RawPath):
         # host's engine keeps the per-checkout level.
         with engine.connect() as conn:
             found = conn.exec_driver_sql(
-                "SELECT current_setting('default_transaction_isolation'),"
-                " current_setting('DateStyle'), current_setting('client_encoding'),"
-                " current_setting('server_encoding'), current_schema(),"
-                " current_setting('search_path'),"
-                " current_setting('transaction_read_only') = 'on' OR pg_is_in_recovery()"
+                "SELECT pg_catalog.current_setting('default_transaction_isolation'),"
+                " pg_catalog.current_setting('DateStyle'),"
+                " pg_catalog.current_setting('client_encoding'),"
+                " pg_catalog.current_setting('server_encoding'), pg_catalog.current_schema(),"
+                " pg_catalog.current_setting('search_path'),"
+                " pg_catalog.current_setting('transaction_read_only') OPERATOR(pg_catalog.=)"
+                " 'on' OR pg_catalog.pg_is_in_recovery(),"
+                f" {_SHADOWING}"
             ).one()
             default, self.date_style, client_encoding, server_encoding = found[:4]
             #: Where unqualified names resolve (None: the search path names no schema
@@ -116,6 +148,9 @@ class PostgreSQLBackend(RawPath):
             self.current_schema, self.search_path = found[4], str(found[5])
             # A read-only default for transactions (a host's setting), or a standby.
             self._read_only = bool(found[6])
+            #: A function, operator or type of PostgreSQL's own that a schema searched
+            #: before ``pg_catalog`` has one of the same name of (None: nothing shadowed).
+            self.shadowed: str | None = found[7]
             self.encodings = (str(client_encoding), str(server_encoding))
             level = conn.get_isolation_level()  # AUTOCOMMIT is a driver setting it omits
             raw: Any = conn.connection.dbapi_connection
@@ -210,6 +245,15 @@ class PostgreSQLBackend(RawPath):
                 f"this engine's connections have search_path '{self.search_path}', which "
                 "names no schema that exists, so wf_persist's tables cannot be found; set "
                 "one (connect_args={'options': '-c search_path=public'}) or pass schema="
+            )
+        if self.shadowed is not None:
+            # Our statements call PostgreSQL's functions and operators unqualified: a
+            # clock of the host's that does not move would leave every timer never due.
+            raise UnsupportedDatabaseError(
+                f"this engine's search_path ('{self.search_path}') finds {self.shadowed} "
+                "before PostgreSQL's own, which wf_persist's statements use (its clock, "
+                "comparisons, JSON functions); put pg_catalog first in search_path, or leave "
+                "it out (PostgreSQL then searches it first)"
             )
         if client_encoding.upper() != "UTF8":
             raise UnsupportedDatabaseError(
