@@ -5,8 +5,10 @@ from __future__ import annotations
 import itertools
 import signal
 import subprocess
+import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import Connection
@@ -250,3 +252,38 @@ def test_a_slot_whose_unlock_fails_is_not_kept_by_a_pooled_connection(
     second = client.start(s.exclusive_wf, "second")
     assert client.result(second.execution_id, timeout=10).unwrap() == "second"
     assert s.CALLS["exclusive:first"] == 1 and s.CALLS["exclusive:second"] == 1
+
+
+@pytest.mark.needs("shared_slots")
+def test_two_deployments_on_one_server_have_their_own_limits(
+    backend: str, db_url: str, make_engine: Callable[..., Any]
+) -> None:
+    """A server's locks are shared by all its databases (MySQL's named locks) or all schemas
+    of one (PostgreSQL's advisory locks): a ``Limit(1)`` step of one deployment waited for
+    the slot the same-named step held in another. Within a deployment the limit holds."""
+    from .conftest import CAPABILITIES
+
+    admin = make_engine(db_url)
+    name = f"wf_other_{uuid.uuid4().hex[:8]}"
+    by_schema = "schemas" in CAPABILITIES[backend]
+    with admin.begin() as conn:
+        conn.exec_driver_sql(f"CREATE {'SCHEMA' if by_schema else 'DATABASE'} {name}")
+    other_url = db_url if by_schema else make_url(db_url).set(database=name)
+    try:
+        wp.migrate.upgrade(other_url, schema=name if by_schema else None)
+        with (
+            wp.Runtime(db_url) as ours,
+            wp.Runtime(db_url) as ours_too,
+            wp.Runtime(other_url, schema=name if by_schema else None) as theirs,
+            ours.backend.slots.slot("charge", "k", 1) as take,
+            ours_too.backend.slots.slot("charge", "k", 1) as take_too,
+            theirs.backend.slots.slot("charge", "k", 1) as take_theirs,
+        ):
+            assert take()
+            assert take_theirs(), "another deployment's slot is its own"
+            assert not take_too(), "within one deployment the limit holds"
+    finally:
+        with admin.begin() as conn:
+            conn.exec_driver_sql(
+                f"DROP SCHEMA {name} CASCADE" if by_schema else f"DROP DATABASE {name}"
+            )

@@ -60,7 +60,8 @@ from .sql import (
 )
 
 #: Name of the lock that serializes concurrent migrations.
-MIGRATION_LOCK: Final = "wf_persist_migrate"
+#: The named lock an upgrade holds: named locks are the server's, so one per database.
+MIGRATION_LOCK: Final = "CONCAT('wf_persist_migrate:', SHA1(COALESCE(DATABASE(), '')))"
 #: Where an upgrade keeps its connection's sql_big_selects to put back.
 _BIG_SELECTS: Final = "wf_persist_big_selects"
 #: Statements and values over ``max_allowed_packet`` break the connection: values stay well
@@ -134,7 +135,8 @@ class MySQLBackend(Backend):
                     "SELECT @@SESSION.sql_mode, @@max_allowed_packet,"
                     " @@SESSION.character_set_client, @@SESSION.character_set_connection,"
                     " @@SESSION.character_set_results, @@SESSION.sql_select_limit,"
-                    f" @@SESSION.sql_big_selects, @@SESSION.{session_ro} OR @@GLOBAL.read_only"
+                    f" @@SESSION.sql_big_selects, @@SESSION.{session_ro} OR @@GLOBAL.read_only,"
+                    " DATABASE()"
                 )
             ).one()
             mode, packet, client_set, connection_set, results_set, limit, big = found[:7]
@@ -145,7 +147,9 @@ class MySQLBackend(Backend):
             autocommit = conn.dialect.detect_autocommit_setting(raw)
             self._isolation = "AUTOCOMMIT" if autocommit else conn.get_isolation_level()
         super().__init__(engine, owned=owned, schema=schema)
-        self.slots = NamedLockSlots(self.engine)
+        # Named locks are the server's: a limit holds within the database of our tables.
+        tables = (self.schema_map or {}).get(None) or found[8] or ""
+        self.slots = NamedLockSlots(self.engine, str(tables))
         self.sql_mode = str(mode)
         # Results in their columns' own character set (NULL) are utf8mb4 for our tables.
         results = "utf8mb4" if results_set is None else str(results_set)
@@ -426,7 +430,7 @@ class MySQLBackend(Backend):
 
     @classmethod
     def migration_lock(cls, conn: Connection) -> None:
-        got = conn.execute(text(f"SELECT GET_LOCK('{MIGRATION_LOCK}', 600)")).scalar_one()
+        got = conn.execute(text(f"SELECT GET_LOCK({MIGRATION_LOCK}, 600)")).scalar_one()
         if got != 1:
             raise UnsupportedDatabaseError("could not take the wf_persist migration lock")
         # A host's max_join_size (which turns sql_big_selects off) refuses the upgrade's
@@ -440,4 +444,4 @@ class MySQLBackend(Backend):
         big = conn.info.pop(_BIG_SELECTS, None)
         if big is not None:
             conn.execute(text("SET SESSION sql_big_selects = :big"), {"big": big})
-        conn.execute(text(f"SELECT RELEASE_LOCK('{MIGRATION_LOCK}')"))
+        conn.execute(text(f"SELECT RELEASE_LOCK({MIGRATION_LOCK})"))

@@ -165,7 +165,9 @@ class PostgreSQLBackend(RawPath):
             event.listen(engine, "checkout", as_created())
         self._channel: str | None = None
         super().__init__(engine, owned=owned, schema=schema)
-        self.slots = AdvisorySlots(self.engine)
+        # Advisory locks are the database's: a limit holds within the schema of our tables.
+        tables = (self.schema_map or {}).get(None) or self.current_schema or ""
+        self.slots = AdvisorySlots(self.engine, tables)
         self._sql: dict[WriteShape, str] = {}
         # The one-statement write runs in autocommit, at the sessions' default isolation
         # (the host's connect options or the database's setting may raise it): above READ

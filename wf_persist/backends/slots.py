@@ -22,9 +22,12 @@ log = logging.getLogger("wf_persist.worker")
 Acquire = Callable[[], bool]
 
 
-def lock_key(step_name: str, key: str) -> int:
-    """A stable signed 32-bit key for (step, key)."""
-    digest = hashlib.sha256(f"wf_persist\0{step_name}\0{key}".encode()).digest()
+def lock_key(namespace: str, step_name: str, key: str) -> int:
+    """A stable signed 32-bit key for (step, key) in the schema or database ``namespace``
+    whose wf_ tables the limit is for: a server's locks are shared by all its databases
+    (MySQL's named locks) or all schemas of one (PostgreSQL's advisory locks), and two
+    deployments must not hold each other's slots."""
+    digest = hashlib.sha256(f"wf_persist\0{namespace}\0{step_name}\0{key}".encode()).digest()
     return int.from_bytes(digest[:4], "big", signed=True)
 
 
@@ -34,8 +37,10 @@ class Slots:
     #: Whether a limit holds across processes sharing the database.
     shared = False
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, namespace: str = "") -> None:
         self.engine = engine
+        #: Where the wf_ tables are (a schema, a database): limits hold within it.
+        self.namespace = namespace
         self._lock = threading.Lock()
         self._semaphores: dict[tuple[str, str, int], threading.Semaphore] = {}
 
@@ -77,7 +82,7 @@ class SessionLockSlots(Slots):
         # if every slot is taken. Runs queueing for a slot (hundreds, on the async worker)
         # would otherwise each hold a pooled connection for nothing, and the pool would
         # have none left for the writes of the runs that hold the slots.
-        k1 = lock_key(step_name, key)
+        k1 = lock_key(self.namespace, step_name, key)
         held: tuple[Connection, int] | None = None
 
         def acquire() -> bool:
