@@ -423,3 +423,38 @@ def test_a_lease_keeps_its_presence_name_after_a_quiet_spell(
     execution_id = rt.client().start(_owner_after_quiet_wf).execution_id
     assert rt.drive(execution_id)
     assert _OWNERS[execution_id] == rt.owner, "the lease lost its presence name"
+
+
+def test_capability_probes_at_the_same_time_all_find_advisory_locks_working(
+    db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """Each process probes once whether advisory locks exclude each other. Probes shared
+    one key: a probe that met another process's concluded they lock nothing here, and that
+    process ran its whole life without a presence lock (its runs taken over only after
+    their lease). Each probe now has a key of its own."""
+    import psycopg
+
+    from wf_persist.backends.pg_presence import advisory_locks_work
+
+    engine = make_engine(db_url, pool_size=4)
+    libpq = make_url(db_url).set(drivername="postgresql").render_as_string(False)
+    raws = [psycopg.connect(libpq, autocommit=True) for _ in range(4)]
+    together = threading.Barrier(len(raws))
+    found: list[bool] = []
+
+    def probe(raw: Any) -> None:
+        for _ in range(20):
+            together.wait(timeout=30)
+            found.append(advisory_locks_work(engine, raw))
+
+    threads = [threading.Thread(target=probe, args=(raw,)) for raw in raws]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    finally:
+        for raw in raws:
+            raw.close()
+    assert len(found) == 80
+    assert all(found), f"{found.count(False)} of 80 probes found the locks not working"

@@ -27,6 +27,7 @@ import select
 import socket
 import threading
 import time
+import uuid
 from typing import TYPE_CHECKING, Any, Final
 
 from psycopg import errors, pq
@@ -298,7 +299,9 @@ def advisory_locks_work(engine: Engine, raw: Any) -> bool:
 
 
 def _exclusive(engine: Engine, raw: Any) -> bool:
-    key = "wf_persist capability probe"
+    # A key of its own: another process probing at the same time holds the same fixed key,
+    # and this probe would conclude the locks lock nothing (no presence for its life).
+    key = f"wf_persist capability probe {uuid.uuid4()}"
     first = raw.execute(f"SELECT pg_try_advisory_lock({_KEY})", [key]).fetchone()[0]
     try:
         with engine.connect() as two:
