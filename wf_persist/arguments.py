@@ -31,11 +31,22 @@ def validate_signal(execution_id: str, name: str, wait: Mapping[str, Any], paylo
     if non_finite(payload):
         problem: str | None = "it contains NaN or an infinity, which JSON cannot hold"
     else:
-        stored = signal_document(execution_id, name, wait, payload)
+        try:
+            stored = signal_document(execution_id, name, wait, payload)
+        except SignalPayloadError:
+            raise
+        except Exception as exc:  # a validator of the caller's own raising what it likes
+            raise SignalPayloadError(execution_id, name, [raised(exc)]) from exc
         problem = unstorable(stored)
     if problem is not None:
         raise SignalPayloadError(execution_id, name, [{"loc": (), "msg": problem}])
     return stored
+
+
+def raised(exc: Exception) -> dict[str, Any]:
+    """The error entry for a payload whose validation raised ``exc`` (a validator's own
+    ``KeyError``, say: pydantic passes on what is not a ValueError or AssertionError)."""
+    return {"loc": (), "msg": f"validating it raised {shown(exc)}"}
 
 
 def signal_document(execution_id: str, name: str, wait: Mapping[str, Any], payload: Any) -> Any:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import refusals
-from .arguments import check_version
+from .arguments import check_version, raised
 from .authoring import Workflow
 from .backends import Backend
 from .error_documents import shown
@@ -19,6 +19,7 @@ from .errors import (
     InvalidPayloadError,
     MissingWorkflowVersionError,
     UnknownWorkflowError,
+    WfPersistError,
     WorkflowVersionConflictError,
 )
 from .store import Executor, catalog
@@ -133,7 +134,12 @@ class Registry:
         what = f"input of workflow {wf.name}"
         if not wf.takes_input and payload is not None:
             raise InvalidPayloadError(what, [{"loc": (), "msg": "this workflow takes no input"}])
-        stored = to_json(wf.input_adapter, payload, what)
+        try:
+            stored = to_json(wf.input_adapter, payload, what)
+        except WfPersistError:
+            raise
+        except Exception as exc:  # a validator of the caller's own raising what it likes
+            raise InvalidPayloadError(what, [raised(exc)]) from exc
         self.backend.check_size(what, stored)
         return stored
 
