@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from pydantic import BaseModel
+from pydantic import BaseModel, field_validator
 
 import wf_persist as wp
 from wf_persist import cli, migrate
@@ -59,6 +59,19 @@ class Reading(BaseModel):
 
 class Count(BaseModel):
     n: int
+
+
+class Unlucky(BaseModel):
+    """A model whose validator raises what pydantic passes on as it is (not a ValueError)."""
+
+    n: int
+
+    @field_validator("n")
+    @classmethod
+    def _not_13(cls, n: int) -> int:
+        if n == 13:
+            raise KeyError("unlucky")
+        return n
 
 
 @dataclass
@@ -164,6 +177,7 @@ SIGNAL_TYPES: dict[str, Any] = {
     "Count": Count,
     "Point": Point,
     "bytes": bytes,
+    "Unlucky": Unlucky,
 }
 
 
@@ -668,6 +682,33 @@ def test_unstorable_signal_payload_is_refused_and_the_run_keeps_waiting(
     good = {"any": 1, "Reading": Reading(value=1.5), "Count": Count(n=2), "Point": Point(1, 2)}
     client.signal(handle.execution_id, "go", good.get(kind, b"ok"))
     assert isinstance(client.result(handle.execution_id, timeout=10), wp.Completed)
+
+
+@wp.workflow(name="bad-unlucky", version=1)
+def unlucky_wf(ctx: wp.Context, unlucky: Unlucky) -> int:
+    return unlucky.n
+
+
+def test_a_validator_raising_any_exception_is_a_typed_payload_error(
+    client: wp.WorkflowClient, tables: Tables
+) -> None:
+    """A validator of the caller's own that raised KeyError (pydantic passes on what is
+    not a ValueError or AssertionError) escaped start and signal raw; nothing is written
+    either way, and the run keeps waiting for a good signal."""
+    before = tables.counts()
+    with pytest.raises(wp.InvalidPayloadError, match="validating it raised KeyError") as info:
+        client.start(unlucky_wf, {"n": 13})
+    assert isinstance(info.value.__cause__, KeyError)
+    assert tables.counts() == before, "nothing written, not even a catalog row"
+    handle = client.start(signal_wf, "Unlucky")
+    suspended(client, handle.execution_id)
+    before = tables.counts()
+    for buffer in (False, True):
+        with pytest.raises(wp.SignalPayloadError, match="validating it raised KeyError"):
+            client.signal(handle.execution_id, "go", {"n": 13}, buffer=buffer)
+    assert tables.counts() == before, "nothing recorded"
+    client.signal(handle.execution_id, "go", {"n": 1})
+    assert client.result(handle.execution_id, timeout=10).unwrap() == {"got": "n=1"}
 
 
 @pytest.mark.parametrize("value", [2**63 - 1, -(2**63)], ids=["2**63-1", "-2**63"])
@@ -1241,6 +1282,34 @@ def test_bad_purge_arguments(
 
 
 # -- 15. bindings, registration and starts ------------------------------------------------
+
+
+def test_a_database_that_cannot_be_connected_to_is_one_typed_error(
+    backend: str, db_url: str, tmp_path: Path
+) -> None:
+    """A URL naming a database, role or file the server does not have (or a server that is
+    not there) raised SQLAlchemy's OperationalError from the driver. Now one typed error
+    that names the database (password hidden) and is still an OperationalError (code that
+    retries on that while a database comes up keeps working); nothing is created."""
+    from .conftest import CAPABILITIES
+
+    url = sa.make_url(db_url)
+    if "embedded" in CAPABILITIES[backend]:
+        missing = [url.set(database=str(tmp_path / "no" / "such" / "dir.sqlite3"))]
+    else:
+        missing = [
+            url.set(database="wf_no_such_database", password="sekrit-pw"),
+            url.set(port=1),  # nothing listens there
+        ]
+    for bad in missing:
+        text = bad.render_as_string(hide_password=False)
+        for opening in (wp.Runtime, wp.Client, migrate.upgrade):
+            with pytest.raises(wp.DatabaseConnectError) as caught:
+                opening(text)
+            assert isinstance(caught.value, sa.exc.OperationalError)
+            assert str(caught.value).startswith("cannot connect to the database at ")
+            assert "sekrit-pw" not in str(caught.value)
+    assert not (tmp_path / "no").exists()
 
 
 @pytest.mark.parametrize("bind", [123, object(), b"sqlite://", 1.5], ids=repr)

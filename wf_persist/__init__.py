@@ -36,6 +36,7 @@ from .errors import Cancelled as Cancelled
 from .errors import CannotCancelError as CannotCancelError
 from .errors import ChildWorkflowError as ChildWorkflowError
 from .errors import CodeExecutionError as CodeExecutionError
+from .errors import DatabaseConnectError as DatabaseConnectError
 from .errors import DriveFailedError as DriveFailedError
 from .errors import EventNotSetError as EventNotSetError
 from .errors import ForkedRuntimeError as ForkedRuntimeError
@@ -92,6 +93,7 @@ __all__ = [
     "CodeExecutionError",
     "Completed",
     "Context",
+    "DatabaseConnectError",
     "DriveFailedError",
     "EventNotSetError",
     "ExecutionHandle",

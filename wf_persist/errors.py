@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from sqlalchemy.exc import OperationalError
+
 
 class WfPersistError(Exception):
     """Root of every error wf_persist raises on purpose."""
@@ -105,6 +107,28 @@ class WorkflowDefinitionError(WfPersistError, TypeError):
 class UnsupportedDatabaseError(WfPersistError):
     """The database, its version, its driver or the engine's configuration lacks something
     wf_persist needs; the message says what and how to fix it."""
+
+
+class DatabaseConnectError(WfPersistError, OperationalError):
+    """A connection to the database could not be made (a server down or unreachable, a
+    database, role or password it does not know, a file that cannot be opened); nothing
+    was written. Also SQLAlchemy's ``OperationalError``, as such failures were before, so
+    code that retries on that (waiting for a database to come up) keeps working.
+
+    Attributes:
+        orig: the driver's exception.
+    """
+
+    def __init__(self, message: str, orig: BaseException | None = None) -> None:
+        OperationalError.__init__(self, None, None, orig or Exception(message))
+        self.message = message
+        self.args = (message,)
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.message,))
 
 
 class PoolTooSmallError(InvalidArgumentError):

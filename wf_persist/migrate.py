@@ -172,7 +172,7 @@ def _connection(bind: Bind) -> Iterator[Connection]:
         return
     engine = bind if isinstance(bind, Engine) else backends.create_engine(bind)
     try:
-        with engine.connect() as conn:
+        with backends.connect(engine) as conn:
             yield conn
             conn.commit()
     finally:

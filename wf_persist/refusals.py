@@ -18,7 +18,7 @@ from typing import Any, Protocol, TypeVar, cast
 
 from sqlalchemy.exc import DBAPIError
 
-from .errors import UnsupportedDatabaseError
+from .errors import DatabaseConnectError, UnsupportedDatabaseError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -34,8 +34,9 @@ def refusal(exc: DBAPIError) -> UnsupportedDatabaseError:
 
 
 def translate(backend: _Refuses, exc: DBAPIError) -> None:
-    """Raise the typed error if ``exc`` is ``backend``'s server refusing the user."""
-    if backend.refused(exc):
+    """Raise the typed error if ``exc`` is ``backend``'s server refusing the user (one
+    refused at connecting is a :class:`DatabaseConnectError` already)."""
+    if not isinstance(exc, DatabaseConnectError) and backend.refused(exc):
         raise refusal(exc) from exc
 
 

@@ -15,7 +15,7 @@ from sqlalchemy.engine import URL
 
 from ..errors import UnsupportedDatabaseError
 from .base import Backend
-from .connections import dispose_pool
+from .connections import connect, dispose_pool
 from .mysql import MySQLBackend
 from .postgresql import PostgreSQLBackend
 from .sql import STALE, Cataloged, Claim, Fenced, Stale
@@ -28,6 +28,7 @@ __all__ = [
     "Claim",
     "Fenced",
     "Stale",
+    "connect",
     "create_engine",
     "dispose_engine",
     "open_backend",
@@ -66,8 +67,12 @@ def backend_type(name: str) -> type[Backend]:
 
 
 def open_backend(engine: Engine, *, owned: bool, schema: str | None = None) -> Backend:
-    """The backend object for ``engine`` (checks nothing on the database yet)."""
-    return backend_type(engine.dialect.name)(engine, owned=owned, schema=schema)
+    """The backend object for ``engine`` (checks nothing on the database yet, but that it
+    can be connected to: a URL that names no database here is a typed error)."""
+    kind = backend_type(engine.dialect.name)
+    if not kind.embedded:  # an embedded database is connected to once it is known to exist
+        connect(engine).close()
+    return kind(engine, owned=owned, schema=schema)
 
 
 def normalize_url(url: str | URL) -> URL:

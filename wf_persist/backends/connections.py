@@ -28,7 +28,12 @@ from sqlalchemy.pool import (
     StaticPool,
 )
 
-from ..errors import ForkedRuntimeError, UnsupportedDatabaseError, ValueTooLargeError
+from ..errors import (
+    DatabaseConnectError,
+    ForkedRuntimeError,
+    UnsupportedDatabaseError,
+    ValueTooLargeError,
+)
 from ..json_text import json_text
 from .slots import Slots
 
@@ -426,3 +431,20 @@ class Connections:
             dialect=dialect,
             connection_invalidated=disconnect,
         )
+
+
+def connect(engine: Engine) -> Connection:
+    """``engine.connect()``, a failure to connect raised as the typed
+    :class:`~wf_persist.errors.DatabaseConnectError` that names the database (password
+    hidden) and says the server's or driver's reason."""
+    try:
+        return engine.connect()
+    except DBAPIError as exc:
+        url = engine.url
+        reason = " ".join(str(exc.orig if exc.orig is not None else exc).split())
+        if url.password:
+            reason = reason.replace(str(url.password), "***")
+        where = url.render_as_string(hide_password=True)
+        raise DatabaseConnectError(
+            f"cannot connect to the database at {where}: {reason}", exc.orig
+        ) from exc

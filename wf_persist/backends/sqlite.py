@@ -34,7 +34,7 @@ from ..events import NewEvent
 from ..json_text import json_text
 from ..models import executions_table as ex
 from .base import Backend, Changes
-from .connections import dispose_pool
+from .connections import connect, dispose_pool
 from .sql import HOT_COLUMNS, INSERT_HISTORY, Fenced, WriteShape, bump
 
 #: How long a SQLite writer waits for the lock before failing (milliseconds).
@@ -377,7 +377,7 @@ class SQLiteBackend(Backend):
             )
         if self.database_missing(self.base_engine.url):
             return  # not created by asking
-        with self.base_engine.connect() as conn:
+        with connect(self.base_engine) as conn:
             mode = str(conn.exec_driver_sql("PRAGMA locking_mode").scalar()).lower()
             # No row where SQLite was built without its deprecated pragmas.
             counting = conn.exec_driver_sql("PRAGMA count_changes").scalar()
