@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel, field_validator
 from sqlalchemy import create_engine, select, text
 from sqlalchemy.orm import Session
 
@@ -358,3 +359,56 @@ def test_an_error_carrying_data_no_database_keeps_is_recorded_once(
     assert error["plain"] == {"kept": [1, 2]}
     assert error["args"][0] == "awkward" and error["args"][2:] == [str(2**70), "nan"]
     assert "drive.failed" not in _types(rt, handle.execution_id)
+
+
+class Tightened(BaseModel):
+    """A step's result type whose validation a deploy made stricter."""
+
+    n: int
+
+    @field_validator("n")
+    @classmethod
+    def _strict(cls, n: int) -> int:
+        if TIGHT["on"]:
+            raise ValueError("n is no longer accepted")
+        return n
+
+
+TIGHT = {"on": False, "runs": 0}
+
+
+@wp.step
+def give_tightened() -> Tightened:
+    TIGHT["runs"] += 1
+    return Tightened(n=5)
+
+
+@wp.step
+def tighten() -> None:
+    TIGHT["on"] = True
+
+
+@wp.workflow(name="core-tightened", version=1)
+def tightened_wf(ctx: wp.Context) -> int:
+    got = ctx.run(give_tightened)
+    ctx.run(tighten)
+    ctx.sleep(0.05)
+    return got.n
+
+
+def test_a_replay_that_raises_on_a_recorded_value_says_what_it_raised(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """A recorded result that no longer fits its type ended the replayed body; the run
+    failed with only "expected step:tighten#1 but saw the end of the workflow", the cause
+    recorded nowhere. The step is still never run again."""
+    TIGHT.update(on=False, runs=0)
+    rt = make_runtime()
+    rt.register(tightened_wf)
+    outcome = rt.client().execute(tightened_wf)
+    assert isinstance(outcome, wp.Failed) and outcome.error_type == "NonDeterminismError"
+    assert outcome.error["expected"] == "step:tighten#1"
+    assert outcome.error["actual"].startswith("the end of the workflow, which raised ")
+    assert "InvalidPayloadError" in outcome.error["actual"]
+    assert "n is no longer accepted" in outcome.error["actual"]
+    assert TIGHT["runs"] == 1, "the recorded step never ran again"

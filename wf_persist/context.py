@@ -122,9 +122,10 @@ class Context:
         if self._driver.news:  # a fenced write saw a cancellation this replay has not read
             raise Reload
 
-    def _ended(self) -> None:
-        """The body ended: every recorded call must have been replayed."""
-        self._cursor.check_exhausted()
+    def _ended(self, raised: BaseException | None = None) -> None:
+        """The body ended (by raising ``raised``): every recorded call must have been
+        replayed."""
+        self._cursor.check_exhausted(raised)
 
     @property
     def divergence(self) -> Exception | None:

@@ -540,7 +540,7 @@ def run_body(driver: RunDriver, wf: Workflow[Any, Any], payload: Any, journal: J
         if not isinstance(exc, Cancelled):
             # A body that raises before replaying every recorded call diverged too.
             with contextlib.suppress(NonDeterminismError):
-                ctx._ended()
+                ctx._ended(exc)
         # A divergence wins even if the workflow caught it and failed otherwise.
         failure: BaseException = ctx.divergence or exc
         reason = ctx.error_document(failure)

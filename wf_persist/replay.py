@@ -18,6 +18,9 @@ from typing import Any, Final, Generic, TypeVar
 
 from .errors import NonDeterminismError
 
+#: How much of an ending exception's text a divergence quotes.
+END_TEXT: Final = 500
+
 T = TypeVar("T")
 
 #: Which kind of journal entry each event type records.
@@ -246,11 +249,16 @@ class Cursor:
                 f"all:{activity} branches={recorded}", f"all:{activity} branches={branches}"
             )
 
-    def check_exhausted(self) -> None:
-        """The body ended: it must have made every recorded call (an edited workflow that
-        now returns early would otherwise complete over a history it never replayed)."""
+    def check_exhausted(self, raised: BaseException | None = None) -> None:
+        """The body ended (by raising ``raised``, if given): it must have made every
+        recorded call (an edited workflow that now returns early would otherwise complete
+        over a history it never replayed). A body that raised says what: a recorded value
+        that no longer fits its type, say, is the cause to fix."""
         if self.divergence is not None:
             raise self.divergence
         entries = self.journal.entries
         if self._position < len(entries):
-            raise self._diverge(describe(*entries[self._position]), "the end of the workflow")
+            end = "the end of the workflow"
+            if raised is not None:
+                end = f"{end}, which raised {type(raised).__name__}: {raised}"[:END_TEXT]
+            raise self._diverge(describe(*entries[self._position]), end)

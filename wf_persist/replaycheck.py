@@ -193,7 +193,7 @@ def replay_run(
         return str(exc)
     except (Exception, Cancelled) as exc:
         with contextlib.suppress(NonDeterminismError):
-            ctx._ended()
+            ctx._ended(exc)
         if ctx.divergence is not None:
             return str(ctx.divergence)
         ending = ("failed", type(exc).__name__)
