@@ -72,10 +72,10 @@ _CALLED: Final = (
     *("statement_timestamp", "clock_timestamp", "now", "make_interval", "current_setting"),
     *("current_schema", "current_schemas", "pg_is_in_recovery", "array_position", "unnest"),
     *("json_agg", "json_build_array", "jsonb_build_object", "count", "min", "max", "lower"),
-    *("upper", "length", "octet_length", "pg_notify", "hashtextextended", "pg_advisory_lock"),
-    *("pg_try_advisory_lock", "pg_try_advisory_xact_lock", "pg_advisory_unlock"),
-    *("pg_advisory_xact_lock", "=", "<>", "<", "<=", ">", ">=", "+", "-", "||", "->", "->>"),
-    *("jsonb", "json", "text"),
+    *("upper", "length", "octet_length", "set_config", "pg_notify", "hashtextextended"),
+    *("pg_advisory_lock", "pg_try_advisory_lock", "pg_try_advisory_xact_lock"),
+    *("pg_advisory_unlock", "pg_advisory_xact_lock", "=", "<>", "<", "<=", ">", ">=", "+"),
+    *("-", "||", "->", "->>", "jsonb", "json", "text"),
 )
 _PATH: Final = "pg_catalog.current_schemas(true)"
 _CATALOG_AT: Final = f"pg_catalog.array_position({_PATH}, 'pg_catalog')"
