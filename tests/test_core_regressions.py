@@ -412,3 +412,40 @@ def test_a_replay_that_raises_on_a_recorded_value_says_what_it_raised(
     assert "InvalidPayloadError" in outcome.error["actual"]
     assert "n is no longer accepted" in outcome.error["actual"]
     assert TIGHT["runs"] == 1, "the recorded step never ran again"
+
+
+class Unsayable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+
+@wp.step
+def first_of_two() -> int:
+    TIGHT["runs"] += 1
+    return 1
+
+
+@wp.workflow(name="core-unsayable", version=1)
+def unsayable_wf(ctx: wp.Context) -> int:
+    if TIGHT["on"]:
+        raise Unsayable()
+    got = ctx.run(first_of_two)
+    ctx.run(tighten)
+    ctx.sleep(0.05)
+    return got
+
+
+def test_a_replay_that_raises_an_exception_without_text_still_fails_the_run(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """Saying what the body raised must not fail itself: an exception whose ``__str__``
+    raises left the run retrying its drives instead of failing."""
+    TIGHT.update(on=False, runs=0)
+    rt = make_runtime()
+    rt.register(unsayable_wf)
+    client = rt.client()
+    handle = client.start(unsayable_wf)  # its replay after the sleep raises
+    outcome = client.result(handle.execution_id, timeout=20)
+    assert isinstance(outcome, wp.Failed) and outcome.error_type == "NonDeterminismError"
+    assert outcome.error["actual"] == "the end of the workflow, which raised Unsayable"
+    assert TIGHT["runs"] == 1

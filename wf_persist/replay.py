@@ -21,6 +21,16 @@ from .errors import NonDeterminismError
 #: How much of an ending exception's text a divergence quotes.
 END_TEXT: Final = 500
 
+
+def _said(exc: BaseException) -> str:
+    """``Type: text`` of an exception, or its type alone if its text cannot be had."""
+    name = type(exc).__name__
+    try:
+        return f"{name}: {str(exc)[:END_TEXT]}"
+    except Exception:
+        return name
+
+
 T = TypeVar("T")
 
 #: Which kind of journal entry each event type records.
@@ -260,5 +270,5 @@ class Cursor:
         if self._position < len(entries):
             end = "the end of the workflow"
             if raised is not None:
-                end = f"{end}, which raised {type(raised).__name__}: {raised}"[:END_TEXT]
+                end = f"{end}, which raised {_said(raised)}"[:END_TEXT]
             raise self._diverge(describe(*entries[self._position]), end)
