@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
+import pickle
 import subprocess
 import sys
 import types
@@ -1299,6 +1300,7 @@ def test_a_database_that_cannot_be_connected_to_is_one_typed_error(
     else:
         missing = [
             url.set(database="wf_no_such_database", password="sekrit-pw"),
+            url.set(database="wf_no_such_database", query={"password": "sekrit-pw"}),
             url.set(port=1),  # nothing listens there
         ]
     for bad in missing:
@@ -1309,6 +1311,9 @@ def test_a_database_that_cannot_be_connected_to_is_one_typed_error(
             assert isinstance(caught.value, sa.exc.OperationalError)
             assert str(caught.value).startswith("cannot connect to the database at ")
             assert "sekrit-pw" not in str(caught.value)
+            copied = pickle.loads(pickle.dumps(caught.value))
+            assert str(copied) == str(caught.value)
+            assert type(copied.orig) is type(caught.value.orig)
     assert not (tmp_path / "no").exists()
 
 

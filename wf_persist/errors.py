@@ -128,7 +128,7 @@ class DatabaseConnectError(WfPersistError, OperationalError):
         return self.message
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.message,))
+        return (type(self), (self.message, self.orig))
 
 
 class PoolTooSmallError(InvalidArgumentError):

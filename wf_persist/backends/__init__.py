@@ -15,7 +15,7 @@ from sqlalchemy.engine import URL
 
 from ..errors import UnsupportedDatabaseError
 from .base import Backend
-from .connections import connect, dispose_pool
+from .connections import connect, describe_url, dispose_pool
 from .mysql import MySQLBackend
 from .postgresql import PostgreSQLBackend
 from .sql import STALE, Cataloged, Claim, Fenced, Stale
@@ -30,6 +30,7 @@ __all__ = [
     "Stale",
     "connect",
     "create_engine",
+    "describe_url",
     "dispose_engine",
     "open_backend",
     "resolve_url",
@@ -162,8 +163,3 @@ def dispose_engine(engine: Engine) -> None:
     remove = _PRIVATE_FILES.pop(engine, None)
     if remove is not None:
         remove()
-
-
-def describe_url(url: URL) -> str:
-    """The URL as it may appear in messages: password hidden."""
-    return url.render_as_string(hide_password=True)

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Final
 import pydantic_core
 from sqlalchemy import Connection, Engine, event
 from sqlalchemy.engine import URL, Row
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.pool import (
     AssertionPool,
     ConnectionPoolEntry,
@@ -433,18 +433,43 @@ class Connections:
         )
 
 
+#: Query parameters of a URL that carry a password (libpq's, PyMySQL's).
+_PASSWORD_PARAMETERS: Final = frozenset({"password", "passwd"})
+#: Shorter passwords are not looked for in a driver's message (every such run of letters
+#: would be masked, the message unreadable, the password's letters hinted at).
+_MASKED_FROM: Final = 4
+
+
+def _passwords(url: URL) -> list[str]:
+    found = [str(url.password)] if url.password else []
+    for name, value in url.query.items():
+        if name.lower() in _PASSWORD_PARAMETERS:
+            found.extend([value] if isinstance(value, str) else value)
+    return found
+
+
+def describe_url(url: URL) -> str:
+    """The URL as it may appear in messages: passwords hidden (also one in the query)."""
+    query = {
+        name: "***" if name.lower() in _PASSWORD_PARAMETERS else value
+        for name, value in url.query.items()
+    }
+    return url.set(query=query).render_as_string(hide_password=True)
+
+
 def connect(engine: Engine) -> Connection:
-    """``engine.connect()``, a failure to connect raised as the typed
-    :class:`~wf_persist.errors.DatabaseConnectError` that names the database (password
-    hidden) and says the server's or driver's reason."""
+    """``engine.connect()``, a failure to connect (the driver's ``OperationalError``)
+    raised as the typed :class:`~wf_persist.errors.DatabaseConnectError` that names the
+    database (passwords hidden) and says the server's or driver's reason. Another error
+    (a host's connect listener failing, say) is raised as it came."""
     try:
         return engine.connect()
-    except DBAPIError as exc:
+    except OperationalError as exc:
         url = engine.url
         reason = " ".join(str(exc.orig if exc.orig is not None else exc).split())
-        if url.password:
-            reason = reason.replace(str(url.password), "***")
-        where = url.render_as_string(hide_password=True)
+        for password in _passwords(url):
+            if len(password) >= _MASKED_FROM:
+                reason = reason.replace(password, "***")
         raise DatabaseConnectError(
-            f"cannot connect to the database at {where}: {reason}", exc.orig
+            f"cannot connect to the database at {describe_url(url)}: {reason}", exc.orig
         ) from exc
