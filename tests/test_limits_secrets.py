@@ -287,3 +287,29 @@ def test_two_deployments_on_one_server_have_their_own_limits(
             conn.exec_driver_sql(
                 f"DROP SCHEMA {name} CASCADE" if by_schema else f"DROP DATABASE {name}"
             )
+
+
+@pytest.mark.needs("shared_slots", "schemas")
+def test_a_search_path_with_an_empty_schema_first_shares_the_limit(
+    db_url: str, make_engine: Callable[..., Any]
+) -> None:
+    """The limit is the deployment's, named by the schema of its tables: a worker whose
+    search path starts with an empty schema of its own (``"$user", public`` for a role
+    with a schema of its name) took a slot another worker held."""
+    admin = make_engine(db_url)
+    empty = f"wf_empty_{uuid.uuid4().hex[:8]}"
+    with admin.begin() as conn:
+        conn.exec_driver_sql(f"CREATE SCHEMA {empty}")
+    try:
+        own_first = make_engine(db_url, connect_args={"options": f"-c search_path={empty},public"})
+        with (
+            wp.Runtime(db_url) as one,
+            wp.Runtime(own_first) as other,
+            one.backend.slots.slot("charge", "k", 1) as take,
+            other.backend.slots.slot("charge", "k", 1) as take_too,
+        ):
+            assert take()
+            assert not take_too(), "one deployment, one limit"
+    finally:
+        with admin.begin() as conn:
+            conn.exec_driver_sql(f"DROP SCHEMA {empty} CASCADE")

@@ -95,6 +95,11 @@ _SHADOWING: Final = f"""CASE WHEN {_CATALOG_AT} OPERATOR(pg_catalog.>) 1 THEN (
    ANY ('{{{",".join(f'"{n}"' for n in _CALLED)}}}'::pg_catalog.name[])
  ORDER BY pg_catalog.array_position({_PATH}, n.nspname), o.name
  LIMIT 1) END"""
+#: The schema of the runs table unqualified names find (where a search path names a schema
+#: of the role's own, empty, before the one holding the tables, current_schema() is that).
+_TABLES_SCHEMA: Final = """(SELECT n.nspname FROM pg_catalog.pg_class AS c
+ JOIN pg_catalog.pg_namespace AS n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace
+ WHERE c.oid OPERATOR(pg_catalog.=) pg_catalog.to_regclass('wf_executions'))"""
 #: Key of the advisory lock that serializes concurrent migrations.
 MIGRATION_LOCK_KEY: Final = 0x77665F70657273  # "wf_pers"
 _JSON_COLUMNS = frozenset({"event", "result", "error", "input"})
@@ -140,7 +145,7 @@ class PostgreSQLBackend(RawPath):
                 " pg_catalog.current_setting('search_path'),"
                 " pg_catalog.current_setting('transaction_read_only') OPERATOR(pg_catalog.=)"
                 " 'on' OR pg_catalog.pg_is_in_recovery(),"
-                f" {_SHADOWING}"
+                f" {_SHADOWING}, {_TABLES_SCHEMA}"
             ).one()
             default, self.date_style, client_encoding, server_encoding = found[:4]
             #: Where unqualified names resolve (None: the search path names no schema
@@ -151,6 +156,8 @@ class PostgreSQLBackend(RawPath):
             #: A function, operator or type of PostgreSQL's own that a schema searched
             #: before ``pg_catalog`` has one of the same name of (None: nothing shadowed).
             self.shadowed: str | None = found[7]
+            #: The schema where unqualified names find the runs table (None: not there).
+            self.tables_schema: str | None = found[8]
             self.encodings = (str(client_encoding), str(server_encoding))
             level = conn.get_isolation_level()  # AUTOCOMMIT is a driver setting it omits
             raw: Any = conn.connection.dbapi_connection
@@ -166,7 +173,9 @@ class PostgreSQLBackend(RawPath):
         self._channel: str | None = None
         super().__init__(engine, owned=owned, schema=schema)
         # Advisory locks are the database's: a limit holds within the schema of our tables.
-        tables = (self.schema_map or {}).get(None) or self.current_schema or ""
+        tables = (
+            (self.schema_map or {}).get(None) or self.tables_schema or self.current_schema or ""
+        )
         self.slots = AdvisorySlots(self.engine, tables)
         self._sql: dict[WriteShape, str] = {}
         # The one-statement write runs in autocommit, at the sessions' default isolation
