@@ -1267,6 +1267,7 @@ def test_bad_list_workflow(client: wp.WorkflowClient, workflow: Any) -> None:
         {"older_than": dt.timedelta.max},
         {"older_than": dt.timedelta(days=-1)},  # an age in the future: every finished run
         {"older_than": -dt.timedelta.resolution},
+        {"older_than": dt.datetime.now(dt.UTC) + dt.timedelta(days=365)},
         {"older_than": dt.datetime(9999, 12, 31, 23, tzinfo=dt.timezone(-dt.timedelta(hours=5)))},
     ],
     ids=repr,

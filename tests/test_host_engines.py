@@ -440,13 +440,29 @@ def test_a_search_path_that_shadows_postgresql_functions_is_refused(
         conn.exec_driver_sql(f"CREATE SCHEMA {other}")
         conn.exec_driver_sql(f"CREATE FUNCTION {other}.format(int) {frozen}")
         conn.exec_driver_sql(f"CREATE TABLE {other}.line (x int)")  # a type named as one
-    try:
-        shadowing = make_engine(
-            db_url, connect_args={"options": f"-c search_path=public,{clock},pg_catalog"}
+        conn.exec_driver_sql(f"CREATE TABLE {other}.count (x int)")  # a type named as count()
+        conn.exec_driver_sql(f"CREATE FUNCTION {other}.less(text, int) {frozen}")
+        # "-" for other operands than any of PostgreSQL's (as an extension's own types have)
+        conn.exec_driver_sql(
+            f"CREATE OPERATOR {other}.- (FUNCTION={other}.less, LEFTARG=text, RIGHTARG=int)"
         )
-        for opening in (wp.Runtime, wp.Client):
-            with pytest.raises(wp.UnsupportedDatabaseError, match=f"finds {clock}.statement_"):
-                opening(shadowing)
+        conn.exec_driver_sql(
+            f"CREATE FUNCTION {clock}.alike(text, text) RETURNS bool LANGUAGE sql AS 'SELECT true'"
+        )
+        conn.exec_driver_sql(
+            f"CREATE OPERATOR {clock}.~~ (FUNCTION={clock}.alike, LEFTARG=text, RIGHTARG=text)"
+        )
+    try:
+        for function in ("statement_timestamp", "~~"):
+            if function == "~~":  # now the only one of PostgreSQL's there
+                with admin.begin() as conn:
+                    conn.exec_driver_sql(f"DROP FUNCTION {clock}.statement_timestamp()")
+            shadowing = make_engine(
+                db_url, connect_args={"options": f"-c search_path=public,{clock},pg_catalog"}
+            )
+            for opening in (wp.Runtime, wp.Client):
+                with pytest.raises(wp.UnsupportedDatabaseError, match=f"finds {clock}.{function}"):
+                    opening(shadowing)
         for path in (f"public,pg_catalog,{clock}", f"public,{other},pg_catalog"):
             engine = make_engine(db_url, connect_args={"options": f"-c search_path={path}"})
             with wp.Runtime(engine) as rt:

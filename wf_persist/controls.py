@@ -209,7 +209,8 @@ class RunControls(RunReader):
         holds locks for long. Running, suspended and compensating runs are never touched.
 
         Args:
-            older_than: an age (a ``timedelta``, not negative) or an aware cutoff time.
+            older_than: an age (a ``timedelta``, not negative) or an aware cutoff time (not
+                in the future).
             statuses: which finished runs to delete (``completed``, ``failed``).
             on_batch: called with the number of runs each committed batch deleted (a
                 progress display, for a purge that takes long).
@@ -226,6 +227,8 @@ class RunControls(RunReader):
                 raise InvalidArgumentError(f"older_than is out of range: {older_than!r}") from None
         elif isinstance(older_than, dt.datetime):
             cutoff = arguments.utc(older_than, "older_than")
+            if cutoff > self._now():  # as a negative age: runs that ended a moment ago too
+                raise InvalidArgumentError(f"older_than must not be in the future: {cutoff}")
         else:
             raise InvalidArgumentError("older_than must be a timedelta or an aware datetime")
         if (

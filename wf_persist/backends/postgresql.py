@@ -68,31 +68,50 @@ log = logging.getLogger("wf_persist.worker")
 CHANNEL_BYTES: Final = 64
 #: PostgreSQL's own functions, operators and types that wf_persist's statements name
 #: unqualified (types other than those SQL spells as keywords, like VARCHAR or BIGINT).
-_CALLED: Final = (
+_FUNCTIONS: Final = (
     *("statement_timestamp", "clock_timestamp", "now", "make_interval", "current_setting"),
     *("current_schema", "current_schemas", "pg_is_in_recovery", "array_position", "unnest"),
     *("json_agg", "json_build_array", "jsonb_build_object", "count", "min", "max", "lower"),
     *("upper", "length", "octet_length", "set_config", "pg_notify", "hashtextextended"),
     *("pg_advisory_lock", "pg_try_advisory_lock", "pg_try_advisory_xact_lock"),
-    *("pg_advisory_unlock", "pg_advisory_xact_lock", "=", "<>", "<", "<=", ">", ">=", "+"),
-    *("-", "||", "->", "->>", "jsonb", "json", "text"),
+    *("pg_advisory_unlock", "pg_advisory_xact_lock"),
 )
+_OPERATORS: Final = ("=", "<>", "<", "<=", ">", ">=", "+", "-", "||", "->", "->>", "~~")
+_TYPES: Final = ("jsonb", "json", "text")
 _PATH: Final = "pg_catalog.current_schemas(true)"
 _CATALOG_AT: Final = f"pg_catalog.array_position({_PATH}, 'pg_catalog')"
-#: The first of :data:`_CALLED` that a schema searched before ``pg_catalog`` (a
-#: ``search_path`` naming it after another) has one of the same name of: the host's would
-#: be used in its place. Looked for only where ``pg_catalog`` is not searched first; every
-#: name here is qualified, so none is shadowed.
+_EQ: Final = "OPERATOR(pg_catalog.=)"
+
+
+def _names(names: tuple[str, ...]) -> str:
+    return "'{" + ",".join(f'"{n}"' for n in names) + "}'::pg_catalog.name[]"
+
+
+#: The first of those that a schema searched before ``pg_catalog`` (a ``search_path``
+#: naming it after another) has one of the same name (and, for a function or operator,
+#: the same argument types) of: the host's would be used in its place. PostgreSQL looks for
+#: functions and operators in every such schema but a session's temporary one, for types
+#: there too. Looked for only where ``pg_catalog`` is not searched first; every name here
+#: is qualified, so none is shadowed.
 _SHADOWING: Final = f"""CASE WHEN {_CATALOG_AT} OPERATOR(pg_catalog.>) 1 THEN (
  SELECT n.nspname OPERATOR(pg_catalog.||) '.' OPERATOR(pg_catalog.||) o.name
- FROM (SELECT pronamespace AS ns, proname AS name FROM pg_catalog.pg_proc
-       UNION ALL SELECT oprnamespace, oprname FROM pg_catalog.pg_operator
-       UNION ALL SELECT typnamespace, typname FROM pg_catalog.pg_type) AS o
- JOIN pg_catalog.pg_namespace AS n ON n.oid OPERATOR(pg_catalog.=) o.ns
- WHERE n.nspname OPERATOR(pg_catalog.=)
-   ANY (({_PATH})[1:{_CATALOG_AT} OPERATOR(pg_catalog.-) 1])
- AND o.name OPERATOR(pg_catalog.=)
-   ANY ('{{{",".join(f'"{n}"' for n in _CALLED)}}}'::pg_catalog.name[])
+ FROM (SELECT p.pronamespace AS ns, p.proname AS name, false AS typ FROM pg_catalog.pg_proc p
+       WHERE p.proname {_EQ} ANY ({_names(_FUNCTIONS)}) AND EXISTS (
+         SELECT FROM pg_catalog.pg_proc q WHERE q.pronamespace {_EQ} 11
+         AND q.proname {_EQ} p.proname AND q.proargtypes {_EQ} p.proargtypes)
+       UNION ALL
+       SELECT o.oprnamespace, o.oprname, false FROM pg_catalog.pg_operator o
+       WHERE o.oprname {_EQ} ANY ({_names(_OPERATORS)}) AND EXISTS (
+         SELECT FROM pg_catalog.pg_operator q WHERE q.oprnamespace {_EQ} 11
+         AND q.oprname {_EQ} o.oprname AND q.oprleft {_EQ} o.oprleft
+         AND q.oprright {_EQ} o.oprright)
+       UNION ALL
+       SELECT t.typnamespace, t.typname, true FROM pg_catalog.pg_type t
+       WHERE t.typname {_EQ} ANY ({_names(_TYPES)})) AS o
+ JOIN pg_catalog.pg_namespace AS n ON n.oid {_EQ} o.ns
+ WHERE o.ns OPERATOR(pg_catalog.<>) 11
+ AND n.nspname {_EQ} ANY (({_PATH})[1:{_CATALOG_AT} OPERATOR(pg_catalog.-) 1])
+ AND (o.typ OR n.oid OPERATOR(pg_catalog.<>) pg_catalog.pg_my_temp_schema())
  ORDER BY pg_catalog.array_position({_PATH}, n.nspname), o.name
  LIMIT 1) END"""
 #: The schema of the runs table unqualified names find (where a search path names a schema
