@@ -1318,6 +1318,16 @@ def test_a_database_that_cannot_be_connected_to_is_one_typed_error(
     assert not (tmp_path / "no").exists()
 
 
+@pytest.mark.needs("sql_mode")
+def test_a_mysql_url_that_names_no_database_is_refused(db_url: str) -> None:
+    """``mysql+pymysql://user@host/``: every name of ours named no table, and SQLAlchemy's
+    reflection failed on a bare AssertionError."""
+    url = sa.make_url(db_url).set(database="").render_as_string(hide_password=False)
+    for opening in (wp.Runtime, wp.Client, migrate.upgrade, migrate.current):
+        with pytest.raises(wp.UnsupportedDatabaseError, match="use no database"):
+            opening(url)
+
+
 @pytest.mark.parametrize("bind", [123, object(), b"sqlite://", 1.5], ids=repr)
 def test_bad_bind_is_an_invalid_argument(bind: Any) -> None:
     with pytest.raises(wp.InvalidArgumentError, match="bind must be a URL or an Engine"):

@@ -168,16 +168,24 @@ def _config(
 @contextlib.contextmanager
 def _connection(bind: Bind) -> Iterator[Connection]:
     if isinstance(bind, Connection):
+        _check_session(bind)
         yield bind
         return
     engine = bind if isinstance(bind, Engine) else backends.create_engine(bind)
     try:
         with backends.connect(engine) as conn:
+            _check_session(conn)
             yield conn
             conn.commit()
     finally:
         if not isinstance(bind, Engine):
             backends.dispose_engine(engine)
+
+
+def _check_session(conn: Connection) -> None:
+    problem = backends.backend_type(conn.dialect.name).session_problem(conn)
+    if problem is not None:
+        raise UnsupportedDatabaseError(problem)
 
 
 def _url_of(bind: Bind) -> URL:

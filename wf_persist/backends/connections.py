@@ -361,6 +361,12 @@ class Connections:
         return False
 
     @classmethod
+    def session_problem(cls, conn: Connection) -> str | None:
+        """Why wf_persist's tables cannot be reached through ``conn`` (asked where a
+        migration connects: an opened backend checks the same in :meth:`check`)."""
+        return None
+
+    @classmethod
     def migration_lock(cls, conn: Connection) -> None:
         """Serialize concurrent upgrades (taken inside the migration transaction)."""
 

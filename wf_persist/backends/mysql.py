@@ -60,6 +60,11 @@ from .sql import (
 )
 
 #: Name of the lock that serializes concurrent migrations.
+#: A session with no database: every unqualified name of ours would name no table.
+_NO_DATABASE: Final = (
+    "this engine's connections use no database (the URL names none, as in "
+    "mysql+pymysql://user@host/); name the database: mysql+pymysql://user@host/db"
+)
 #: The named lock an upgrade holds: named locks are the server's, so one per database.
 MIGRATION_LOCK: Final = "CONCAT('wf_persist_migrate:', SHA1(COALESCE(DATABASE(), '')))"
 #: Where an upgrade keeps its connection's sql_big_selects to put back.
@@ -148,7 +153,9 @@ class MySQLBackend(Backend):
             self._isolation = "AUTOCOMMIT" if autocommit else conn.get_isolation_level()
         super().__init__(engine, owned=owned, schema=schema)
         # Named locks are the server's: a limit holds within the database of our tables.
-        tables = (self.schema_map or {}).get(None) or found[8] or ""
+        #: The database the connections use (None: the URL names none).
+        self.database: str | None = found[8]
+        tables = (self.schema_map or {}).get(None) or self.database or ""
         self.slots = NamedLockSlots(self.engine, str(tables))
         self.sql_mode = str(mode)
         # Results in their columns' own character set (NULL) are utf8mb4 for our tables.
@@ -219,6 +226,8 @@ class MySQLBackend(Backend):
 
     def check(self) -> None:
         super().check()
+        if self.database is None and not self.schema_map:
+            raise UnsupportedDatabaseError(_NO_DATABASE)
         if not any(flag in self.sql_mode.split(",") for flag in _STRICT):
             raise UnsupportedDatabaseError(
                 "this engine's connections are not in strict mode (sql_mode "
@@ -427,6 +436,13 @@ class MySQLBackend(Backend):
             total = sum(self.value_size(json.dumps(d)) for d in docs)
             if total > limit:
                 raise ValueTooLargeError("one write", total, limit)
+
+    @classmethod
+    def session_problem(cls, conn: Connection) -> str | None:
+        if conn.get_execution_options().get("schema_translate_map"):
+            return None
+        found = conn.exec_driver_sql("SELECT DATABASE()").scalar()
+        return _NO_DATABASE if found is None else None
 
     @classmethod
     def migration_lock(cls, conn: Connection) -> None:
