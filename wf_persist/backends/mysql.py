@@ -59,7 +59,6 @@ from .sql import (
     renew_values,
 )
 
-#: Name of the lock that serializes concurrent migrations.
 #: A session with no database: every unqualified name of ours would name no table.
 _NO_DATABASE: Final = (
     "this engine's connections use no database (the URL names none, as in "
