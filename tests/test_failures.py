@@ -74,8 +74,10 @@ def test_exponential_retry_succeeds_on_the_third_attempt(rt: wp.Runtime) -> None
 def test_long_backoff_parks_the_run_durably(rt: wp.Runtime) -> None:
     client = rt.client()
     handle = client.start(s.slow_flaky_wf)
-    with pytest.raises(wp.ResultTimeoutError):
-        client.result(handle.execution_id, timeout=0.3)
+    deadline = time.monotonic() + 10
+    while not s.CALLS["slow_flaky"] and time.monotonic() < deadline:  # a loaded machine
+        with pytest.raises(wp.ResultTimeoutError):  # the first attempt fails, the retry waits
+            client.result(handle.execution_id, timeout=0.3)
     info = client.describe(handle.execution_id)
     assert info.status == "running" and s.CALLS["slow_flaky"] == 1
     assert client.result(handle.execution_id, timeout=10).unwrap() == "second"

@@ -198,6 +198,7 @@ SAMPLES: dict[str, BaseException] = {
     "ValueTooLargeError": wp.ValueTooLargeError("result of step x", 20, 10),
     "WorkflowDefinitionError": wp.WorkflowDefinitionError("bad"),
     "UnsupportedDatabaseError": wp.UnsupportedDatabaseError("oracle"),
+    "DatabaseConnectError": wp.DatabaseConnectError("cannot connect", ConnectionRefusedError()),
     "DriveFailedError": wp.DriveFailedError(10, {"name": "DataError"}),
     "PoolTooSmallError": wp.PoolTooSmallError(3, 5, 4),
     "IdempotencyConflictError": wp.IdempotencyConflictError("wf", "key"),

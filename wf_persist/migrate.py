@@ -183,7 +183,15 @@ def _connection(bind: Bind) -> Iterator[Connection]:
 
 
 def _check_session(conn: Connection) -> None:
-    problem = backends.backend_type(conn.dialect.name).session_problem(conn)
+    """Refuse a session wf_persist's tables cannot be reached through, leaving the
+    connection as it was (a transaction the check began is ended: Alembic's own
+    transactions must not be nested in it)."""
+    began = not conn.in_transaction()
+    try:
+        problem = backends.backend_type(conn.dialect.name).session_problem(conn)
+    finally:
+        if began and conn.in_transaction():
+            conn.rollback()
     if problem is not None:
         raise UnsupportedDatabaseError(problem)
 
