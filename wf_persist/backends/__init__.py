@@ -68,12 +68,9 @@ def backend_type(name: str) -> type[Backend]:
 
 
 def open_backend(engine: Engine, *, owned: bool, schema: str | None = None) -> Backend:
-    """The backend object for ``engine`` (checks nothing on the database yet, but that it
-    can be connected to: a URL that names no database here is a typed error)."""
-    kind = backend_type(engine.dialect.name)
-    if not kind.embedded:  # an embedded database is connected to once it is known to exist
-        connect(engine).close()
-    return kind(engine, owned=owned, schema=schema)
+    """The backend object for ``engine`` (checks nothing on the database yet; a server's
+    backend reads the session's settings, and a failure to connect is a typed error)."""
+    return backend_type(engine.dialect.name)(engine, owned=owned, schema=schema)
 
 
 def normalize_url(url: str | URL) -> URL:

@@ -41,6 +41,7 @@ from ..models import UniqueKey
 from ..models import executions_table as ex
 from .base import Backend
 from .clock import db_now
+from .connections import connect
 from .slots import SessionLockSlots
 from .sql import (
     CLAIM_COLUMNS,
@@ -128,7 +129,7 @@ class MySQLBackend(Backend):
     transactional_ddl: ClassVar[bool] = False
 
     def __init__(self, engine: Engine, *, owned: bool, schema: str | None = None) -> None:
-        with engine.connect() as conn:
+        with connect(engine) as conn:  # a failure to connect: DatabaseConnectError
             # MariaDB names the session's read-only setting tx_read_only, MySQL 8
             # transaction_read_only; the server's read_only refuses every writer without
             # the privilege to bypass it.

@@ -39,6 +39,7 @@ from ..models import executions_table as ex
 from ..models import workflows_table as wf
 from ..wakeups import DUE, NOT_AVAILABLE, Listener
 from . import pg_json
+from .connections import connect
 from .pg_presence import PRESENT_MARK, REAP, UNSUPPORTED, PGListener, advisory_locks_work
 from .pg_raw import RawPath, as_created
 from .pg_settings import SETTINGS
@@ -103,7 +104,7 @@ class PostgreSQLBackend(RawPath):
         # a connection it borrowed raw. Then the view needs no per-checkout isolation
         # level, which costs a listener, a set and a reset at every connection taken. A
         # host's engine keeps the per-checkout level.
-        with engine.connect() as conn:
+        with connect(engine) as conn:  # a failure to connect: DatabaseConnectError
             found = conn.exec_driver_sql(SETTINGS).one()
             default, self.date_style, client_encoding, server_encoding = found[:4]
             #: Where unqualified names resolve (None: the search path names no schema
