@@ -68,14 +68,19 @@ async def spawn(fn: Callable[..., T], *args: Any, pools: Pools | None = None) ->
     not the loop."""
     context = contextvars.copy_context()
     child = _Bridged(functools.partial(context.run, fn, *args), getcurrent(), pools or Pools())
-    request = child.switch()
-    while not child.dead:
-        try:
-            value = await request
-        except BaseException as exc:  # raised where the greenlet waits
-            request = child.throw(exc)
-        else:
-            request = child.switch(value)
+    try:
+        request = child.switch()
+        while not child.dead:
+            try:
+                value = await request
+            except BaseException as exc:  # raised where the greenlet waits
+                request = child.throw(exc)
+            else:
+                request = child.switch(value)
+    except (KeyboardInterrupt, SystemExit) as exc:
+        # No signal raises these on this loop's thread: user code did. asyncio would let
+        # them out of the loop, which would stop serving every run on it.
+        raise RuntimeError(f"a drive on the event loop raised {type(exc).__name__}") from exc
     result: T = request
     return result
 

@@ -7,11 +7,19 @@ swallow them: the body must stop where it is and the runtime decides what happen
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
+from .errors import Cancelled
 
-class Halt(BaseException):
+
+class Stop(BaseException):
+    """What the runtime raises through a body to stop it (the classes below, a replay
+    check's frontier): never a failure of the user code it passes through."""
+
+
+class Halt(Stop):
     """The runtime cannot go on (lease lost, database error): stop; whoever claims the run
     next resumes it by replay. ``cause`` is what stopped it."""
 
@@ -20,14 +28,42 @@ class Halt(BaseException):
         self.cause = cause
 
 
-class Suspended(BaseException):
+class Suspended(Stop):
     """The run is parked (a sleep, a signal wait, a long retry backoff): nothing is kept in
     memory; the run is a row with a wake time (or none, until a signal)."""
 
 
-class Reload(BaseException):
+class Reload(Stop):
     """Someone else wrote to the run (a signal, a cancellation) after its history was read:
     replay again from the fresh history instead of going on with a stale view."""
+
+
+try:
+    from greenlet import GreenletExit
+except ImportError:  # without the ``async`` extra
+    _STOPS: tuple[type[BaseException], ...] = (Stop, Cancelled)
+else:
+    _STOPS = (Stop, Cancelled, GreenletExit)
+
+
+def interrupting(exc: BaseException) -> bool:
+    """Whether ``exc`` (not an ``Exception``) stops a drive rather than fails the user code
+    it came out of: the runtime's own stops, a cancellation, a greenlet's exit, and a
+    ``KeyboardInterrupt`` or ``SystemExit`` in the main thread, where signal handlers raise
+    them (the run is given back; another drive resumes it). Anywhere else (a worker's
+    threads, the async worker's loop) no signal raises anything: a ``KeyboardInterrupt``,
+    ``SystemExit``, ``GeneratorExit``, ``asyncio.CancelledError`` or a ``BaseException`` of
+    the user's own is that code's failure. Given back instead, the run would be driven again
+    at once, for ever; and asyncio lets the first two out of its loop, which then stops."""
+    if isinstance(exc, Exception):
+        return False
+    if isinstance(exc, _STOPS):
+        return True
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        from .bridge import bridged
+
+        return threading.current_thread() is threading.main_thread() and not bridged()
+    return False
 
 
 class Latched(Protocol):

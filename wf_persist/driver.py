@@ -28,7 +28,7 @@ from .authoring import Step, Workflow
 from .backends import Claim, Fenced
 from .bridge import off_loop
 from .context import Context
-from .control import Halt, Reload
+from .control import Halt, Reload, interrupting
 from .driver_children import ChildDriving
 from .errors import (
     Cancelled,
@@ -535,7 +535,9 @@ def run_body(driver: RunDriver, wf: Workflow[Any, Any], payload: Any, journal: J
         what = f"output of workflow {wf.name}"
         stored = to_json(wf.output_adapter, out, what)
         driver.check_size(what, stored)
-    except (Exception, Cancelled) as exc:
+    except BaseException as exc:
+        if interrupting(exc) and not isinstance(exc, Cancelled):
+            raise  # the runtime's stop, a signal: not how the body ended
         _still_going(ctx)  # a stop the body caught wins over how it ended
         if not isinstance(exc, Cancelled):
             # A body that raises before replaying every recorded call diverged too.

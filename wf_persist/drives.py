@@ -20,7 +20,7 @@ from . import bridge, clocks, drive_telemetry, events, lifecycle, telemetry
 from .backends import Claim
 from .backends.clock import db_later, db_now
 from .bridge import off_loop
-from .control import Halt, Reload, Suspended
+from .control import Halt, Reload, Suspended, interrupting
 from .driver import DriveClock, RunDriver, run_body
 from .error_documents import brief, driver_error, error_document
 from .errors import DriveFailedError, LeaseLostError
@@ -194,7 +194,11 @@ def drive(
     except Exception as exc:  # a defect in replay itself: count it like any failed drive
         off_loop(lender.release)
         failed(runtime, claim, exc)
-    except BaseException:
+    except BaseException as exc:
+        if not interrupting(exc):  # user code's own KeyboardInterrupt, say: a failed drive
+            off_loop(lender.release)
+            failed(runtime, claim, exc)
+            return None
         if driver is not None:  # interrupted (shutdown): keep what finished, if we still can
             with contextlib.suppress(Exception, Halt):
                 driver.flush()

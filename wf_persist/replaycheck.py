@@ -24,6 +24,7 @@ from .arguments import check_id
 from .async_context import call_body
 from .authoring import Step, Workflow
 from .context import Context
+from .control import Stop
 from .errors import Cancelled, InvalidArgumentError, NonDeterminismError, WfPersistError
 from .events import Activity, NewEvent
 from .replay import Journal
@@ -54,7 +55,7 @@ class ReplayReport:
         return self.divergence is None
 
 
-class _Frontier(BaseException):
+class _Frontier(Stop):
     """The body reached what its history lacks (a BaseException: user code cannot catch
     it, as it cannot catch a suspension)."""
 

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from . import drive_telemetry, events
 from .authoring import Step, outside_body
 from .bridge import bridged, checked_first, checked_in_thread, in_thread, off_loop
-from .control import Suspended
+from .control import Suspended, interrupting
 from .driving import Driver
 from .error_documents import error_document, rebuild_error
 from .errors import InvalidPayloadError, StepExecutionError
@@ -212,7 +212,7 @@ class StepRunner:
             try:
                 result, stored = self._attempt(step, inputs)
             except BaseException as exc:
-                if not isinstance(exc, Exception):  # control flow: this attempt just ends
+                if interrupting(exc):  # control flow, a signal: this attempt just ends
                     if traced is not None:
                         traced.end("interrupted")
                     watch.finish(quiet=True)

@@ -1,0 +1,176 @@
+"""User code raising a ``BaseException`` that is not an ``Exception`` (``KeyboardInterrupt``,
+``SystemExit``, ``GeneratorExit``, ``asyncio.CancelledError``, one of its own).
+
+In a worker's threads or on the async worker's loop no signal raises anything, so it is the
+code's failure: a step's attempt fails (its retry policy applies), a body's run fails. Given
+back as an interruption instead, the run was driven again at once, for ever (the step ran
+hundreds of times a second), and on the event loop asyncio let a ``KeyboardInterrupt`` or
+``SystemExit`` out of the loop, which stopped serving every run on it. In the main thread,
+where a signal handler raises them, a ``KeyboardInterrupt`` still interrupts: the run is
+given back for another drive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+import pytest
+from sqlalchemy import select
+
+import wf_persist as wp
+from wf_persist.models import executions_table as ex
+
+from .helpers import history_types
+
+
+class _Own(BaseException):
+    """A BaseException of the user's own."""
+
+
+RAISED: dict[str, Callable[[], BaseException]] = {
+    "KeyboardInterrupt": KeyboardInterrupt,
+    "SystemExit": lambda: SystemExit(3),
+    "GeneratorExit": GeneratorExit,
+    "CancelledError": asyncio.CancelledError,
+    "_Own": _Own,
+}
+RUNS: Counter[str] = Counter()
+_lock = threading.Lock()
+
+
+def _ran(key: str) -> None:
+    with _lock:
+        RUNS[key] += 1
+
+
+@wp.step(retry=wp.Retry(attempts=2, base=0.01, jitter=False))
+def _raising(key: str, kind: str) -> None:
+    _ran(key)
+    raise RAISED[kind]()
+
+
+@wp.workflow(name="test_user_base_step", version=1)
+def _step_wf(ctx: wp.Context, args: list[str]) -> None:
+    ctx.run(_raising, args[0], args[1])
+
+
+@wp.workflow(name="test_user_base_body", version=1)
+def _body_wf(ctx: wp.Context, args: list[str]) -> None:
+    _ran(args[0])
+    raise RAISED[args[1]]()
+
+
+@wp.step(retry=wp.Retry(attempts=2, base=0.01, jitter=False))
+async def _araising(key: str, kind: str) -> None:
+    _ran(key)
+    await asyncio.sleep(0)
+    raise RAISED[kind]()
+
+
+@wp.workflow(name="test_user_base_async", version=1)
+async def _async_wf(ctx: wp.AsyncContext, args: list[str]) -> None:
+    await ctx.run(_araising, args[0], args[1])
+
+
+@wp.step
+async def _nap(seconds: float) -> float:
+    await asyncio.sleep(seconds)
+    return seconds
+
+
+@wp.workflow(name="test_user_base_napper", version=1)
+async def _napper(ctx: wp.AsyncContext, seconds: float) -> float:
+    return await ctx.run(_nap, seconds) + await ctx.run(_nap, seconds)
+
+
+@pytest.fixture
+def served(make_runtime: Callable[..., wp.Runtime]) -> Iterator[tuple[wp.Runtime, wp.Client]]:
+    """A runtime whose worker threads drive, and a thin client (never drives) to await."""
+    rt = make_runtime(poll_interval=0.05)
+    for wf in (_step_wf, _body_wf, _async_wf, _napper):
+        rt.register(wf)
+    with wp.Client(rt.engine, poll_interval=0.05) as thin:
+        yield rt, thin
+
+
+def _failures(rt: wp.Runtime, execution_id: str) -> int:
+    with rt.backend.read() as conn:
+        found = conn.execute(select(ex.c.drive_failures).where(ex.c.id == execution_id))
+        return int(found.scalar_one())
+
+
+@pytest.mark.parametrize("kind", list(RAISED))
+def test_a_step_raising_it_in_a_worker_thread_fails_its_attempts(
+    served: tuple[wp.Runtime, wp.Client], kind: str
+) -> None:
+    rt, thin = served
+    rt.start_worker()
+    key = f"step-{kind}-{time.monotonic_ns()}"
+    handle = thin.start("test_user_base_step", [key, kind])
+    outcome = thin.result(handle.execution_id, timeout=30)
+    assert isinstance(outcome, wp.Failed), outcome
+    assert "StepExecutionError" in str(outcome.error) and kind in str(outcome.error)
+    time.sleep(0.2)  # a run driven again would run the step again meanwhile
+    assert RUNS[key] == 2, "one run per attempt of its retry policy"
+    assert history_types(rt.client(), handle.execution_id).count("step.failed") == 2
+    assert _failures(rt, handle.execution_id) == 0
+
+
+@pytest.mark.parametrize("kind", list(RAISED))
+def test_a_body_raising_it_in_a_worker_thread_fails_its_run(
+    served: tuple[wp.Runtime, wp.Client], kind: str
+) -> None:
+    rt, thin = served
+    rt.start_worker()
+    key = f"body-{kind}-{time.monotonic_ns()}"
+    handle = thin.start("test_user_base_body", [key, kind])
+    outcome = thin.result(handle.execution_id, timeout=30)
+    assert isinstance(outcome, wp.Failed), outcome
+    assert outcome.error.get("name") == kind, outcome.error
+    time.sleep(0.2)
+    assert RUNS[key] == 1
+
+
+@pytest.mark.parametrize("kind", ["KeyboardInterrupt", "SystemExit", "CancelledError"])
+def test_an_async_step_raising_it_on_the_event_loop_leaves_the_loop_serving(
+    served: tuple[wp.Runtime, wp.Client], kind: str
+) -> None:
+    rt, thin = served
+    rt.start_worker(event_loop=True, concurrency=8)
+    key = f"async-{kind}-{time.monotonic_ns()}"
+    hostile = thin.start("test_user_base_async", [key, kind])
+    napping = [thin.start("test_user_base_napper", 0.2) for _ in range(3)]
+    outcome = thin.result(hostile.execution_id, timeout=30)
+    assert isinstance(outcome, wp.Failed) and kind in str(outcome.error), outcome
+    for handle in napping:
+        assert thin.result(handle.execution_id, timeout=30).unwrap() == 0.4
+    after = thin.start("test_user_base_napper", 0.0)  # the loop still serves new runs
+    assert thin.result(after.execution_id, timeout=30).unwrap() == 0.0
+    assert RUNS[key] == 2
+
+
+def test_a_keyboard_interrupt_in_the_main_thread_still_interrupts(
+    served: tuple[wp.Runtime, wp.Client],
+) -> None:
+    """``execute()`` drives in the calling (main) thread, where Ctrl-C raises it: the run
+    is given back unfailed, and a worker then finds the step's own raise a failure."""
+    rt, thin = served
+    assert threading.current_thread() is threading.main_thread()
+    key = f"main-{time.monotonic_ns()}"
+    with pytest.raises(KeyboardInterrupt):
+        rt.client().execute(_step_wf, [key, "KeyboardInterrupt"])
+    assert RUNS[key] == 1
+    with rt.backend.read() as conn:
+        (execution_id, owner, status), *_ = conn.execute(
+            select(ex.c.id, ex.c.lease_owner, ex.c.status).where(
+                ex.c.workflow_name == "test_user_base_step"
+            )
+        ).all()
+    assert owner is None and status == "running"
+    rt.start_worker()
+    assert isinstance(thin.result(execution_id, timeout=30), wp.Failed)
+    assert RUNS[key] == 3
