@@ -20,6 +20,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import mysql, postgresql
 
 from alembic import op
+from wf_persist import migration_ops as ops
 
 revision: str = "wf_0001"
 down_revision: str | Sequence[str] | None = None
@@ -47,7 +48,7 @@ def _json() -> sa.types.TypeEngine[object]:
 
 
 def upgrade() -> None:
-    op.create_table(
+    ops.create_table(
         "wf_workflows",
         sa.Column("name", _key(200), nullable=False),
         sa.Column("version", sa.Integer(), nullable=False),
@@ -57,7 +58,7 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("name", "version", name=op.f("pk_wf_workflows")),
         **_MYSQL,
     )
-    op.create_table(
+    ops.create_table(
         "wf_executions",
         sa.Column("id", sa.String(36), nullable=False),
         sa.Column("workflow_name", _key(200), nullable=False),
@@ -93,25 +94,25 @@ def upgrade() -> None:
         ),
         **_MYSQL,
     )
-    op.create_index(
+    ops.create_index(
         op.f("ix_wf_executions__workflow_name_created_at_id"),
         "wf_executions",
         ["workflow_name", "created_at", "id"],
     )
-    op.create_index(
+    ops.create_index(
         op.f("ix_wf_executions__workflow_name_workflow_version_created_at_id"),
         "wf_executions",
         ["workflow_name", "workflow_version", "created_at", "id"],
     )
-    op.create_index(
+    ops.create_index(
         op.f("ix_wf_executions__workflow_name_status_created_at_id"),
         "wf_executions",
         ["workflow_name", "status", "created_at", "id"],
     )
-    op.create_index(
+    ops.create_index(
         op.f("ix_wf_executions__status_wake_at"), "wf_executions", ["status", "wake_at"]
     )
-    op.create_table(
+    ops.create_table(
         "wf_history",
         sa.Column("execution_id", sa.String(36), nullable=False),
         sa.Column("sequence", sa.BigInteger(), nullable=False),
@@ -129,7 +130,7 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("execution_id", "sequence", name=op.f("pk_wf_history")),
         **_MYSQL,
     )
-    op.create_index(
+    ops.create_index(
         op.f("uq_wf_history__execution_id_dedupe_key"),
         "wf_history",
         ["execution_id", "dedupe_key"],
@@ -137,12 +138,12 @@ def upgrade() -> None:
         postgresql_where=sa.text("dedupe_key IS NOT NULL"),
         sqlite_where=sa.text("dedupe_key IS NOT NULL"),
     )
-    op.create_index(op.f("ix_wf_history__type_created_at"), "wf_history", ["type", "created_at"])
+    ops.create_index(op.f("ix_wf_history__type_created_at"), "wf_history", ["type", "created_at"])
 
 
 def downgrade() -> None:
     # Dropping a table drops its indexes; MySQL refuses to drop an index a foreign key needs
     # while the key exists, so drop whole tables, children first.
-    op.drop_table("wf_history")
-    op.drop_table("wf_executions")
-    op.drop_table("wf_workflows")
+    ops.drop_table("wf_history")
+    ops.drop_table("wf_executions")
+    ops.drop_table("wf_workflows")

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from alembic import op
+from wf_persist import migration_ops as ops
 
 revision: str = "wf_0002"
 down_revision: str | Sequence[str] | None = "wf_0001"
@@ -51,9 +52,9 @@ def _funcs() -> tuple[str, str, str]:
 
 def upgrade() -> None:
     step_name, attempt, millis = _funcs()
-    op.execute(
+    ops.create_view(
+        "wf_step_attempts",
         f"""
-        CREATE VIEW wf_step_attempts AS
         SELECT s.execution_id AS execution_id,
                e.workflow_name AS workflow_name,
                e.workflow_version AS workflow_version,
@@ -74,11 +75,11 @@ def upgrade() -> None:
          AND f.activity_name = s.activity_name
          AND f.type IN ('step.completed', 'step.failed')
         WHERE s.type = 'step.started'
-        """
+        """,
     )
-    op.execute(
+    ops.create_view(
+        "wf_execution_waits",
         f"""
-        CREATE VIEW wf_execution_waits AS
         SELECT e.id AS execution_id,
                e.workflow_name AS workflow_name,
                e.status AS status,
@@ -99,10 +100,10 @@ def upgrade() -> None:
                AND r.activity_name = w.activity_name
                AND r.type IN ('signal.received', 'signal.timeout', 'signal.delivered'))
         WHERE e.status NOT IN ('completed', 'failed')
-        """
+        """,
     )
 
 
 def downgrade() -> None:
-    op.execute("DROP VIEW wf_execution_waits")
-    op.execute("DROP VIEW wf_step_attempts")
+    ops.drop_view("wf_execution_waits")
+    ops.drop_view("wf_step_attempts")

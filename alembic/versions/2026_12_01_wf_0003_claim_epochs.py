@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 
 from alembic import op
+from wf_persist import migration_ops as ops
 
 revision: str = "wf_0003"
 down_revision: str | Sequence[str] | None = "wf_0002"
@@ -60,9 +61,9 @@ def _funcs() -> tuple[str, str, str]:
 def _create_views() -> None:
     text, integer, millis = _funcs()
     s_attempt = integer.format(e="s.event", k="attempt")
-    op.execute(
+    ops.create_view(
+        "wf_step_attempts",
         f"""
-        CREATE VIEW wf_step_attempts AS
         SELECT s.execution_id AS execution_id,
                e.workflow_name AS workflow_name,
                e.workflow_version AS workflow_version,
@@ -91,11 +92,11 @@ def _create_views() -> None:
          AND f.sequence > s.sequence
          AND {integer.format(e="f.event", k="attempt")} = {s_attempt}
         WHERE s.type = 'step.started'
-        """
+        """,
     )
-    op.execute(
+    ops.create_view(
+        "wf_execution_waits",
         f"""
-        CREATE VIEW wf_execution_waits AS
         SELECT e.id AS execution_id,
                e.workflow_name AS workflow_name,
                e.status AS status,
@@ -116,22 +117,22 @@ def _create_views() -> None:
                AND r.activity_name = w.activity_name
                AND r.type IN ('signal.received', 'signal.timeout', 'signal.delivered'))
         WHERE e.status NOT IN ('completed', 'failed')
-        """
+        """,
     )
 
 
 def _drop_views() -> None:
-    op.execute("DROP VIEW wf_execution_waits")
-    op.execute("DROP VIEW wf_step_attempts")
+    ops.drop_view("wf_execution_waits")
+    ops.drop_view("wf_step_attempts")
 
 
 def upgrade() -> None:
     _drop_views()
-    op.add_column(
+    ops.add_column(
         "wf_executions",
         sa.Column("claim_epoch", sa.BigInteger(), nullable=False, server_default=sa.text("0")),
     )
-    op.add_column(
+    ops.add_column(
         "wf_executions",
         sa.Column("drive_failures", sa.Integer(), nullable=False, server_default=sa.text("0")),
     )
@@ -142,8 +143,8 @@ def downgrade() -> None:
     _drop_views()
     # Plain ALTER TABLE ... DROP COLUMN everywhere (SQLite >= 3.35 has it): a batch copy of
     # wf_executions would cascade-delete its history under foreign_keys=ON.
-    op.execute("ALTER TABLE wf_executions DROP COLUMN drive_failures")
-    op.execute("ALTER TABLE wf_executions DROP COLUMN claim_epoch")
+    ops.drop_column("wf_executions", "drive_failures")
+    ops.drop_column("wf_executions", "claim_epoch")
     import importlib.util
     from pathlib import Path
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
-from alembic import op
+from wf_persist import migration_ops as ops
 
 revision: str = "wf_0004"
 down_revision: str | Sequence[str] | None = "wf_0003"
@@ -33,14 +33,14 @@ _JSON = sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
 
 
 def upgrade() -> None:
-    op.add_column("wf_workflows", sa.Column("input_schema", _JSON, nullable=True))
-    op.add_column("wf_workflows", sa.Column("output_schema", _JSON, nullable=True))
-    op.create_index("ix_wf_executions__created_at_id", "wf_executions", ["created_at", "id"])
+    ops.add_column("wf_workflows", sa.Column("input_schema", _JSON, nullable=True))
+    ops.add_column("wf_workflows", sa.Column("output_schema", _JSON, nullable=True))
+    ops.create_index("ix_wf_executions__created_at_id", "wf_executions", ["created_at", "id"])
 
 
 def downgrade() -> None:
-    op.drop_index("ix_wf_executions__created_at_id", table_name="wf_executions")
+    ops.drop_index("ix_wf_executions__created_at_id", "wf_executions")
     # Plain ALTER TABLE ... DROP COLUMN everywhere (SQLite >= 3.35 has it): a batch copy of
     # wf_workflows would cascade to the runs that reference it under foreign_keys=ON.
-    op.execute("ALTER TABLE wf_workflows DROP COLUMN output_schema")
-    op.execute("ALTER TABLE wf_workflows DROP COLUMN input_schema")
+    ops.drop_column("wf_workflows", "output_schema")
+    ops.drop_column("wf_workflows", "input_schema")

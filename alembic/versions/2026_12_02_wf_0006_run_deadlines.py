@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 
-from alembic import op
+from wf_persist import migration_ops as ops
 
 revision: str = "wf_0006"
 down_revision: str | Sequence[str] | None = "wf_0005"
@@ -35,10 +35,10 @@ def _ts() -> sa.types.TypeEngine[object]:
 
 
 def upgrade() -> None:
-    op.add_column("wf_executions", sa.Column("deadline_at", _ts(), nullable=True))
+    ops.add_column("wf_executions", sa.Column("deadline_at", _ts(), nullable=True))
 
 
 def downgrade() -> None:
     # Plain ALTER TABLE ... DROP COLUMN everywhere (SQLite >= 3.35 has it): a batch copy of
     # wf_executions would cascade-delete its history under foreign_keys=ON.
-    op.execute("ALTER TABLE wf_executions DROP COLUMN deadline_at")
+    ops.drop_column("wf_executions", "deadline_at")

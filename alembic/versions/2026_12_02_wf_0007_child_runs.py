@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import sqlalchemy as sa
 
-from alembic import op
+from wf_persist import migration_ops as ops
 
 revision: str = "wf_0007"
 down_revision: str | Sequence[str] | None = "wf_0006"
@@ -33,11 +33,11 @@ _INDEX = "ix_wf_executions__parent_id"
 
 
 def upgrade() -> None:
-    op.add_column("wf_executions", sa.Column("parent_id", sa.String(36), nullable=True))
-    op.create_index(_INDEX, "wf_executions", ["parent_id"])
-    op.execute(
+    ops.add_column("wf_executions", sa.Column("parent_id", sa.String(36), nullable=True))
+    ops.create_index(_INDEX, "wf_executions", ["parent_id"])
+    ops.create_view(
+        "wf_run_tree",
         """
-        CREATE VIEW wf_run_tree AS
         SELECT c.parent_id AS parent_id,
                p.workflow_name AS parent_workflow,
                c.id AS execution_id,
@@ -49,13 +49,13 @@ def upgrade() -> None:
         FROM wf_executions c
         LEFT JOIN wf_executions p ON p.id = c.parent_id
         WHERE c.parent_id IS NOT NULL
-        """
+        """,
     )
 
 
 def downgrade() -> None:
-    op.execute("DROP VIEW wf_run_tree")
-    op.drop_index(_INDEX, table_name="wf_executions")
+    ops.drop_view("wf_run_tree")
+    ops.drop_index(_INDEX, "wf_executions")
     # Plain ALTER TABLE ... DROP COLUMN everywhere (SQLite >= 3.35 has it): a batch copy of
     # wf_executions would cascade-delete its history under foreign_keys=ON.
-    op.execute("ALTER TABLE wf_executions DROP COLUMN parent_id")
+    ops.drop_column("wf_executions", "parent_id")
