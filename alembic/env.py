@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection, Dialect
 from sqlalchemy.pool import NullPool
 
 from alembic import context
@@ -40,6 +40,15 @@ def _configure_args(backend: type[backends.Backend]) -> dict[str, Any]:
     }
 
 
+def _schema_statements(dialect: Dialect) -> list[str]:
+    """Create the schema if need be, and search it: raw SQL in revisions (views) resolves
+    names through the search path. The name is quoted as the dialect quotes (checked by
+    ``wf_persist.migrate`` before this runs)."""
+    assert SCHEMA is not None
+    quoted = dialect.identifier_preparer.quote_identifier(SCHEMA)
+    return [f"CREATE SCHEMA IF NOT EXISTS {quoted}", f"SET LOCAL search_path TO {quoted}"]
+
+
 def _run(connection: Connection) -> None:
     if SCHEMA is not None:
         # Our revisions name no schema; the translate map puts every table in SCHEMA.
@@ -50,9 +59,8 @@ def _run(connection: Connection) -> None:
         with context.begin_transaction():
             backend.migration_lock(connection)
             if SCHEMA is not None:
-                connection.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{SCHEMA}"'))
-                # Raw SQL in revisions (views) resolves names through the search path.
-                connection.execute(text(f'SET LOCAL search_path TO "{SCHEMA}"'))
+                for statement in _schema_statements(connection.dialect):
+                    connection.exec_driver_sql(statement)  # as written: no % doubled
             context.run_migrations()
     finally:
         backend.migration_unlock(connection)  # where the lock is a session's, not a txn's
@@ -68,8 +76,8 @@ def run_migrations_offline() -> None:
         if lock is not None:
             context.execute(lock)
         if SCHEMA is not None:
-            context.execute(f'CREATE SCHEMA IF NOT EXISTS "{SCHEMA}"')
-            context.execute(f'SET LOCAL search_path TO "{SCHEMA}"')
+            for statement in _schema_statements(context.get_context().dialect):
+                context.execute(statement)
         context.run_migrations()
 
 

@@ -153,7 +153,7 @@ def test_an_idle_worker_never_busy_polls(
     finally:
         worker.stop()
         thread.join(10)
-    interval = max(poll_interval, NOTIFIED_POLL_INTERVAL) if rt.listening() else poll_interval
+    interval = max(poll_interval, NOTIFIED_POLL_INTERVAL) if rt.hears_due() else poll_interval
     looks = elapsed / interval + 1
     mark = rt.backend.owner_mark()
     reaps = elapsed / REAP_INTERVAL + 1 if mark and rt.owner.endswith(mark) else 0

@@ -37,7 +37,7 @@ from .records import (
 )
 from .runtime import Clock, utc_now
 from .timeouts import positive
-from .wakeups import ANY_END, Wakeups
+from .wakeups import ANY_END, HEAR_END, Wakeups
 
 T = TypeVar("T")
 
@@ -218,7 +218,7 @@ class AsyncClient:
         """Hear of ends where the database notifies (a thread of its own, started once)."""
         client = await self._sync()
         if self._wakeups is None and client.backend.can_listen:
-            self._wakeups = Wakeups(client.backend)
+            self._wakeups = Wakeups(client.backend, hear=(HEAR_END,))
             self._wakeups.on_end(self._heard)
             await asyncio.to_thread(self._wakeups.start)
 

@@ -13,7 +13,7 @@ from . import arguments, clocks, lifecycle, refusals
 from .errors import ResultTimeoutError
 from .reading import RunReader
 from .records import Completed, Failed, Outcome
-from .wakeups import Ends, Wakeups
+from .wakeups import HEAR_END, Ends, Wakeups
 
 #: The longest wait for the end of a run this client started before it looks at the run.
 UNREAD_WAIT = 0.1
@@ -58,7 +58,7 @@ class RunAwaiter(RunReader):
         with self._ended:  # two first waits at once start one listener
             if self._wakeups is not None:
                 return
-            found = Wakeups(self.backend)
+            found = Wakeups(self.backend, hear=(HEAR_END,))
             found.on_end(self._ends.heard)
             found.on_end(lambda _id: self._wake_waiters())
             self._wakeups = found
@@ -67,7 +67,11 @@ class RunAwaiter(RunReader):
     def _announced(self) -> bool:
         """Whether ends of runs reach this client as notifications now (then a wait looks
         again when its run's end is heard, else after each poll delay)."""
-        return self._wakeups is not None and self._wakeups.listening
+        return self._wakeups is not None and self._wakeups.hears(HEAR_END)
+
+    def _hear_ends(self) -> None:
+        """Before a wait that polls: ends heard from now on wake it (the embedded client's
+        runtime listens for them only once a caller waits for a run driven elsewhere)."""
 
     def _wake_waiters(self) -> None:
         with self._ended:
@@ -149,6 +153,7 @@ class RunAwaiter(RunReader):
                         execution_id, mark, wait if remaining is None else min(wait, remaining)
                     )
                     continue
+                self._hear_ends()
                 wait = min(delay, self._poll())
                 self._wait(wait if remaining is None else min(wait, remaining))
                 delay = min(delay * 2, self._poll())

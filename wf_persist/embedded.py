@@ -43,6 +43,9 @@ class WorkflowClient(Client):
     def _listen(self) -> None:
         self.runtime.wakeups()
 
+    def _hear_ends(self) -> None:
+        self.runtime.hear_ends()
+
     def _now(self) -> dt.datetime:
         return self.runtime.clock()
 

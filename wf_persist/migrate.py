@@ -136,11 +136,15 @@ def _schema_to_migrate(bind: Bind, schema: str | None) -> str | None:
     schema = _schema_of(bind, schema)
     if schema is not None:
         name = _url_of(bind).get_backend_name()
-        if not backends.backend_type(name).supports_schemas:
+        backend = backends.backend_type(name)
+        if not backend.supports_schemas:
             raise UnsupportedDatabaseError(
                 f"migrating into a named schema ({schema}) needs PostgreSQL, not {name}: "
                 "migrate that database by its own URL"
             )
+        problem = backend.schema_problem(schema)
+        if problem is not None:  # before anything is sent
+            raise InvalidArgumentError(f"schema {schema!r}: {problem}")
     return schema
 
 

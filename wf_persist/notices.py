@@ -15,7 +15,7 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Final
 
 from .backends import Backend
-from .wakeups import DUE_NOW, PRESENCE_GRACE, Wakeups
+from .wakeups import DUE_NOW, HEAR_DUE, HEAR_END, PRESENCE_GRACE, Wakeups
 
 if TYPE_CHECKING:
     from .worker import Worker
@@ -50,13 +50,22 @@ class Notices:
 
     def wakeups(self) -> Wakeups:
         """This runtime's listener (started on first use, before its first claim: it holds
-        the presence lock its claims are named after, where the database has one)."""
+        the presence lock its claims are named after, where the database has one). It
+        listens for runs due once this runtime has a worker, for ends once a caller here
+        waits for a run driven elsewhere (see :meth:`hear_ends`)."""
         self._check_process()
+        found = self._wakeups
+        if found is not None and self._worker is not None and not self._closed:
+            found.hear(HEAR_DUE)  # a worker attached since it started (cheap once asked)
         with self._lock:
             found = self._wakeups
             if found is None:
                 mark = self.backend.owner_mark()
-                found = Wakeups(self.backend, self._base_owner + mark if mark else None)
+                found = Wakeups(
+                    self.backend,
+                    self._base_owner + mark if mark else None,
+                    hear=(HEAR_DUE,) if self._worker is not None else (),
+                )
                 # A run due now needs no new look at the timers; a timer or a reconnection does.
                 found.on_due(lambda at: self._wake_worker(timers=at != DUE_NOW))
                 found.on_end(lambda _id: self._notify(worker=False))
@@ -95,9 +104,19 @@ class Notices:
         return found.trusted_since()
 
     def listening(self) -> bool:
-        """Whether notifications reach this runtime now (else its worker polls)."""
+        """Whether this runtime's listening connection is up now."""
         found = self._wakeups
         return found is not None and found.listening
+
+    def hears_due(self) -> bool:
+        """Whether notifications of runs due reach this runtime now (else its worker polls)."""
+        found = self._wakeups
+        return found is not None and found.hears(HEAR_DUE)
+
+    def hear_ends(self) -> None:
+        """A caller here waits for a run driven elsewhere: its end wakes it from now on (the
+        first such wait waits for the listener to listen, a round trip)."""
+        self.wakeups().hear(HEAR_END)
 
     def timer_set(self) -> None:
         """A run driven here parked until a time: the worker learns its new next wake."""

@@ -40,6 +40,13 @@ WAKE: Final = "wake "
 END: Final = "end "
 #: What ``on_end`` subscribers hear on (re)connecting: any run may have ended unheard.
 ANY_END: Final = ""
+#: What a process listens for, each on a channel of its own (see :meth:`Wakeups.hear`): runs
+#: due (a worker's business: starts, signals, cancellations, released leases, near timers) and
+#: runs ended (a waiting caller's). A web process awaiting results is not woken by every
+#: start, nor a worker by every end.
+HEAR_DUE: Final = "due"
+HEAR_END: Final = "end"
+Hearing = Literal["due", "end"]
 #: What ``on_due`` subscribers hear for a run due now (a start, a signal, a released lease),
 #: as opposed to a timer's time or ``None`` (a (re)connection: anything may be due, timers too).
 DUE_NOW: Final = "now"
@@ -79,6 +86,10 @@ class Listener(Protocol):
         """Payloads received within ``timeout`` seconds (at once if some are pending);
         ``beat``: a heartbeat, if the lock is held (its answer updates :attr:`heard`)."""
 
+    def hear(self, kinds: frozenset[Hearing]) -> bool:
+        """Listen for these kinds too (on this listener's thread); False: not now (a
+        heartbeat is on its way), ask again after the next :meth:`wait`."""
+
     def interrupt(self) -> None:
         """End the current (or next) :meth:`wait` early; safe from any thread."""
 
@@ -92,12 +103,19 @@ class Wakeups:
     Subscribers are called on the listening thread and must be quick (set an event, notify a
     condition). ``on_due`` hears of runs due now or soon (a worker's claim loop), ``on_end``
     of runs that ended (callers waiting for results): their ids, or :data:`ANY_END` when
-    the connection was (re)made and ends may have gone unheard.
+    the connection was (re)made and ends may have gone unheard. Each is heard only once
+    asked for (``hear`` at construction, or :meth:`hear` later).
     """
 
-    def __init__(self, backend: Backend, presence: str | None = None) -> None:
+    def __init__(
+        self, backend: Backend, presence: str | None = None, hear: tuple[Hearing, ...] = ()
+    ) -> None:
         self.backend = backend
         self.presence = presence
+        #: What this process asked to hear, and what the connection listens for now.
+        self._wanted: frozenset[Hearing] = frozenset(hear)
+        self._hearing: frozenset[Hearing] = frozenset()
+        self._heard_cond = threading.Condition(threading.Lock())
         self._due: list[Callable[[Due], None]] = []
         self._end: list[Callable[[str], None]] = []
         self._lock = threading.Lock()
@@ -139,6 +157,41 @@ class Wakeups:
         self._ready.wait(wait)
         return self.listening
 
+    def hear(self, kind: Hearing, wait: float = 5.0) -> bool:
+        """Listen for ``kind`` from now on (for this process's life); waits up to ``wait``
+        seconds for the connection to listen, so a caller that looks after this misses
+        nothing. Returns whether it is heard now (cheap once asked)."""
+        if kind not in self._wanted:
+            with self._heard_cond:
+                self._wanted = self._wanted | {kind}
+            listener = self._listener
+            if listener is not None:
+                listener.interrupt()
+            deadline = clocks.elapsed() + wait
+            with self._heard_cond:
+                while not self.hears(kind) and self._listener is not None:
+                    left = deadline - clocks.elapsed()
+                    if left <= 0:
+                        break
+                    self._heard_cond.wait(left)
+        return self.hears(kind)
+
+    def hears(self, kind: Hearing) -> bool:
+        """Whether notifications of ``kind`` reach this process now (else poll)."""
+        return self.listening and kind in self._hearing
+
+    def _listen_for(self, listener: Listener) -> frozenset[Hearing]:
+        """Listen for what was asked and is not listened for yet (on the listening thread);
+        returns what is newly heard."""
+        wanted = self._wanted
+        new = wanted - self._hearing
+        if not new or not listener.hear(new):
+            return frozenset()
+        with self._heard_cond:
+            self._hearing = self._hearing | new
+            self._heard_cond.notify_all()
+        return new
+
     def stop(self) -> None:
         self._stop.set()
         listener = self._listener
@@ -152,11 +205,14 @@ class Wakeups:
 
     def _connect(self) -> Listener | None:
         try:
-            listener = self.backend.listener(self.presence)
+            wanted = self._wanted
+            listener = self.backend.listener(self.presence, wanted)
         except Exception as exc:
             time.sleep(self._outage.failed(exc))
             return None
         self._outage.succeeded()
+        with self._heard_cond:
+            self._hearing = wanted
         return listener
 
     def _run(self) -> None:
@@ -174,7 +230,9 @@ class Wakeups:
                 self._beat_until = clocks.elapsed() + BEAT_FOR
                 self._presence(listener)
                 self.connections += 1
-                self.listening = True
+                with self._heard_cond:
+                    self.listening = True
+                    self._heard_cond.notify_all()
                 self._ready.set()
                 # Whatever was sent before (or during an outage) went unheard.
                 self._announce_due(None)
@@ -184,13 +242,22 @@ class Wakeups:
                     self._presence(listener)  # retaken after a reconnection
                     for payload in payloads:
                         self._dispatch(payload)
+                    if self._wanted != self._hearing:
+                        new = self._listen_for(listener)
+                        if HEAR_DUE in new:
+                            self._announce_due(None)  # sent before: unheard
+                        if HEAR_END in new:
+                            self._announce_end(ANY_END)
             except Exception as exc:
                 failure = exc
             finally:
                 # Not listening from the moment the connection failed: callers poll meanwhile.
                 self.listening = False
                 self._presence(None)
-                self._listener = None
+                with self._heard_cond:
+                    self._listener = None
+                    self._hearing = frozenset()
+                    self._heard_cond.notify_all()
                 listener.close()
             if failure is not None:
                 time.sleep(self._outage.failed(failure))
@@ -371,6 +438,9 @@ class _NotAvailable:
 
     def wait(self, timeout: float, beat: bool = False) -> list[str]:
         return []
+
+    def hear(self, kinds: frozenset[Hearing]) -> bool:
+        return True
 
     def interrupt(self) -> None:
         return None

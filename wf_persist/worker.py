@@ -273,7 +273,7 @@ class Worker:
         # Where notifications arrive, a look now would find only what they announce.
         if saturated:
             self.wake(timers=False)
-        elif not self.runtime.listening():
+        elif not self.runtime.hears_due():
             self._wake.set()  # a "maybe": the look asks what is due before it claims
 
     def run(self) -> None:
@@ -350,7 +350,7 @@ class Worker:
                                     and told
                                     and not self._timers_stale
                                     and now < look_at
-                                    and rt.listening()
+                                    and rt.hears_due()
                                 ):
                                     # Told of runs due now, and took them: the next timer
                                     # and safety-net look known before still hold (asking
@@ -386,7 +386,7 @@ class Worker:
         probe = min(self._probe, self.poll_interval)
         while True:
             left = until - clocks.elapsed()
-            if changes is None or self._saturated or self.runtime.listening():
+            if changes is None or self._saturated or self.runtime.hears_due():
                 self._wake.wait(max(0.0, left))
                 return
             if left <= 0 or self._wake.wait(min(left, probe)):
@@ -453,7 +453,7 @@ class Worker:
         asked before a claim that was then not needed (else it is asked now)."""
         rt = self.runtime
         interval = self.poll_interval
-        if rt.listening():
+        if rt.hears_due():
             interval = max(interval, NOTIFIED_POLL_INTERVAL)
         now = clocks.elapsed()
         if quiet:

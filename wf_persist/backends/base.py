@@ -30,7 +30,7 @@ from ..errors import LeaseLostError, UnsupportedDatabaseError
 from ..events import NewEvent
 from ..models import IDEMPOTENCY_KEY, UniqueKey
 from ..models import executions_table as ex
-from ..wakeups import DUE, NOT_AVAILABLE, Listener
+from ..wakeups import DUE, NOT_AVAILABLE, Hearing, Listener
 from .clock import db_later, db_now
 from .connections import Connections
 from .sql import (
@@ -102,9 +102,10 @@ class Backend(Connections):
 
     # wake-ups and presence (see :mod:`wf_persist.wakeups`) ------------------------------
 
-    def listener(self, presence: str | None) -> Listener:
-        """A listening connection of this process's own, holding the presence lock of
-        ``presence`` (an owner) if the database has such locks."""
+    def listener(self, presence: str | None, hear: frozenset[Hearing]) -> Listener:
+        """A listening connection of this process's own, listening for ``hear`` and
+        holding the presence lock of ``presence`` (an owner) if the database has such
+        locks."""
         return NOT_AVAILABLE
 
     def announce(self, conn: Connection, payload: str) -> None:

@@ -31,6 +31,7 @@ from sqlalchemy.pool import (
 from ..errors import (
     DatabaseConnectError,
     ForkedRuntimeError,
+    InvalidArgumentError,
     UnsupportedDatabaseError,
     ValueTooLargeError,
 )
@@ -95,11 +96,19 @@ class Connections:
     #: migrates it itself.
     embedded: ClassVar[bool] = False
 
+    @classmethod
+    def schema_problem(cls, schema: object) -> str | None:
+        """Why ``schema`` cannot name the schema of our tables here (None: it can)."""
+        return "a named schema needs PostgreSQL"
+
     def __init__(self, engine: Engine, *, owned: bool, schema: str | None = None) -> None:
         if schema is not None and not self.supports_schemas:
             raise UnsupportedDatabaseError(
                 f"a named schema needs PostgreSQL, not {engine.dialect.name}"
             )
+        problem = None if schema is None else self.schema_problem(schema)
+        if problem is not None:
+            raise InvalidArgumentError(f"schema {schema!r}: {problem}")
         self.base_engine = engine
         self.owned = owned
         #: The process this backend belongs to (see :meth:`check_process`).
@@ -115,6 +124,10 @@ class Connections:
         #: engine carries): SQL a fast path renders itself must render it too.
         found = self.engine.get_execution_options().get("schema_translate_map")
         self.schema_map: dict[str | None, str | None] | None = dict(found) if found else None
+        mapped = self.schema_map.get(None) if self.schema_map and self.supports_schemas else None
+        problem = None if mapped is None else self.schema_problem(mapped)
+        if problem is not None:
+            raise InvalidArgumentError(f"the engine's schema_translate_map: {mapped!r}: {problem}")
         self.slots = Slots(self.engine)
         #: The largest JSON value (bytes, as sent) one stored value may have.
         self.max_value_bytes = 256 * 1024 * 1024 - 64 * 1024

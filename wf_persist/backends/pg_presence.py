@@ -35,6 +35,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 
 from .. import clocks
+from ..wakeups import HEAR_DUE, HEAR_END, Hearing
 from . import pg_wire
 from .connections import dispose_pool
 
@@ -109,7 +110,9 @@ RETURNING run.id
 class PGListener:
     """One connection of the process's own, in autocommit: LISTEN, and the presence lock."""
 
-    def __init__(self, backend: PostgreSQLBackend, owner: str | None) -> None:
+    def __init__(
+        self, backend: PostgreSQLBackend, owner: str | None, hear: frozenset[Hearing]
+    ) -> None:
         self._nudge_lock = threading.RLock()  # close() in a signal handler nudges too
         self._nudge_r = self._nudge_w = -1
         self._engine: Engine = backend.side_engine()
@@ -121,8 +124,13 @@ class PGListener:
             raw.autocommit = True
             raw.execute(f"SET application_name = '{APPLICATION_NAME}'")  # for operators
             _fail_fast(raw)
-            quoted = backend.channel().replace('"', '""')
-            raw.execute(f'LISTEN "{quoted}"')
+            self._channels = {HEAR_DUE: backend.channel(), HEAR_END: backend.end_channel()}
+            # Whether this database can LISTEN at all is found here, whatever is heard yet
+            # (a database without it raises "feature not supported": workers then poll).
+            for kind in sorted(hear) or [HEAR_DUE]:
+                raw.execute(f'LISTEN "{self._quoted(kind)}"')
+            if not hear:
+                raw.execute(f'UNLISTEN "{self._quoted(HEAR_DUE)}"')
             #: The owner whose presence lock this connection should hold (None: no lock).
             self._owner = (
                 owner if owner is not None and backend.presence_ok(self._engine, raw) else None
@@ -190,6 +198,22 @@ class PGListener:
                 f"the listening connection did not answer a heartbeat within {BEAT_DEADLINE} s"
             )
         return payloads
+
+    def hear(self, kinds: frozenset[Hearing]) -> bool:
+        """``LISTEN`` on the channels of ``kinds`` (not while a heartbeat's answer is due:
+        libpq sends one command at a time)."""
+        if self._beat_sent is not None:
+            return False
+        pgconn = self._raw.pgconn
+        for kind in sorted(kinds):
+            with self._raw.lock:
+                result = pgconn.exec_(f'LISTEN "{self._quoted(kind)}"'.encode(self._encoding))
+            if result.status != pq.ExecStatus.COMMAND_OK:
+                raise pg_wire.failure(self._raw, result)
+        return True
+
+    def _quoted(self, kind: Hearing) -> str:
+        return self._channels[kind].replace('"', '""')
 
     def interrupt(self) -> None:
         with self._nudge_lock:  # never a write to a descriptor closed (and reused) meanwhile

@@ -37,7 +37,7 @@ from ..events import NewEvent
 from ..json_text import as_jsonb, json_text
 from ..models import executions_table as ex
 from ..models import workflows_table as wf
-from ..wakeups import DUE, NOT_AVAILABLE, Listener
+from ..wakeups import DUE, END, NOT_AVAILABLE, Hearing, Listener
 from . import pg_json
 from .connections import connect
 from .pg_presence import PRESENT_MARK, REAP, UNSUPPORTED, PGListener, advisory_locks_work
@@ -66,8 +66,8 @@ from .sql import (
 
 log = logging.getLogger("wf_persist.worker")
 
-#: The longest channel name PostgreSQL takes is one byte short of this (NAMEDATALEN).
-CHANNEL_BYTES: Final = 64
+#: The longest name (a schema's, a channel's) PostgreSQL keeps whole is one byte short of this.
+NAMEDATALEN: Final = 64
 #: Key of the advisory lock that serializes concurrent migrations.
 MIGRATION_LOCK_KEY: Final = 0x77665F70657273  # "wf_pers"
 _JSON_COLUMNS = frozenset({"event", "result", "error", "input"})
@@ -130,6 +130,7 @@ class PostgreSQLBackend(RawPath):
         if self._pool_level_ours:
             event.listen(engine, "checkout", as_created())
         self._channel: str | None = None
+        self._end_channel: str | None = None
         super().__init__(engine, owned=owned, schema=schema)
         # Advisory locks are the database's: a limit holds within the schema of our tables.
         tables = (
@@ -186,6 +187,18 @@ class PostgreSQLBackend(RawPath):
     def refused(cls, exc: BaseException) -> bool:
         return getattr(getattr(exc, "orig", exc), "sqlstate", None) in _REFUSED
 
+    @classmethod
+    def schema_problem(cls, schema: object) -> str | None:
+        if not isinstance(schema, str) or not schema:
+            return "a schema name is a non-empty string"
+        if "\x00" in schema:
+            return "PostgreSQL names cannot hold NUL"
+        if len(schema.encode()) >= NAMEDATALEN:
+            return "longer than 63 bytes: PostgreSQL would cut it"
+        if schema.lower().startswith("pg_"):
+            return "names starting with pg_ are PostgreSQL's own schemas"
+        return None
+
     def requirement_problem(self, version: tuple[int, ...] | None) -> str | None:
         if version is not None and version < (12,):
             return "PostgreSQL >= 12 is needed; found " + ".".join(str(p) for p in version)
@@ -234,11 +247,11 @@ class PostgreSQLBackend(RawPath):
 
     # wake-ups and presence ----------------------------------------------------------
 
-    def listener(self, presence: str | None) -> Listener:
+    def listener(self, presence: str | None, hear: frozenset[Hearing]) -> Listener:
         if self._listen_ok is False:
             return NOT_AVAILABLE
         try:
-            found = PGListener(self, presence)
+            found = PGListener(self, presence, hear)
         except Exception as exc:
             orig = getattr(exc, "orig", exc)
             if getattr(orig, "sqlstate", None) not in UNSUPPORTED:
@@ -265,13 +278,16 @@ class PostgreSQLBackend(RawPath):
         if self._listen_ok is not False:
             conn.execute(
                 select(func.pg_notify(P_CHANNEL, P_PAYLOAD)),
-                {"p_channel": self.channel(), "p_payload": payload},
+                {"p_channel": self.channel_of(payload), "p_payload": payload},
             )
 
     def reap(self, owner: str, grace: float) -> list[str]:
         if not self._presence_ok:
             return []
-        table = ex.name if not self.schema_map else f'"{self.schema_map.get(None)}".{ex.name}'
+        mapped = self.schema_map.get(None) if self.schema_map else None
+        quote = self.base_engine.dialect.identifier_preparer.quote_identifier
+        # Quoted for psycopg's %(name)s parameters too (a % in the name doubled).
+        table = ex.name if mapped is None else f"{quote(mapped)}.{ex.name}"
         return [
             str(r[0])
             for r in self._send_raw(REAP.format(table=table), {"me": owner, "grace": grace})
@@ -283,18 +299,31 @@ class PostgreSQLBackend(RawPath):
     # runs and claims ---------------------------------------------------------------
 
     def channel(self) -> str:
-        """The channel of this database's wake-up notifications: one per schema holding
-        the tables, however it is named (``schema=``, or a host engine's translation)."""
+        """The channel of this database's runs due (see :data:`~.wakeups.HEAR_DUE`): one
+        per schema holding the tables, however it is named (``schema=``, or a host
+        engine's translation)."""
         if self._channel is None:  # fixed once the engine is open; sent with every start
-            schema = self.schema
-            if schema is None and self.schema_map:
-                schema = self.schema_map.get(None)
-            channel = "wf_persist" if schema is None else f"wf_persist.{schema}"
-            if schema is not None and len(channel.encode()) >= CHANNEL_BYTES:
-                # The server refuses longer names.
-                channel = f"wf_persist.{hashlib.sha256(schema.encode()).hexdigest()[:32]}"
-            self._channel = channel
+            self._channel = self._channel_named("wf_persist")
         return self._channel
+
+    def end_channel(self) -> str:
+        """The channel of this database's runs ended (see :data:`~.wakeups.HEAR_END`)."""
+        if self._end_channel is None:
+            self._end_channel = self._channel_named("wf_persist_end")
+        return self._end_channel
+
+    def channel_of(self, payload: str) -> str:
+        return self.end_channel() if payload.startswith(END) else self.channel()
+
+    def _channel_named(self, prefix: str) -> str:
+        schema = self.schema
+        if schema is None and self.schema_map:
+            schema = self.schema_map.get(None)
+        channel = prefix if schema is None else f"{prefix}.{schema}"
+        if schema is not None and len(channel.encode()) >= NAMEDATALEN:
+            # The server refuses longer names.
+            channel = f"{prefix}.{hashlib.sha256(schema.encode()).hexdigest()[:32]}"
+        return channel
 
     def insert_run(
         self,
@@ -472,7 +501,7 @@ class PostgreSQLBackend(RawPath):
         sql = self._statement(shape)
         params: dict[str, Any] = {"p_eid": execution_id, "p_epoch": epoch, "p_now": now}
         if note is not None:
-            params["p_channel"], params["p_note"] = self.channel(), note
+            params["p_channel"], params["p_note"] = self.channel_of(note), note
         for column, value in (values or {}).items():
             params[f"v_{column}"] = (
                 json_text(value) if column in _JSON_COLUMNS and value is not None else value

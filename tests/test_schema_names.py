@@ -1,0 +1,78 @@
+"""Schema names on PostgreSQL: any name PostgreSQL keeps whole works end to end (quoted as
+the dialect quotes wherever SQL is written by hand: the migrations' ``CREATE SCHEMA`` and
+search path, the reaper's statement), and a name it cannot keep is refused, typed, before
+anything is sent. The migrations pasted the name between double quotes: a name with one
+ran the SQL after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from sqlalchemy import Engine, create_engine, text
+
+import wf_persist as wp
+from wf_persist import migrate
+
+from .fixtures import workflows as w
+
+HOSTILE = 'x"; CREATE TABLE public.pwned (i int); --'
+ODD = 'wf "odd" 50% ü'
+
+
+def _schemas(url: str) -> set[str]:
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return set(conn.execute(text("SELECT nspname FROM pg_namespace")).scalars())
+    finally:
+        engine.dispose()
+
+
+def _table(url: str, name: str) -> bool:
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return conn.execute(text("SELECT to_regclass(:n)"), {"n": name}).scalar() is not None
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.needs("schemas")
+@pytest.mark.parametrize("schema", [HOSTILE, ODD])
+def test_a_schema_name_with_quotes_is_a_name_not_sql(blank_db_url: str, schema: str) -> None:
+    migrate.upgrade(blank_db_url, schema=schema)
+    assert not _table(blank_db_url, "public.pwned"), "the name's text ran as SQL"
+    assert schema in _schemas(blank_db_url)
+    assert migrate.current(blank_db_url, schema=schema) == migrate.SCHEMA_HEAD
+    with wp.Runtime(blank_db_url, schema=schema) as rt:
+        rt.register(w.echo_wf)
+        client = rt.client()
+        assert client.result(client.start(w.echo_wf, 2).execution_id, timeout=20).unwrap() == [1, 2]
+        assert rt.reap() == []  # its own statement names the table in that schema
+    migrate.downgrade(blank_db_url, "base", schema=schema)
+    assert migrate.current(blank_db_url, schema=schema) is None
+
+
+@pytest.mark.needs("schemas")
+@pytest.mark.parametrize("schema", ["", "pg_catalog", "PG_temp", "s" * 64, "a\x00b"], ids=repr)
+def test_a_schema_name_postgresql_cannot_keep_is_refused_before_anything_is_sent(
+    blank_db_url: str, make_engine: Callable[..., Engine], schema: str
+) -> None:
+    before = _schemas(blank_db_url)
+    calls: tuple[Callable[[], object], ...] = (
+        lambda: migrate.upgrade(blank_db_url, schema=schema),
+        lambda: migrate.upgrade(blank_db_url, sql=True, schema=schema),
+        lambda: migrate.downgrade(blank_db_url, "base", schema=schema),
+        lambda: wp.Runtime(blank_db_url, schema=schema),
+        lambda: wp.Client(blank_db_url, schema=schema),
+        lambda: wp.Runtime(
+            make_engine(blank_db_url).execution_options(schema_translate_map={None: schema})
+        ),
+    )
+    for call in calls:
+        with pytest.raises(wp.InvalidArgumentError, match="schema"):
+            call()
+    assert _schemas(blank_db_url) == before
+    assert migrate.current(blank_db_url) is None
