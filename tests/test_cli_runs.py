@@ -319,6 +319,7 @@ def test_hostile_arguments_are_one_line_errors_that_write_nothing(
     refused: list[tuple[tuple[str, ...], str]] = [
         (("runs", "start", "echo", "--input", "[" * 3000 + "]" * 3000), "nested too deeply"),
         (("runs", "start", "echo", "--input", f"@{deep}"), "nested too deeply"),
+        (("runs", "start", "echo", "--input", '{"n": 1, "n": 2}'), "'n' twice"),
         (("runs", "start", "echo@²"), "name@version"),
         (("runs", "start", "echo", "--input", "3", "--wait", "--timeout", "-1"), "timeout"),
         (("runs", "start", "echo", "--input", "3", "--follow", "--timeout", "nan"), "timeout"),
@@ -330,6 +331,11 @@ def test_hostile_arguments_are_one_line_errors_that_write_nothing(
     ]
     for args, says in refused:
         one_error_line(wf(procs, db_url, *args, code=1), says)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("root:hunter2:20228:0:99999:7:::\n")
+    shown = wf(procs, db_url, "runs", "start", "echo", "--input", f"@{secret}", code=1)
+    one_error_line(shown, "is not JSON")
+    assert "hunter2" not in shown.stdout + shown.stderr, "a file's text is not echoed"
     assert wf_json(procs, db_url, "runs", "list")["items"] == []
     assert wf(procs, db_url, "db", "current").stdout.strip() == migrate.SCHEMA_HEAD
 

@@ -6,8 +6,8 @@ code's failure: a step's attempt fails (its retry policy applies), a body's run 
 back as an interruption instead, the run was driven again at once, for ever (the step ran
 hundreds of times a second), and on the event loop asyncio let a ``KeyboardInterrupt`` or
 ``SystemExit`` out of the loop, which stopped serving every run on it. In the main thread,
-where a signal handler raises them, a ``KeyboardInterrupt`` still interrupts: the run is
-given back for another drive.
+where a signal handler may raise any of them, they still interrupt: the run is given back
+for another drive.
 """
 
 from __future__ import annotations

@@ -106,9 +106,11 @@ def test_unknown_runs_and_bad_filters_are_clear_errors(
     served: tuple[wp.Runtime, httpx.Client],
 ) -> None:
     _rt, http = served
-    for path in ("/api/runs/nope", "/api/runs/nope/events"):
+    for path in ("/api/runs/nope", "/api/runs/nope/events", "/api/runs/..%2F..%2Fetc%2Fpasswd"):
         answer = http.get(path)
         assert answer.status_code == 404 and answer.json() == {"error": "Run not found"}
+    answer = http.post("/api/runs/a%2Fb/cancel", json={})  # no run has a "/" in its id
+    assert answer.status_code == 404 and answer.json() == {"error": "Run not found"}
     assert http.get("/runs/nope").status_code == 404
     for params in ({"status": "bogus"}, {"limit": "0"}, {"limit": "x"}, {"after": "yesterday"},
                    {"cursor": "garbage"}, {"version": "2"}):  # fmt: skip

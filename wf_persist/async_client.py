@@ -194,7 +194,9 @@ class AsyncClient:
         try:
             while True:
                 event.clear()
-                found = await self._run(Client.outcome, execution_id)
+                # Shielded: a wait cancelled mid-read lets the read end and give its
+                # connection back (cancelled, it was left checked out for the collector).
+                found = await asyncio.shield(self._run(Client.outcome, execution_id))
                 if found is not None:
                     return found
                 remaining = None if deadline is None else deadline - clocks.elapsed()

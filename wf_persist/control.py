@@ -48,22 +48,21 @@ else:
 
 def interrupting(exc: BaseException) -> bool:
     """Whether ``exc`` (not an ``Exception``) stops a drive rather than fails the user code
-    it came out of: the runtime's own stops, a cancellation, a greenlet's exit, and a
-    ``KeyboardInterrupt`` or ``SystemExit`` in the main thread, where signal handlers raise
-    them (the run is given back; another drive resumes it). Anywhere else (a worker's
-    threads, the async worker's loop) no signal raises anything: a ``KeyboardInterrupt``,
-    ``SystemExit``, ``GeneratorExit``, ``asyncio.CancelledError`` or a ``BaseException`` of
-    the user's own is that code's failure. Given back instead, the run would be driven again
-    at once, for ever; and asyncio lets the first two out of its loop, which then stops."""
+    it came out of: the runtime's own stops, a cancellation, a greenlet's exit, and anything
+    in the main thread, where a signal handler may have raised it (``KeyboardInterrupt``,
+    ``SystemExit``, a handler's own): the run is given back, another drive resumes it.
+    Anywhere else (a worker's threads, the async worker's loop) no signal raises anything: a
+    ``KeyboardInterrupt``, ``SystemExit``, ``GeneratorExit``, ``asyncio.CancelledError`` or
+    a ``BaseException`` of the user's own is that code's failure. Given back instead, the
+    run would be driven again at once, for ever; and asyncio lets the first two out of its
+    loop, which then stops."""
     if isinstance(exc, Exception):
         return False
     if isinstance(exc, _STOPS):
         return True
-    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-        from .bridge import bridged
+    from .bridge import bridged
 
-        return threading.current_thread() is threading.main_thread() and not bridged()
-    return False
+    return threading.current_thread() is threading.main_thread() and not bridged()
 
 
 class Latched(Protocol):

@@ -104,9 +104,11 @@ def open_client(url: str | None, schema: str | None) -> Iterator[Client]:
 
 
 def read_json(text: str, what: str) -> Any:
-    """A JSON argument, or with ``@path`` the JSON in that file."""
-    source = what
+    """A JSON argument, or with ``@path`` the JSON in that file (whose text errors do not
+    quote: it may be anything the user can read). A key given twice is refused."""
+    source, shown = what, True
     if text.startswith("@"):
+        shown = False
         path = Path(text[1:])
         source = f"{what} file {path}"
         try:
@@ -115,14 +117,33 @@ def read_json(text: str, what: str) -> Any:
             raise InvalidArgumentError(f"cannot read {source}: {exc.strerror or exc}") from None
         except UnicodeDecodeError as exc:
             raise InvalidArgumentError(f"{source} is not UTF-8 text: {exc}") from None
+    quoted = f": {text!r:.80}" if shown else ""
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_once_each)
     except json.JSONDecodeError as exc:
-        raise InvalidArgumentError(f"{source} is not JSON ({exc}): {text!r:.80}") from None
+        raise InvalidArgumentError(f"{source} is not JSON ({exc}){quoted}") from None
+    except _TwiceError as exc:
+        raise InvalidArgumentError(f"{source} has the key {exc.key!r} twice") from None
     except RecursionError:  # valid JSON nested deeper than the parser's recursion limit
-        raise InvalidArgumentError(f"{source} is nested too deeply: {text!r:.80}") from None
+        raise InvalidArgumentError(f"{source} is nested too deeply{quoted}") from None
     except ValueError as exc:  # valid JSON Python refuses to read: an integer of 4,300+ digits
-        raise InvalidArgumentError(f"{source} cannot be read ({exc}): {text!r:.80}") from None
+        raise InvalidArgumentError(f"{source} cannot be read ({exc}){quoted}") from None
+
+
+class _TwiceError(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refused if it gives a key twice (json keeps the last one silently)."""
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise _TwiceError(key)
+        seen.add(key)
+    return dict(pairs)
 
 
 def parse_age(text: str, option: str = "--older-than") -> dt.timedelta | dt.datetime:

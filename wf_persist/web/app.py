@@ -192,6 +192,8 @@ def create_app(
         Route("/api/runs/{run_id}/signal", action(signal), methods=["POST"]),
         Route("/api/runs/{run_id}/cancel", action(cancel), methods=["POST"]),
         Route("/api/runs/{run_id}/retry", action(retry), methods=["POST"]),
+        # An id with a "/" (no run has one) matches none of the above: the same JSON 404.
+        Route("/api/runs/{rest:path}", _no_such_run, methods=["GET", "POST"]),
         Mount("/static", StaticFiles(directory=_HERE / "static"), name="static"),
     ]
     middleware = (
@@ -202,6 +204,10 @@ def create_app(
     app = Starlette(routes=routes, middleware=middleware)
     app.state.view = view
     return app
+
+
+async def _no_such_run(request: Request) -> Response:
+    return JSONResponse({"error": "Run not found"}, status_code=404)
 
 
 def _actor(body: dict[str, Any]) -> str:
