@@ -319,7 +319,7 @@ def test_hostile_arguments_are_one_line_errors_that_write_nothing(
     refused: list[tuple[tuple[str, ...], str]] = [
         (("runs", "start", "echo", "--input", "[" * 3000 + "]" * 3000), "nested too deeply"),
         (("runs", "start", "echo", "--input", f"@{deep}"), "nested too deeply"),
-        (("runs", "start", "echo", "--input", '{"n": 1, "n": 2}'), "'n' twice"),
+        (("runs", "start", "echo", "--input", '{"n": 1, "n": 2}'), "key 'n' twice"),
         (("runs", "start", "echo@²"), "name@version"),
         (("runs", "start", "echo", "--input", "3", "--wait", "--timeout", "-1"), "timeout"),
         (("runs", "start", "echo", "--input", "3", "--follow", "--timeout", "nan"), "timeout"),

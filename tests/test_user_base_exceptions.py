@@ -87,11 +87,37 @@ async def _napper(ctx: wp.AsyncContext, seconds: float) -> float:
     return await ctx.run(_nap, seconds) + await ctx.run(_nap, seconds)
 
 
+def _undo_a(result: str, key: str, kind: str, reason: dict[str, object]) -> None:
+    _ran(f"{key}-undo_a")
+
+
+def _undo_b(result: str, key: str, kind: str, reason: dict[str, object]) -> None:
+    _ran(f"{key}-undo_b")
+    raise RAISED[kind]()
+
+
+@wp.step(compensate=_undo_a)
+def _do_a(key: str, kind: str) -> str:
+    return "a"
+
+
+@wp.step(compensate=_undo_b)
+def _do_b(key: str, kind: str) -> str:
+    return "b"
+
+
+@wp.workflow(name="test_user_base_saga", version=1)
+def _saga_wf(ctx: wp.Context, args: list[str]) -> None:
+    ctx.run(_do_a, args[0], args[1])
+    ctx.run(_do_b, args[0], args[1])
+    raise ValueError("the body's own failure")
+
+
 @pytest.fixture
 def served(make_runtime: Callable[..., wp.Runtime]) -> Iterator[tuple[wp.Runtime, wp.Client]]:
     """A runtime whose worker threads drive, and a thin client (never drives) to await."""
     rt = make_runtime(poll_interval=0.05)
-    for wf in (_step_wf, _body_wf, _async_wf, _napper):
+    for wf in (_step_wf, _body_wf, _async_wf, _napper, _saga_wf):
         rt.register(wf)
     with wp.Client(rt.engine, poll_interval=0.05) as thin:
         yield rt, thin
@@ -133,6 +159,22 @@ def test_a_body_raising_it_in_a_worker_thread_fails_its_run(
     assert outcome.error.get("name") == kind, outcome.error
     time.sleep(0.2)
     assert RUNS[key] == 1
+
+
+@pytest.mark.parametrize("kind", ["KeyboardInterrupt", "_Own"])
+def test_a_compensation_raising_it_is_a_failed_compensation_and_the_unwind_goes_on(
+    served: tuple[wp.Runtime, wp.Client], kind: str
+) -> None:
+    rt, thin = served
+    rt.start_worker()
+    key = f"saga-{kind}-{time.monotonic_ns()}"
+    handle = thin.start("test_user_base_saga", [key, kind])
+    outcome = thin.result(handle.execution_id, timeout=30)
+    assert isinstance(outcome, wp.Failed) and outcome.error.get("name") == "ValueError", outcome
+    assert [e["error"]["name"] for e in outcome.compensation_errors] == [kind]
+    time.sleep(0.2)
+    assert RUNS[f"{key}-undo_b"] == 1 and RUNS[f"{key}-undo_a"] == 1
+    assert _failures(rt, handle.execution_id) == 0
 
 
 @pytest.mark.parametrize("kind", ["KeyboardInterrupt", "SystemExit", "CancelledError"])

@@ -111,6 +111,8 @@ def test_unknown_runs_and_bad_filters_are_clear_errors(
         assert answer.status_code == 404 and answer.json() == {"error": "Run not found"}
     answer = http.post("/api/runs/a%2Fb/cancel", json={})  # no run has a "/" in its id
     assert answer.status_code == 404 and answer.json() == {"error": "Run not found"}
+    assert http.get("/api/runs/nope/cancel").status_code == 405  # a route, another method
+    assert http.get("/api/runs/", follow_redirects=False).status_code in (307, 308)
     assert http.get("/runs/nope").status_code == 404
     for params in ({"status": "bogus"}, {"limit": "0"}, {"limit": "x"}, {"after": "yesterday"},
                    {"cursor": "garbage"}, {"version": "2"}):  # fmt: skip

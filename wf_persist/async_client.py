@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from sqlalchemy.engine import URL
@@ -194,9 +194,7 @@ class AsyncClient:
         try:
             while True:
                 event.clear()
-                # Shielded: a wait cancelled mid-read lets the read end and give its
-                # connection back (cancelled, it was left checked out for the collector).
-                found = await asyncio.shield(self._run(Client.outcome, execution_id))
+                found = await _shielded(self._run(Client.outcome, execution_id))
                 if found is not None:
                     return found
                 remaining = None if deadline is None else deadline - clocks.elapsed()
@@ -265,3 +263,15 @@ class AsyncClient:
 
     async def workflows(self, name: str | None = None) -> Sequence[WorkflowEntry]:
         return await self._run(Client.workflows, name)
+
+
+async def _shielded(read: Coroutine[Any, Any, T]) -> T:
+    """``read`` shielded from its caller's cancellation: a wait cancelled mid-read lets the
+    read end and give its connection back (cancelled, it was left checked out until the
+    garbage collector found it); what the read raises then is retrieved, not logged."""
+    task = asyncio.ensure_future(read)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())
+        raise

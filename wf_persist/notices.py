@@ -79,6 +79,8 @@ class Notices:
             # Another thread is taking the presence lock: a claim made before it settles
             # would carry the plain name, which only a lapsed lease frees.
             self._owner_settled.wait(OWNER_SETTLE_WAIT)
+            if self._worker is not None and not self._closed:
+                found.hear(HEAR_DUE)  # attached while another thread made the listener
             return found
         try:
             if found.start() and found.present and found.presence is not None:

@@ -364,7 +364,9 @@ class StepRunner:
             self.driver.flush()  # the last step's outcome is recorded before an undo runs
             try:
                 self._call_compensation(comp, reason)
-            except Exception as exc:
+            except BaseException as exc:
+                if interrupting(exc):
+                    raise
                 doc = self.error_document(exc)
                 self.record([started, events.compensation_finished(who, doc, self.driver.clock())])
                 errors.append({**where, "error": doc})

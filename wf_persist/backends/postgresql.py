@@ -195,7 +195,7 @@ class PostgreSQLBackend(RawPath):
             return "PostgreSQL names cannot hold NUL"
         if len(schema.encode()) >= NAMEDATALEN:
             return "longer than 63 bytes: PostgreSQL would cut it"
-        if schema.lower().startswith("pg_"):
+        if schema.startswith("pg_"):  # as the server reserves it: "PG_x" is a name
             return "names starting with pg_ are PostgreSQL's own schemas"
         return None
 

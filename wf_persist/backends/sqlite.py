@@ -399,10 +399,12 @@ class SQLiteBackend(Backend):
         # counts the rows its UPDATE changed, which count_changes hides.
         if conn.exec_driver_sql("PRAGMA count_changes").scalar():
             raise UnsupportedDatabaseError(_COUNT_CHANGES)
-        if not conn.connection.driver_connection.in_transaction:  # type: ignore[union-attr]
+        raw: Any = conn.connection.driver_connection
+        if not raw.in_transaction and getattr(raw, "autocommit", None) is not True:
             # A host's engine may leave the sqlite3 module's own transaction handling on,
             # which begins no transaction before DDL: each statement of the upgrade would
             # commit alone (one interrupted left half a revision; two at once interleaved).
+            # (Python 3.12's autocommit=True would never commit it: left as it is.)
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
     def _private_to_each_connection(self) -> bool:

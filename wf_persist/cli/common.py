@@ -123,7 +123,8 @@ def read_json(text: str, what: str) -> Any:
     except json.JSONDecodeError as exc:
         raise InvalidArgumentError(f"{source} is not JSON ({exc}){quoted}") from None
     except _TwiceError as exc:
-        raise InvalidArgumentError(f"{source} has the key {exc.key!r} twice") from None
+        key = f" {exc.key!r:.40}" if shown else ""
+        raise InvalidArgumentError(f"{source} gives a key{key} twice") from None
     except RecursionError:  # valid JSON nested deeper than the parser's recursion limit
         raise InvalidArgumentError(f"{source} is nested too deeply{quoted}") from None
     except ValueError as exc:  # valid JSON Python refuses to read: an integer of 4,300+ digits

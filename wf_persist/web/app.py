@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
@@ -192,8 +192,6 @@ def create_app(
         Route("/api/runs/{run_id}/signal", action(signal), methods=["POST"]),
         Route("/api/runs/{run_id}/cancel", action(cancel), methods=["POST"]),
         Route("/api/runs/{run_id}/retry", action(retry), methods=["POST"]),
-        # An id with a "/" (no run has one) matches none of the above: the same JSON 404.
-        Route("/api/runs/{rest:path}", _no_such_run, methods=["GET", "POST"]),
         Mount("/static", StaticFiles(directory=_HERE / "static"), name="static"),
     ]
     middleware = (
@@ -201,13 +199,17 @@ def create_app(
         if allowed_hosts is None
         else [Middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts)]
     )
-    app = Starlette(routes=routes, middleware=middleware)
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers={404: _not_found})
     app.state.view = view
     return app
 
 
-async def _no_such_run(request: Request) -> Response:
-    return JSONResponse({"error": "Run not found"}, status_code=404)
+async def _not_found(request: Request, exc: Exception) -> Response:
+    """No route: under ``/api/runs/`` an id with a "/" (no run has one) gets the JSON 404 of
+    an unknown run, as every other id does."""
+    if request.url.path.startswith("/api/runs/"):
+        return JSONResponse({"error": "Run not found"}, status_code=404)
+    return PlainTextResponse("Not Found", status_code=404)
 
 
 def _actor(body: dict[str, Any]) -> str:
