@@ -15,8 +15,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from alembic.autogenerate import compare_metadata
-from alembic.migration import MigrationContext
 from sqlalchemy import Engine, create_engine, event, inspect, text
 
 import wf_persist as wp
@@ -24,6 +22,7 @@ from wf_persist import migrate
 
 from .conftest import create_database, drop_database, server_url
 from .fixtures import workflows as w
+from .test_migrations import models_diff
 
 _DDL = ("CREATE", "ALTER", "DROP")
 WF_TABLES = {"wf_workflows", "wf_executions", "wf_history"}
@@ -76,15 +75,7 @@ def _as_a_clean_upgrade_leaves_it(url: str) -> None:
     engine = create_engine(url)
     try:
         with engine.connect() as conn:
-            ctx = MigrationContext.configure(
-                conn,
-                opts={
-                    "include_name": migrate.include_name,
-                    "include_object": migrate.include_object_on(conn.dialect.name),
-                    "compare_type": True,
-                },
-            )
-            assert compare_metadata(ctx, wp.metadata) == []
+            assert models_diff(conn) == []
             for view in _VIEWS:
                 conn.execute(text(f"SELECT * FROM {view} WHERE 1 = 0")).all()
     finally:

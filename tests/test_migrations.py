@@ -79,19 +79,24 @@ def test_upgrade_matches_models_and_uses_own_version_table(
     assert WF_TABLES | {migrate.VERSION_TABLE} <= tables
     assert "alembic_version" not in tables
     with make_engine(blank_db_url).connect() as conn:
-        ctx = MigrationContext.configure(
-            conn,
-            opts={
-                "include_name": migrate.include_name,
-                "include_object": migrate.include_object_on(conn.dialect.name),
-                "compare_type": True,
-            },
-        )
-        diff = compare_metadata(ctx, wp.metadata)
+        diff = models_diff(conn)
         predicates = _index_predicates(conn)
     assert diff == []
     expected = _model_predicates(conn.dialect.name)
     assert {name: predicates.get(name, "missing") for name in expected} == expected
+
+
+def models_diff(conn: Any) -> list[Any]:
+    """What Alembic's autogenerate finds between the wf_ tables and the models."""
+    ctx = MigrationContext.configure(
+        conn,
+        opts={
+            "include_name": migrate.include_name,
+            "include_object": migrate.include_object_on(conn.dialect.name),
+            "compare_type": True,
+        },
+    )
+    return list(compare_metadata(ctx, wp.metadata))
 
 
 def _literals(predicate: object) -> frozenset[str] | None:

@@ -24,40 +24,27 @@ def _redone() -> bool:
     return not context.is_offline_mode() and op.get_bind().dialect.name in ("mysql", "mariadb")
 
 
-def _count(sql: str, **params: str) -> int:
-    return int(op.get_bind().execute(sa.text(sql), params).scalar_one())
+def _exists(view: str, table: str, **names: str) -> bool:
+    """Whether ``information_schema.<view>`` has a row of ``table`` in this database with
+    these column values (``COLUMN_NAME``, ``INDEX_NAME``)."""
+    where = "".join(f" AND {column} = :{column}" for column in names)
+    sql = (
+        f"SELECT COUNT(*) FROM information_schema.{view}"
+        f" WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = :table{where}"
+    )
+    return bool(op.get_bind().execute(sa.text(sql), {"table": table, **names}).scalar_one())
 
 
 def _has_table(name: str) -> bool:
-    return bool(
-        _count(
-            "SELECT COUNT(*) FROM information_schema.TABLES"
-            " WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = :t",
-            t=name,
-        )
-    )
+    return _exists("TABLES", name)
 
 
 def _has_column(table: str, name: str) -> bool:
-    return bool(
-        _count(
-            "SELECT COUNT(*) FROM information_schema.COLUMNS"
-            " WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = :t AND COLUMN_NAME = :c",
-            t=table,
-            c=name,
-        )
-    )
+    return _exists("COLUMNS", table, COLUMN_NAME=name)
 
 
 def _has_index(table: str, name: str) -> bool:
-    return bool(
-        _count(
-            "SELECT COUNT(*) FROM information_schema.STATISTICS"
-            " WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = :t AND INDEX_NAME = :i",
-            t=table,
-            i=name,
-        )
-    )
+    return _exists("STATISTICS", table, INDEX_NAME=name)
 
 
 def create_table(name: str, *parts: Any, **kw: Any) -> None:
