@@ -1014,9 +1014,11 @@ def test_a_reconnected_listener_takes_its_presence_lock_again_once_it_is_free(
     rt = make_runtime(lease_ttl=30)
     rt.register(*f.ALL)
     rt.start_worker(concurrency=2, poll_interval=30)
-    wait_until(rt.listening, what="listening")
+    # The owner name is settled by the thread that started the listener, just after the
+    # listener connected (a moment later on a loaded machine).
+    wait_until(lambda: rt.listening() and rt.owner.endswith("!"), what="listening, present")
     wakeups = rt._wakeups
-    assert wakeups is not None and wakeups.present and rt.owner.endswith("!")
+    assert wakeups is not None and wakeups.present
     key = "SELECT pg_advisory_lock(hashtextextended(:o, 0))"
     admin = create_engine(db_url)
     holder = admin.connect()
