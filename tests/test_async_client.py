@@ -176,30 +176,3 @@ def test_a_client_serves_one_event_loop_and_says_so_on_another(
     with pytest.raises(wp.InvalidArgumentError, match="one per loop"):
         asyncio.run(second())
     assert runtime.client().result(started, timeout=30).status == "completed"
-
-
-def test_waits_cancelled_mid_read_give_their_connections_back(
-    runtime: wp.Runtime, db_url: str
-) -> None:
-    """Tasks awaiting ``result()`` cancelled at any moment, a read in flight among them: the
-    read finishes and its connection goes back to the pool (else it was left checked out
-    until the garbage collector found it)."""
-    runtime.register(*w.ALL)
-    handle = runtime.client().start(w.approval_wf, None)  # no worker: never ends
-
-    async def app() -> int:
-        async with wp.AsyncClient(db_url, poll_interval=0.01) as client:
-            for rep in range(20):
-                waits = [asyncio.create_task(client.result(handle.execution_id)) for _ in range(20)]
-                await asyncio.sleep(0.001 * rep)
-                for task in waits:
-                    task.cancel()
-                await asyncio.gather(*waits, return_exceptions=True)
-            pool: Any = client.engine.sync_engine.pool
-            for _ in range(250):  # the reads cancelled mid-way end meanwhile (5 s at most)
-                if pool.checkedout() == 0:
-                    break
-                await asyncio.sleep(0.02)
-            return int(pool.checkedout())
-
-    assert asyncio.run(app()) == 0

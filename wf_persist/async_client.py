@@ -116,9 +116,8 @@ class AsyncClient:
         if self._client is None:
             async with self._opening:
                 if self._client is None:
-                    # Shielded as reads are: it reads the database (see _shielded).
-                    self._client = await _shielded(
-                        greenlet_spawn(Client, self.engine.sync_engine, **self._options)
+                    self._client = await greenlet_spawn(
+                        Client, self.engine.sync_engine, **self._options
                     )
         return self._client
 
