@@ -110,7 +110,7 @@ class ChildRunner:
             "version": started.version,
             "cancelWithParent": cancel_with_parent,
         }
-        return ChildHandle(child_id, started.name, started.version, activity, started)
+        return ChildHandle(child_id, started.name, started.version, activity, started.definition)
 
     def result(self, handle: ChildHandle[Out]) -> Out:
         if not isinstance(handle, ChildHandle):

@@ -6,7 +6,6 @@ code and never executes a step (the embedded one, which may drive runs, is
 from __future__ import annotations
 
 import datetime as dt
-import json
 import threading
 import uuid
 from collections.abc import Callable
@@ -25,7 +24,6 @@ from .database import Database
 from .errors import (
     InvalidPayloadError,
     MissingWorkflowVersionError,
-    NotSerializableError,
     UnknownWorkflowError,
 )
 from .records import (
@@ -42,7 +40,7 @@ from .records import (
 from .runtime import Clock, utc_now
 from .store import Executor, catalog, executions
 from .timeouts import duration_seconds, positive
-from .values import parsed, schema_errors, unstorable
+from .values import cataloged_document
 from .wakeups import Ends, Wakeups
 
 __all__ = [
@@ -128,7 +126,7 @@ class Client(RunAwaiter, RunControls):
         entry = self._newest.get(name) if version is None and self.backend.checks_newest else None
         if entry is not None:
             try:
-                stored = _cataloged_document(what, payload, entry.input_schema)
+                stored = cataloged_document(what, payload, entry.input_schema)
             except InvalidPayloadError:
                 # Perhaps valid for a version cataloged since: judged by the catalog as is.
                 self._newest.pop(name, None)
@@ -146,7 +144,7 @@ class Client(RunAwaiter, RunControls):
                 # (A version cataloged without schemas gets them at its next registration:
                 # such an entry is read again each time.)
                 self._newest[name] = entry
-            stored = _cataloged_document(what, payload, entry.input_schema)
+            stored = cataloged_document(what, payload, entry.input_schema)
         self.backend.check_size(what, stored)
         return name, int(entry.version), stored, remembered
 
@@ -381,24 +379,3 @@ def _run_attributes(execution_id: str, name: str, version: int) -> dict[str, Any
         "wf.workflow.name": name,
         "wf.workflow.version": version,
     }
-
-
-def _cataloged_document(what: str, payload: Any, schema: Any) -> Any:
-    """The payload's stored JSON form, checked against a cataloged JSON Schema (strictly: a
-    value must already have the declared shape; ``"5"`` is not an integer). The catalog
-    column holds any JSON: ``true`` and ``false`` are schemas too."""
-    problem = unstorable(payload)
-    if problem is None:
-        try:
-            doc, lost = parsed(json.dumps(payload, allow_nan=False))
-        except (TypeError, ValueError, RecursionError) as exc:
-            raise NotSerializableError(what, f"it is not JSON: {exc}") from None
-        # Checked again as JSON: a tuple (which the first look passes over) became a list.
-        problem = lost or unstorable(doc)
-    if problem is not None:
-        raise NotSerializableError(what, problem)
-    if schema is not None:
-        errors = schema_errors(schema, doc)
-        if errors:
-            raise InvalidPayloadError(what, errors)
-    return doc

@@ -11,14 +11,20 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import events, telemetry
-from .authoring import Workflow
+from .authoring import Workflow, adapter_for
 from .backends import Backend
 from .bridge import off_loop
 from .control import Halt, Reload
-from .errors import StaleHistoryError
+from .driving import StartedChild
+from .errors import (
+    MissingWorkflowVersionError,
+    StaleHistoryError,
+    UnknownWorkflowError,
+)
 from .events import NewEvent
 from .lending import Lender
-from .store import children, executions, history
+from .store import catalog, children, executions, history
+from .values import cataloged_document, to_json
 
 if TYPE_CHECKING:
     from .driver import DriveClock
@@ -57,7 +63,7 @@ class ChildDriving:
         payload: Any,
         who: events.Activity,
         cancel_with_parent: bool,
-    ) -> Workflow[Any, Any]:
+    ) -> StartedChild:
         return off_loop(
             self._start_child_now, child_id, workflow, version, payload, who, cancel_with_parent
         )
@@ -70,18 +76,26 @@ class ChildDriving:
         payload: Any,
         who: events.Activity,
         cancel_with_parent: bool,
-    ) -> Workflow[Any, Any]:
+    ) -> StartedChild:
         rt = self.runtime
-        wf = rt.choose(workflow, version)
-        stored = rt.validate_input(wf, payload)  # before anything is written
-        if isinstance(workflow, Workflow):
-            rt.ensure_registered(workflow)
+        wf = self._registered(workflow, version)
+        if wf is not None:
+            started_as = StartedChild(wf.name, wf.version, wf)
+            stored = rt.validate_input(wf, payload)  # before anything is written
+            if isinstance(workflow, Workflow):
+                rt.ensure_registered(workflow)
+            timeout = wf.timeout
+        else:  # by name, served elsewhere: as a thin client starts it
+            assert isinstance(workflow, str)
+            started_as, stored = self._cataloged(workflow, version, payload)
+            timeout = None  # the child's driver applies its workflow's own from its creation
+        name, pinned = started_as.name, started_as.version
         now = self.clock()
-        deadline = None if wf.timeout is None else now + dt.timedelta(seconds=wf.timeout)
+        deadline = None if timeout is None else now + dt.timedelta(seconds=timeout)
         # The child's drives continue this drive's trace.
         trace = telemetry.carrier()
-        started = events.execution_started(child_id, wf.name, wf.version, stored, None, now, trace)
-        mark = events.child_started(who, child_id, wf.name, wf.version, cancel_with_parent, now)
+        started = events.execution_started(child_id, name, pinned, stored, None, now, trace)
+        mark = events.child_started(who, child_id, name, pinned, cancel_with_parent, now)
         with self.conn_lock:
             self._open()
             evs = [*self._deferred, mark]
@@ -102,8 +116,8 @@ class ChildDriving:
                         conn,
                         self.backend,
                         execution_id=child_id,
-                        workflow_name=wf.name,
-                        workflow_version=wf.version,
+                        workflow_name=name,
+                        workflow_version=pinned,
                         payload=stored,
                         idempotency_key=None,
                         actor=None,
@@ -119,8 +133,40 @@ class ChildDriving:
             self._deferred.clear()
             self._written(appended.progressed)
         self.runtime._notify()  # this process's worker may take the child at once
-        telemetry.run_started(wf.name, wf.version)
-        return wf
+        telemetry.run_started(name, pinned)
+        return started_as
+
+    def _registered(
+        self, workflow: Workflow[Any, Any] | str, version: int | None
+    ) -> Workflow[Any, Any] | None:
+        """The definition a child start runs where this runtime has it; None for a name
+        (and version) registered only in other processes."""
+        try:
+            return self.runtime.choose(workflow, version)
+        except (UnknownWorkflowError, MissingWorkflowVersionError):
+            if isinstance(workflow, Workflow):
+                raise
+            return None
+
+    def _cataloged(self, name: str, version: int | None, payload: Any) -> tuple[StartedChild, Any]:
+        """A child whose workflow this process does not serve: the version from the
+        database's catalog (``version``, else the newest cataloged), the payload checked
+        against the JSON Schema that version recorded. A worker that serves it drives it."""
+        what = f"input of workflow {name}"
+        try:
+            with self.backend.read() as conn:
+                entry = catalog.entry(conn, self.backend, name, version)
+        except Exception as exc:
+            raise Halt(exc) from exc
+        if entry is None:
+            if version is None:
+                raise UnknownWorkflowError(name, cataloged=True)
+            raise MissingWorkflowVersionError(name, version, cataloged=True)
+        stored = cataloged_document(
+            what, to_json(adapter_for(Any), payload, what), entry.input_schema
+        )
+        self.backend.check_size(what, stored)
+        return StartedChild(name, int(entry.version), None), stored
 
     def child_definition(self, name: str, version: int) -> Workflow[Any, Any] | None:
         return self.runtime._registry.get((name, version))

@@ -9,13 +9,22 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from .authoring import Step, Workflow
 from .events import Activity, NewEvent
 from .secrets import SecretResolver
 
 T = TypeVar("T")
+
+
+class StartedChild(NamedTuple):
+    """The child run a start created: the version it is pinned to and, where this process
+    has that version registered, its definition (which decodes the child's result)."""
+
+    name: str
+    version: int
+    definition: Workflow[Any, Any] | None
 
 
 class Driver(Protocol):
@@ -72,9 +81,9 @@ class Driver(Protocol):
         payload: Any,
         who: Activity,
         cancel_with_parent: bool,
-    ) -> Workflow[Any, Any]:
-        """Create the child run and record ``child.started`` in one transaction; the
-        definition it runs."""
+    ) -> StartedChild:
+        """Create the child run and record ``child.started`` in one transaction: the
+        version registered here, else (by name) the one cataloged in the database."""
 
     def child_definition(self, name: str, version: int) -> Workflow[Any, Any] | None:
         """The definition of a child's pinned version, where this process has it."""

@@ -25,6 +25,7 @@ from .async_context import call_body
 from .authoring import Step, Workflow
 from .context import Context
 from .control import Stop
+from .driving import StartedChild
 from .errors import Cancelled, InvalidArgumentError, NonDeterminismError, WfPersistError
 from .events import Activity, NewEvent
 from .replay import Journal
@@ -137,7 +138,7 @@ class _DryDriver:
         payload: Any,
         who: Activity,
         cancel_with_parent: bool,
-    ) -> Workflow[Any, Any]:
+    ) -> StartedChild:
         raise _Frontier(f"would start child {who.activity}")
 
     def child_definition(self, name: str, version: int) -> Workflow[Any, Any] | None:

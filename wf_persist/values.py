@@ -356,3 +356,24 @@ def schema_errors(schema: Any, doc: Any) -> list[dict[str, Any]]:
     except _SCHEMA_PROBLEMS:
         return []
     return [{"loc": tuple(e.absolute_path), "msg": e.message} for e in found]
+
+
+def cataloged_document(what: str, payload: Any, schema: Any) -> Any:
+    """The payload's stored JSON form, checked against a cataloged JSON Schema (strictly: a
+    value must already have the declared shape; ``"5"`` is not an integer). The catalog
+    column holds any JSON: ``true`` and ``false`` are schemas too."""
+    problem = unstorable(payload)
+    if problem is None:
+        try:
+            doc, lost = parsed(json.dumps(payload, allow_nan=False))
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise NotSerializableError(what, f"it is not JSON: {exc}") from None
+        # Checked again as JSON: a tuple (which the first look passes over) became a list.
+        problem = lost or unstorable(doc)
+    if problem is not None:
+        raise NotSerializableError(what, problem)
+    if schema is not None:
+        errors = schema_errors(schema, doc)
+        if errors:
+            raise InvalidPayloadError(what, errors)
+    return doc
