@@ -3,15 +3,18 @@ database's catalog (a rolling deploy; services that split parent and child workf
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from pydantic import BaseModel
+from sqlalchemy import Engine
 
 import wf_persist as wp
 from wf_persist.replaycheck import check_replay
 
-from .helpers import history_types
+from .helpers import history_types, wait_until
 
 
 class Order(BaseModel):
@@ -52,14 +55,59 @@ def missing(ctx: wp.Context) -> str:
     return "started"
 
 
+class Receipt(BaseModel):
+    sku: str
+
+
+@wp.workflow(name="elsewhere-kid", version=3)
+def kid_v3(ctx: wp.Context, order: Order) -> Receipt:
+    return Receipt(sku=order.sku)
+
+
+@wp.step
+def noted(text: str) -> str:
+    return text
+
+
+@wp.workflow(name="elsewhere-resumed", version=1)
+def resumed(ctx: wp.Context) -> str:
+    """Its child's result, then a sleep: the run is resumed by whichever process."""
+    got = ctx.child_result(ctx.start_child("elsewhere-kid", {"sku": "r", "qty": 1}, version=3))
+    ctx.sleep(0.5)
+    return type(got).__name__
+
+
+@wp.workflow(name="elsewhere-caught", version=1)
+def caught(ctx: wp.Context, pin: int) -> str:
+    """A refused start caught, then calls whose places a replay must find again."""
+    with contextlib.suppress(wp.InvalidPayloadError):
+        ctx.start_child("elsewhere-kid", {"sku": "a", "qty": "many"}, version=pin)
+    first = ctx.run(noted, "after")
+    ctx.sleep(0.2)
+    return first + "+" + ctx.run(noted, "slept")
+
+
+@wp.workflow(name="elsewhere-fallback", version=1)
+def fallback(ctx: wp.Context) -> list[Any]:
+    """A version cataloged nowhere, then the same child at one that is."""
+    try:
+        handle = ctx.start_child("elsewhere-kid", {"sku": "f", "qty": 1}, version=9)
+        tried = "v9"
+    except wp.MissingWorkflowVersionError:
+        handle = ctx.start_child("elsewhere-kid", {"sku": "f", "qty": 1}, version=1)
+        tried = "v9 refused, v1"
+    ctx.sleep(0.2)
+    return [tried, ctx.run(noted, "slept"), ctx.child_result(handle)]
+
+
 def _two(make_runtime: Callable[..., wp.Runtime], *local: wp.Workflow[Any, Any]) -> wp.Runtime:
     """Runtime B serves both versions of the child; the returned runtime A serves the
     parents (and ``local``), with a worker each."""
     b = make_runtime()
-    b.register(kid_v1, kid_v2)
+    b.register(kid_v1, kid_v2, kid_v3)
     b.start_worker(concurrency=4, poll_interval=0.05)
     a = make_runtime()
-    a.register(parent, bad_input, missing, *local)
+    a.register(parent, bad_input, missing, resumed, caught, fallback, *local)
     a.start_worker(concurrency=4, poll_interval=0.05)
     return a
 
@@ -73,7 +121,8 @@ def test_a_child_served_only_elsewhere_starts_from_the_catalog_and_is_driven_the
     newest = client.start(parent, None).execution_id
     want = [2, {"v": 2, "sku": "a", "qty": 1}, {"v": 2, "sku": "b", "qty": 2}]
     assert client.result(pinned, timeout=30).unwrap() == want
-    assert client.result(newest, timeout=30).unwrap() == want  # the newest cataloged
+    # The newest cataloged: v3, whose result (a model) comes back as its JSON.
+    assert client.result(newest, timeout=30).unwrap() == [3, {"sku": "a"}, {"sku": "b"}]
     kids = [
         r.event["childExecutionId"]
         for r in client.history(pinned)
@@ -121,3 +170,68 @@ def test_a_version_cataloged_nowhere_fails_the_parent_with_a_typed_error(
     assert outcome.error_type == "MissingWorkflowVersionError"
     assert "elsewhere-kid@v7 is not cataloged" in outcome.error["message"]
     assert client.list("elsewhere-kid").items == []
+
+
+def test_a_child_result_read_as_json_stays_json_when_a_process_serving_the_child_resumes(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """Started where its workflow was not served, a child's result is JSON to its parent on
+    every replay, also one by a process that serves it (which would decode it into its
+    output model: the replay would see another value than the drive that went on from
+    it)."""
+    a = _two(make_runtime)
+    client = a.client()
+    run = client.start(resumed).execution_id
+    wait_until(lambda: "sleep.started" in history_types(client, run), 30, "the sleep")
+    a.close()
+    c = make_runtime()
+    c.register(resumed, kid_v3)
+    c.start_worker(poll_interval=0.05)
+    assert c.client().result(run, timeout=30).unwrap() == "dict"
+    (started,) = [r.event for r in c.client().history(run) if r.event["type"] == "child.started"]
+    assert started["plainResult"] is True
+
+
+@pytest.mark.parametrize("pin", [1, 2], ids=["registered-here", "cataloged"])
+def test_a_caught_refusal_of_a_child_start_moves_no_later_call_on_replay(
+    make_runtime: Callable[..., wp.Runtime], pin: int
+) -> None:
+    """A start refused (here its input) records nothing; the calls after it replay where
+    they ran. Before, the refused call had taken a place: every replay after the sleep
+    failed with a NonDeterminismError."""
+    a = _two(make_runtime, kid_v1)
+    client = a.client()
+    run = client.start(caught, pin).execution_id
+    assert client.result(run, timeout=30).unwrap() == "after+slept"
+
+
+def test_a_child_from_the_catalog_needs_no_second_connection_of_its_drive(
+    make_runtime: Callable[..., wp.Runtime],
+    make_engine: Callable[..., Engine],
+    db_url: str,
+) -> None:
+    """The catalog is read on the drive's own connection: on the smallest pool a worker
+    takes, parents starting such children all at once wait for no connection (before,
+    each drive held one and waited for a second: the pool's timeout, a failed drive)."""
+    b = make_runtime()
+    b.register(kid_v1, kid_v2, kid_v3)
+    b.start_worker(concurrency=4, poll_interval=0.05)
+    with wp.Runtime(make_engine(db_url, pool_size=2, max_overflow=0, pool_timeout=3)) as a:
+        a.register(parent)
+        a.start_worker(concurrency=2, poll_interval=0.05)
+        client = a.client()
+        runs = [client.start(parent, 2).execution_id for _ in range(8)]
+        for run in runs:
+            assert client.result(run, timeout=60).unwrap()[0] == 2
+        assert [client.describe(r).drive_failures for r in runs] == [0] * 8
+
+
+def test_a_refused_start_then_the_same_child_at_another_version_replays_as_it_ran(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """The refused call is not taken for the start recorded after it (same name, another
+    version): the replay raises the refusal again and takes the fallback."""
+    a = _two(make_runtime)
+    client = a.client()
+    run = client.start(fallback).execution_id
+    assert client.result(run, timeout=30).unwrap() == ["v9 refused, v1", "slept", "v1:fx1"]

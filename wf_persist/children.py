@@ -47,6 +47,8 @@ class ChildHandle(Generic[Out]):
     #: The parent's activity name of the call that started it (``child:<workflow>#<n>``).
     activity_name: str
     workflow: Workflow[Any, Out] | None = field(default=None, repr=False, compare=False)
+    #: Its result comes back as JSON: the process that started it did not serve it.
+    plain: bool = field(default=False, repr=False, compare=False)
 
 
 class ChildRunner:
@@ -83,12 +85,18 @@ class ChildRunner:
             )
         name = workflow if isinstance(workflow, str) else workflow.name
         base = check_call_name(f"child:{name}", "child workflow name")
+        child = None
+        if not self._recorded_next(base, version):
+            # Checked before the call takes a place: a refusal records nothing, so it
+            # must not move the calls after it; a replay finds the refusal again here.
+            child = self._driver.prepare_child(workflow, version, payload)
         activity, invocation = self._cursor.enter("child", base)
         definition = workflow if isinstance(workflow, Workflow) else None
         recorded = self._journal.children.get(activity)
         if recorded is not None:
             pinned = int(recorded["version"])
-            if definition is not None and definition.version != pinned:
+            plain = recorded.get("plainResult") is True
+            if plain or (definition is not None and definition.version != pinned):
                 definition = None  # another version ran: its result is decoded by that one
             return ChildHandle(
                 str(recorded["childExecutionId"]),
@@ -96,21 +104,32 @@ class ChildRunner:
                 pinned,
                 activity,
                 definition,
+                plain,
             )
+        assert child is not None  # a call past the journal is new
         self._before_new_call()
         who = Activity(self._execution_id, base, invocation, activity)
         child_id = child_execution_id(self._execution_id, activity)
-        started = self._driver.start_child(
-            child_id, workflow, version, payload, who, cancel_with_parent
-        )
+        self._driver.start_child(child_id, child, who, cancel_with_parent)
+        plain = child.definition is None
         self._journal.children[activity] = {  # as the recorded child.started will say
             **who.base(),
             "childExecutionId": child_id,
-            "workflowName": started.name,
-            "version": started.version,
+            "workflowName": child.name,
+            "version": child.version,
             "cancelWithParent": cancel_with_parent,
+            **({"plainResult": True} if plain else {}),
         }
-        return ChildHandle(child_id, started.name, started.version, activity, started.definition)
+        return ChildHandle(child_id, child.name, child.version, activity, child.definition, plain)
+
+    def _recorded_next(self, base: str, version: int | None) -> bool:
+        """Whether the next recorded call is this start (a refused one recorded nothing:
+        one of the same name after it, pinned to another version, is not it)."""
+        activity = self._cursor.upcoming("child", base)
+        if activity is None:
+            return False
+        recorded = self._journal.children.get(activity)
+        return recorded is None or version is None or int(recorded["version"]) == version
 
     def result(self, handle: ChildHandle[Out]) -> Out:
         if not isinstance(handle, ChildHandle):
@@ -137,8 +156,11 @@ class ChildRunner:
         ok, value = done
         if not ok:
             raise ChildWorkflowError(handle.execution_id, handle.workflow_name, dict(value or {}))
-        definition = handle.workflow or self._driver.child_definition(
-            handle.workflow_name, handle.version
+        definition = (
+            None
+            if handle.plain
+            else handle.workflow
+            or self._driver.child_definition(handle.workflow_name, handle.version)
         )
         if definition is None:
             result: Out = value

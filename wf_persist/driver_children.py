@@ -15,7 +15,7 @@ from .authoring import Workflow, adapter_for
 from .backends import Backend
 from .bridge import off_loop
 from .control import Halt, Reload
-from .driving import StartedChild
+from .driving import ChildStart
 from .errors import (
     MissingWorkflowVersionError,
     StaleHistoryError,
@@ -55,47 +55,40 @@ class ChildDriving:
 
     # children ------------------------------------------------------------------------
 
-    def start_child(
-        self,
-        child_id: str,
-        workflow: Workflow[Any, Any] | str,
-        version: int | None,
-        payload: Any,
-        who: events.Activity,
-        cancel_with_parent: bool,
-    ) -> StartedChild:
-        return off_loop(
-            self._start_child_now, child_id, workflow, version, payload, who, cancel_with_parent
-        )
+    def prepare_child(
+        self, workflow: Workflow[Any, Any] | str, version: int | None, payload: Any
+    ) -> ChildStart:
+        return off_loop(self._prepare_child_now, workflow, version, payload)
 
-    def _start_child_now(
-        self,
-        child_id: str,
-        workflow: Workflow[Any, Any] | str,
-        version: int | None,
-        payload: Any,
-        who: events.Activity,
-        cancel_with_parent: bool,
-    ) -> StartedChild:
+    def _prepare_child_now(
+        self, workflow: Workflow[Any, Any] | str, version: int | None, payload: Any
+    ) -> ChildStart:
         rt = self.runtime
         wf = self._registered(workflow, version)
-        if wf is not None:
-            started_as = StartedChild(wf.name, wf.version, wf)
-            stored = rt.validate_input(wf, payload)  # before anything is written
-            if isinstance(workflow, Workflow):
-                rt.ensure_registered(workflow)
-            timeout = wf.timeout
-        else:  # by name, served elsewhere: as a thin client starts it
+        if wf is None:  # by name, served elsewhere: as a thin client starts it
             assert isinstance(workflow, str)
-            started_as, stored = self._cataloged(workflow, version, payload)
-            timeout = None  # the child's driver applies its workflow's own from its creation
-        name, pinned = started_as.name, started_as.version
+            return self._cataloged(workflow, version, payload)
+        stored = rt.validate_input(wf, payload)
+        if isinstance(workflow, Workflow):
+            rt.ensure_registered(workflow)
+        return ChildStart(wf.name, wf.version, wf, stored, wf.timeout)
+
+    def start_child(
+        self, child_id: str, child: ChildStart, who: events.Activity, cancel_with_parent: bool
+    ) -> None:
+        off_loop(self._start_child_now, child_id, child, who, cancel_with_parent)
+
+    def _start_child_now(
+        self, child_id: str, child: ChildStart, who: events.Activity, cancel_with_parent: bool
+    ) -> None:
+        name, pinned = child.name, child.version
         now = self.clock()
-        deadline = None if timeout is None else now + dt.timedelta(seconds=timeout)
+        deadline = None if child.timeout is None else now + dt.timedelta(seconds=child.timeout)
         # The child's drives continue this drive's trace.
         trace = telemetry.carrier()
-        started = events.execution_started(child_id, name, pinned, stored, None, now, trace)
-        mark = events.child_started(who, child_id, name, pinned, cancel_with_parent, now)
+        started = events.execution_started(child_id, name, pinned, child.stored, None, now, trace)
+        plain = child.definition is None
+        mark = events.child_started(who, child_id, name, pinned, cancel_with_parent, now, plain)
         with self.conn_lock:
             self._open()
             evs = [*self._deferred, mark]
@@ -118,7 +111,7 @@ class ChildDriving:
                         execution_id=child_id,
                         workflow_name=name,
                         workflow_version=pinned,
-                        payload=stored,
+                        payload=child.stored,
                         idempotency_key=None,
                         actor=None,
                         started=started,
@@ -134,7 +127,6 @@ class ChildDriving:
             self._written(appended.progressed)
         self.runtime._notify()  # this process's worker may take the child at once
         telemetry.run_started(name, pinned)
-        return started_as
 
     def _registered(
         self, workflow: Workflow[Any, Any] | str, version: int | None
@@ -148,25 +140,28 @@ class ChildDriving:
                 raise
             return None
 
-    def _cataloged(self, name: str, version: int | None, payload: Any) -> tuple[StartedChild, Any]:
+    def _cataloged(self, name: str, version: int | None, payload: Any) -> ChildStart:
         """A child whose workflow this process does not serve: the version from the
         database's catalog (``version``, else the newest cataloged), the payload checked
-        against the JSON Schema that version recorded. A worker that serves it drives it."""
+        against the JSON Schema that version recorded. A worker that serves it drives it.
+        Read on the drive's own connection: a drive never holds one while it waits for a
+        second."""
         what = f"input of workflow {name}"
-        try:
-            with self.backend.read() as conn:
-                entry = catalog.entry(conn, self.backend, name, version)
-        except Exception as exc:
-            raise Halt(exc) from exc
+        with self.conn_lock:
+            self._open()
+            try:
+                with self.lender.connection() as conn, self.backend.begin(conn):
+                    entry = catalog.entry(conn, self.backend, name, version)
+            except Exception as exc:
+                raise Halt(exc) from exc
         if entry is None:
             if version is None:
                 raise UnknownWorkflowError(name, cataloged=True)
             raise MissingWorkflowVersionError(name, version, cataloged=True)
-        stored = cataloged_document(
-            what, to_json(adapter_for(Any), payload, what), entry.input_schema
-        )
+        doc = to_json(adapter_for(Any), payload, what)
+        stored = cataloged_document(what, doc, entry.input_schema)
         self.backend.check_size(what, stored)
-        return StartedChild(name, int(entry.version), None), stored
+        return ChildStart(name, int(entry.version), None, stored, None)
 
     def child_definition(self, name: str, version: int) -> Workflow[Any, Any] | None:
         return self.runtime._registry.get((name, version))

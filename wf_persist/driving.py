@@ -18,13 +18,17 @@ from .secrets import SecretResolver
 T = TypeVar("T")
 
 
-class StartedChild(NamedTuple):
-    """The child run a start created: the version it is pinned to and, where this process
-    has that version registered, its definition (which decodes the child's result)."""
+class ChildStart(NamedTuple):
+    """A child run about to be started, checked (nothing written yet): the version it is
+    pinned to; where this process serves that version, its definition (which decodes the
+    child's result), else None (the result comes back as JSON); the input's stored form;
+    the child's timeout from now (None: its own driver applies its workflow's)."""
 
     name: str
     version: int
     definition: Workflow[Any, Any] | None
+    stored: Any
+    timeout: float | None
 
 
 class Driver(Protocol):
@@ -73,17 +77,16 @@ class Driver(Protocol):
     def concurrency_slot(self, step: Step[Any], key: str) -> AbstractContextManager[None]:
         """Hold one of the step's concurrency slots while it runs."""
 
+    def prepare_child(
+        self, workflow: Workflow[Any, Any] | str, version: int | None, payload: Any
+    ) -> ChildStart:
+        """Check a new child's start: the version registered here, else (by name) the one
+        cataloged in the database; raises the typed error of a refusal, writes nothing."""
+
     def start_child(
-        self,
-        child_id: str,
-        workflow: Workflow[Any, Any] | str,
-        version: int | None,
-        payload: Any,
-        who: Activity,
-        cancel_with_parent: bool,
-    ) -> StartedChild:
-        """Create the child run and record ``child.started`` in one transaction: the
-        version registered here, else (by name) the one cataloged in the database."""
+        self, child_id: str, child: ChildStart, who: Activity, cancel_with_parent: bool
+    ) -> None:
+        """Create the child run and record ``child.started`` in one transaction."""
 
     def child_definition(self, name: str, version: int) -> Workflow[Any, Any] | None:
         """The definition of a child's pinned version, where this process has it."""

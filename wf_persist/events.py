@@ -169,8 +169,12 @@ def child_started(
     version: int,
     cancel_with_parent: bool,
     at: dt.datetime,
+    plain: bool = False,
 ) -> NewEvent:
-    """A parent started a child run (in the same transaction as the child's row)."""
+    """A parent started a child run (in the same transaction as the child's row);
+    ``plain``: its result comes back as JSON (the parent's process did not serve it), on
+    every replay, whatever the replaying process serves."""
+    extra = {"plainResult": True} if plain else {}
     return _keyed(
         "child.started",
         who,
@@ -179,6 +183,7 @@ def child_started(
         workflowName=workflow,
         version=version,
         cancelWithParent=cancel_with_parent,
+        **extra,
     )
 
 

@@ -239,6 +239,15 @@ class Cursor:
         self._counters[name] = invocation
         return f"{name}#{invocation}", invocation
 
+    def upcoming(self, kind: str, name: str) -> str | None:
+        """The activity name of this call if the next place in the journal is one of its
+        kind and name (``enter`` not made), else None."""
+        entries = self.journal.entries
+        activity = f"{name}#{self._counters.get(name, 0) + 1}"
+        if self._position < len(entries) and entries[self._position] == (kind, activity):
+            return activity
+        return None
+
     def enter(self, kind: str, name: str) -> tuple[str, int]:
         """Position the next call; raise if it is not the call recorded at this position."""
         if self.divergence is not None:  # caught by the workflow: still nothing new may run

@@ -25,7 +25,7 @@ from .async_context import call_body
 from .authoring import Step, Workflow
 from .context import Context
 from .control import Stop
-from .driving import StartedChild
+from .driving import ChildStart
 from .errors import Cancelled, InvalidArgumentError, NonDeterminismError, WfPersistError
 from .events import Activity, NewEvent
 from .replay import Journal
@@ -130,15 +130,14 @@ class _DryDriver:
     def concurrency_slot(self, step: Step[Any], key: str) -> Iterator[None]:
         yield
 
+    def prepare_child(
+        self, workflow: Workflow[Any, Any] | str, version: int | None, payload: Any
+    ) -> ChildStart:
+        raise _Frontier(f"would start a child of {workflow!r}")
+
     def start_child(
-        self,
-        child_id: str,
-        workflow: Workflow[Any, Any] | str,
-        version: int | None,
-        payload: Any,
-        who: Activity,
-        cancel_with_parent: bool,
-    ) -> StartedChild:
+        self, child_id: str, child: ChildStart, who: Activity, cancel_with_parent: bool
+    ) -> None:
         raise _Frontier(f"would start child {who.activity}")
 
     def child_definition(self, name: str, version: int) -> Workflow[Any, Any] | None:
