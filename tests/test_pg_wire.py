@@ -87,6 +87,7 @@ def test_a_connection_killed_between_writes_is_replaced(
         with pytest.raises(OperationalError) as failed:  # as the cursor's path reports it
             client.start(w.echo_wf, 3)
         assert failed.value.connection_invalidated
+        assert isinstance(failed.value, wp.DatabaseUnavailableError)
         handle = client.start(w.echo_wf, 3)  # the dead connection was dropped
         rt.drive(handle.execution_id)
         assert client.result(handle.execution_id, timeout=10).unwrap() == [1, 2, 3]

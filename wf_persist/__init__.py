@@ -37,6 +37,7 @@ from .errors import CannotCancelError as CannotCancelError
 from .errors import ChildWorkflowError as ChildWorkflowError
 from .errors import CodeExecutionError as CodeExecutionError
 from .errors import DatabaseConnectError as DatabaseConnectError
+from .errors import DatabaseUnavailableError as DatabaseUnavailableError
 from .errors import DriveFailedError as DriveFailedError
 from .errors import EventNotSetError as EventNotSetError
 from .errors import ForkedRuntimeError as ForkedRuntimeError
@@ -94,6 +95,7 @@ __all__ = [
     "Completed",
     "Context",
     "DatabaseConnectError",
+    "DatabaseUnavailableError",
     "DriveFailedError",
     "EventNotSetError",
     "ExecutionHandle",

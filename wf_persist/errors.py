@@ -109,18 +109,24 @@ class UnsupportedDatabaseError(WfPersistError):
     wf_persist needs; the message says what and how to fix it."""
 
 
-class DatabaseConnectError(WfPersistError, OperationalError):
-    """A connection to the database could not be made (a server down or unreachable, a
-    database, role or password it does not know, a file that cannot be opened); nothing
-    was written. Also SQLAlchemy's ``OperationalError``, as such failures were before, so
-    code that retries on that (waiting for a database to come up) keeps working.
+class DatabaseUnavailableError(WfPersistError, OperationalError):
+    """The database could not be reached during a call: its connection was lost (a server
+    restart or failover, a network cut) or a new one could not be made. A write the call
+    made committed whole or not at all; only a loss during its commit leaves which one
+    unknown (a start with an idempotency key can be repeated to find out). Also
+    SQLAlchemy's ``OperationalError``, as such failures were before, so code that retries
+    on that keeps working.
 
     Attributes:
         orig: the driver's exception.
     """
 
-    def __init__(self, message: str, orig: BaseException | None = None) -> None:
-        OperationalError.__init__(self, None, None, orig or Exception(message))
+    def __init__(
+        self, message: str, orig: BaseException | None = None, invalidated: bool = False
+    ) -> None:
+        OperationalError.__init__(
+            self, None, None, orig or Exception(message), connection_invalidated=invalidated
+        )
         self.message = message
         self.args = (message,)
 
@@ -128,7 +134,14 @@ class DatabaseConnectError(WfPersistError, OperationalError):
         return self.message
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.message, self.orig))
+        return (type(self), (self.message, self.orig, self.connection_invalidated))
+
+
+class DatabaseConnectError(DatabaseUnavailableError):
+    """A connection to the database could not be made when a runtime or client opened it
+    (a server down or unreachable, a database, role or password it does not know, a file
+    that cannot be opened); nothing was written. Also SQLAlchemy's ``OperationalError``.
+    """
 
 
 class PoolTooSmallError(InvalidArgumentError):

@@ -1,7 +1,9 @@
 """The database refusing this engine's user (a privilege not granted, or revoked while a
 process runs; a host's SQLite authorizer) or its writes (a read-only server, a primary
 demoted to a standby after a failover), reported at every public entry point as one
-typed :class:`~wf_persist.errors.UnsupportedDatabaseError` instead of the driver's error.
+typed :class:`~wf_persist.errors.UnsupportedDatabaseError` instead of the driver's error;
+the database out of reach (a connection lost or not made) as
+:class:`~wf_persist.errors.DatabaseUnavailableError`.
 
 No privilege is probed in advance: a probe would have to write (firing a host's triggers,
 waiting on its locks) or read each backend's grant tables, and would refuse legal grants
@@ -18,7 +20,7 @@ from typing import Any, Protocol, TypeVar, cast
 
 from sqlalchemy.exc import DBAPIError
 
-from .errors import DatabaseConnectError, UnsupportedDatabaseError
+from .errors import DatabaseUnavailableError, UnsupportedDatabaseError, WfPersistError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -26,29 +28,62 @@ F = TypeVar("F", bound=Callable[..., Any])
 class _Refuses(Protocol):
     def refused(self, exc: BaseException) -> bool: ...
 
+    def unreachable(self, exc: BaseException) -> bool: ...
 
-def refusal(exc: DBAPIError) -> UnsupportedDatabaseError:
+
+def _said(exc: BaseException) -> tuple[BaseException | None, str]:
+    """The driver's exception behind ``exc`` and the first line of what it said."""
+    orig = exc.orig if isinstance(exc, DBAPIError) else exc
+    lines = str(orig).strip().splitlines() if orig is not None else []
+    return orig, lines[0][:300] if lines else type(exc).__name__
+
+
+def refusal(exc: BaseException) -> UnsupportedDatabaseError:
     """The typed error for the server's refusal ``exc``, in the server's own words."""
-    said = str(exc.orig).strip().splitlines()[0][:300] if exc.orig else type(exc).__name__
-    return UnsupportedDatabaseError(f"the database refused this engine: {said}")
+    return UnsupportedDatabaseError(f"the database refused this engine: {_said(exc)[1]}")
 
 
-def translate(backend: _Refuses, exc: DBAPIError) -> None:
-    """Raise the typed error if ``exc`` is ``backend``'s server refusing the user (one
-    refused at connecting is a :class:`DatabaseConnectError` already)."""
-    if not isinstance(exc, DatabaseConnectError) and backend.refused(exc):
+def unavailable(exc: BaseException) -> DatabaseUnavailableError:
+    """The typed error for the database out of reach, in the driver's own words."""
+    orig, said = _said(exc)
+    return DatabaseUnavailableError(
+        f"the database could not be reached: {said}; a write this call made committed "
+        "whole or not at all (only a loss during its commit leaves which one unknown)",
+        orig,
+        isinstance(exc, DBAPIError) and exc.connection_invalidated,
+    )
+
+
+def driver_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a database driver's (PEP 249 ``Error``), raw or as SQLAlchemy
+    wrapped it: SQLAlchemy lets a few through unwrapped (one raised while it sets a new
+    connection's isolation level, say)."""
+    if isinstance(exc, DBAPIError):
+        return True
+    return any(k.__name__ == "Error" and k.__module__ != "builtins" for k in type(exc).__mro__)
+
+
+def translate(backend: _Refuses, exc: BaseException) -> None:
+    """Raise the typed error if ``exc`` is ``backend``'s server refusing the user or out of
+    reach (an error of wf_persist's own, such as one refused at connecting, is typed
+    already)."""
+    if isinstance(exc, WfPersistError) or not driver_error(exc):
+        return
+    if backend.refused(exc):
         raise refusal(exc) from exc
+    if backend.unreachable(exc):
+        raise unavailable(exc) from exc
 
 
 def typed(method: F) -> F:
-    """A public method (of an object with a ``backend``) whose refusals by the server
-    raise the typed error."""
+    """A public method (of an object with a ``backend``) whose refusals by the server, and
+    the database out of reach, raise the typed errors."""
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return method(self, *args, **kwargs)
-        except DBAPIError as exc:
+        except Exception as exc:
             translate(self.backend, exc)
             raise
 

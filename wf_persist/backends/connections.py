@@ -293,6 +293,12 @@ class Connections:
         a worker backs off and tries again, as a grant may come."""
         return False
 
+    @classmethod
+    def unreachable(cls, exc: BaseException) -> bool:
+        """Whether ``exc`` is the database out of reach: the connection lost or not made
+        (a caller gets it as :class:`~wf_persist.errors.DatabaseUnavailableError`)."""
+        return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
+
     def check(self) -> None:
         """Fail early, and say why, if this database or host engine cannot run wf_persist."""
         pool = self.base_engine.pool

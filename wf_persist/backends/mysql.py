@@ -84,6 +84,9 @@ _NO_SELECT_LIMIT: Final = 2**64 - 1
 #: privilege, a privilege the statement needs) or a write (a read-only server or
 #: transaction, as a demoted primary is).
 _REFUSED: Final = frozenset({1044, 1045, 1142, 1143, 1227, 1290, 1792, 1836})
+#: The server out of reach: shutting down (1053), this connection killed (1927) or ended
+#: idle (4031), none made (2002, 2003, 2005) or the one in use lost (2006, 2013, 2055).
+_GONE: Final = frozenset({1053, 1927, 2002, 2003, 2005, 2006, 2013, 2055, 4031})
 #: The server's status flag "a transaction is open" (PyMySQL keeps the last one it saw).
 _SERVER_STATUS_IN_TRANS: Final = 1
 
@@ -211,6 +214,10 @@ class MySQLBackend(Backend):
     @classmethod
     def refused(cls, exc: BaseException) -> bool:
         return _code(exc) in _REFUSED
+
+    @classmethod
+    def unreachable(cls, exc: BaseException) -> bool:
+        return _code(exc) in _GONE or super().unreachable(exc)
 
     def requirement_problem(self, version: tuple[int, ...] | None) -> str | None:
         mariadb = bool(getattr(self.base_engine.dialect, "is_mariadb", False))

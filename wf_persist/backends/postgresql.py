@@ -29,7 +29,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import URL
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, OperationalError
 
 from .. import clocks
 from ..errors import LeaseLostError, UnsupportedDatabaseError
@@ -75,6 +75,8 @@ _JSON_COLUMNS = frozenset({"event", "result", "error", "input"})
 #: authorization, invalid password) or a write (read_only_sql_transaction: a standby, a
 #: demoted primary).
 _REFUSED = frozenset({"42501", "28000", "28P01", "25006"})
+#: The server going away: shutting down (fast, immediate) or not yet accepting connections.
+_GONE = frozenset({"57P01", "57P02", "57P03"})
 
 
 class AdvisorySlots(SessionLockSlots):
@@ -186,6 +188,15 @@ class PostgreSQLBackend(RawPath):
     @classmethod
     def refused(cls, exc: BaseException) -> bool:
         return getattr(getattr(exc, "orig", exc), "sqlstate", None) in _REFUSED
+
+    @classmethod
+    def unreachable(cls, exc: BaseException) -> bool:
+        orig = getattr(exc, "orig", exc)
+        state = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+        if state is None:  # the driver's own: no connection, or none left
+            driver = any(k.__name__ == "OperationalError" for k in type(orig).__mro__)
+            return driver or isinstance(exc, OperationalError) or super().unreachable(exc)
+        return str(state).startswith("08") or state in _GONE or super().unreachable(exc)
 
     @classmethod
     def schema_problem(cls, schema: object) -> str | None:
