@@ -10,12 +10,16 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import httpx
 import pytest
+from sqlalchemy import Engine
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError, OperationalError
 
 import wf_persist as wp
 from tests.tcpproxy import TCPProxy
+from tests.webserver import serving
+from wf_persist.web import create_app
 
 pytestmark = pytest.mark.needs("server")
 
@@ -127,3 +131,38 @@ def test_the_async_client_raises_it_too(runtime: wp.Runtime, cut_off: tuple[TCPP
                     await call()
 
     asyncio.run(main())
+
+
+def test_the_web_view_answers_503_while_the_database_is_out_of_reach(
+    runtime: wp.Runtime, cut_off: tuple[TCPProxy, str]
+) -> None:
+    """Not 400: the request was fine, a retry later may succeed."""
+    proxy, url = cut_off
+    runtime.register(waits)
+    run = runtime.client().start(waits).execution_id
+    with (
+        wp.Client(url) as client,
+        serving(create_app(client=client)) as base,
+        httpx.Client(base_url=base, timeout=30) as http,
+    ):
+        assert http.get("/api/runs").status_code == 200
+        proxy.close()
+        for path in ("/api/runs", f"/api/runs/{run}", "/api/workflows", "/"):
+            answer = http.get(path)
+            assert answer.status_code == 503, (path, answer.status_code)
+            if path.startswith("/api/"):
+                assert "could not be reached" in answer.json()["error"]
+
+
+@pytest.mark.needs("libpq")
+def test_a_statement_the_driver_will_not_send_is_not_the_database_out_of_reach(
+    runtime: wp.Runtime, db_engine: Engine
+) -> None:
+    """psycopg refuses to send more than 65,535 parameters with an ``OperationalError``
+    that has no SQLSTATE, as a lost connection's has none: sent again it fails again, so
+    it is not taken for an outage (which callers may retry)."""
+    ids = ",".join(["%s"] * 70_000)
+    with db_engine.connect() as conn, pytest.raises(DBAPIError) as caught:
+        conn.exec_driver_sql(f"SELECT 1 WHERE 1 IN ({ids})", tuple(range(70_000)))
+    assert "number of parameters" in str(caught.value)
+    assert not runtime.backend.unreachable(caught.value)

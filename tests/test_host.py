@@ -194,6 +194,33 @@ def test_purge_deletes_only_old_finished_runs(runtime: wp.Runtime, db_engine: En
     assert orphans == 0
 
 
+def test_a_purge_batch_larger_than_a_statement_can_bind_deletes_it_all(
+    runtime: wp.Runtime, db_engine: Engine
+) -> None:
+    """Every id of a batch is a bound parameter: 70,000 are more than one PostgreSQL (at
+    most 65,535) or SQLite (32,766) statement takes. Before, such a batch never succeeded."""
+    runtime.register(*w.ALL)
+    old = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    rows = [
+        {
+            "id": f"purged-{i}",
+            "workflow_name": w.echo_wf.name,
+            "workflow_version": w.echo_wf.version,
+            "status": "completed",
+            "next_seq": 3,
+            "created_at": old,
+            "updated_at": old,
+            "finished_at": old,
+        }
+        for i in range(70_000)
+    ]
+    with db_engine.begin() as conn:
+        conn.execute(ex.insert(), rows)
+    assert runtime.client().purge(older_than=dt.timedelta(0), batch_size=100_000) == 70_000
+    with db_engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(ex)).scalar_one() == 0
+
+
 def test_cli_purge(runtime: wp.Runtime, db_url: str, procs: Processes) -> None:
     runtime.register(w.echo_wf)
     client = runtime.client()

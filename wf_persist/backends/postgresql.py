@@ -29,7 +29,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import URL
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DBAPIError
 
 from .. import clocks
 from ..errors import LeaseLostError, UnsupportedDatabaseError
@@ -193,9 +193,12 @@ class PostgreSQLBackend(RawPath):
     def unreachable(cls, exc: BaseException) -> bool:
         orig = getattr(exc, "orig", exc)
         state = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
-        if state is None:  # the driver's own: no connection, or none left
-            driver = any(k.__name__ == "OperationalError" for k in type(orig).__mro__)
-            return driver or isinstance(exc, OperationalError) or super().unreachable(exc)
+        if state is None and any(k.__name__ == "OperationalError" for k in type(orig).__mro__):
+            # The driver's own: no connection made (no statement sent yet), or one that
+            # SQLAlchemy found broken; not a statement the driver refused to send (too
+            # many parameters, say), which would fail again whenever it is sent.
+            sent = isinstance(exc, DBAPIError) and exc.statement is not None
+            return not sent or super().unreachable(exc)
         return str(state).startswith("08") or state in _GONE or super().unreachable(exc)
 
     @classmethod

@@ -307,10 +307,16 @@ def purge_batch(
             .limit(limit)
         ).scalars()
     )
-    if ids:
-        core.execute(delete(hist).where(hist.c.execution_id.in_(ids)))
-        core.execute(delete(ex).where(ex.c.id.in_(ids), ex.c.status.in_(wanted)))
+    for at in range(0, len(ids), PURGE_CHUNK):
+        chunk = ids[at : at + PURGE_CHUNK]
+        core.execute(delete(hist).where(hist.c.execution_id.in_(chunk)))
+        core.execute(delete(ex).where(ex.c.id.in_(chunk), ex.c.status.in_(wanted)))
     return len(ids)
+
+
+#: Ids per DELETE of a purge batch: every id is a bound parameter, and a statement takes at
+#: most 65,535 on PostgreSQL and 32,766 on SQLite.
+PURGE_CHUNK = 5000
 
 
 def due_count(conn: Executor) -> int:

@@ -29,6 +29,7 @@ from starlette.staticfiles import StaticFiles
 
 from ..client import Client
 from ..errors import (
+    DatabaseUnavailableError,
     InvalidArgumentError,
     UnknownExecutionError,
     WfPersistError,
@@ -63,8 +64,8 @@ class WebView:
 
 
 def _errors(view: WebView, api: bool) -> Callable[[Handler], Handler]:
-    """Typed errors as 404 (an unknown run) or 400, in JSON or as a page; nothing else of
-    the library's raw errors leaves the server."""
+    """Typed errors as 404 (an unknown run), 503 (the database out of reach) or 400, in
+    JSON or as a page; nothing else of the library's raw errors leaves the server."""
 
     def wrap(handler: Handler) -> Handler:
         async def run(request: Request) -> Response:
@@ -75,9 +76,12 @@ def _errors(view: WebView, api: bool) -> Callable[[Handler], Handler]:
                     return JSONResponse({"error": "Run not found"}, status_code=404)
                 return view.page("error.html", 404, message="Run not found")
             except WfPersistError as exc:
+                # The database out of reach is the server's trouble (503: try again), not
+                # the request's (400: do not).
+                status = 503 if isinstance(exc, DatabaseUnavailableError) else 400
                 if api:
-                    return JSONResponse({"error": str(exc)}, status_code=400)
-                return view.page("error.html", 400, message=str(exc))
+                    return JSONResponse({"error": str(exc)}, status_code=status)
+                return view.page("error.html", status, message=str(exc))
 
         return run
 
