@@ -176,3 +176,35 @@ def test_a_client_serves_one_event_loop_and_says_so_on_another(
     with pytest.raises(wp.InvalidArgumentError, match="one per loop"):
         asyncio.run(second())
     assert runtime.client().result(started, timeout=30).status == "completed"
+
+
+def test_waits_cancelled_at_any_moment_end_and_give_their_connections_back(
+    runtime: wp.Runtime, db_url: str
+) -> None:
+    """Tasks awaiting ``result()`` cancelled at any moment, a read in flight or an end
+    heard among them: every one ends cancelled (on Python 3.11 ``asyncio.wait_for`` let a
+    cancellation go when its event was set at that moment, and that wait went on for
+    ever), and the reads give their connections back (else left checked out until the
+    garbage collector found them)."""
+    runtime.register(*w.ALL)
+    handle = runtime.client().start(w.approval_wf, None)  # no worker: never ends
+
+    async def app() -> tuple[list[str], int]:
+        outcomes: list[str] = []
+        async with wp.AsyncClient(db_url, poll_interval=0.01) as client:
+            for rep in range(20):
+                waits = [asyncio.create_task(client.result(handle.execution_id)) for _ in range(20)]
+                await asyncio.sleep(0.001 * rep)
+                for task in waits:
+                    task.cancel()
+                async with asyncio.timeout(30):  # the old wait never ended
+                    done = await asyncio.gather(*waits, return_exceptions=True)
+                outcomes += sorted({type(d).__name__ for d in done})
+            pool: Any = client.engine.sync_engine.pool
+            for _ in range(250):  # the reads cancelled mid-way end meanwhile (5 s at most)
+                if pool.checkedout() == 0:
+                    break
+                await asyncio.sleep(0.02)
+            return sorted(set(outcomes)), int(pool.checkedout())
+
+    assert asyncio.run(app()) == (["CancelledError"], 0)

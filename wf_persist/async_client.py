@@ -98,7 +98,7 @@ class AsyncClient:
         self._poll_interval = poll_seconds
         self._client: Client | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._opening = asyncio.Lock()
+        self._opening: asyncio.Future[None] | None = None
         self._waiters: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
         self._waiters_lock = threading.Lock()
         self._wakeups: Wakeups | None = None
@@ -114,12 +114,21 @@ class AsyncClient:
                 "an AsyncClient serves the event loop it was first used on: make one per loop"
             )
         if self._client is None:
-            async with self._opening:
-                if self._client is None:
-                    self._client = await greenlet_spawn(
-                        Client, self.engine.sync_engine, **self._options
-                    )
+            opening = self._opening
+            if opening is None:
+                opening = self._opening = asyncio.ensure_future(self._open())
+                opening.add_done_callback(_retrieved)
+            # Shielded: a first use cancelled while the client reads the database lets the
+            # read end and give its connection back (the other first uses wait for it too).
+            await asyncio.shield(opening)
+        assert self._client is not None
         return self._client
+
+    async def _open(self) -> None:
+        try:
+            self._client = await greenlet_spawn(Client, self.engine.sync_engine, **self._options)
+        finally:
+            self._opening = None  # failed: the next use tries again
 
     async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         client = await self._sync()
@@ -201,11 +210,9 @@ class AsyncClient:
                 if remaining is not None and remaining <= 0:
                     raise ResultTimeoutError(execution_id, float(timeout or 0))
                 wait = min(delay, self._poll_interval)
-                try:
-                    await asyncio.wait_for(
-                        event.wait(), wait if remaining is None else min(wait, remaining)
-                    )
-                except TimeoutError:
+                if not await _heard_within(
+                    event, wait if remaining is None else min(wait, remaining)
+                ):
                     delay = min(delay * 2, self._poll_interval)
         finally:
             with self._waiters_lock:
@@ -265,6 +272,24 @@ class AsyncClient:
         return await self._run(Client.workflows, name)
 
 
+async def _heard_within(event: asyncio.Event, seconds: float) -> bool:
+    """Whether ``event`` was set within ``seconds``. Not ``asyncio.wait_for``: on Python
+    3.11 it returns, swallowing the cancellation, when the event is set just as its
+    caller is cancelled, and a cancelled ``result()`` then waited on for ever."""
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait((waiter,), timeout=seconds)
+    finally:
+        waiter.cancel()
+    return event.is_set()
+
+
+def _retrieved(done: asyncio.Future[Any]) -> None:
+    """What a task nobody may await any more raised: retrieved, not logged as lost."""
+    if not done.cancelled():
+        done.exception()
+
+
 async def _shielded(read: Coroutine[Any, Any, T]) -> T:
     """``read`` shielded from its caller's cancellation: a wait cancelled mid-read lets the
     read end and give its connection back (cancelled, it was left checked out until the
@@ -273,5 +298,5 @@ async def _shielded(read: Coroutine[Any, Any, T]) -> T:
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
-        task.add_done_callback(lambda done: done.cancelled() or done.exception())
+        task.add_done_callback(_retrieved)
         raise
