@@ -87,27 +87,29 @@ def caught(ctx: wp.Context, pin: int) -> str:
     return first + "+" + ctx.run(noted, "slept")
 
 
-@wp.workflow(name="elsewhere-fallback", version=1)
-def fallback(ctx: wp.Context) -> list[Any]:
-    """A version cataloged nowhere, then the same child at one that is."""
-    try:
-        handle = ctx.start_child("elsewhere-kid", {"sku": "f", "qty": 1}, version=9)
-        tried = "v9"
-    except wp.MissingWorkflowVersionError:
-        handle = ctx.start_child("elsewhere-kid", {"sku": "f", "qty": 1}, version=1)
-        tried = "v9 refused, v1"
+@wp.workflow(name="elsewhere-kid", version=9)
+def kid_v9(ctx: wp.Context, order: Order) -> str:
+    return f"v9:{order.sku}"
+
+
+@wp.workflow(name="elsewhere-later", version=1)
+def later(ctx: wp.Context) -> list[Any]:
+    """A version its service catalogs only after this run first tried to start it."""
+    handle = ctx.start_child("elsewhere-kid", {"sku": "l", "qty": 1}, version=9)
     ctx.sleep(0.2)
-    return [tried, ctx.run(noted, "slept"), ctx.child_result(handle)]
+    return [ctx.run(noted, "slept"), ctx.child_result(handle)]
 
 
-def _two(make_runtime: Callable[..., wp.Runtime], *local: wp.Workflow[Any, Any]) -> wp.Runtime:
+def _two(
+    make_runtime: Callable[..., wp.Runtime], *local: wp.Workflow[Any, Any], **options: Any
+) -> wp.Runtime:
     """Runtime B serves both versions of the child; the returned runtime A serves the
     parents (and ``local``), with a worker each."""
     b = make_runtime()
     b.register(kid_v1, kid_v2, kid_v3)
     b.start_worker(concurrency=4, poll_interval=0.05)
-    a = make_runtime()
-    a.register(parent, bad_input, missing, resumed, caught, fallback, *local)
+    a = make_runtime(**options)
+    a.register(parent, bad_input, missing, resumed, caught, later, *local)
     a.start_worker(concurrency=4, poll_interval=0.05)
     return a
 
@@ -159,17 +161,38 @@ def test_a_payload_the_cataloged_schema_refuses_raises_in_the_parent_and_starts_
     assert client.list("elsewhere-kid").items == []
 
 
-def test_a_version_cataloged_nowhere_fails_the_parent_with_a_typed_error(
+def test_a_version_cataloged_nowhere_is_a_failed_drive_and_fails_the_run_at_the_limit(
     make_runtime: Callable[..., wp.Runtime],
 ) -> None:
-    a = _two(make_runtime)
+    """Not raised in the body (what the catalog holds changes: a replay must meet what the
+    drive met): the drive fails, is retried after a backoff, and the run fails with
+    ``DriveFailedError`` at the runtime's limit, having started no child."""
+    a = _two(make_runtime, max_drive_failures=2)
     client = a.client()
     run = client.start(missing).execution_id
     outcome = client.result(run, timeout=30)
     assert isinstance(outcome, wp.Failed)
-    assert outcome.error_type == "MissingWorkflowVersionError"
-    assert "elsewhere-kid@v7 is not cataloged" in outcome.error["message"]
+    assert outcome.error_type == "DriveFailedError"
+    assert "elsewhere-kid@v7 is not cataloged" in outcome.message
+    assert history_types(client, run).count("drive.failed") == 2
     assert client.list("elsewhere-kid").items == []
+
+
+def test_a_version_cataloged_after_a_failed_drive_is_started_by_the_next_one(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """A rolling deploy: the parent's workers are new first; the child's service catalogs
+    the version a moment later; the parent, retried after its backoff, starts it."""
+    a = _two(make_runtime)
+    client = a.client()
+    run = client.start(later).execution_id
+    wait_until(lambda: "drive.failed" in history_types(client, run), 30, "a failed drive")
+    d = make_runtime()
+    d.register(kid_v9)
+    d.start_worker(poll_interval=0.05)
+    assert client.result(run, timeout=60).unwrap() == ["slept", "v9:l"]
+    (started,) = [r.event for r in client.history(run) if r.event["type"] == "child.started"]
+    assert started["version"] == 9
 
 
 def test_a_child_result_read_as_json_stays_json_when_a_process_serving_the_child_resumes(
@@ -224,14 +247,3 @@ def test_a_child_from_the_catalog_needs_no_second_connection_of_its_drive(
         for run in runs:
             assert client.result(run, timeout=60).unwrap()[0] == 2
         assert [client.describe(r).drive_failures for r in runs] == [0] * 8
-
-
-def test_a_refused_start_then_the_same_child_at_another_version_replays_as_it_ran(
-    make_runtime: Callable[..., wp.Runtime],
-) -> None:
-    """The refused call is not taken for the start recorded after it (same name, another
-    version): the replay raises the refusal again and takes the fallback."""
-    a = _two(make_runtime)
-    client = a.client()
-    run = client.start(fallback).execution_id
-    assert client.result(run, timeout=30).unwrap() == ["v9 refused, v1", "slept", "v1:fx1"]

@@ -86,7 +86,10 @@ class ChildRunner:
         name = workflow if isinstance(workflow, str) else workflow.name
         base = check_call_name(f"child:{name}", "child workflow name")
         child = None
+        new = not self._cursor.replaying()
         if not self._recorded_next(base, version):
+            if new:  # what a new call does first (a finished step's events written, say)
+                self._before_new_call()
             # Checked before the call takes a place: a refusal records nothing, so it
             # must not move the calls after it; a replay finds the refusal again here.
             child = self._driver.prepare_child(workflow, version, payload)
@@ -107,7 +110,6 @@ class ChildRunner:
                 plain,
             )
         assert child is not None  # a call past the journal is new
-        self._before_new_call()
         who = Activity(self._execution_id, base, invocation, activity)
         child_id = child_execution_id(self._execution_id, activity)
         self._driver.start_child(child_id, child, who, cancel_with_parent)

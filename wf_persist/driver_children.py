@@ -155,9 +155,15 @@ class ChildDriving:
             except Exception as exc:
                 raise Halt(exc) from exc
         if entry is None:
-            if version is None:
-                raise UnknownWorkflowError(name, cataloged=True)
-            raise MissingWorkflowVersionError(name, version, cataloged=True)
+            # Not raised in the body: what the catalog holds changes (the child's service
+            # may be deploying), and a replay must meet what the drive met. A failed drive:
+            # retried after a backoff, the run failed at the runtime's limit.
+            missing: Exception = (
+                UnknownWorkflowError(name, cataloged=True)
+                if version is None
+                else MissingWorkflowVersionError(name, version, cataloged=True)
+            )
+            raise Halt(missing)
         doc = to_json(adapter_for(Any), payload, what)
         stored = cataloged_document(what, doc, entry.input_schema)
         self.backend.check_size(what, stored)

@@ -239,6 +239,10 @@ class Cursor:
         self._counters[name] = invocation
         return f"{name}#{invocation}", invocation
 
+    def replaying(self) -> bool:
+        """Whether the next call has a place in the journal (else it is new)."""
+        return self._position < len(self.journal.entries)
+
     def upcoming(self, kind: str, name: str) -> str | None:
         """The activity name of this call if the next place in the journal is one of its
         kind and name (``enter`` not made), else None."""
