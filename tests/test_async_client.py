@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 import wf_persist as wp
 from wf_persist.backends import backend_type, normalize_url
 
+from .fixtures import messaging
 from .fixtures import workflows as w
 
 
@@ -208,3 +210,40 @@ def test_waits_cancelled_at_any_moment_end_and_give_their_connections_back(
             return sorted(set(outcomes)), int(pool.checkedout())
 
     assert asyncio.run(app()) == (["CancelledError"], 0)
+
+
+def test_it_has_every_method_of_the_thin_client_and_waits_for_an_event_off_the_loop(
+    runtime: wp.Runtime, db_url: str
+) -> None:
+    """``events``, ``get_event`` and ``purge`` too; ``get_event`` waits with the loop free
+    (another task ticks meanwhile)."""
+    public = {n for n in dir(wp.Client) if not n.startswith("_")}
+    assert public <= {n for n in dir(wp.AsyncClient) if not n.startswith("_")}
+    runtime.register(*messaging.ALL)
+    run = runtime.client().start(messaging.publisher_wf, 7).execution_id
+
+    async def app() -> tuple[Any, dict[str, Any], int, int]:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        async with wp.AsyncClient(db_url) as client:
+            ticker = asyncio.create_task(tick())
+            with pytest.raises(wp.EventNotSetError):
+                await client.get_event(run, "value", timeout=0.3)
+            seen = ticks
+            threading.Thread(target=runtime.drive, args=(run,)).start()
+            value = await client.get_event(run, "value", timeout=30)
+            everything = await client.events(run)
+            ticker.cancel()
+            await client.result(run, timeout=30)
+            purged = await client.purge(older_than=dt.timedelta(0))
+            return value, everything, seen, purged
+
+    value, everything, seen, purged = asyncio.run(app())
+    assert (value, everything, purged) == (7, {"value": 7}, 1)
+    assert seen >= 10  # the loop ticked while get_event waited

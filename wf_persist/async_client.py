@@ -25,7 +25,12 @@ from .authoring import Workflow
 from .backends import backend_type, describe_url, resolve_url
 from .backends.connections import retire_pool
 from .client import Client
-from .errors import InvalidArgumentError, ResultTimeoutError, UnsupportedDatabaseError
+from .errors import (
+    EventNotSetError,
+    InvalidArgumentError,
+    ResultTimeoutError,
+    UnsupportedDatabaseError,
+)
 from .records import (
     ExecutionHandle,
     ExecutionInfo,
@@ -270,6 +275,33 @@ class AsyncClient:
 
     async def workflows(self, name: str | None = None) -> Sequence[WorkflowEntry]:
         return await self._run(Client.workflows, name)
+
+    async def events(self, execution_id: str) -> dict[str, Any]:
+        """:meth:`Client.events`."""
+        return await self._run(Client.events, execution_id)
+
+    async def get_event(self, execution_id: str, key: str, *, timeout: float | None = None) -> Any:
+        """:meth:`Client.get_event`: between looks (2 ms, then twice as long each time, at
+        most every ``poll_interval``) the loop is free."""
+        timeout = arguments.check_timeout(timeout)
+        deadline = None if timeout is None else clocks.elapsed() + timeout
+        delay = 0.002
+        while True:
+            try:  # one look
+                return await self._run(Client.get_event, execution_id, key, timeout=0)
+            except EventNotSetError as exc:
+                if exc.finished:
+                    raise
+            remaining = None if deadline is None else deadline - clocks.elapsed()
+            if remaining is not None and remaining <= 0:
+                raise EventNotSetError(execution_id, key, finished=False)
+            wait = min(delay, self._poll_interval)
+            await asyncio.sleep(wait if remaining is None else min(wait, remaining))
+            delay = min(delay * 2, self._poll_interval)
+
+    async def purge(self, **kw: Any) -> int:
+        """:meth:`Client.purge`."""
+        return await self._run(Client.purge, **kw)
 
 
 async def _heard_within(event: asyncio.Event, seconds: float) -> bool:
