@@ -35,8 +35,12 @@ def kid_v2(ctx: wp.Context, order: Order) -> dict[str, Any]:
 @wp.workflow(name="elsewhere-parent", version=1)
 def parent(ctx: wp.Context, pin: int | None) -> list[Any]:
     """A child pinned (or the version the start picks), then one with a plain dict input."""
-    first = ctx.start_child("elsewhere-kid", Order(sku="a", qty=1), version=pin)
-    second = ctx.start_child("elsewhere-kid", {"sku": "b", "qty": 2}, version=pin)
+    first: wp.ChildHandle[Any] = ctx.start_child(
+        "elsewhere-kid", Order(sku="a", qty=1), version=pin
+    )
+    second: wp.ChildHandle[Any] = ctx.start_child(
+        "elsewhere-kid", {"sku": "b", "qty": 2}, version=pin
+    )
     return [first.version, ctx.child_result(first), ctx.child_result(second)]
 
 
@@ -72,7 +76,8 @@ def noted(text: str) -> str:
 @wp.workflow(name="elsewhere-resumed", version=1)
 def resumed(ctx: wp.Context) -> str:
     """Its child's result, then a sleep: the run is resumed by whichever process."""
-    got = ctx.child_result(ctx.start_child("elsewhere-kid", {"sku": "r", "qty": 1}, version=3))
+    kid: wp.ChildHandle[Any] = ctx.start_child("elsewhere-kid", {"sku": "r", "qty": 1}, version=3)
+    got = ctx.child_result(kid)
     ctx.sleep(0.5)
     return type(got).__name__
 
@@ -95,7 +100,9 @@ def kid_v9(ctx: wp.Context, order: Order) -> str:
 @wp.workflow(name="elsewhere-later", version=1)
 def later(ctx: wp.Context) -> list[Any]:
     """A version its service catalogs only after this run first tried to start it."""
-    handle = ctx.start_child("elsewhere-kid", {"sku": "l", "qty": 1}, version=9)
+    handle: wp.ChildHandle[str] = ctx.start_child(
+        "elsewhere-kid", {"sku": "l", "qty": 1}, version=9
+    )
     ctx.sleep(0.2)
     return [ctx.run(noted, "slept"), ctx.child_result(handle)]
 
