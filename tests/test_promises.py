@@ -199,6 +199,7 @@ SAMPLES: dict[str, BaseException] = {
     "WorkflowDefinitionError": wp.WorkflowDefinitionError("bad"),
     "UnsupportedDatabaseError": wp.UnsupportedDatabaseError("oracle"),
     "DatabaseConnectError": wp.DatabaseConnectError("cannot connect", ConnectionRefusedError()),
+    "DatabaseUnavailableError": wp.DatabaseUnavailableError("lost", ConnectionResetError(), True),
     "DriveFailedError": wp.DriveFailedError(10, {"name": "DataError"}),
     "PoolTooSmallError": wp.PoolTooSmallError(3, 5, 4),
     "IdempotencyConflictError": wp.IdempotencyConflictError("wf", "key"),
