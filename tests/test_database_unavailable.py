@@ -51,6 +51,12 @@ def _collected() -> Iterator[None]:
         gc.collect()
 
 
+def _parked_run(runtime: wp.Runtime) -> str:
+    """A run of ``waits``, started (not yet driven) through the direct URL."""
+    runtime.register(waits)
+    return runtime.client().start(waits).execution_id
+
+
 def _unavailable(call: Callable[[], Any]) -> None:
     with pytest.raises(wp.DatabaseUnavailableError) as caught:
         call()
@@ -81,8 +87,7 @@ def test_every_client_call_raises_the_typed_error_once_the_database_is_out_of_re
     runtime: wp.Runtime, cut_off: tuple[TCPProxy, str]
 ) -> None:
     proxy, url = cut_off
-    runtime.register(waits)
-    run = runtime.client().start(waits).execution_id
+    run = _parked_run(runtime)
     runtime.drive(run)  # parked on the signal
     thin = wp.Client(url)
     embedded = wp.Runtime(url)
@@ -115,8 +120,7 @@ def test_every_client_call_raises_the_typed_error_once_the_database_is_out_of_re
 @pytest.mark.filterwarnings("ignore:The garbage collector is trying to clean up")
 def test_the_async_client_raises_it_too(runtime: wp.Runtime, cut_off: tuple[TCPProxy, str]) -> None:
     proxy, url = cut_off
-    runtime.register(waits)
-    run = runtime.client().start(waits).execution_id
+    run = _parked_run(runtime)
 
     async def main() -> None:
         async with wp.AsyncClient(url) as client:
@@ -138,8 +142,7 @@ def test_the_web_view_answers_503_while_the_database_is_out_of_reach(
 ) -> None:
     """Not 400: the request was fine, a retry later may succeed."""
     proxy, url = cut_off
-    runtime.register(waits)
-    run = runtime.client().start(waits).execution_id
+    run = _parked_run(runtime)
     with (
         wp.Client(url) as client,
         serving(create_app(client=client)) as base,

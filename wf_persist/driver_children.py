@@ -150,7 +150,7 @@ class ChildDriving:
         with self.conn_lock:
             self._open()
             try:
-                with self.lender.connection() as conn, self.backend.begin(conn):
+                with self.lender.connection() as own, self.backend.read(own) as conn:
                     entry = catalog.entry(conn, self.backend, name, version)
             except Exception as exc:
                 raise Halt(exc) from exc

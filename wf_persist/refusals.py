@@ -54,7 +54,7 @@ def unavailable(exc: BaseException) -> DatabaseUnavailableError:
     )
 
 
-def driver_error(exc: BaseException) -> bool:
+def is_driver_error(exc: BaseException) -> bool:
     """Whether ``exc`` is a database driver's (PEP 249 ``Error``), raw or as SQLAlchemy
     wrapped it: SQLAlchemy lets a few through unwrapped (one raised while it sets a new
     connection's isolation level, say)."""
@@ -67,7 +67,7 @@ def translate(backend: _Refuses, exc: BaseException) -> None:
     """Raise the typed error if ``exc`` is ``backend``'s server refusing the user or out of
     reach (an error of wf_persist's own, such as one refused at connecting, is typed
     already)."""
-    if isinstance(exc, WfPersistError) or not driver_error(exc):
+    if isinstance(exc, WfPersistError) or not is_driver_error(exc):
         return
     if backend.refused(exc):
         raise refusal(exc) from exc
