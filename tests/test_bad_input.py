@@ -179,6 +179,7 @@ SIGNAL_TYPES: dict[str, Any] = {
     "Point": Point,
     "bytes": bytes,
     "Unlucky": Unlucky,
+    "object": object,
 }
 
 
@@ -683,6 +684,32 @@ def test_unstorable_signal_payload_is_refused_and_the_run_keeps_waiting(
     good = {"any": 1, "Reading": Reading(value=1.5), "Count": Count(n=2), "Point": Point(1, 2)}
     client.signal(handle.execution_id, "go", good.get(kind, b"ok"))
     assert isinstance(client.result(handle.execution_id, timeout=10), wp.Completed)
+
+
+@pytest.mark.parametrize(
+    "value", [{1, 2}, dt.datetime(2026, 1, 1, tzinfo=dt.UTC), {"when": {3}}], ids=repr
+)
+def test_a_wait_typed_object_takes_what_a_buffered_signal_may_carry(
+    client: wp.WorkflowClient, tables: Tables, value: Any
+) -> None:
+    """A wait typed ``object`` is an untyped one: a payload JSON cannot hold (a set, a
+    datetime) was written by pydantic (a set as a list) and delivered to such a wait, while
+    the same signal buffered before the wait was refused; both are refused now, nothing
+    written, and plain JSON is taken either way."""
+    waiting = client.start(signal_wf, "object")
+    suspended(client, waiting.execution_id)
+    early = client.start(signal_wf, "object")  # not driven yet: no wait recorded
+    before = tables.counts()
+    for execution_id, buffer in ((waiting.execution_id, False), (early.execution_id, True)):
+        with pytest.raises(wp.SignalPayloadError) as info:
+            client.signal(execution_id, "go", value, buffer=buffer)
+        assert info.value.signal_name == "go"
+    assert tables.counts() == before, "nothing recorded"
+    assert client.signal(waiting.execution_id, "go", [1, 2]) == "delivered"
+    assert client.signal(early.execution_id, "go", [1, 2], buffer=True) == "buffered"
+    assert client.runtime.drive(early.execution_id)
+    for handle in (waiting, early):
+        assert client.result(handle.execution_id, timeout=10).unwrap() == {"got": "[1, 2]"}
 
 
 @wp.workflow(name="bad-unlucky", version=1)

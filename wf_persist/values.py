@@ -258,11 +258,14 @@ def from_json(adapter: TypeAdapter[Any], value: Any, what: str) -> Any:
 
 def type_reference(tp: Any) -> str | None:
     """``module:qualname`` of a class defined at module level, else ``None`` (also for
-    ``typing.Any``, a class since Python 3.11 that ``isinstance`` refuses)."""
+    ``typing.Any``, a class since Python 3.11 that ``isinstance`` refuses, and ``object``:
+    every value is one, and pydantic would write what JSON cannot hold, a set as a list, so
+    a signal sent to such a wait would be taken where the same one buffered is refused)."""
     module, qualname = getattr(tp, "__module__", None), getattr(tp, "__qualname__", None)
     if (
         not isinstance(tp, type)
         or tp is Any
+        or tp is object
         or not module
         or not qualname
         or "<locals>" in qualname
@@ -279,7 +282,7 @@ def resolve_type_reference(ref: str | None) -> Any:
     target: Any = sys.modules.get(module_name)
     for part in qualname.split("."):
         target = getattr(target, part, None)
-    return target if isinstance(target, type) and target is not Any else None
+    return target if isinstance(target, type) and target not in (Any, object) else None
 
 
 def json_schema_of(
