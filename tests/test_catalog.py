@@ -6,8 +6,8 @@ import pytest
 from sqlalchemy import Engine, select
 
 import wf_persist as wp
-from wf_persist.authoring import normalized_source, source_hash
 from wf_persist.models import workflows_table
+from wf_persist.sources import normalized_source, source_hash
 
 from .fixtures import workflows as w
 from .helpers import Processes

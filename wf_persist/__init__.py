@@ -11,8 +11,6 @@ from . import migrate as migrate
 from .async_client import AsyncClient as AsyncClient
 from .async_context import AsyncContext as AsyncContext
 from .authoring import Call as Call
-from .authoring import Limit as Limit
-from .authoring import Retry as Retry
 from .authoring import Step as Step
 from .authoring import Workflow as Workflow
 from .authoring import call as call
@@ -72,6 +70,8 @@ from .errors import WorkflowTimeoutError as WorkflowTimeoutError
 from .errors import WorkflowVersionConflictError as WorkflowVersionConflictError
 from .models import Base as Base
 from .models import metadata as metadata
+from .policies import Limit as Limit
+from .policies import Retry as Retry
 from .replay import Received as Received
 from .replay import TimedOut as TimedOut
 from .runtime import Runtime as Runtime

@@ -1,20 +1,11 @@
-"""Authoring: ``@workflow`` and ``@step`` definitions, their pydantic types and source hash.
-
-Source hash: sha256 over ``name NUL version NUL body`` where *body* is the workflow function's
-source parsed with :mod:`ast`, stripped of its decorators and docstring, and printed back with
-:func:`ast.unparse`. Comments, blank lines, quoting style and formatting therefore never change
-the hash; any change to what the code does (or to its annotations) does. Step definitions and
-helper functions are not part of it: they are recorded results, not replayed code.
-"""
+"""Authoring: ``@workflow`` and ``@step`` definitions and their pydantic types (a version's
+source hash is :mod:`.sources`', a step's policies :mod:`.policies`')."""
 
 from __future__ import annotations
 
-import ast
 import datetime as dt
 import functools
-import hashlib
 import inspect
-import textwrap
 import threading
 from collections.abc import Callable, Coroutine, Iterable
 from contextlib import AbstractContextManager
@@ -23,7 +14,6 @@ from typing import (
     Any,
     Final,
     Generic,
-    Literal,
     Protocol,
     TypeVar,
     cast,
@@ -36,6 +26,8 @@ from pydantic import PydanticUserError, TypeAdapter
 from .error_documents import shown
 from .errors import InvalidArgumentError, WorkflowDefinitionError
 from .models import CALL_NAME_WIDTH, WORKFLOW_NAME_WIDTH
+from .policies import Limit, Retry
+from .sources import source_hash
 from .timeouts import duration_seconds
 from .values import json_schema_of, unstorable
 
@@ -64,44 +56,6 @@ def adapter_for(tp: Any) -> TypeAdapter[Any]:
     except PydanticUserError as exc:  # not a type pydantic can validate
         reason = str(exc).splitlines()[0]
         raise WorkflowDefinitionError(f"cannot validate values of type {tp!r}: {reason}") from exc
-
-
-def normalized_source(fn: Callable[..., Any]) -> str:
-    """The function's code without decorators, docstring, comments or formatting."""
-    try:
-        source = textwrap.dedent(inspect.getsource(fn))
-    except (OSError, TypeError) as exc:
-        raise WorkflowDefinitionError(
-            f"cannot read the source of {shown(fn)}; workflows must be defined in a module file"
-        ) from exc
-    try:  # a lambda's source is its whole line, which may not parse on its own
-        node: ast.stmt | None = ast.parse(source).body[0]
-    except (SyntaxError, IndexError):
-        node = None
-    if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-        raise WorkflowDefinitionError(f"{shown(fn)} is not a plain function definition")
-    node.decorator_list = []
-    body = node.body
-    first = body[0] if body else None
-    is_docstring = (
-        isinstance(first, ast.Expr)
-        and isinstance(first.value, ast.Constant)
-        and isinstance(first.value.value, str)
-    )
-    if is_docstring:
-        node.body = body[1:] or [ast.Pass()]
-    return ast.unparse(node)
-
-
-def source_hash(name: str, version: int, fn: Callable[..., Any]) -> str:
-    """sha256 (hex) over name, version and the normalized workflow source."""
-    digest = hashlib.sha256()
-    digest.update(name.encode())
-    digest.update(b"\0")
-    digest.update(str(version).encode())
-    digest.update(b"\0")
-    digest.update(normalized_source(fn).encode())
-    return digest.hexdigest()
 
 
 def _check_name(name: object, what: str, width: int, error: type[Exception]) -> str:
@@ -400,69 +354,6 @@ class Step(Generic[R]):
 
     def __repr__(self) -> str:
         return f"<Step {self.name}>"
-
-
-@dataclass(frozen=True)
-class Retry:
-    """How often a step is attempted and how long to wait between attempts.
-
-    Args:
-        attempts: total attempts (>= 1).
-        backoff: ``"none"`` (retry at once) or ``"exponential"``: the delay before attempt
-            k >= 2 is ``base * factor ** (k - 2)`` seconds, capped at ``max_delay``.
-        jitter: scale each delay by a random factor in [0.5, 1) so retries of many runs
-            spread out. The chosen retry time is recorded, so a replay waits the same.
-    """
-
-    attempts: int = 1
-    backoff: Literal["none", "exponential"] = "none"
-    base: float = 0.01
-    factor: float = 2.0
-    max_delay: float | None = None
-    jitter: bool = False
-
-    def __post_init__(self) -> None:
-        if (
-            isinstance(self.attempts, bool)
-            or not isinstance(self.attempts, int)
-            or self.attempts < 1
-        ):
-            raise WorkflowDefinitionError(
-                f"retry attempts must be an integer >= 1, got {shown(self.attempts)}"
-            )
-        if self.backoff not in ("none", "exponential"):
-            raise WorkflowDefinitionError(f"unknown backoff {self.backoff!r}")
-        if self.base < 0 or self.factor < 1 or (self.max_delay is not None and self.max_delay < 0):
-            raise WorkflowDefinitionError("backoff needs base >= 0, factor >= 1, max_delay >= 0")
-
-    def delay(self, attempt: int, rng: Callable[[], float]) -> float:
-        """Seconds to wait before ``attempt`` (2, 3, ...)."""
-        if self.backoff == "none" or attempt < 2:
-            return 0.0
-        delay = self.base * self.factor ** (attempt - 2)
-        if self.max_delay is not None:
-            delay = min(delay, self.max_delay)
-        if self.jitter:
-            delay *= 0.5 + rng() / 2
-        return delay
-
-
-@dataclass(frozen=True)
-class Limit:
-    """At most ``limit`` executions of a step at once, per ``key(*args, **kwargs)`` if given.
-
-    On PostgreSQL the limit holds across every worker sharing the database (session
-    advisory locks, released if a worker dies); elsewhere it holds within one process.
-    """
-
-    limit: int
-    key: Callable[..., Any] | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 1:
-            raise WorkflowDefinitionError(
-                f"concurrency limit must be an integer >= 1, got {shown(self.limit)}"
-            )
 
 
 def _make_step(

@@ -79,7 +79,7 @@ T = TypeVar("T")
 def latched(method: Callable[Concatenate[L, P], T]) -> Callable[Concatenate[L, P], T]:
     """A body's durable call: once one stopped the replay (the run parked, must be
     replayed again, or cannot go on), every later one stops it again, and the runtime
-    stops the body's outcome too (:func:`wf_persist.driver.run_body`). A body that caught
+    stops the body's outcome too (:func:`wf_persist.bodies.run_body`). A body that caught
     the stop (``asyncio.gather(..., return_exceptions=True)``, a bare ``except:``) would
     otherwise go on recording, or finish a run that is parked."""
 

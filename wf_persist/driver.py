@@ -10,7 +10,6 @@ takes over live runs.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import logging
 import math
@@ -23,17 +22,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from sqlalchemy import select
 
 from . import bridge, clocks, drive_telemetry, events, lifecycle, telemetry
-from .async_context import call_body
 from .authoring import Step, Workflow
 from .backends import Claim, Fenced
 from .bridge import off_loop
-from .context import Context
-from .control import Halt, Reload, interrupting
+from .control import Halt, Reload
 from .driver_children import ChildDriving
 from .errors import (
-    Cancelled,
     LeaseLostError,
-    NonDeterminismError,
     StaleHistoryError,
     ValueTooLargeError,
 )
@@ -50,10 +45,8 @@ from .leases import Lease
 from .lending import Lender
 from .logs import run_fields
 from .models import executions_table as ex
-from .replay import Journal
 from .secrets import SecretResolver
 from .store import executions, history
-from .values import to_json
 from .wakeups import END, NOTIFIED_POLL_INTERVAL, WAKE
 
 if TYPE_CHECKING:
@@ -511,55 +504,3 @@ def _or_halt(acquire: Callable[[], bool]) -> bool:
         return acquire()
     except Exception as exc:
         raise Halt(exc) from exc
-
-
-def _still_going(ctx: Context) -> None:
-    """Raise the stop a durable call of the body raised, if the body caught it and ended
-    anyway: the run parked, must be replayed again, or cannot go on (no outcome, no
-    compensation)."""
-    if ctx._stopped is not None:
-        raise ctx._stopped.with_traceback(None)
-
-
-def run_body(driver: RunDriver, wf: Workflow[Any, Any], payload: Any, journal: Journal) -> None:
-    """Replay the body once against ``journal``: finish the run, or park, or raise
-    :class:`Reload` / :class:`Halt`."""
-    ctx = Context(driver.execution_id, journal, driver)
-    try:
-        value = wf.input_adapter.validate_python(payload)
-        out = call_body(wf, ctx, value)
-        _still_going(ctx)
-        ctx._ended()
-        # Cancelled after its last durable call: the cancellation still wins.
-        ctx._before_new_call(ending=True)
-        what = f"output of workflow {wf.name}"
-        stored = to_json(wf.output_adapter, out, what)
-        driver.check_size(what, stored)
-    except BaseException as exc:
-        if interrupting(exc) and not isinstance(exc, Cancelled):
-            raise  # the runtime's stop, a signal: not how the body ended
-        _still_going(ctx)  # a stop the body caught wins over how it ended
-        if not isinstance(exc, Cancelled):
-            # A body that raises before replaying every recorded call diverged too.
-            with contextlib.suppress(NonDeterminismError):
-                ctx._ended(exc)
-        # A divergence wins even if the workflow caught it and failed otherwise.
-        failure: BaseException = ctx.divergence or exc
-        reason = ctx.error_document(failure)
-        if isinstance(failure, Cancelled):  # a cancellation or a timeout: children go too
-            driver.cancel_children(ctx.children_to_cancel(), failure.compensate)
-        if not (isinstance(failure, Cancelled) and not failure.compensate):
-            errors = ctx.compensate(reason)
-            if errors:
-                reason = {**reason, "compensationErrors": errors}
-        driver.finish(wf, ok=False, value=reason)
-        log.warning(
-            "run %s (%s) failed: %s: %s",
-            driver.execution_id,
-            wf.name,
-            reason.get("name"),
-            reason.get("message"),
-            extra=run_fields(driver.execution_id, wf.name),
-        )
-        return
-    driver.finish(wf, ok=True, value=stored)

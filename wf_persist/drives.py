@@ -19,9 +19,10 @@ from sqlalchemy import Connection, Float, literal, select
 from . import bridge, clocks, drive_telemetry, events, lifecycle, telemetry
 from .backends import Claim
 from .backends.clock import db_later, db_now
+from .bodies import run_body
 from .bridge import off_loop
 from .control import Halt, Reload, Suspended, interrupting
-from .driver import DriveClock, RunDriver, run_body
+from .driver import DriveClock, RunDriver
 from .error_documents import brief, driver_error, error_document
 from .errors import DriveFailedError, LeaseLostError
 from .leases import Lease
