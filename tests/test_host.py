@@ -101,6 +101,72 @@ def test_start_inside_the_host_transaction(
         assert conn.execute(select(orders.c.ref)).scalars().all() == ["r-2"]
 
 
+@wp.workflow(name="host_rb_child", version=1)
+def rb_child_wf(ctx: wp.Context, n: int) -> int:
+    return n * 10
+
+
+@wp.workflow(name="host_rb_parent", version=1)
+def rb_parent_wf(ctx: wp.Context, n: int) -> int:
+    got: int = ctx.run_child("host_rb_child", n)  # by name: the runtime's definition
+    return got + 1
+
+
+@pytest.mark.parametrize("how", ["start", "register", "by-name", "child"])
+def test_a_catalog_row_rolled_back_with_the_host_transaction_is_written_again(
+    db_engine: Engine, request: pytest.FixtureRequest, how: str
+) -> None:
+    """A workflow first cataloged in a host's transaction that then rolled back (by a start
+    of it there, or a registration) was taken for cataloged: every later start of it failed
+    on the catalog's foreign key (PostgreSQL, MariaDB), or wrote a run with no catalog row
+    (SQLite without foreign keys, a host's default), and so did a parent's start of it as a
+    child by name. The next start writes the row again, in its own transaction or the
+    host's."""
+    engine = db_engine
+    rt = wp.Runtime(engine)
+    request.addfinalizer(rt.close)
+    client = rt.client()
+    with Session(engine) as session:
+        if how == "start":
+            client.start(w.echo_wf, 2, session=session)
+        else:
+            rt.register(w.echo_wf, rb_child_wf, session=session)
+        session.rollback()
+    catalog = text("SELECT name FROM wf_workflows ORDER BY name")
+    with engine.connect() as conn:
+        assert conn.execute(catalog).scalars().all() == []
+    if how == "child":
+        rt.register(rb_parent_wf)
+        handle = client.start(rb_parent_wf, 4)
+        assert rt.drive(handle.execution_id)  # starts the child
+        child = client.list("host_rb_child").items
+        assert len(child) == 1
+        assert rt.drive(child[0].execution_id)
+        assert rt.drive(handle.execution_id)
+        assert client.result(handle.execution_id, timeout=0).unwrap() == 41
+        expected = ["host_rb_child", "host_rb_parent"]
+    else:
+        workflow: wp.Workflow[int, list[int]] | str = "echo" if how == "by-name" else w.echo_wf
+        with Session(engine) as session:  # a host transaction that commits this time
+            first = client.start(workflow, 2, session=session)
+            session.commit()
+        second = client.start(workflow, 3)
+        for handle, out in ((first, [1, 2]), (second, [1, 2, 3])):
+            assert rt.drive(handle.execution_id)
+            assert client.result(handle.execution_id, timeout=0).unwrap() == out
+        expected = ["echo"]  # the child registered with it never started: not cataloged
+    with engine.connect() as conn:
+        names = conn.execute(catalog).scalars().all()
+        orphans = conn.execute(
+            text(
+                "SELECT count(*) FROM wf_executions e WHERE NOT EXISTS (SELECT 1 FROM "
+                "wf_workflows c WHERE c.name = e.workflow_name AND c.version = e.workflow_version)"
+            )
+        ).scalar_one()
+    assert names == expected
+    assert orphans == 0, "every run has its catalog row"
+
+
 @pytest.mark.needs("schemas")
 def test_tables_in_a_named_schema(blank_db_url: str, make_engine: Callable[..., Engine]) -> None:
     url = blank_db_url

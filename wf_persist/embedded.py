@@ -69,10 +69,9 @@ class WorkflowClient(Client):
         rt._check_process()
         wf = rt.choose(workflow, version)
         stored = rt.validate_input(wf, payload)  # before anything is written, the catalog too
-        if isinstance(workflow, Workflow):
-            # In a host transaction, even cataloging a new workflow goes into that
-            # transaction: a second write transaction of our own would wait on the host's lock.
-            rt.ensure_registered(workflow, session=session)
+        # In a host transaction, even cataloging a new workflow goes into that transaction:
+        # a second write transaction of our own would wait on the host's lock.
+        rt.ensure_registered(workflow if isinstance(workflow, Workflow) else wf, session)
         return wf.name, wf.version, stored, None
 
     def _workflow_timeout(self, name: str, version: int) -> float | None:

@@ -34,6 +34,10 @@ class Registry:
     _lock: threading.RLock
     _registry: dict[tuple[str, int], Workflow[Any, Any]]
     _latest: dict[str, int]
+    #: Versions whose catalog rows were written only in a host's transaction, which may
+    #: roll back: cataloged again (in the next start's transaction) until one of our own
+    #: transactions has written them.
+    _uncataloged: set[tuple[str, int]]
 
     def _check_open(self) -> None:
         raise NotImplementedError
@@ -77,6 +81,10 @@ class Registry:
                 write(conn)
         with self._lock:
             for wf in workflows:
+                if session is None:
+                    self._uncataloged.discard(wf.key)
+                elif wf.key not in self._registry:
+                    self._uncataloged.add(wf.key)
                 self._registry[wf.key] = wf
                 if wf.version > self._latest.get(wf.name, 0):
                     self._latest[wf.name] = wf.version
@@ -90,8 +98,7 @@ class Registry:
         """The registered definition to start (see :meth:`choose`); a definition passed in
         that is not registered yet is registered first."""
         found = self.choose(workflow, version)
-        if isinstance(workflow, Workflow):
-            self.ensure_registered(workflow, session=session)
+        self.ensure_registered(workflow if isinstance(workflow, Workflow) else found, session)
         return found
 
     def choose(self, workflow: Workflow[Any, Any] | str, version: int | None) -> Workflow[Any, Any]:
@@ -118,8 +125,10 @@ class Registry:
         return found
 
     def ensure_registered(self, wf: Workflow[Any, Any], session: Executor | None = None) -> None:
-        """Register ``wf`` unless this very definition is registered here already."""
-        if self._registry.get(wf.key) is not wf:
+        """Register ``wf`` unless this very definition is registered here already and its
+        catalog row known committed (one written in a host's transaction is written again
+        in the transaction of the start that needs it: the host's may have rolled back)."""
+        if self._registry.get(wf.key) is not wf or wf.key in self._uncataloged:
             self.register(wf, session=session)
 
     def definition(self, name: str, version: int) -> Workflow[Any, Any]:
