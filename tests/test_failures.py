@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import math
 import time
 from collections import Counter
 from typing import Any
@@ -42,6 +44,70 @@ def test_retry_policy_is_validated_at_definition() -> None:  # scenario 1
     ]
     jittered = wp.Retry(attempts=3, backoff="exponential", base=1.0, jitter=True)
     assert 0.5 <= jittered.delay(2, lambda: 0.2) < 1.0
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        {"base": math.nan},
+        {"base": math.inf},
+        {"base": 1e30},
+        {"base": True},
+        {"base": "1"},
+        {"base": None},
+        {"base": 1j},
+        {"base": -1},
+        {"factor": math.inf},
+        {"factor": math.nan},
+        {"factor": 0.5},
+        {"factor": 1e7},
+        {"factor": "2"},
+        {"max_delay": math.nan},
+        {"max_delay": math.inf},
+        {"max_delay": dt.timedelta(days=-1)},
+        {"attempts": True},
+        {"attempts": 2.0},
+        {"jitter": "yes"},
+        {"backoff": ["none"]},
+    ],
+    ids=repr,
+)
+def test_a_retry_policy_that_could_not_compute_its_delays_is_refused_at_definition(
+    policy: dict[str, Any],
+) -> None:
+    """NaN, infinite or huge delays and factors, and values that are no numbers, were
+    accepted: the first failure of the step then failed its run with a raw ValueError or
+    OverflowError (its step.failed never recorded), or the run retried for ever."""
+    kwargs: dict[str, Any] = {"attempts": 3, "backoff": "exponential", **policy}
+    with pytest.raises(wp.WorkflowDefinitionError, match=r"retry|backoff"):
+        wp.Retry(**kwargs)
+
+
+def test_retry_delays_stay_within_their_cap_however_many_attempts() -> None:
+    """A factor raised to a long run of failures overflowed the float (OverflowError)."""
+    policy = wp.Retry(attempts=10**30, backoff="exponential", base=1)
+    assert policy.base == 1.0 and policy.max_delay is None
+    assert policy.delay(5000, lambda: 0.0) == 1000 * 365.25 * 86400  # 1000 years at most
+    capped = wp.Retry(attempts=10**6, backoff="exponential", factor=1e6, max_delay=60)
+    assert capped.delay(10**6 - 1, lambda: 0.0) == 60.0
+    for limit in (0, 2**31, True, 2.0, "3"):
+        with pytest.raises(wp.WorkflowDefinitionError, match="concurrency limit"):
+            wp.Limit(limit)  # type: ignore[arg-type]
+    with pytest.raises(wp.WorkflowDefinitionError, match="key"):
+        wp.Limit(2, key="tenant")  # type: ignore[arg-type]
+    policies: list[dict[str, Any]] = [
+        {"retry": 3},
+        {"concurrency": 5},
+        {"errors": ValueError},
+        {"errors": (ValueError, "KeyError")},
+    ]
+    for options in policies:
+        with pytest.raises(wp.WorkflowDefinitionError, match=r"retry|concurrency|errors"):
+            wp.step(**options)(_double)
+
+
+def _double(n: int) -> int:
+    return 2 * n
 
 
 def test_exhausted_retries_fail_with_a_typed_error(rt: wp.Runtime) -> None:  # scenario 5

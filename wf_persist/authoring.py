@@ -378,8 +378,16 @@ def _make_step(
         raise WorkflowDefinitionError(f"compensate must be callable, got {shown(compensate)}")
     if compensate is not None:
         _check_plain(compensate, "compensation")
-    if not all(isinstance(e, type) and issubclass(e, BaseException) for e in errors):
-        raise WorkflowDefinitionError(f"errors must be exception classes, got {shown(errors)}")
+    if not isinstance(errors, tuple | list) or not all(
+        isinstance(e, type) and issubclass(e, BaseException) for e in errors
+    ):
+        raise WorkflowDefinitionError(
+            f"errors must be a tuple of exception classes, got {shown(errors)}"
+        )
+    if retry is not None and not isinstance(retry, Retry):
+        raise WorkflowDefinitionError(f"retry must be a wp.Retry, got {shown(retry)}")
+    if concurrency is not None and not isinstance(concurrency, Limit):
+        raise WorkflowDefinitionError(f"concurrency must be a wp.Limit, got {shown(concurrency)}")
     sig = _signature(fn)
     _check_kinds(sig.parameters.values(), _NAMED, f"step {step_name}", "by name")
     hints = _hints(fn)

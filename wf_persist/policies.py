@@ -6,10 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from .error_documents import shown
-from .errors import WorkflowDefinitionError
+from .errors import InvalidArgumentError, WorkflowDefinitionError
+from .timeouts import MAX_DURATION_SECONDS, duration_seconds, plain_number
+
+#: The largest backoff factor: past it the second retry's delay is already any cap.
+MAX_FACTOR: Final = 1e6
 
 
 @dataclass(frozen=True)
@@ -19,7 +23,9 @@ class Retry:
     Args:
         attempts: total attempts (>= 1).
         backoff: ``"none"`` (retry at once) or ``"exponential"``: the delay before attempt
-            k >= 2 is ``base * factor ** (k - 2)`` seconds, capped at ``max_delay``.
+            k >= 2 is ``base * factor ** (k - 2)`` seconds, capped at ``max_delay`` (and at
+            1000 years). ``base`` and ``max_delay`` are seconds (finite,
+            not negative); ``factor`` is from 1 to 1,000,000.
         jitter: scale each delay by a random factor in [0.5, 1) so retries of many runs
             spread out. The chosen retry time is recorded, so a replay waits the same.
     """
@@ -32,29 +38,52 @@ class Retry:
     jitter: bool = False
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.attempts, bool)
-            or not isinstance(self.attempts, int)
-            or self.attempts < 1
-        ):
+        attempts = plain_number(self.attempts)
+        if not isinstance(attempts, int) or attempts < 1:
             raise WorkflowDefinitionError(
                 f"retry attempts must be an integer >= 1, got {shown(self.attempts)}"
             )
-        if self.backoff not in ("none", "exponential"):
-            raise WorkflowDefinitionError(f"unknown backoff {self.backoff!r}")
-        if self.base < 0 or self.factor < 1 or (self.max_delay is not None and self.max_delay < 0):
-            raise WorkflowDefinitionError("backoff needs base >= 0, factor >= 1, max_delay >= 0")
+        if not isinstance(self.backoff, str) or self.backoff not in ("none", "exponential"):
+            raise WorkflowDefinitionError(f"unknown backoff {shown(self.backoff)}")
+        base = _seconds(self.base, "retry base")
+        factor = plain_number(self.factor)
+        if factor is None or not 1 <= factor <= MAX_FACTOR:
+            raise WorkflowDefinitionError(
+                f"retry factor must be a number from 1 to {MAX_FACTOR:,.0f}, "
+                f"got {shown(self.factor)}"
+            )
+        most = None if self.max_delay is None else _seconds(self.max_delay, "retry max_delay")
+        if not isinstance(self.jitter, bool):
+            raise WorkflowDefinitionError(
+                f"retry jitter must be True or False, got {self.jitter!r:.80}"
+            )
+        # The plain values (a subclass's own arithmetic may raise or lie).
+        object.__setattr__(self, "attempts", attempts)
+        object.__setattr__(self, "base", base)
+        object.__setattr__(self, "factor", float(factor))
+        object.__setattr__(self, "max_delay", most)
 
     def delay(self, attempt: int, rng: Callable[[], float]) -> float:
-        """Seconds to wait before ``attempt`` (2, 3, ...)."""
+        """Seconds to wait before ``attempt`` (2, 3, ...), at most ``max_delay`` and 1000
+        years (a long run of failures would otherwise overflow the float)."""
         if self.backoff == "none" or attempt < 2:
             return 0.0
-        delay = self.base * self.factor ** (attempt - 2)
-        if self.max_delay is not None:
-            delay = min(delay, self.max_delay)
+        cap = MAX_DURATION_SECONDS if self.max_delay is None else self.max_delay
+        try:
+            delay = min(self.base * self.factor ** (attempt - 2), cap)
+        except OverflowError:
+            delay = cap
         if self.jitter:
             delay *= 0.5 + rng() / 2
         return delay
+
+
+def _seconds(value: object, what: str) -> float:
+    """A delay of a policy in seconds (a number or a ``timedelta``), as durations are."""
+    try:
+        return duration_seconds(value, what)  # type: ignore[arg-type]
+    except InvalidArgumentError as exc:
+        raise WorkflowDefinitionError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -69,7 +98,16 @@ class Limit:
     key: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 1:
+        limit = plain_number(self.limit)
+        # Below 2**31: on PostgreSQL a slot's number is half of its advisory lock's key.
+        if not isinstance(limit, int) or not 1 <= limit < 2**31:
             raise WorkflowDefinitionError(
-                f"concurrency limit must be an integer >= 1, got {shown(self.limit)}"
+                f"concurrency limit must be an integer from 1 to 2,147,483,647, "
+                f"got {shown(self.limit)}"
             )
+        if self.key is not None and not callable(self.key):
+            raise WorkflowDefinitionError(
+                f"a concurrency limit's key must be a function of the step's arguments, "
+                f"got {shown(self.key)}"
+            )
+        object.__setattr__(self, "limit", limit)
