@@ -200,6 +200,7 @@ SAMPLES: dict[str, BaseException] = {
     "UnsupportedDatabaseError": wp.UnsupportedDatabaseError("oracle"),
     "DatabaseConnectError": wp.DatabaseConnectError("cannot connect", ConnectionRefusedError()),
     "DatabaseUnavailableError": wp.DatabaseUnavailableError("lost", ConnectionResetError(), True),
+    "StatementCancelledError": wp.StatementCancelledError("timed out", TimeoutError(), False),
     "DriveFailedError": wp.DriveFailedError(10, {"name": "DataError"}),
     "PoolTooSmallError": wp.PoolTooSmallError(3, 5, 4),
     "IdempotencyConflictError": wp.IdempotencyConflictError("wf", "key"),

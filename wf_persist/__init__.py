@@ -57,6 +57,7 @@ from .errors import SignalAlreadyDeliveredError as SignalAlreadyDeliveredError
 from .errors import SignalDeliveryError as SignalDeliveryError
 from .errors import SignalNotWaitingError as SignalNotWaitingError
 from .errors import SignalPayloadError as SignalPayloadError
+from .errors import StatementCancelledError as StatementCancelledError
 from .errors import StepExecutionError as StepExecutionError
 from .errors import StepTimeoutError as StepTimeoutError
 from .errors import UnknownExecutionError as UnknownExecutionError
@@ -130,6 +131,7 @@ __all__ = [
     "SignalDeliveryError",
     "SignalNotWaitingError",
     "SignalPayloadError",
+    "StatementCancelledError",
     "Step",
     "StepExecutionError",
     "StepTimeoutError",

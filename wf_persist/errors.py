@@ -109,13 +109,9 @@ class UnsupportedDatabaseError(WfPersistError):
     wf_persist needs; the message says what and how to fix it."""
 
 
-class DatabaseUnavailableError(WfPersistError, OperationalError):
-    """The database could not be reached during a call: its connection was lost (a server
-    restart or failover, a network cut) or a new one could not be made. A write the call
-    made committed whole or not at all; only a loss during its commit leaves which one
-    unknown (a start with an idempotency key can be repeated to find out). Also
-    SQLAlchemy's ``OperationalError``, as such failures were before, so code that retries
-    on that keeps working.
+class _DriverFailure(WfPersistError, OperationalError):
+    """A failure the driver reported, typed: also SQLAlchemy's ``OperationalError``, as
+    such failures were before, so code that retries on that keeps working.
 
     Attributes:
         orig: the driver's exception.
@@ -135,6 +131,25 @@ class DatabaseUnavailableError(WfPersistError, OperationalError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.message, self.orig, self.connection_invalidated))
+
+
+class DatabaseUnavailableError(_DriverFailure):
+    """The database could not be reached during a call: its connection was lost (a server
+    restart or failover, a network cut) or a new one could not be made. A write the call
+    made committed whole or not at all; only a loss during its commit leaves which one
+    unknown (a start with an idempotency key can be repeated to find out). Also
+    SQLAlchemy's ``OperationalError``; ``orig`` is the driver's exception.
+    """
+
+
+class StatementCancelledError(_DriverFailure):
+    """The database cancelled a statement of the call: a statement or lock-wait timeout of
+    the engine's settings ran out (PostgreSQL's ``statement_timeout`` or ``lock_timeout``,
+    MySQL's ``max_execution_time``, MariaDB's ``max_statement_time``,
+    ``innodb_lock_wait_timeout``, SQLite's busy timeout), or an operator cancelled it. The
+    transaction it was part of rolled back whole; the call may be repeated. Also
+    SQLAlchemy's ``OperationalError``; ``orig`` is the driver's exception.
+    """
 
 
 class DatabaseConnectError(DatabaseUnavailableError):

@@ -3,7 +3,9 @@ process runs; a host's SQLite authorizer) or its writes (a read-only server, a p
 demoted to a standby after a failover), reported at every public entry point as one
 typed :class:`~wf_persist.errors.UnsupportedDatabaseError` instead of the driver's error;
 the database out of reach (a connection lost or not made) as
-:class:`~wf_persist.errors.DatabaseUnavailableError`.
+:class:`~wf_persist.errors.DatabaseUnavailableError`; a statement the database cancelled (a
+statement or lock timeout of the engine's settings) as
+:class:`~wf_persist.errors.StatementCancelledError`.
 
 No privilege is probed in advance: a probe would have to write (firing a host's triggers,
 waiting on its locks) or read each backend's grant tables, and would refuse legal grants
@@ -20,7 +22,12 @@ from typing import Any, Protocol, TypeVar, cast
 
 from sqlalchemy.exc import DBAPIError
 
-from .errors import DatabaseUnavailableError, UnsupportedDatabaseError, WfPersistError
+from .errors import (
+    DatabaseUnavailableError,
+    StatementCancelledError,
+    UnsupportedDatabaseError,
+    WfPersistError,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -29,6 +36,8 @@ class _Refuses(Protocol):
     def refused(self, exc: BaseException) -> bool: ...
 
     def unreachable(self, exc: BaseException) -> bool: ...
+
+    def cancelled(self, exc: BaseException) -> bool: ...
 
 
 def _said(exc: BaseException) -> tuple[BaseException | None, str]:
@@ -54,6 +63,16 @@ def unavailable(exc: BaseException) -> DatabaseUnavailableError:
     )
 
 
+def cancellation(exc: BaseException) -> StatementCancelledError:
+    """The typed error for a statement the database cancelled, in its own words."""
+    orig, said = _said(exc)
+    return StatementCancelledError(
+        f"the database cancelled a statement: {said}; its transaction rolled back whole",
+        orig,
+        isinstance(exc, DBAPIError) and exc.connection_invalidated,
+    )
+
+
 def is_driver_error(exc: BaseException) -> bool:
     """Whether ``exc`` is a database driver's (PEP 249 ``Error``), raw or as SQLAlchemy
     wrapped it: SQLAlchemy lets a few through unwrapped (one raised while it sets a new
@@ -73,6 +92,8 @@ def translate(backend: _Refuses, exc: BaseException) -> None:
         raise refusal(exc) from exc
     if backend.unreachable(exc):
         raise unavailable(exc) from exc
+    if backend.cancelled(exc):
+        raise cancellation(exc) from exc
 
 
 def typed(method: F) -> F:

@@ -294,6 +294,13 @@ class Connections:
         return False
 
     @classmethod
+    def cancelled(cls, exc: BaseException) -> bool:
+        """Whether ``exc`` is a statement the database cancelled: a statement or lock-wait
+        timeout ran out, or an operator cancelled it (a caller gets it as
+        :class:`~wf_persist.errors.StatementCancelledError`)."""
+        return False
+
+    @classmethod
     def unreachable(cls, exc: BaseException) -> bool:
         """Whether ``exc`` is the database out of reach: the connection lost or not made
         (a caller gets it as :class:`~wf_persist.errors.DatabaseUnavailableError`)."""

@@ -87,6 +87,9 @@ _REFUSED: Final = frozenset({1044, 1045, 1142, 1143, 1227, 1290, 1792, 1836})
 #: The server out of reach: shutting down (1053), this connection killed (1927) or ended
 #: idle (4031), none made (2002, 2003, 2005) or the one in use lost (2006, 2013, 2055).
 _GONE: Final = frozenset({1053, 1927, 2002, 2003, 2005, 2006, 2013, 2055, 4031})
+#: A statement cancelled: a lock wait timed out (1205), the query killed (1317), or past
+#: MariaDB's max_statement_time (1969) or MySQL's max_execution_time (3024).
+_CANCELLED: Final = frozenset({_LOCK_WAIT_TIMEOUT, 1317, 1969, 3024})
 #: The server's status flag "a transaction is open" (PyMySQL keeps the last one it saw).
 _SERVER_STATUS_IN_TRANS: Final = 1
 
@@ -214,6 +217,10 @@ class MySQLBackend(Backend):
     @classmethod
     def refused(cls, exc: BaseException) -> bool:
         return _code(exc) in _REFUSED
+
+    @classmethod
+    def cancelled(cls, exc: BaseException) -> bool:
+        return _code(exc) in _CANCELLED
 
     @classmethod
     def unreachable(cls, exc: BaseException) -> bool:

@@ -77,6 +77,9 @@ _JSON_COLUMNS = frozenset({"event", "result", "error", "input"})
 _REFUSED = frozenset({"42501", "28000", "28P01", "25006"})
 #: The server going away: shutting down (fast, immediate) or not yet accepting connections.
 _GONE = frozenset({"57P01", "57P02", "57P03"})
+#: A statement cancelled: query_canceled (statement_timeout, pg_cancel_backend) and
+#: lock_not_available (lock_timeout, NOWAIT).
+_CANCELLED = frozenset({"57014", "55P03"})
 
 
 class AdvisorySlots(SessionLockSlots):
@@ -188,6 +191,10 @@ class PostgreSQLBackend(RawPath):
     @classmethod
     def refused(cls, exc: BaseException) -> bool:
         return getattr(getattr(exc, "orig", exc), "sqlstate", None) in _REFUSED
+
+    @classmethod
+    def cancelled(cls, exc: BaseException) -> bool:
+        return getattr(getattr(exc, "orig", exc), "sqlstate", None) in _CANCELLED
 
     @classmethod
     def unreachable(cls, exc: BaseException) -> bool:

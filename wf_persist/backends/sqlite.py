@@ -439,6 +439,13 @@ class SQLiteBackend(Backend):
         code = getattr(getattr(exc, "orig", exc), "sqlite_errorcode", None)
         return code in _REFUSED
 
+    @classmethod
+    def cancelled(cls, exc: BaseException) -> bool:
+        # SQLITE_BUSY, SQLITE_LOCKED (the busy timeout ran out), SQLITE_INTERRUPT: their
+        # extended codes too (the low byte is the primary code).
+        code = getattr(getattr(exc, "orig", exc), "sqlite_errorcode", None)
+        return isinstance(code, int) and code & 0xFF in (5, 6, 9)
+
     def requirement_problem(self, version: tuple[int, ...] | None) -> str | None:
         if version is not None and version < (3, 35):
             found = ".".join(str(p) for p in version)

@@ -31,6 +31,7 @@ from ..client import Client
 from ..errors import (
     DatabaseUnavailableError,
     InvalidArgumentError,
+    StatementCancelledError,
     UnknownExecutionError,
     WfPersistError,
 )
@@ -64,7 +65,8 @@ class WebView:
 
 
 def _errors(view: WebView, api: bool) -> Callable[[Handler], Handler]:
-    """Typed errors as 404 (an unknown run), 503 (the database out of reach) or 400, in
+    """Typed errors as 404 (an unknown run), 503 (the database out of reach, or a statement
+    of the request cancelled by its timeout) or 400, in
     JSON or as a page; nothing else of the library's raw errors leaves the server."""
 
     def wrap(handler: Handler) -> Handler:
@@ -76,9 +78,10 @@ def _errors(view: WebView, api: bool) -> Callable[[Handler], Handler]:
                     return JSONResponse({"error": "Run not found"}, status_code=404)
                 return view.page("error.html", 404, message="Run not found")
             except WfPersistError as exc:
-                # The database out of reach is the server's trouble (503: try again), not
-                # the request's (400: do not).
-                status = 503 if isinstance(exc, DatabaseUnavailableError) else 400
+                # The database out of reach or busy is the server's trouble (503: try
+                # again), not the request's (400: do not).
+                busy = isinstance(exc, DatabaseUnavailableError | StatementCancelledError)
+                status = 503 if busy else 400
                 if api:
                     return JSONResponse({"error": str(exc)}, status_code=status)
                 return view.page("error.html", status, message=str(exc))

@@ -1,0 +1,144 @@
+"""A statement the database cancels (a lock wait or statement timeout of a host engine's
+settings) is one typed error at the public entry points, still SQLAlchemy's
+``OperationalError``, with nothing written: :class:`wp.StatementCancelledError`."""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import Engine, create_engine, func, select, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
+
+import wf_persist as wp
+from wf_persist.migrate import VERSION_TABLE
+from wf_persist.models import history_table as hist
+from wf_persist.web import create_app
+
+from .webserver import serving
+
+
+@wp.workflow(name="cancelled-statement-waits", version=1)
+def waits(ctx: wp.Context) -> int:
+    got = ctx.wait_for_signal("go", int)
+    assert isinstance(got, wp.Received)
+    return got.value
+
+
+def _impatient(backend: str, db_url: str, make_engine: Callable[..., Engine]) -> Engine:
+    """A host engine whose statements give up a lock wait quickly (each backend's legal
+    setting for it)."""
+    if backend == "postgresql":
+        return make_engine(db_url, connect_args={"options": "-c lock_timeout=100"})
+    if backend == "mysql":
+        init = "SET SESSION innodb_lock_wait_timeout = 1, lock_wait_timeout = 1"
+        return make_engine(db_url, connect_args={"init_command": init})
+    return make_engine(db_url, connect_args={"timeout": 0.1})
+
+
+@contextlib.contextmanager
+def _locked(backend: str, db_url: str, execution_id: str) -> Iterator[None]:
+    """The run's row locked (on SQLite the whole database) by another connection."""
+    if backend == "sqlite":
+        path = make_url(db_url).database
+        assert path is not None
+        raw = sqlite3.connect(path, isolation_level=None)
+        try:
+            raw.execute("BEGIN IMMEDIATE")
+            yield
+            raw.execute("ROLLBACK")
+        finally:
+            raw.close()
+        return
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            conn.execute(
+                text("SELECT id FROM wf_executions WHERE id = :id FOR UPDATE"), {"id": execution_id}
+            )
+            yield
+            conn.rollback()
+    finally:
+        engine.dispose()
+
+
+def _events(engine: Engine, execution_id: str) -> int:
+    with engine.connect() as conn:
+        query = select(func.count()).where(hist.c.execution_id == execution_id)
+        return int(conn.execute(query).scalar_one())
+
+
+def _cancelled(call: Callable[[], Any]) -> wp.StatementCancelledError:
+    with pytest.raises(wp.StatementCancelledError) as info:
+        call()
+    error = info.value
+    assert isinstance(error, wp.WfPersistError) and isinstance(error, OperationalError)
+    assert error.orig is not None and "cancelled a statement" in str(error)
+    return error
+
+
+def test_a_lock_wait_the_database_gives_up_is_the_typed_error_and_nothing_is_written(
+    backend: str, db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """A signal, a cancel and a start waiting on a lock another transaction holds, on an
+    engine whose lock waits time out: the driver's error escaped raw (a MariaDB session's
+    max_statement_time, a PostgreSQL lock_timeout); the call may be repeated once the lock
+    is gone."""
+    engine = _impatient(backend, db_url, make_engine)
+    with wp.Runtime(engine) as rt:
+        rt.register(waits)
+        client = rt.client()
+        execution_id = client.start(waits).execution_id
+        assert rt.drive(execution_id)
+        before = _events(engine, execution_id)
+        with _locked(backend, db_url, execution_id):
+            _cancelled(lambda: client.signal(execution_id, "go", 7))
+            _cancelled(lambda: client.cancel(execution_id))
+            if backend == "sqlite":  # the whole file is locked: a start waits too
+                _cancelled(lambda: client.start(waits))
+            with (
+                wp.Client(engine) as thin,
+                serving(create_app(client=thin, allow_actions=True, token="t")) as base,
+                httpx.Client(base_url=base, timeout=30) as http,
+            ):
+                answer = http.post(
+                    f"/api/runs/{execution_id}/signal",
+                    json={"name": "go", "payload": 7},
+                    headers={"authorization": "Bearer t"},
+                )
+                assert answer.status_code == 503, answer.text  # busy: try again
+                assert "cancelled a statement" in answer.json()["error"]
+        assert _events(engine, execution_id) == before, "nothing recorded"
+        assert client.status(execution_id) == "suspended"
+        assert client.signal(execution_id, "go", 7) == "delivered"
+        assert rt.drive(execution_id)
+        assert client.result(execution_id, timeout=0).unwrap() == 7
+
+
+@pytest.mark.needs("server")
+def test_opening_on_a_locked_schema_is_the_typed_error(
+    backend: str, db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """A runtime opened while another transaction holds the version table (as a migration
+    may): its check of the schema's revision gave up the wait with the driver's raw error."""
+    engine = _impatient(backend, db_url, make_engine)
+    holder = create_engine(db_url)
+    lock, unlock = (
+        (f"LOCK TABLE {VERSION_TABLE} IN ACCESS EXCLUSIVE MODE", "ROLLBACK")
+        if backend == "postgresql"
+        else (f"LOCK TABLES {VERSION_TABLE} WRITE", "UNLOCK TABLES")
+    )
+    try:
+        with holder.connect() as conn:
+            conn.execute(text(lock))
+            _cancelled(lambda: wp.Runtime(engine))
+            conn.execute(text(unlock))
+    finally:
+        holder.dispose()
+    with wp.Runtime(engine) as rt:
+        assert rt.client().list().items == []
