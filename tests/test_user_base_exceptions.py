@@ -17,12 +17,14 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from sqlalchemy import select
 
 import wf_persist as wp
 from wf_persist.models import executions_table as ex
+from wf_persist.replaycheck import check_replay
 
 from .helpers import history_types
 
@@ -216,3 +218,71 @@ def test_a_keyboard_interrupt_in_the_main_thread_still_interrupts(
     rt.start_worker()
     assert isinstance(thin.result(execution_id, timeout=30), wp.Failed)
     assert RUNS[key] == 3
+
+
+@wp.workflow(name="test_user_base_caught", version=1)
+def _caught_wf(ctx: wp.Context, args: list[str]) -> str:
+    try:
+        ctx.run(_raising, args[0], args[1])
+    except BaseException:  # what the test is about: Ctrl-C caught around a step
+        return "caught"
+    return "ran"
+
+
+def test_a_main_thread_interrupt_caught_by_the_body_does_not_end_the_run(
+    served: tuple[wp.Runtime, wp.Client],
+) -> None:
+    """A body that caught the interrupt of a step driven in the main thread went on and
+    completed the run with the step never recorded (neither started nor failed): the
+    interrupt stops the body's outcome as the runtime's own stops do; the run is given
+    back, and a worker then records the step's failures and the body's answer."""
+    rt, thin = served
+    rt.register(_caught_wf)
+    key = f"caught-{time.monotonic_ns()}"
+    with pytest.raises(KeyboardInterrupt):
+        rt.client().execute(_caught_wf, [key, "KeyboardInterrupt"])
+    assert RUNS[key] == 1
+    with rt.backend.read() as conn:
+        execution_id, owner, status = conn.execute(
+            select(ex.c.id, ex.c.lease_owner, ex.c.status).where(
+                ex.c.workflow_name == "test_user_base_caught"
+            )
+        ).one()
+    assert owner is None and status == "running"
+    assert history_types(rt.client(), execution_id) == ["execution.started", "workflow.started"]
+    rt.start_worker()
+    assert thin.result(execution_id, timeout=30).unwrap() == "caught"
+    assert history_types(rt.client(), execution_id).count("step.failed") == 2
+
+
+@wp.workflow(name="test_user_base_checked", version=1)
+def _checked_before(ctx: wp.Context) -> str:
+    return "caught"
+
+
+@wp.workflow(name="test_user_base_checked", version=1)
+def _checked_after(ctx: wp.Context) -> str:
+    try:
+        ctx.run(_raising, "checked", "KeyboardInterrupt")
+    except BaseException:  # swallows the replay check's stop
+        return "caught"
+    return "ran"
+
+
+def test_a_replay_check_sees_past_a_body_that_catches_its_stop(
+    runtime: wp.Runtime, tmp_path: Path
+) -> None:
+    """A body catching everything around a new step swallowed the check's own stop and
+    returned what the run had returned: the change (a step the finished run never ran)
+    went unreported."""
+    runtime.register(_checked_before)
+    client = runtime.client()
+    finished = client.execute(_checked_before)
+    assert finished.unwrap() == "caught"
+    with (
+        wp.Runtime(f"sqlite:///{tmp_path / 'next.sqlite3'}", auto_migrate=True) as deploying,
+        wp.Client(runtime.engine) as production,
+    ):
+        deploying.register(_checked_after)
+        (report,) = check_replay(deploying, [finished.execution_id], database=production)
+    assert report.divergence == "would run step _raising, but the run has finished"

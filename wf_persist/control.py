@@ -78,10 +78,12 @@ T = TypeVar("T")
 
 def latched(method: Callable[Concatenate[L, P], T]) -> Callable[Concatenate[L, P], T]:
     """A body's durable call: once one stopped the replay (the run parked, must be
-    replayed again, or cannot go on), every later one stops it again, and the runtime
-    stops the body's outcome too (:func:`wf_persist.bodies.run_body`). A body that caught
-    the stop (``asyncio.gather(..., return_exceptions=True)``, a bare ``except:``) would
-    otherwise go on recording, or finish a run that is parked."""
+    replayed again, or cannot go on; a replay check's frontier; an interrupt in the main
+    thread, Ctrl-C in a step), every later one stops it again, and the runtime stops the
+    body's outcome too (:func:`wf_persist.bodies.run_body`). A body that caught the stop
+    (``asyncio.gather(..., return_exceptions=True)``, a bare ``except:``) would otherwise
+    go on recording, or finish a run that is parked, or whose interrupted step it never
+    recorded."""
 
     @functools.wraps(method)
     def call(self: L, /, *args: P.args, **kwargs: P.kwargs) -> T:
@@ -89,8 +91,9 @@ def latched(method: Callable[Concatenate[L, P], T]) -> Callable[Concatenate[L, P
             raise self._stopped.with_traceback(None)
         try:
             return method(self, *args, **kwargs)
-        except (Suspended, Reload, Halt) as stop:
-            self._stopped = stop
+        except BaseException as exc:
+            if isinstance(exc, Stop) or (interrupting(exc) and not isinstance(exc, Cancelled)):
+                self._stopped = exc
             raise
 
     return call

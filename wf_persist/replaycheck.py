@@ -184,15 +184,17 @@ def replay_run(
     try:
         value = wf.input_adapter.validate_python(row.input)
         out = call_body(wf, ctx, value)
+        if isinstance(ctx._stopped, _Frontier):  # the body caught it and went on
+            raise ctx._stopped.with_traceback(None)
         ctx._ended()
         ending: tuple[str, Any] = ("completed", to_json(wf.output_adapter, out, "output"))
     except _Frontier as stop:
-        if not finished or (row.error or {}).get("name") == "DriveFailedError":
-            return None  # where it stands, or where the runtime gave it up (not its body)
-        return f"{stop.what}, but the run has finished"
+        return _at_frontier(stop, row, finished)
     except NonDeterminismError as exc:
         return str(exc)
     except (Exception, Cancelled) as exc:
+        if isinstance(ctx._stopped, _Frontier):  # the body caught it, then raised
+            return _at_frontier(ctx._stopped, row, finished)
         with contextlib.suppress(NonDeterminismError):
             ctx._ended(exc)
         if ctx.divergence is not None:
@@ -205,6 +207,13 @@ def replay_run(
     if ending[0] == "completed" and not same_json(ending[1], row.result):
         return f"would return {ending[1]!r:.200} where the run returned {row.result!r:.200}"
     return None
+
+
+def _at_frontier(stop: _Frontier, row: Any, finished: bool) -> str | None:
+    """How a replay that reached the end of the history diverges, or ``None``."""
+    if not finished or (row.error or {}).get("name") == "DriveFailedError":
+        return None  # where it stands, or where the runtime gave it up (not its body)
+    return f"{stop.what}, but the run has finished"
 
 
 def same_json(a: Any, b: Any) -> bool:
