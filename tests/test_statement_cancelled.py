@@ -16,6 +16,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
 import wf_persist as wp
+from wf_persist import migrate
 from wf_persist.migrate import VERSION_TABLE
 from wf_persist.models import history_table as hist
 from wf_persist.web import create_app
@@ -125,7 +126,8 @@ def test_opening_on_a_locked_schema_is_the_typed_error(
     backend: str, db_url: str, make_engine: Callable[..., Engine]
 ) -> None:
     """A runtime opened while another transaction holds the version table (as a migration
-    may): its check of the schema's revision gave up the wait with the driver's raw error."""
+    may): its check of the schema's revision gave up the wait with the driver's raw error,
+    and so did the migration functions that read it."""
     engine = _impatient(backend, db_url, make_engine)
     holder = create_engine(db_url)
     lock, unlock = (
@@ -137,6 +139,9 @@ def test_opening_on_a_locked_schema_is_the_typed_error(
         with holder.connect() as conn:
             conn.execute(text(lock))
             _cancelled(lambda: wp.Runtime(engine))
+            _cancelled(lambda: migrate.current(engine))
+            _cancelled(lambda: migrate.state(engine))
+            _cancelled(lambda: migrate.assert_at_head(engine))
             conn.execute(text(unlock))
     finally:
         holder.dispose()

@@ -212,8 +212,9 @@ def _url_of(bind: Bind) -> URL:
 def _revision_errors(bind: Bind) -> Iterator[None]:
     """Alembic's refusal of a revision (unknown, ambiguous, not reachable) as the typed
     :class:`InvalidArgumentError`, and the database's refusal of the engine (a privilege
-    it lacks, a read-only server) as :class:`UnsupportedDatabaseError`, that callers (the
-    CLI) report in one line."""
+    it lacks, a read-only server), the database out of reach or a statement it cancelled
+    as their typed errors (:func:`wf_persist.refusals.translate`), that callers (the CLI)
+    report in one line."""
     from alembic.util import CommandError
 
     try:
@@ -388,7 +389,7 @@ def state(bind: Bind, *, schema: str | None = None) -> SchemaState:
     url = _url_of(bind)
     if not isinstance(bind, Connection) and _missing_sqlite_file(url):
         return SchemaState((), (), url, schema, missing=True)
-    with _connection(bind) as conn:
+    with _revision_errors(bind), _connection(bind) as conn:
         return _read_state(conn, schema)
 
 
