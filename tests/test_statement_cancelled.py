@@ -147,3 +147,25 @@ def test_opening_on_a_locked_schema_is_the_typed_error(
         holder.dispose()
     with wp.Runtime(engine) as rt:
         assert rt.client().list().items == []
+
+
+@pytest.mark.needs("server")
+def test_a_statement_cancelled_while_connecting_is_not_a_failure_to_connect(
+    backend: str, db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """A host engine whose statements may run a microsecond: the first connection's own
+    queries are cancelled, which was reported as "cannot connect to the database" (a
+    ``DatabaseConnectError``), sending its reader after the wrong cause."""
+    kinds: set[str] = set()
+    for _ in range(5):
+        if backend == "postgresql":
+            engine = make_engine(db_url, connect_args={"options": "-c statement_timeout=1"})
+        else:
+            init = "SET SESSION max_statement_time = 0.000001"
+            engine = make_engine(db_url, connect_args={"init_command": init})
+        for opening in (wp.Runtime, wp.Client):
+            try:
+                opening(engine).close()
+            except wp.WfPersistError as exc:
+                kinds.add(type(exc).__name__)
+    assert kinds == {"StatementCancelledError"}

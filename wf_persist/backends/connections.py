@@ -36,6 +36,7 @@ from ..errors import (
     ValueTooLargeError,
 )
 from ..json_text import json_text
+from ..refusals import cancellation
 from .slots import Slots
 
 #: Types whose JSON text is a few dozen bytes whatever the value (no size check needed).
@@ -493,10 +494,16 @@ def connect(engine: Engine) -> Connection:
     """``engine.connect()``, a failure to connect (the driver's ``OperationalError``)
     raised as the typed :class:`~wf_persist.errors.DatabaseConnectError` that names the
     database (passwords hidden) and says the server's or driver's reason. Another error
-    (a host's connect listener failing, say) is raised as it came."""
+    (a host's connect listener failing, say) is raised as it came; a statement the
+    database cancelled while the connection was made (its first queries, under a host's
+    tiny ``statement_timeout``) as :class:`~wf_persist.errors.StatementCancelledError`."""
     try:
         return engine.connect()
     except OperationalError as exc:
+        from . import backend_type  # the package's: it imports this module
+
+        if backend_type(engine.dialect.name).cancelled(exc):
+            raise cancellation(exc) from exc
         url = engine.url
         reason = " ".join(str(exc.orig if exc.orig is not None else exc).split())
         for password in _passwords(url):
