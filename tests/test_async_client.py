@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import threading
 from collections.abc import Callable
@@ -210,6 +211,46 @@ def test_waits_cancelled_at_any_moment_end_and_give_their_connections_back(
             return sorted(set(outcomes)), int(pool.checkedout())
 
     assert asyncio.run(app()) == (["CancelledError"], 0)
+
+
+def test_every_call_cancelled_mid_way_gives_its_connection_back(
+    runtime: wp.Runtime, db_url: str
+) -> None:
+    """Only ``result()``'s reads were shielded: ``status``, ``list``, ``signal``, ``start``
+    and the rest cancelled mid-statement (``asyncio.wait_for`` with a tiny timeout) left
+    their connection checked out, found later by the garbage collector (aiomysql,
+    aiosqlite). A cancelled start still ends as it would have: its run is there or not."""
+    runtime.register(*w.ALL)
+    waiting = runtime.client().start(w.approval_wf, None).execution_id
+
+    async def app() -> tuple[int, int, int]:
+        started = 0
+        async with wp.AsyncClient(db_url, poll_interval=0.01) as client:
+            await client.list(limit=1)  # opened: its first use is shielded already
+            calls: list[Callable[[], Any]] = [
+                lambda: client.status(waiting),
+                lambda: client.list(),
+                lambda: client.history(waiting),
+                lambda: client.signal(waiting, "nope", 1, buffer=True),
+                lambda: client.start(w.echo_wf.name, 2),
+                lambda: client.workflows(),
+            ]
+            for rep in range(12):
+                for call in calls:
+                    with contextlib.suppress(TimeoutError, wp.WfPersistError):
+                        await asyncio.wait_for(call(), 0.0005 * rep)
+            pool: Any = client.engine.sync_engine.pool
+            for _ in range(250):  # calls cancelled mid-way end meanwhile (5 s at most)
+                if pool.checkedout() == 0:
+                    break
+                await asyncio.sleep(0.02)
+            left = int(pool.checkedout())
+            started = (await client.list(w.echo_wf.name, limit=100)).items.__len__()
+            return left, started, len(await client.history(waiting))
+
+    left, started, events = asyncio.run(app())
+    assert left == 0
+    assert 0 <= started <= 12 and events >= 2  # cancelled or not, each start whole
 
 
 def test_it_has_every_method_of_the_thin_client_and_waits_for_an_event_off_the_loop(

@@ -136,8 +136,11 @@ class AsyncClient:
             self._opening = None  # failed: the next use tries again
 
     async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(client, ...)`` in SQLAlchemy's greenlet, shielded from the caller's
+        cancellation (see :func:`_shielded`): a call cancelled mid-way runs to its end, its
+        write committed or not as it would have been, and gives its connection back."""
         client = await self._sync()
-        return await greenlet_spawn(fn, client, *args, **kwargs)
+        return await _shielded(greenlet_spawn(fn, client, *args, **kwargs))
 
     async def close(self) -> None:
         """Stop listening and dispose of the engine if this client created it."""
@@ -179,7 +182,7 @@ class AsyncClient:
             "timeout": timeout,
         }
         if session is None:
-            return await greenlet_spawn(client.start, workflow, payload, **kwargs)
+            return await self._run(Client.start, workflow, payload, **kwargs)
         if isinstance(session, AsyncSession):
             conn = await session.connection()
         elif isinstance(session, AsyncConnection):
@@ -208,7 +211,7 @@ class AsyncClient:
         try:
             while True:
                 event.clear()
-                found = await _shielded(self._run(Client.outcome, execution_id))
+                found = await self._run(Client.outcome, execution_id)
                 if found is not None:
                     return found
                 remaining = None if deadline is None else deadline - clocks.elapsed()
@@ -323,9 +326,10 @@ def _retrieved(done: asyncio.Future[Any]) -> None:
 
 
 async def _shielded(read: Coroutine[Any, Any, T]) -> T:
-    """``read`` shielded from its caller's cancellation: a wait cancelled mid-read lets the
-    read end and give its connection back (cancelled, it was left checked out until the
-    garbage collector found it); what the read raises then is retrieved, not logged."""
+    """``read`` shielded from its caller's cancellation: a call cancelled mid-way lets its
+    statements end and give their connection back (cancelled, the driver's I/O was cut and
+    the connection left checked out until the garbage collector found it, aiomysql and
+    aiosqlite); what it raises then is retrieved, not logged."""
     task = asyncio.ensure_future(read)
     try:
         return await asyncio.shield(task)
