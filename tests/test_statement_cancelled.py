@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -169,3 +171,37 @@ def test_a_statement_cancelled_while_connecting_is_not_a_failure_to_connect(
             except wp.WfPersistError as exc:
                 kinds.add(type(exc).__name__)
     assert kinds == {"StatementCancelledError"}
+
+
+@pytest.mark.needs("embedded")
+@pytest.mark.parametrize("held", [0.4, 3.0])
+def test_opening_waits_a_second_for_a_writer_whatever_the_engines_busy_timeout(
+    db_url: str, make_engine: Callable[..., Engine], held: float
+) -> None:
+    """A file in rollback-journal mode, where a writer's lock keeps readers out, opened by
+    a host engine with no busy timeout while another connection writes: the runtime's
+    check of the schema failed at once ("database is locked") where wf_persist's own
+    transactions wait at least a second. It waits that second now, and says so typed if
+    the writer holds on longer."""
+    path = make_url(db_url).database
+    assert path is not None
+    setup = sqlite3.connect(path, isolation_level=None)
+    assert setup.execute("PRAGMA journal_mode = DELETE").fetchone()[0] == "delete"
+    setup.close()
+    engine = make_engine(db_url, connect_args={"timeout": 0})
+    writer = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    writer.execute("BEGIN EXCLUSIVE")
+    release = threading.Timer(held, lambda: writer.execute("COMMIT"))
+    release.start()
+    began = time.monotonic()
+    try:
+        if held < 1:
+            with wp.Runtime(engine) as rt:
+                assert rt.client().list().items == []
+            assert time.monotonic() - began >= held - 0.05  # it waited for the writer
+        else:
+            _cancelled(lambda: wp.Runtime(engine))
+            assert 0.9 <= time.monotonic() - began < held  # a second, not the writer's time
+    finally:
+        release.join()
+        writer.close()

@@ -177,7 +177,10 @@ def _connection(bind: Bind) -> Iterator[Connection]:
         return
     engine = bind if isinstance(bind, Engine) else backends.create_engine(bind)
     try:
-        with backends.connect(engine) as conn:
+        with (
+            backends.connect(engine) as conn,
+            backends.backend_type(conn.dialect.name).patient(conn),
+        ):
             _check_session(conn)
             yield conn
             conn.commit()

@@ -295,6 +295,13 @@ class Connections:
         return False
 
     @classmethod
+    def patient(cls, conn: Connection) -> contextlib.AbstractContextManager[None]:
+        """Around reads of wf_persist's outside its transactions (the schema's revision, read
+        when a runtime opens and by the migration functions): wait for another
+        connection's lock as its transactions do."""
+        return contextlib.nullcontext()
+
+    @classmethod
     def cancelled(cls, exc: BaseException) -> bool:
         """Whether ``exc`` is a statement the database cancelled: a statement or lock-wait
         timeout ran out, or an operator cancelled it (a caller gets it as

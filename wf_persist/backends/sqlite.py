@@ -232,6 +232,27 @@ class SQLiteBackend(Backend):
         engines, always): nothing to take over and give back around a write."""
         return raw.isolation_level is None and getattr(raw, "autocommit", _LEGACY) == _LEGACY
 
+    @classmethod
+    @contextlib.contextmanager
+    def patient(cls, conn: Connection) -> Iterator[None]:
+        """A busy timeout of at least :data:`MIN_BUSY_TIMEOUT_MS` for the block, as
+        :meth:`_queued` gives a transaction: a host engine's shorter one (0: fail at once)
+        failed a runtime's opening while another process wrote."""
+        raw: Any = conn.connection.driver_connection
+        if not isinstance(raw, sqlite3.Connection):
+            yield
+            return
+        host = int(raw.execute("PRAGMA busy_timeout").fetchone()[0])
+        if host >= MIN_BUSY_TIMEOUT_MS:
+            yield
+            return
+        raw.execute(f"PRAGMA busy_timeout = {MIN_BUSY_TIMEOUT_MS}")
+        try:
+            yield
+        finally:
+            with contextlib.suppress(sqlite3.Error):  # a dead connection is dropped
+                raw.execute(f"PRAGMA busy_timeout = {host}")
+
     @contextlib.contextmanager
     def _queued(self, conn: Connection, turn: bool) -> Iterator[None]:
         """Hold this process's turn to write (``turn``) while a transaction of wf_persist's
