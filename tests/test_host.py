@@ -112,6 +112,32 @@ def rb_parent_wf(ctx: wp.Context, n: int) -> int:
     return got + 1
 
 
+@wp.workflow(name="host_rb_child", version=2)
+def rb_child_v2(ctx: wp.Context, n: int) -> int:
+    return n * 100
+
+
+def test_a_start_pinning_a_version_rolled_back_from_the_catalog_writes_that_version(
+    db_engine: Engine, request: pytest.FixtureRequest
+) -> None:
+    """``start(v2, version=1)`` after v1's registration rolled back with the host's
+    transaction: the definition passed in was cataloged, the version started was not (a
+    foreign-key failure on PostgreSQL and MariaDB)."""
+    rt = wp.Runtime(db_engine)
+    request.addfinalizer(rt.close)
+    with Session(db_engine) as session:
+        rt.register(rb_child_wf, session=session)
+        session.rollback()
+    client = rt.client()
+    handle = client.start(rb_child_v2, 3, version=1)
+    assert handle.version == 1
+    assert rt.drive(handle.execution_id)
+    assert client.result(handle.execution_id, timeout=0).unwrap() == 30
+    with db_engine.connect() as conn:
+        found = conn.execute(text("SELECT version FROM wf_workflows ORDER BY version")).all()
+    assert [v for (v,) in found] == [1, 2]
+
+
 @pytest.mark.parametrize("how", ["start", "register", "by-name", "child"])
 def test_a_catalog_row_rolled_back_with_the_host_transaction_is_written_again(
     db_engine: Engine, request: pytest.FixtureRequest, how: str

@@ -205,3 +205,42 @@ def test_opening_waits_a_second_for_a_writer_whatever_the_engines_busy_timeout(
     finally:
         release.join()
         writer.close()
+
+
+@wp.workflow(name="cancelled-statement-child", version=1)
+def sleepy_child(ctx: wp.Context, n: int) -> int:
+    ctx.sleep(3600)
+    return n
+
+
+@wp.workflow(name="cancelled-statement-parent", version=1)
+def waiting_parent(ctx: wp.Context, n: int) -> int:
+    got: int = ctx.run_child(sleepy_child, n)
+    return got
+
+
+@pytest.mark.needs("server")
+def test_a_cancel_of_a_tree_cut_off_by_a_lock_timeout_leaves_the_parent_to_cancel_the_rest(
+    backend: str, db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """A child's row held by another transaction: the tree's cancel falls back to one run
+    per transaction, the parent's commits and the child's is cancelled. The error no longer
+    claims that everything rolled back (the message said so); the parent, cancelled, cancels
+    its child when it is next driven."""
+    engine = _impatient(backend, db_url, make_engine)
+    with wp.Runtime(engine) as rt:
+        rt.register(waiting_parent, sleepy_child)
+        client = rt.client()
+        parent = client.start(waiting_parent, 1).execution_id
+        assert rt.drive(parent)
+        (child,) = [r.execution_id for r in client.list(sleepy_child).items]
+        with _locked(backend, db_url, child):
+            error = _cancelled(lambda: client.cancel(parent))
+            assert "rolled back" not in str(error)
+        assert client.status(parent) == "compensating"
+        assert client.status(child) == "running"
+        assert rt.drive(parent)
+        assert client.status(parent) == "failed"
+        assert client.status(child) == "compensating"  # cancelled by its parent's drive
+        assert rt.drive(child)
+        assert client.status(child) == "failed"

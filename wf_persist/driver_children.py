@@ -69,7 +69,7 @@ class ChildDriving:
             assert isinstance(workflow, str)
             return self._cataloged(workflow, version, payload)
         stored = rt.validate_input(wf, payload)
-        rt.ensure_registered(workflow if isinstance(workflow, Workflow) else wf)
+        rt.ensure_startable(workflow, wf)
         return ChildStart(wf.name, wf.version, wf, stored, wf.timeout)
 
     def start_child(

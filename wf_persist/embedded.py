@@ -71,7 +71,7 @@ class WorkflowClient(Client):
         stored = rt.validate_input(wf, payload)  # before anything is written, the catalog too
         # In a host transaction, even cataloging a new workflow goes into that transaction:
         # a second write transaction of our own would wait on the host's lock.
-        rt.ensure_registered(workflow if isinstance(workflow, Workflow) else wf, session)
+        rt.ensure_startable(workflow, wf, session)
         return wf.name, wf.version, stored, None
 
     def _workflow_timeout(self, name: str, version: int) -> float | None:

@@ -146,9 +146,13 @@ class StatementCancelledError(_DriverFailure):
     """The database cancelled a statement of the call: a statement or lock-wait timeout of
     the engine's settings ran out (PostgreSQL's ``statement_timeout`` or ``lock_timeout``,
     MySQL's ``max_execution_time``, MariaDB's ``max_statement_time``,
-    ``innodb_lock_wait_timeout``, SQLite's busy timeout), or an operator cancelled it. The
-    transaction it was part of rolled back whole; the call may be repeated. Also
-    SQLAlchemy's ``OperationalError``; ``orig`` is the driver's exception.
+    ``innodb_lock_wait_timeout``, SQLite's busy timeout), or an operator cancelled it. A
+    transaction of wf_persist's own that it was part of rolled back whole; in an
+    application's transaction (``session=``) the application decides (PostgreSQL aborted
+    it; MySQL, MariaDB and SQLite undid the statement only). A call made of several
+    transactions (a cancel of a run with children, a purge in batches) keeps those that
+    committed before it. Also SQLAlchemy's ``OperationalError``; ``orig`` is the driver's
+    exception.
     """
 
 

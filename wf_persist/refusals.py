@@ -67,7 +67,7 @@ def cancellation(exc: BaseException) -> StatementCancelledError:
     """The typed error for a statement the database cancelled, in its own words."""
     orig, said = _said(exc)
     return StatementCancelledError(
-        f"the database cancelled a statement: {said}; its transaction rolled back whole",
+        f"the database cancelled a statement: {said}",
         orig,
         isinstance(exc, DBAPIError) and exc.connection_invalidated,
     )

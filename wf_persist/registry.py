@@ -98,7 +98,7 @@ class Registry:
         """The registered definition to start (see :meth:`choose`); a definition passed in
         that is not registered yet is registered first."""
         found = self.choose(workflow, version)
-        self.ensure_registered(workflow if isinstance(workflow, Workflow) else found, session)
+        self.ensure_startable(workflow, found, session)
         return found
 
     def choose(self, workflow: Workflow[Any, Any] | str, version: int | None) -> Workflow[Any, Any]:
@@ -123,6 +123,20 @@ class Registry:
         if found is None:
             raise MissingWorkflowVersionError(name, wanted)
         return found
+
+    def ensure_startable(
+        self,
+        workflow: Workflow[Any, Any] | str,
+        found: Workflow[Any, Any],
+        session: Executor | None = None,
+    ) -> None:
+        """Before a start of ``found`` (:meth:`choose`'s answer for ``workflow``): a
+        definition passed in registered, and ``found``'s catalog row known written (a start
+        of one definition may pin another version)."""
+        if isinstance(workflow, Workflow):
+            self.ensure_registered(workflow, session)
+        if found is not workflow:
+            self.ensure_registered(found, session)
 
     def ensure_registered(self, wf: Workflow[Any, Any], session: Executor | None = None) -> None:
         """Register ``wf`` unless this very definition is registered here already and its
