@@ -28,31 +28,22 @@ from sqlalchemy.dialects import sqlite
 from sqlalchemy.engine import URL
 from sqlalchemy.pool import ConnectionPoolEntry
 
-from .. import clocks
 from ..errors import LeaseLostError, UnsupportedDatabaseError
 from ..events import NewEvent
 from ..json_text import json_text
 from ..models import executions_table as ex
+from . import sqlite_waits as waits
 from .base import Backend, Changes
 from .connections import connect, dispose_pool
 from .sql import HOT_COLUMNS, INSERT_HISTORY, Fenced, WriteShape, bump
 
 #: How long a SQLite writer waits for the lock before failing (milliseconds).
 BUSY_TIMEOUT_MS: Final = 30_000
-#: The least a transaction of wf_persist's waits for SQLite's lock (and its turn), whatever
-#: the host's connections say: at 0 its own connections failed each other at once. A
-#: host's longer timeout is kept, and with it how soon a start gives up on a lock another
-#: process holds.
-MIN_BUSY_TIMEOUT_MS: Final = 1_000
 _BEGIN_WRITE: Final = "BEGIN IMMEDIATE"
 #: SQLite refusing the engine: SQLITE_READONLY (a file this process may not write),
 #: SQLITE_READONLY_DIRECTORY (nor its directory), SQLITE_AUTH (a host's authorizer). Not
 #: the other READONLY codes (a file moved, a hot journal): no grant would help those.
 _REFUSED: Final = frozenset({8, 8 | 6 << 8, 23})
-#: A connection's busy timeout (ms), read once (see ``SQLiteBackend._queued``).
-_BUSY_TIMEOUT: Final = "wf_persist_busy_timeout_ms"
-#: A wait for the turn this long (ms) or longer is taken off SQLite's busy timeout.
-_SHORTEN_AFTER_MS: Final = 50
 #: Execution option: this transaction only reads (a deferred BEGIN).
 READONLY: Final = "wf_persist_readonly"
 #: Execution option of wf_persist's own connections: it sends BEGIN itself.
@@ -233,76 +224,13 @@ class SQLiteBackend(Backend):
         return raw.isolation_level is None and getattr(raw, "autocommit", _LEGACY) == _LEGACY
 
     @classmethod
-    @contextlib.contextmanager
-    def patient(cls, conn: Connection) -> Iterator[None]:
-        """A busy timeout of at least :data:`MIN_BUSY_TIMEOUT_MS` for the block, as
-        :meth:`_queued` gives a transaction: a host engine's shorter one (0: fail at once)
-        failed a runtime's opening while another process wrote."""
-        raw: Any = conn.connection.driver_connection
-        if not isinstance(raw, sqlite3.Connection):
-            yield
-            return
-        host = int(raw.execute("PRAGMA busy_timeout").fetchone()[0])
-        if host >= MIN_BUSY_TIMEOUT_MS:
-            yield
-            return
-        raw.execute(f"PRAGMA busy_timeout = {MIN_BUSY_TIMEOUT_MS}")
-        try:
-            yield
-        finally:
-            with contextlib.suppress(sqlite3.Error):  # a dead connection is dropped
-                raw.execute(f"PRAGMA busy_timeout = {host}")
+    def patient(cls, conn: Connection) -> contextlib.AbstractContextManager[None]:
+        return waits.patient(conn)
 
-    @contextlib.contextmanager
-    def _queued(self, conn: Connection, turn: bool) -> Iterator[None]:
-        """Hold this process's turn to write (``turn``) while a transaction of wf_persist's
-        runs, and give SQLite at least :data:`MIN_BUSY_TIMEOUT_MS` to wait for its lock.
-
-        SQLite takes one writer at a time, and a connection that finds the database locked
-        sleeps in its busy handler, for up to 100 ms between tries, however soon the lock
-        is free: with many threads writing (a worker finishing hundreds of runs at once),
-        most of their time went to those sleeps. Queued here, the next writer starts the
-        moment the last one commits. Writers of other processes (and an application's own
-        transactions) still meet at SQLite's lock. The turn and the lock share the
-        connection's busy timeout: a writer that waited long for its turn gives SQLite only
-        what is left of it. A host's timeout below the floor (0: fail at once) is raised
-        for wf_persist's transactions only, and put back after: its writes and reads come
-        from several connections at once, and would fail each other with SQLite's "database
-        is locked". ``wp.AsyncClient``'s connections (aiosqlite, one event loop's) take no
-        turn: they wait in SQLite as before."""
-        raw: Any = conn.connection.driver_connection
-        if not isinstance(raw, sqlite3.Connection):
-            yield
-            return
-        info = conn.connection.info
-        got = changed = False
-        try:
-            host = info.get(_BUSY_TIMEOUT)
-            if host is None or host < MIN_BUSY_TIMEOUT_MS:
-                # Read each time where it is raised: the host may have changed it since.
-                host = info[_BUSY_TIMEOUT] = int(raw.execute("PRAGMA busy_timeout").fetchone()[0])
-            budget = max(host, MIN_BUSY_TIMEOUT_MS)
-            if turn or budget != host:  # else a read with time enough: nothing to do
-                began = clocks.elapsed()
-                got = self._writers.acquire(timeout=budget / 1000) if turn else False
-                waited = int((clocks.elapsed() - began) * 1000)
-                changed = budget != host or waited >= _SHORTEN_AFTER_MS
-                if changed:
-                    raw.execute(f"PRAGMA busy_timeout = {max(0, budget - waited)}")
-        except sqlite3.Error as exc:
-            if got:
-                self._writers.release()
-            raise self.raw_failure(conn, exc, "PRAGMA busy_timeout", None) from exc
-        try:
-            yield
-        finally:
-            try:
-                if changed:
-                    with contextlib.suppress(sqlite3.Error):  # a dead connection is dropped
-                        raw.execute(f"PRAGMA busy_timeout = {host}")
-            finally:
-                if got:
-                    self._writers.release()
+    def _queued(self, conn: Connection, turn: bool) -> contextlib.AbstractContextManager[None]:
+        """This process's turn to write (``turn``) and SQLite's lock waited for as
+        :func:`.sqlite_waits.queued` says."""
+        return waits.queued(conn, self._writers, turn, self.raw_failure)
 
     @contextlib.contextmanager
     def _transaction(
