@@ -12,7 +12,7 @@ from typing import Any
 from .async_context import call_body
 from .authoring import Workflow
 from .context import Context
-from .control import interrupting
+from .control import stops_drive
 from .driver import RunDriver
 from .errors import Cancelled, NonDeterminismError
 from .logs import run_fields
@@ -45,7 +45,7 @@ def run_body(driver: RunDriver, wf: Workflow[Any, Any], payload: Any, journal: J
         stored = to_json(wf.output_adapter, out, what)
         driver.check_size(what, stored)
     except BaseException as exc:
-        if interrupting(exc) and not isinstance(exc, Cancelled):
+        if stops_drive(exc):
             raise  # the runtime's stop, a signal: not how the body ended
         _still_going(ctx)  # a stop the body caught wins over how it ended
         if not isinstance(exc, Cancelled):

@@ -65,6 +65,12 @@ def interrupting(exc: BaseException) -> bool:
     return threading.current_thread() is threading.main_thread() and not bridged()
 
 
+def stops_drive(exc: BaseException) -> bool:
+    """Whether ``exc`` ends the drive rather than the body (:func:`interrupting`, less a
+    cancellation: that one ends the run, through the body)."""
+    return interrupting(exc) and not isinstance(exc, Cancelled)
+
+
 class Latched(Protocol):
     """A workflow context: the stop a durable call of its raised, if one did."""
 
@@ -92,7 +98,7 @@ def latched(method: Callable[Concatenate[L, P], T]) -> Callable[Concatenate[L, P
         try:
             return method(self, *args, **kwargs)
         except BaseException as exc:
-            if isinstance(exc, Stop) or (interrupting(exc) and not isinstance(exc, Cancelled)):
+            if stops_drive(exc):
                 self._stopped = exc
             raise
 

@@ -24,8 +24,8 @@ class Retry:
         attempts: total attempts (>= 1).
         backoff: ``"none"`` (retry at once) or ``"exponential"``: the delay before attempt
             k >= 2 is ``base * factor ** (k - 2)`` seconds, capped at ``max_delay`` (and at
-            1000 years). ``base`` and ``max_delay`` are seconds (finite,
-            not negative); ``factor`` is from 1 to 1,000,000.
+            1000 years). ``base`` and ``max_delay`` are seconds (finite, not negative);
+            ``factor`` is from 1 to 1,000,000.
         jitter: scale each delay by a random factor in [0.5, 1) so retries of many runs
             spread out. The chosen retry time is recorded, so a replay waits the same.
     """

@@ -30,6 +30,7 @@ from .errors import (
 )
 
 F = TypeVar("F", bound=Callable[..., Any])
+F_ = TypeVar("F_", DatabaseUnavailableError, StatementCancelledError)
 
 
 class _Refuses(Protocol):
@@ -52,25 +53,27 @@ def refusal(exc: BaseException) -> UnsupportedDatabaseError:
     return UnsupportedDatabaseError(f"the database refused this engine: {_said(exc)[1]}")
 
 
+def _failure(kind: type[F_], exc: BaseException, what: str, after: str = "") -> F_:
+    """``kind`` for the driver's ``exc``, in its own words, its fields kept."""
+    orig, said = _said(exc)
+    invalidated = isinstance(exc, DBAPIError) and exc.connection_invalidated
+    return kind(f"{what}: {said}{after}", orig, invalidated)
+
+
 def unavailable(exc: BaseException) -> DatabaseUnavailableError:
     """The typed error for the database out of reach, in the driver's own words."""
-    orig, said = _said(exc)
-    return DatabaseUnavailableError(
-        f"the database could not be reached: {said}; a write this call made committed "
-        "whole or not at all (only a loss during its commit leaves which one unknown)",
-        orig,
-        isinstance(exc, DBAPIError) and exc.connection_invalidated,
+    return _failure(
+        DatabaseUnavailableError,
+        exc,
+        "the database could not be reached",
+        "; a write this call made committed whole or not at all (only a loss during its "
+        "commit leaves which one unknown)",
     )
 
 
 def cancellation(exc: BaseException) -> StatementCancelledError:
     """The typed error for a statement the database cancelled, in its own words."""
-    orig, said = _said(exc)
-    return StatementCancelledError(
-        f"the database cancelled a statement: {said}",
-        orig,
-        isinstance(exc, DBAPIError) and exc.connection_invalidated,
-    )
+    return _failure(StatementCancelledError, exc, "the database cancelled a statement")
 
 
 def is_driver_error(exc: BaseException) -> bool:

@@ -25,30 +25,19 @@ _BUSY_TIMEOUT: Final = "wf_persist_busy_timeout_ms"
 _SHORTEN_AFTER_MS: Final = 50
 
 
-@contextlib.contextmanager
-def patient(conn: Connection) -> Iterator[None]:
+def patient(conn: Connection) -> contextlib.AbstractContextManager[None]:
     """A busy timeout of at least :data:`MIN_BUSY_TIMEOUT_MS` for the block, as
-    :func:`queued` gives a transaction: a host engine's shorter one (0: fail at once)
-    failed a runtime's opening while another process wrote."""
-    raw: Any = conn.connection.driver_connection
-    if not isinstance(raw, sqlite3.Connection):
-        yield
-        return
-    host = int(raw.execute("PRAGMA busy_timeout").fetchone()[0])
-    if host >= MIN_BUSY_TIMEOUT_MS:
-        yield
-        return
-    raw.execute(f"PRAGMA busy_timeout = {MIN_BUSY_TIMEOUT_MS}")
-    try:
-        yield
-    finally:
-        with contextlib.suppress(sqlite3.Error):  # a dead connection is dropped
-            raw.execute(f"PRAGMA busy_timeout = {host}")
+    :func:`queued` gives a transaction (without a turn): a host engine's shorter one (0:
+    fail at once) failed a runtime's opening while another process wrote."""
+    return queued(conn, None, False)
 
 
 @contextlib.contextmanager
 def queued(
-    conn: Connection, writers: threading.RLock, turn: bool, failure: Callable[..., Exception]
+    conn: Connection,
+    writers: threading.RLock | None,
+    turn: bool,
+    failure: Callable[..., Exception] | None = None,
 ) -> Iterator[None]:
     """Hold this process's turn to write (``turn``) while a transaction of wf_persist's
     runs, and give SQLite at least :data:`MIN_BUSY_TIMEOUT_MS` to wait for its lock.
@@ -79,14 +68,16 @@ def queued(
         budget = max(host, MIN_BUSY_TIMEOUT_MS)
         if turn or budget != host:  # else a read with time enough: nothing to do
             began = clocks.elapsed()
-            got = writers.acquire(timeout=budget / 1000) if turn else False
+            got = writers.acquire(timeout=budget / 1000) if turn and writers else False
             waited = int((clocks.elapsed() - began) * 1000)
             changed = budget != host or waited >= _SHORTEN_AFTER_MS
             if changed:
                 raw.execute(f"PRAGMA busy_timeout = {max(0, budget - waited)}")
     except sqlite3.Error as exc:
-        if got:
+        if got and writers:
             writers.release()
+        if failure is None:
+            raise
         raise failure(conn, exc, "PRAGMA busy_timeout", None) from exc
     try:
         yield
@@ -96,5 +87,5 @@ def queued(
                 with contextlib.suppress(sqlite3.Error):  # a dead connection is dropped
                     raw.execute(f"PRAGMA busy_timeout = {host}")
         finally:
-            if got:
+            if got and writers:
                 writers.release()
