@@ -50,6 +50,7 @@ from .errors import NonDeterminismError as NonDeterminismError
 from .errors import NotSerializableError as NotSerializableError
 from .errors import PoolTooSmallError as PoolTooSmallError
 from .errors import ResultTimeoutError as ResultTimeoutError
+from .errors import SchemaNamesTakenError as SchemaNamesTakenError
 from .errors import SchemaTooNewError as SchemaTooNewError
 from .errors import SchemaVersionConflictError as SchemaVersionConflictError
 from .errors import SchemaVersionError as SchemaVersionError
@@ -122,6 +123,7 @@ __all__ = [
     "ResultTimeoutError",
     "Retry",
     "Runtime",
+    "SchemaNamesTakenError",
     "SchemaTooNewError",
     "SchemaVersionConflictError",
     "SchemaVersionError",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy.exc import OperationalError
@@ -475,6 +476,27 @@ class MergedSchemaVersionError(SchemaVersionError):
             f"The wf_persist schema is at revision {current}, recorded in your application's "
             f"{version_table} (merged mode); this version needs {head}. wf-persist db does not "
             f"migrate a merged database; run your application's Alembic: {command}",
+        )
+
+
+class SchemaNamesTakenError(SchemaVersionError):
+    """Tables or views named as wf_persist's are in a database where no wf_persist revision
+    is recorded: the application's own, or ours with their record lost. The first revision
+    would fail on them (where DDL is not transactional, halfway), so nothing is run.
+
+    Attributes:
+        names: the names found.
+    """
+
+    def __init__(self, names: Sequence[str], head: str, command: str) -> None:
+        super().__init__(None, head, command)
+        self.names = tuple(names)
+        self.args = (
+            f"This database already has {', '.join(self.names)}, named as wf_persist's tables "
+            "and views, but no wf_persist revision is recorded in it: rename or drop them, or "
+            "give wf_persist a database (or PostgreSQL schema) of its own, then run: "
+            f"{command}. If they are wf_persist's own tables whose version record was lost, "
+            "restore that record instead of migrating again",
         )
 
 

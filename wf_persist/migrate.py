@@ -29,6 +29,7 @@ from . import backends, refusals
 from .errors import (
     InvalidArgumentError,
     MergedSchemaVersionError,
+    SchemaNamesTakenError,
     SchemaTooNewError,
     SchemaVersionConflictError,
     SchemaVersionError,
@@ -40,10 +41,14 @@ if TYPE_CHECKING:
     from alembic.config import Config
     from alembic.script import ScriptDirectory
 
+    from .backends.base import Backend
+
 #: Alembic version table wf_persist uses (never the host application's).
 VERSION_TABLE: Final = "wf_persist_alembic_version"
 #: The version table of a host that merged our revisions into its own chain.
 HOST_VERSION_TABLE: Final = "alembic_version"
+#: The views our revisions create (CREATE OR REPLACE on MySQL: a host's would be lost).
+VIEWS: Final = ("wf_step_attempts", "wf_execution_waits", "wf_run_tree")
 #: What migrates a merged database: the host's own Alembic, every branch at once.
 HOST_UPGRADE_COMMAND: Final = "alembic upgrade heads"
 #: The revision this version of wf_persist needs. A test checks it is the script head.
@@ -263,6 +268,9 @@ def upgrade(
             if found.mode == "merged" and found.revision == SCHEMA_HEAD and to_head:
                 return None
             _refuse_foreign(found, HOST_UPGRADE_COMMAND)
+            taken = found.error()
+            if isinstance(taken, SchemaNamesTakenError):
+                raise taken
             command.upgrade(_config(conn, None, None, schema), revision)
     return None
 
@@ -314,6 +322,9 @@ class SchemaState:
         url: the database, for the command an error names.
         schema: the PostgreSQL schema looked in.
         missing: the SQLite file does not exist (and was not created to look).
+        taken: where no revision is recorded, the tables and views there already that
+            bear our names (and are not what an interrupted first revision left).
+        mapped: on a server without schemas, the database ``schema`` names there.
     """
 
     standalone: tuple[str, ...]
@@ -321,6 +332,8 @@ class SchemaState:
     url: URL
     schema: str | None = None
     missing: bool = False
+    taken: tuple[str, ...] = ()
+    mapped: URL | None = None
 
     @property
     def mode(self) -> Mode:
@@ -359,7 +372,21 @@ class SchemaState:
             return SchemaTooNewError(found, SCHEMA_HEAD)
         if found is not None and self.mode == "merged":
             return MergedSchemaVersionError(found, SCHEMA_HEAD, host_command, HOST_VERSION_TABLE)
-        return SchemaVersionError(found, SCHEMA_HEAD, upgrade_command(self.url, self.schema))
+        if found is None and self.taken:
+            return SchemaNamesTakenError(self.taken, SCHEMA_HEAD, self._upgrade())
+        return SchemaVersionError(found, SCHEMA_HEAD, self._upgrade())
+
+    def _upgrade(self) -> str:
+        """The command that migrates this database: where a host engine's map names
+        another database (MySQL, an attached SQLite file), that database by its own URL."""
+        if (
+            self.schema is None
+            or backends.backend_type(self.url.get_backend_name()).supports_schemas
+        ):
+            return upgrade_command(self.url, self.schema)
+        if self.mapped is not None:
+            return upgrade_command(self.mapped)
+        return f"wf-persist db upgrade --url <the URL of the database mapped as {self.schema}>"
 
     def _keep_one(self) -> str:
         prefix = "" if self.schema is None else f"{self.schema}."
@@ -416,18 +443,43 @@ def _missing_sqlite_file(url: URL) -> bool:
 
 def _read_state(conn: Connection, schema: str | None) -> SchemaState:
     """Read both version tables, ending any transaction the reading began."""
+    backend = backends.backend_type(conn.dialect.name)
     began = not conn.in_transaction()
     try:
-        inspector = inspect(conn)
-        standalone = _versions(
-            conn, inspector.has_table(VERSION_TABLE, schema), VERSION_TABLE, schema
-        )
-        host = _host_versions(conn, inspector, schema)
+        standalone, merged = _recorded(conn, schema)
+        taken: tuple[str, ...] = ()
+        if not standalone and not merged:
+            taken = _taken(conn, backend, schema)
+            if taken:  # seen after a concurrent upgrade committed: so is its record
+                standalone, merged = _recorded(conn, schema)
+        mapped = None
+        if schema is not None and not backend.supports_schemas:
+            mapped = backend.mapped_database(conn, schema)
     finally:
         if began and conn.in_transaction():
             conn.rollback()
-    merged = tuple(r for r in host if r.startswith("wf_"))
-    return SchemaState(standalone, merged, conn.engine.url, schema)
+    return SchemaState(standalone, merged, conn.engine.url, schema, taken=taken, mapped=mapped)
+
+
+def _recorded(conn: Connection, schema: str | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Our version table's revisions and the ``wf_`` ones of the host's."""
+    inspector = inspect(conn)
+    standalone = _versions(conn, inspector.has_table(VERSION_TABLE, schema), VERSION_TABLE, schema)
+    host = _host_versions(conn, inspector, schema)
+    return standalone, tuple(r for r in host if r.startswith("wf_"))
+
+
+def _taken(conn: Connection, backend: type[Backend], schema: str | None) -> tuple[str, ...]:
+    """The names our revisions create that a database recording none of them has already:
+    the first revision would fail on them. Our tables an interrupted first revision left
+    (where DDL is not transactional) are not counted."""
+    inspector = inspect(conn)
+    present = set(inspector.get_table_names(schema)) | set(inspector.get_view_names(schema))
+    found: list[str] = [name for name in VIEWS if name in present]
+    for name, tbl in metadata.tables.items():
+        if name in present and backend.foreign_table(conn, name, schema, frozenset(tbl.c.keys())):
+            found.append(name)
+    return tuple(sorted(found))
 
 
 def _host_versions(conn: Connection, inspector: Any, schema: str | None) -> tuple[str, ...]:

@@ -5,7 +5,8 @@ typed :class:`~wf_persist.errors.UnsupportedDatabaseError` instead of the driver
 the database out of reach (a connection lost or not made) as
 :class:`~wf_persist.errors.DatabaseUnavailableError`; a statement the database cancelled (a
 statement or lock timeout of the engine's settings) as
-:class:`~wf_persist.errors.StatementCancelledError`.
+:class:`~wf_persist.errors.StatementCancelledError`; a call in an application's PostgreSQL
+transaction that had already failed as :class:`~wf_persist.errors.InvalidArgumentError`.
 
 No privilege is probed in advance: a probe would have to write (firing a host's triggers,
 waiting on its locks) or read each backend's grant tables, and would refuse legal grants
@@ -24,6 +25,7 @@ from sqlalchemy.exc import DBAPIError
 
 from .errors import (
     DatabaseUnavailableError,
+    InvalidArgumentError,
     StatementCancelledError,
     UnsupportedDatabaseError,
     WfPersistError,
@@ -39,6 +41,8 @@ class _Refuses(Protocol):
     def unreachable(self, exc: BaseException) -> bool: ...
 
     def cancelled(self, exc: BaseException) -> bool: ...
+
+    def aborted(self, exc: BaseException) -> bool: ...
 
 
 def _said(exc: BaseException) -> tuple[BaseException | None, str]:
@@ -97,6 +101,11 @@ def translate(backend: _Refuses, exc: BaseException) -> None:
         raise unavailable(exc) from exc
     if backend.cancelled(exc):
         raise cancellation(exc) from exc
+    if backend.aborted(exc):  # an application's session, after a statement of its own failed
+        raise InvalidArgumentError(
+            "the transaction this call was given had already failed (a statement earlier in "
+            "it raised): roll it back before using it again"
+        ) from exc
 
 
 def typed(method: F) -> F:

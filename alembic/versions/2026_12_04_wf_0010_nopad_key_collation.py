@@ -18,7 +18,8 @@ Each of the three tables is copied once (MySQL and MariaDB rebuild a table whose
 columns change collation), holding writes to it meanwhile (about 8 s for 40,000 runs with
 1,000,000 history events on MariaDB 10.11 here): run it in a deploy window on a large
 database. An interrupted upgrade can be run again. ``--sql`` renders MariaDB's collation
-only for a ``mariadb://`` URL (a ``mysql://`` one renders MySQL's).
+for a ``mariadb://`` URL, and for a ``mysql://`` one both, each in an executable comment
+only its server runs.
 
 Downgrade returns to ``utf8mb4_bin``. It refuses, before changing anything, while values
 that differ only by trailing spaces share a unique key there (two runs of a workflow with
@@ -81,6 +82,11 @@ def _nopad() -> str:
     dialect = op.get_bind().dialect
     if getattr(dialect, "is_mariadb", False):
         return _MARIADB_NOPAD
+    if not _online():
+        # A mysql:// URL may be either server: each reads its own collation from an
+        # executable comment (MariaDB runs /*M! ones and skips /*!8xxxx ones; MySQL the
+        # opposite, and MySQL before 8.0.17 fails the statement, as online it is refused).
+        return f"/*M!100200 {_MARIADB_NOPAD} */ /*!80017 {_MYSQL_NOPAD} */"
     version = dialect.server_version_info if _online() else None
     if version is not None and tuple(version) < _MYSQL_NOPAD_SINCE:
         found = ".".join(str(p) for p in version)

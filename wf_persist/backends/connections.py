@@ -309,6 +309,13 @@ class Connections:
         return False
 
     @classmethod
+    def aborted(cls, exc: BaseException) -> bool:
+        """Whether ``exc`` is a statement refused because its transaction had already failed
+        (PostgreSQL's, until rolled back; elsewhere a failed statement leaves the rest of
+        its transaction usable)."""
+        return False
+
+    @classmethod
     def unreachable(cls, exc: BaseException) -> bool:
         """Whether ``exc`` is the database out of reach: the connection lost or not made
         (a caller gets it as :class:`~wf_persist.errors.DatabaseUnavailableError`)."""
@@ -399,6 +406,22 @@ class Connections:
         """Why wf_persist's tables cannot be reached through ``conn`` (asked where a
         migration connects: an opened backend checks the same in :meth:`check`)."""
         return None
+
+    @classmethod
+    def mapped_database(cls, conn: Connection, schema: str) -> URL | None:
+        """Where a server without schemas keeps the tables a host engine's
+        ``schema_translate_map`` renders in ``schema`` (another database, migrated by a URL
+        of its own); ``None`` where unknown, or where schemas are PostgreSQL's own."""
+        return None
+
+    @classmethod
+    def foreign_table(
+        cls, conn: Connection, name: str, schema: str | None, columns: frozenset[str]
+    ) -> bool:
+        """Whether the table ``name``, found where no revision of ours is recorded, is not
+        one an interrupted first revision left (whose ``columns`` it would have). Where DDL
+        is transactional an interrupted revision leaves nothing: any such table is not."""
+        return True
 
     @classmethod
     def migration_lock(cls, conn: Connection) -> None:

@@ -459,6 +459,24 @@ class MySQLBackend(Backend):
         return _NO_DATABASE if found is None else None
 
     @classmethod
+    def mapped_database(cls, conn: Connection, schema: str) -> URL | None:
+        return conn.engine.url.set(database=schema)
+
+    @classmethod
+    def foreign_table(
+        cls, conn: Connection, name: str, schema: str | None, columns: frozenset[str]
+    ) -> bool:
+        # Read from information_schema, as the revisions' own checks are (migration_ops).
+        found = conn.execute(
+            text(
+                "SELECT COLUMN_NAME FROM information_schema.COLUMNS"
+                " WHERE TABLE_SCHEMA = COALESCE(:schema, DATABASE()) AND TABLE_NAME = :name"
+            ),
+            {"schema": schema, "name": name},
+        ).scalars()
+        return not {str(c) for c in found} <= columns
+
+    @classmethod
     def migration_lock(cls, conn: Connection) -> None:
         got = conn.execute(text(f"SELECT GET_LOCK({MIGRATION_LOCK}, 600)")).scalar_one()
         if got != 1:

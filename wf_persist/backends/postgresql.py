@@ -197,6 +197,10 @@ class PostgreSQLBackend(RawPath):
         return getattr(getattr(exc, "orig", exc), "sqlstate", None) in _CANCELLED
 
     @classmethod
+    def aborted(cls, exc: BaseException) -> bool:
+        return getattr(getattr(exc, "orig", exc), "sqlstate", None) == "25P02"
+
+    @classmethod
     def unreachable(cls, exc: BaseException) -> bool:
         orig = getattr(exc, "orig", exc)
         state = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)

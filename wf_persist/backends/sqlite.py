@@ -273,6 +273,14 @@ class SQLiteBackend(Backend):
         return DataVersion(self.side_engine())
 
     @classmethod
+    def mapped_database(cls, conn: Connection, schema: str) -> URL | None:
+        # The file attached under that name, if it is attached (and is a file).
+        for _, name, path in conn.exec_driver_sql("PRAGMA database_list").all():
+            if name == schema and path:
+                return conn.engine.url.set(database=str(path))
+        return None
+
+    @classmethod
     def database_missing(cls, url: URL) -> bool:
         database = url.database or ""
         if database.startswith("file:") and url.query.get("uri") == "true":
