@@ -403,3 +403,19 @@ def test_cancelling_a_tree_that_is_still_growing_ends_every_run(runtime: wp.Runt
     )
     infos = [client.describe(run) for run in everyone()]
     assert all(i.drive_failures == 0 for i in infos), [i for i in infos if i.drive_failures]
+
+
+def test_result_without_a_worker_drives_the_children_its_run_waits_for(
+    runtime: wp.Runtime, tmp_path: Path
+) -> None:
+    """No worker anywhere: the caller's ``result`` drives the parent, then the children it
+    parks for (as it drives any due run nobody holds), so the run ends; each step once."""
+    runtime.register(*fam.ALL)
+    client = runtime.client()
+    handle = client.start(fam.parent_wf, _job(tmp_path, "y"))
+    assert client.result(handle.execution_id, timeout=60).unwrap() == ["v2:Y-A", "Y-B"]
+    assert Counter(w.marks(tmp_path / "marks")) == Counter({"y-a": 1, "y-b": 1})
+    (report,) = check_replay(runtime, [handle.execution_id])
+    assert report.divergence is None
+    executed = client.execute(fam.parent_wf, _job(tmp_path, "z"), timeout=60)
+    assert executed.unwrap() == ["v2:Z-A", "Z-B"]

@@ -175,3 +175,43 @@ def test_the_readme_example_runs_with_the_plugin_fixture(tmp_path: Path) -> None
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1 passed" in done.stdout
+
+
+def test_a_parent_waiting_for_children_ends_with_time_skipped(wf_runtime: TestRuntime) -> None:
+    """``result`` drives the children the run waits for (theirs too), skipping their
+    sleeps: no worker is needed."""
+    wf_runtime.register(kit.family_wf, kit.nap_wf, kit.grand_wf)
+    began = time.monotonic()
+    run = wf_runtime.start(kit.family_wf, 30)
+    assert wf_runtime.result(run, timeout=30).unwrap() == [30, 31]
+    assert time.monotonic() - began < 10
+    assert wf_runtime.now() - dt.datetime.now(dt.UTC) > dt.timedelta(days=30)
+    assert wf_runtime.replay(run).ok
+
+
+def test_a_parent_whose_child_waits_for_a_signal_is_reported_blocked(
+    wf_runtime: TestRuntime,
+) -> None:
+    wf_runtime.register(kit.waiting_parent_wf, kit.approval_wf)
+    run = wf_runtime.start(kit.waiting_parent_wf)
+    began = time.monotonic()
+    with pytest.raises(RunBlockedError, match="child runs that cannot go on") as blocked:
+        wf_runtime.result(run, timeout=30)
+    assert blocked.value.signals == [] and time.monotonic() - began < 10
+    child = next(r for r in wf_runtime.client().list().items if r.workflow_name == "kit-approval")
+    wf_runtime.send_signal(child.execution_id, "approval", {"approved": True})
+    assert wf_runtime.result(run, timeout=30).unwrap() == "approved"
+
+
+def test_advance_past_the_range_of_dates_is_refused() -> None:
+    with TestRuntime(kit.daily_wf) as rt:
+        for bad in (1e30, dt.timedelta(days=999_999_999), float("nan"), True, "1"):
+            with pytest.raises(wp.InvalidArgumentError):
+                rt.advance(bad)  # type: ignore[arg-type]
+        for _ in range(3):
+            rt.advance(dt.timedelta(days=365_250))  # 1000 years, three times
+        rt.advance(dt.timedelta(days=365_250 - 7))
+        with pytest.raises(wp.InvalidArgumentError, match="4000 years"):
+            rt.advance(dt.timedelta(days=8))
+        assert rt.now().year > 6000
+        assert rt.result(rt.start(kit.daily_wf, 1), timeout=30).unwrap() == ["reminder 1"]

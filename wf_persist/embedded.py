@@ -18,7 +18,7 @@ from .backends import Cataloged, Claim, Stale
 from .client import Client
 from .records import Completed, Failed, Outcome
 from .runtime import NOT_DRIVEN
-from .store import Executor, executions
+from .store import Executor, children, executions
 from .wakeups import Ends
 
 if TYPE_CHECKING:
@@ -236,7 +236,7 @@ class WorkflowClient(Client):
         rt = self.runtime
         definition = rt.definition(row.workflow_name, row.workflow_version)
         if not row.due:
-            return _WAIT
+            return self._drive_below(row.id, deadline)
         drove = rt.drive_for_outcome(row.id, deadline)
         if isinstance(drove, tuple):  # finished here: no need to read it back
             ok, value = drove
@@ -244,6 +244,20 @@ class WorkflowClient(Client):
                 return Failed(row.id, dict(value or {}))
             return Completed(row.id, definition.output_adapter.validate_python(value))
         return _WAIT if drove is NOT_DRIVEN else _AGAIN
+
+    def _drive_below(self, execution_id: str, deadline: float | None) -> bool:
+        """Drive here the due runs the run waits for (its children, theirs in turn) that
+        nobody holds: a run waiting on a child then ends with no worker running (a test
+        runtime, a script). ``_AGAIN`` if one was driven."""
+        rt = self.runtime
+        with rt.backend.read() as conn:
+            below = children.due_descendants(conn, execution_id)
+        drove = False
+        for child_id in below:
+            if deadline is not None and clocks.elapsed() >= deadline:
+                break
+            drove = rt.drive_for_outcome(child_id, deadline) is not NOT_DRIVEN or drove
+        return _AGAIN if drove else _WAIT
 
     def close(self) -> None:
         """Nothing to do: the runtime owns the engine."""

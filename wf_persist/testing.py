@@ -32,24 +32,29 @@ from .records import ExecutionHandle, HistoryRecord
 from .replaycheck import ReplayReport, check_replay
 from .runtime import Runtime, utc_now
 from .secrets import SecretError
+from .timeouts import MAX_DURATION_SECONDS, duration_seconds
 
 __all__ = ["ReplayReport", "RunBlockedError", "TestClient", "TestRuntime", "check_replay"]
 
+#: How far the virtual clock may move ahead in all (a datetime ends at year 9999).
+_MAX_SHIFT = 4 * MAX_DURATION_SECONDS
 #: Long enough that skipping time never expires a lease of the test runtime itself.
 _TEST_LEASE_TTL = 10 * 365 * 24 * 3600.0
 
 
 class RunBlockedError(WfPersistError):
-    """The run waits for a signal and nothing else can happen (time skipping is on, no timer
-    is due later): send the signal, or give the wait a timeout."""
+    """The run waits for a signal, or for a child run that waits for one, and nothing else
+    can happen (time skipping is on, no timer is due later): send the signal, or give the
+    wait a timeout. ``signals`` are the run's own waits (none: a child's)."""
 
     def __init__(self, execution_id: str, signals: Sequence[str]) -> None:
         self.execution_id = execution_id
         self.signals = list(signals)
-        waiting = ", ".join(self.signals) or "nothing"
-        super().__init__(
-            f"Execution {execution_id} waits for signal(s) {waiting} and no timer is due"
-        )
+        if self.signals:
+            waiting = f"waits for signal(s) {', '.join(self.signals)}"
+        else:  # its children wait (for a signal, or a workflow this runtime lacks)
+            waiting = "waits for child runs that cannot go on"
+        super().__init__(f"Execution {execution_id} {waiting} and no timer is due")
 
 
 class TestClient(WorkflowClient):
@@ -146,14 +151,14 @@ class TestRuntime(Runtime):
     def advance(self, duration: dt.timedelta | float) -> None:
         """Move the database's clock ahead by ``duration``: timers that fall due wake their
         runs (driven by the next :meth:`result`, or a worker)."""
-        seconds = duration.total_seconds() if isinstance(duration, dt.timedelta) else duration
-        if (
-            isinstance(seconds, bool)
-            or not isinstance(seconds, int | float)
-            or not 0 <= seconds < float("inf")
-        ):
-            raise InvalidArgumentError(f"advance takes a non-negative duration, got {duration!r}")
+        seconds = duration_seconds(duration, "advance")
         with self._lock:
+            if self._shift + seconds > _MAX_SHIFT:
+                # Dates a run records (a timer, a deadline 1000 years on) must stay in range.
+                raise InvalidArgumentError(
+                    f"the virtual clock moves at most {_MAX_SHIFT:.0f} seconds (4000 years) "
+                    f"ahead in all; it is {self._shift:.0f} ahead, advance({duration!r}) is more"
+                )
             self._shift += seconds
         self._notify()
 

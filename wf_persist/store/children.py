@@ -13,8 +13,11 @@ from typing import TYPE_CHECKING
 from sqlalchemy import select
 
 from .. import events
+from ..backends.clock import db_now
+from ..backends.sql import active
 from ..error_documents import error_document
 from ..errors import Cancelled, CannotCancelError, UnknownExecutionError
+from ..models import executions_table as ex
 from ..models import history_table as hist
 from . import Executor, connection_of, executions
 
@@ -35,6 +38,33 @@ def cancelled_with(conn: Executor, parent_id: str) -> list[str]:
         for r in rows
         if r.event.get("cancelWithParent", True) is not False
     ]
+
+
+#: How far below a run, and how many runs of a level, :func:`due_descendants` looks.
+_DEPTH, _WIDTH = 64, 500
+
+
+def due_descendants(conn: Executor, root_id: str) -> list[str]:
+    """The unfinished runs below ``root_id`` (its children, theirs in turn) due now, of the
+    first level that has any: what a caller waiting for ``root_id`` drives when its run
+    waits for them (no worker need be running)."""
+    current = [root_id]
+    for _ in range(_DEPTH):
+        rows = (
+            connection_of(conn)
+            .execute(
+                select(ex.c.id, (ex.c.wake_at <= db_now()).label("due"))
+                .where(ex.c.parent_id.in_(current), active())
+                .order_by(ex.c.created_at, ex.c.id)
+                .limit(_WIDTH)
+            )
+            .all()
+        )
+        found = [str(r.id) for r in rows if r.due]
+        if found or not rows:
+            return found
+        current = [str(r.id) for r in rows]
+    return []
 
 
 class TreeGrew(Exception):
