@@ -49,6 +49,8 @@ class Database:
         if isinstance(bind, Engine):
             engine, self.owns_engine = bind, False
         else:
+            if auto_migrate is False:
+                _refuse_missing(bind, schema)
             engine, self.owns_engine = backends.create_engine(bind), True
         try:
             self.backend = backends.open_backend(engine, owned=self.owns_engine, schema=schema)
@@ -78,3 +80,13 @@ class Database:
         """Dispose of the engine if this object created it (a host's engine is left alone)."""
         if self.owns_engine:
             backends.dispose_engine(self.base_engine)
+
+
+def _refuse_missing(bind: str | URL | None, schema: str | None) -> None:
+    """A database that must not be migrated here and is an embedded file not there: the
+    error that says what to run, before connecting would create the file."""
+    url = backends.resolve_url(bind)
+    if backends.backend_type(url.get_backend_name()).database_missing(url):
+        problem = migrate.state(url, schema=schema).error()
+        if problem is not None:
+            raise problem

@@ -229,6 +229,10 @@ def _revision_errors(bind: Bind) -> Iterator[None]:
         yield
     except CommandError as exc:
         raise InvalidArgumentError(f"revision: {exc}") from exc
+    except AssertionError as exc:  # Alembic's, for a relative revision (head+5) past the end
+        raise InvalidArgumentError(
+            "revision: a relative revision reaches past the last one"
+        ) from exc
     except DBAPIError as exc:
         refusals.translate(backends.backend_type(_url_of(bind).get_backend_name()), exc)
         raise

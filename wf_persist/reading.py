@@ -56,23 +56,31 @@ class RunReader:
         return row
 
     def _look(self, execution_id: str) -> Row[Any]:
-        """The run's row, read on its own (see :func:`executions.look`)."""
-        row = executions.look(self.backend, arguments.check_id(execution_id))
+        """The run's row, read on its own (see :func:`executions.look`); once more on a
+        fresh connection if the server ended the one it took (a wait for a run looks many
+        times: each look gets that second try)."""
+        execution_id = arguments.check_id(execution_id)
+        try:
+            row = executions.look(self.backend, execution_id)
+        except Exception as exc:
+            if not refusals.is_driver_error(exc) or not self.backend.unreachable(exc):
+                raise
+            row = executions.look(self.backend, execution_id)
         if row is None:
             raise UnknownExecutionError(execution_id)
         return row
 
-    @refusals.typed
+    @refusals.typed_read
     def describe(self, execution_id: str) -> ExecutionInfo:
         """The stored record of a run."""
         return ExecutionInfo.from_row(self._look(execution_id))
 
-    @refusals.typed
+    @refusals.typed_read
     def status(self, execution_id: str) -> str:
         """The run's status: running, suspended, compensating, completed or failed."""
         return self.describe(execution_id).status
 
-    @refusals.typed
+    @refusals.typed_read
     def pending_signals(self, execution_id: str) -> list[PendingSignal]:
         """The waits the run is parked on (or about to be), oldest first."""
         with self._reading() as conn:
@@ -109,14 +117,14 @@ class RunReader:
             self._wait(wait if remaining is None else min(wait, remaining))
             delay = min(delay * 2, self._poll())
 
-    @refusals.typed
+    @refusals.typed_read
     def events(self, execution_id: str) -> dict[str, Any]:
         """Every key the run published with ``ctx.set_event``, with its latest value."""
         with self._reading() as conn:
             self._row(conn, execution_id)
             return history.events_set(conn, execution_id)
 
-    @refusals.typed
+    @refusals.typed_read
     def workflows(self, name: str | None = None) -> list[WorkflowEntry]:
         """The catalog: every registered (name, version), or the versions of ``name``, with
         source hash, registration time and input/output JSON Schemas."""
@@ -126,7 +134,7 @@ class RunReader:
             rows = catalog.entries(conn, self.backend, name)
         return [WorkflowEntry.from_row(r) for r in rows]
 
-    @refusals.typed
+    @refusals.typed_read
     def list(
         self,
         workflow: Workflow[Any, Any] | str | None = None,
@@ -185,7 +193,7 @@ class RunReader:
         next_cursor = encode_cursor(items[-1].created_at, items[-1].execution_id) if more else None
         return Page(items, next_cursor)
 
-    @refusals.typed
+    @refusals.typed_read
     def history(self, execution_id: str) -> Sequence[HistoryRecord]:
         """Every event of the run in sequence order."""
         with self._reading() as conn:

@@ -108,6 +108,29 @@ def translate(backend: _Refuses, exc: BaseException) -> None:
         ) from exc
 
 
+def typed_read(method: F) -> F:
+    """:func:`typed`, for a method that only reads (so may run twice): a connection the
+    server ended while the server stays up (an operator's kill, an idle timeout, a proxy's
+    reset) is met again once, on a connection the pool makes afresh, before the database is
+    reported out of reach."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as exc:
+            if not is_driver_error(exc) or not self.backend.unreachable(exc):
+                translate(self.backend, exc)
+                raise
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as exc:
+            translate(self.backend, exc)
+            raise
+
+    return cast(F, wrapper)
+
+
 def typed(method: F) -> F:
     """A public method (of an object with a ``backend``) whose refusals by the server, and
     the database out of reach, raise the typed errors."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -62,6 +63,8 @@ def configure_from_environment(env: Mapping[str, str] | None = None) -> None:
             metrics_api.set_meter_provider(_meter_provider(metrics, env, resource))
     except ImportError as exc:
         log.warning("an OpenTelemetry exporter is not installed (%s): telemetry stays off", exc)
+    except (ValueError, TypeError) as exc:  # the SDK's refusal of an OTEL_BSP_* value, say
+        log.warning("OpenTelemetry refused its OTEL_* settings (%s): telemetry stays off", exc)
 
 
 def _protocol(env: Mapping[str, str], signal: str) -> str:
@@ -80,7 +83,7 @@ def _tracer_provider(names: list[str], env: Mapping[str, str], resource: Any) ->
     for name in names:
         exporter: Any
         if name == "console":
-            exporter = ConsoleSpanExporter()
+            exporter = ConsoleSpanExporter(out=sys.stderr)  # stdout is a command's output
         elif name == "otlp" and _protocol(env, "TRACES") == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
@@ -110,7 +113,7 @@ def _meter_provider(names: list[str], env: Mapping[str, str], resource: Any) -> 
     for name in names:
         exporter: Any
         if name == "console":
-            exporter = ConsoleMetricExporter()
+            exporter = ConsoleMetricExporter(out=sys.stderr)
         elif name == "otlp" and _protocol(env, "METRICS") == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
 

@@ -19,7 +19,7 @@ from rich.console import Console
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 
-from .. import backends, migrate
+from .. import backends
 from ..client import Client
 from ..errors import InvalidArgumentError, WfPersistError
 
@@ -88,19 +88,11 @@ def database_errors(url: str | URL | None) -> Iterator[None]:
 
 @contextmanager
 def open_client(url: str | None, schema: str | None) -> Iterator[Client]:
-    """A thin client on a database at head; never migrates, never creates a SQLite file.
-
-    A missing embedded file gets the ``SchemaVersionError`` that says what to run, before
-    connecting (connecting would create it).
-    """
+    """A thin client on a database at head; never migrates, never creates a SQLite file
+    (a missing one gets the ``SchemaVersionError`` that says what to run)."""
     resolved = backends.resolve_url(url)
-    with database_errors(resolved):
-        if backends.backend_type(resolved.get_backend_name()).database_missing(resolved):
-            problem = migrate.state(resolved, schema=schema).error()
-            if problem is not None:
-                raise problem
-        with Client(resolved, schema=schema, auto_migrate=False) as client:
-            yield client
+    with database_errors(resolved), Client(resolved, schema=schema, auto_migrate=False) as client:
+        yield client
 
 
 def read_json(text: str, what: str) -> Any:

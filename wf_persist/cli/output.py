@@ -303,14 +303,19 @@ def signal_command(
     password to hide (otherwise the environment that named it must name it again).
     """
     payload = example_value(wait.payload_schema)
-    words = ["wf-persist", "runs", "signal", execution_id, wait.name, compact(payload)]
+    arguments = [execution_id, wait.name, compact(payload)]
+    options: list[str] = []
     if url is not None and url != os.environ.get(backends.DATABASE_URL_ENV):
         resolved = backends.resolve_url(url)
         if resolved.password is None:
-            words += ["--url", resolved.render_as_string(hide_password=False)]
+            options += ["--url", resolved.render_as_string(hide_password=False)]
     if schema is not None:
-        words += ["--schema", schema]
-    return " ".join(shell_word(word) for word in words)
+        options += ["--schema", schema]
+    if any(word.startswith("-") for word in arguments):  # a name like -x: not an option
+        words = [*options, "--", *arguments]
+    else:
+        words = [*arguments, *options]
+    return " ".join(shell_word(word) for word in ["wf-persist", "runs", "signal", *words])
 
 
 def shell_word(word: str) -> str:

@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+import socket
 from typing import Annotated
 
 import typer
 
-from ..errors import WfPersistError
+from ..errors import InvalidArgumentError, WfPersistError
 from .common import err
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Refuse an address this process cannot listen on (a name that does not resolve, a
+    port in use or not allowed) in one line, before the server's own traceback would."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server does
+            probe.bind(address)
+    except OSError as exc:
+        raise InvalidArgumentError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+        ) from exc
 
 
 def web(
@@ -18,7 +34,7 @@ def web(
         ),
     ] = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to listen on.")] = 4787,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 4787,
     allow_actions: Annotated[
         bool,
         typer.Option(
@@ -50,6 +66,7 @@ def web(
     # rebinds to 127.0.0.1 (DNS rebinding) would otherwise read every run's data.
     local = host in ("127.0.0.1", "localhost")
     allowed = ["127.0.0.1", "localhost"] if local else None
+    _check_listen(host, port)
     app = create_app(url, allow_actions=allow_actions, token=token, allowed_hosts=allowed)
     view = app.state.view
     mode = "actions allowed" if allow_actions else "read-only"

@@ -105,7 +105,9 @@ def create_app(
     ``app.state.view.token``). ``allowed_hosts``: the only ``Host`` headers answered (a
     page of another site that rebinds its name to this address reads nothing)."""
     view = WebView(
-        client if client is not None else Client(database),
+        # A viewer never migrates (nor creates an embedded file): a database behind is
+        # refused with the command that brings it to head.
+        client if client is not None else Client(database, auto_migrate=False),
         allow_actions=allow_actions,
         token=token,
     )

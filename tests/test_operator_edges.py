@@ -1,0 +1,189 @@
+"""What an operator meets at the edges of the CLI and the web view: a viewer that must not
+migrate, telemetry settings the SDK refuses, console exporters beside ``--json``, relative
+revisions past the end, addresses that cannot be listened on, names that look like options,
+and a connection the server ends while a command waits."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Engine, text
+
+import wf_persist as wp
+from wf_persist import migrate
+
+from .conftest import has
+from .fixtures import workflows as w
+from .fixtures.revisions import below_head
+from .helpers import Finished, Processes, wait_status, wait_until
+
+
+@wp.workflow(name="dashed", version=1)
+def dashed_wf(ctx: wp.Context) -> object:
+    got = ctx.wait_for_signal("-x")
+    assert isinstance(got, wp.Received)
+    return got.value
+
+
+def _one_error_line(out: Finished, code: int = 1) -> str:
+    returncode, stderr = out.returncode, out.stderr
+    assert returncode == code, stderr
+    assert "Traceback" not in stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stderr
+    return str(errors[0])
+
+
+@pytest.mark.needs("embedded")
+def test_the_web_view_never_creates_or_migrates_a_database(
+    tmp_path: Path, procs: Processes
+) -> None:
+    missing = tmp_path / "typo.sqlite3"
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = str(free.getsockname()[1])
+    out = procs.cli("web", "--url", f"sqlite:///{missing}", "--port", port, check=False)
+    assert "not migrated" in _one_error_line(out)
+    assert not list(tmp_path.glob("typo.sqlite3*"))
+    behind = tmp_path / "behind.sqlite3"
+    migrate.upgrade(f"sqlite:///{behind}", below_head())
+    pytest.importorskip("starlette")
+    from wf_persist.web import create_app
+
+    with pytest.raises(wp.SchemaVersionError):
+        create_app(f"sqlite:///{behind}")
+    assert migrate.current(f"sqlite:///{behind}") == below_head()
+    with pytest.raises(wp.SchemaVersionError):
+        create_app(f"sqlite:///{missing}")
+    assert not missing.exists()
+
+
+def test_telemetry_settings_the_sdk_refuses_leave_telemetry_off(
+    db_url: str, procs: Processes
+) -> None:
+    env = {
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:9/v1/traces",
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_BSP_MAX_QUEUE_SIZE": "0",
+        "OTEL_BSP_SCHEDULE_DELAY": "-5",
+    }
+    out = procs.cli("runs", "list", "--url", db_url, "--json", env=env, check=False)
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr and "telemetry stays off" in out.stderr
+    json.loads(out.stdout)
+
+
+def test_console_exporters_leave_json_output_whole(db_url: str, procs: Processes) -> None:
+    with wp.Runtime(db_url) as rt:
+        rt.register(w.echo_wf)
+    env = {"OTEL_TRACES_EXPORTER": "console", "OTEL_METRICS_EXPORTER": "console"}
+    out = procs.cli(
+        "runs", "start", "echo", "--input", "2", "--url", db_url, "--json", env=env, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)  # one document: the spans and metrics went to stderr
+    assert doc["workflow_name"] == "echo"
+    assert "trace_id" in out.stderr
+
+
+def test_a_relative_revision_past_the_end_is_one_error_line(
+    blank_db_url: str, procs: Processes
+) -> None:
+    for revision in ("head+5", f"{migrate.SCHEMA_HEAD}+1"):
+        out = procs.cli("db", "upgrade", revision, "--url", blank_db_url, check=False)
+        assert "past the last one" in _one_error_line(out)
+    assert migrate.current(blank_db_url) is None
+    with pytest.raises(wp.InvalidArgumentError):
+        migrate.upgrade(blank_db_url, "head+5")
+
+
+@pytest.mark.needs("embedded")
+def test_an_address_the_web_view_cannot_listen_on(db_url: str, procs: Processes) -> None:
+    for port in ("99999", "-1", "0"):
+        out = procs.cli("web", "--url", db_url, "--port", port, check=False)
+        assert out.returncode == 2 and "Traceback" not in out.stderr  # a usage error
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        out = procs.cli("web", "--url", db_url, "--port", port, check=False)
+        assert "cannot listen on 127.0.0.1" in _one_error_line(out)
+    out = procs.cli("web", "--url", db_url, "--host", "no such host", check=False)
+    assert "cannot listen on no such host" in _one_error_line(out)
+
+
+def test_the_pasted_signal_command_of_a_name_like_an_option(
+    runtime: wp.Runtime, db_url: str, procs: Processes
+) -> None:
+    runtime.register(dashed_wf)
+    client = runtime.client()
+    handle = client.start(dashed_wf)
+    runtime.drive(handle.execution_id)
+    wait_status(client, handle.execution_id, "suspended")
+    shown = procs.cli("runs", "show", handle.execution_id, "--url", db_url).stdout
+    (line,) = [ln.strip() for ln in shown.splitlines() if "wf-persist runs signal" in ln]
+    words = shlex.split(line)
+    assert words[:4] == ["wf-persist", "runs", "signal", "--url"] and "--" in words
+    procs.cli(*words[1:])
+    runtime.drive(handle.execution_id)
+    assert client.result(handle.execution_id, timeout=30).unwrap() is None
+
+
+def _end_connections(backend: str, engine: Engine) -> int:
+    """End every other connection to this database (an operator's kill), as the server does
+    while it stays up; how many."""
+    with engine.connect() as conn:
+        if has(backend, "schemas"):  # PostgreSQL
+            ended = conn.execute(
+                text(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                )
+            ).scalar_one()
+        else:
+            ids = conn.execute(
+                text(
+                    "SELECT ID FROM information_schema.PROCESSLIST "
+                    "WHERE DB = DATABASE() AND ID <> CONNECTION_ID()"
+                )
+            ).scalars()
+            ended = 0
+            for pid in ids:
+                conn.execute(text(f"KILL {int(pid)}"))
+                ended += 1
+    return int(ended)
+
+
+@pytest.mark.needs("server")
+def test_a_wait_rides_out_a_connection_the_server_ended(
+    backend: str, db_url: str, procs: Processes, make_engine: Callable[..., Engine]
+) -> None:
+    """``runs result`` and ``runs history --follow`` wait for a run; an operator kills
+    their connections twice meanwhile (the server stays up): both go on and see the end."""
+    with wp.Runtime(db_url) as rt:
+        rt.register(dashed_wf)
+        handle = rt.client().start(dashed_wf)
+        rt.drive(handle.execution_id)
+    run = handle.execution_id
+    cli = [sys.executable, "-m", "wf_persist.cli"]
+    waiting = procs.spawn([*cli, "runs", "result", run, "--url", db_url])
+    following = procs.spawn([*cli, "runs", "history", run, "--follow", "--url", db_url])
+    admin = make_engine(db_url)
+    time.sleep(2.0)
+    for _ in range(2):
+        wait_until(lambda: _end_connections(backend, admin) > 0, what="their connections")
+        time.sleep(1.0)
+    assert waiting.popen.poll() is None and following.popen.poll() is None
+    with wp.Runtime(db_url) as rt:
+        rt.register(dashed_wf)
+        rt.client().signal(run, "-x", "done")
+        rt.drive(run)
+    assert "done" in procs.finish(waiting, timeout=60).stdout
+    assert "workflow.completed" in procs.finish(following, timeout=60).stdout
