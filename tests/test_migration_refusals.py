@@ -30,6 +30,7 @@ from sqlalchemy.orm import Session
 import wf_persist as wp
 from wf_persist import migrate
 from wf_persist.backends import backend_type, normalize_url
+from wf_persist.models import metadata
 
 from .conftest import create_database, drop_database, has, server_url
 from .fixtures import workflows as w
@@ -101,10 +102,15 @@ def test_our_tables_with_their_record_lost_are_refused(
     backend: str, blank_db_url: str, procs: Processes
 ) -> None:
     """Everywhere the views say a first revision did not just stop midway; where DDL is
-    transactional the tables say it too (on MySQL our tables alone could be that)."""
+    transactional the tables say it too, and on MySQL those a later revision changed (a
+    table as our first revision makes it could be what it left)."""
     migrate.upgrade(blank_db_url)
     _execute(blank_db_url, f"DELETE FROM {migrate.VERSION_TABLE}")
-    tables = set() if has(backend, "sql_mode") else {"wf_workflows", "wf_executions", "wf_history"}
+    tables = set(migrate.FIRST_TABLES)
+    if has(backend, "sql_mode"):
+        grown = {n: set(metadata.tables[n].c.keys()) for n in tables}
+        tables = {n for n in tables if grown[n] != migrate.FIRST_TABLES[n]}
+        assert tables and tables != set(migrate.FIRST_TABLES)  # both kinds are met
     ours = {*tables, *migrate.VIEWS}
     _refused_everywhere(blank_db_url, procs, ours)
     _execute(blank_db_url, f"INSERT INTO {migrate.VERSION_TABLE} VALUES ('{migrate.SCHEMA_HEAD}')")
@@ -269,3 +275,71 @@ def test_async_start_in_a_failed_host_transaction(
 
     execution_id = asyncio.run(app())
     assert runtime.client().result(execution_id, timeout=60).unwrap() == [1, 2]
+
+
+def test_a_hosts_table_with_some_of_our_columns_is_refused(
+    blank_db_url: str, procs: Processes
+) -> None:
+    """Columns a subset of ours are not what our first revision leaves (it makes each table
+    whole): on MySQL too such a table is the host's, refused before anything is written."""
+    _execute(blank_db_url, "CREATE TABLE wf_history (execution_id VARCHAR(36), type VARCHAR(64))")
+    _refused_everywhere(blank_db_url, procs, {"wf_history"})
+
+
+@pytest.mark.needs("sql_mode")
+def test_the_first_revisions_columns_are_what_it_renders(blank_db_url: str) -> None:
+    script = migrate.upgrade(blank_db_url, "wf_0001", sql=True)
+    assert script is not None
+    for name, columns in migrate.FIRST_TABLES.items():
+        body = re.search(rf"CREATE TABLE {name} \((.*?)\n\)", script, re.S)
+        assert body is not None, name
+        found = {
+            line.split()[0]
+            for line in body.group(1).splitlines()
+            if line.strip() and not line.strip().startswith(("PRIMARY", "CONSTRAINT", "FOREIGN"))
+        }
+        assert found == columns, name
+
+
+@pytest.mark.needs("sql_mode")
+def test_a_concurrent_first_upgrade_is_seen_through_a_repeatable_read_snapshot(
+    blank_db_url: str, make_engine: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another deploy finishes the first upgrade between our read of the (empty) version
+    table and our look for taken names: the second read of the record is a fresh snapshot
+    (MariaDB's default REPEATABLE READ kept the first), so its tables are not "taken"."""
+    _execute(blank_db_url, f"CREATE TABLE {migrate.VERSION_TABLE} (version_num VARCHAR(32))")
+    host = make_engine(blank_db_url, isolation_level="REPEATABLE READ")
+    look = migrate._taken
+    done: list[bool] = []
+
+    def other_deploy_first(*args: object) -> tuple[str, ...]:
+        if not done:
+            done.append(True)
+            migrate.upgrade(blank_db_url)  # another process, committed meanwhile
+        return look(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(migrate, "_taken", other_deploy_first)
+    found = migrate.state(host)
+    assert done and found.error() is None and found.revision == migrate.SCHEMA_HEAD
+
+
+@pytest.mark.needs("embedded")
+def test_an_attached_uri_database_is_named_by_a_plain_url(
+    tmp_path: Path, procs: Processes, make_engine: Callable[..., Engine]
+) -> None:
+    main, other = tmp_path / "main.sqlite3", tmp_path / "other.sqlite3"
+    sqlite3.connect(main).execute("CREATE TABLE host_things (id INTEGER)").connection.close()
+    engine = make_engine(f"sqlite:///file:{main}?mode=rwc&uri=true")
+
+    @event.listens_for(engine, "connect")
+    def attach(dbapi: sqlite3.Connection, record: object) -> None:
+        dbapi.execute(f"ATTACH DATABASE '{other}' AS other")
+
+    mapped = engine.execution_options(schema_translate_map={None: "other"})
+    with pytest.raises(wp.SchemaVersionError) as behind:
+        wp.Runtime(mapped)
+    assert f"'sqlite:///{other}'" in behind.value.command
+    procs.cli("db", "upgrade", "--url", f"sqlite:///{other}")
+    assert migrate.current(mapped) == migrate.SCHEMA_HEAD
+    assert sorted(p.name for p in tmp_path.iterdir() if "?" in p.name) == []

@@ -187,3 +187,25 @@ def test_a_wait_rides_out_a_connection_the_server_ended(
         rt.drive(run)
     assert "done" in procs.finish(waiting, timeout=60).stdout
     assert "workflow.completed" in procs.finish(following, timeout=60).stdout
+
+
+def test_the_listen_check_binds_as_the_server_does() -> None:
+    """Every address of the name, an IPv6 one for IPv6 only: ``::`` is free beside an IPv4
+    wildcard listener of the same port (as asyncio binds it), ``0.0.0.0`` is not."""
+    from wf_persist.cli.web import _check_listen
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(wp.InvalidArgumentError, match="in use"):
+            _check_listen("0.0.0.0", port)
+        if socket.has_ipv6:
+            try:
+                with socket.socket(socket.AF_INET6) as six:
+                    six.bind(("::1", 0))
+                usable = True
+            except OSError:  # a kernel without IPv6: nothing to compare
+                usable = False
+            if usable:
+                _check_listen("::", port)

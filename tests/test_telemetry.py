@@ -257,7 +257,7 @@ def test_the_environment_decides(
 
 def test_the_standard_variables_turn_it_on(procs: Processes, db_url: str) -> None:
     """``OTEL_TRACES_EXPORTER=console``: the first runtime installs the SDK; its spans
-    print when the process exits."""
+    print to stderr when the process exits."""
     script = (
         "import wf_persist as wp\n"
         "from tests.fixtures import traced as tf\n"
@@ -273,9 +273,9 @@ def test_the_standard_variables_turn_it_on(procs: Processes, db_url: str) -> Non
         [sys.executable, "-c", script],
         env={"OTEL_TRACES_EXPORTER": "console", "OTEL_SERVICE_NAME": "wf-test"},
     )
-    names = {json.loads(s)["name"] for s in _console_spans(done.stdout)}
+    names = {json.loads(s)["name"] for s in _console_spans(done.stderr)}  # not stdout
     assert names == {"wf.start", "wf.drive", "wf.step"}
-    assert '"service.name": "wf-test"' in done.stdout
+    assert '"service.name": "wf-test"' in done.stderr and done.stdout == ""
 
 
 def _console_spans(out: str) -> list[str]:

@@ -215,3 +215,14 @@ def test_advance_past_the_range_of_dates_is_refused() -> None:
             rt.advance(dt.timedelta(days=8))
         assert rt.now().year > 6000
         assert rt.result(rt.start(kit.daily_wf, 1), timeout=30).unwrap() == ["reminder 1"]
+
+
+def test_a_parent_with_more_children_than_one_read_takes(wf_runtime: TestRuntime) -> None:
+    """600 children parked on a signal, then one that ends at once: the due one is found
+    past the first slice of children, and no time is skipped for nothing meanwhile."""
+    wf_runtime.register(kit.crowd_wf, kit.approval_wf, kit.nap_wf)
+    run = wf_runtime.start(kit.crowd_wf, 600)
+    began = time.monotonic()
+    assert wf_runtime.result(run, timeout=120).unwrap() == 0
+    assert time.monotonic() - began < 60
+    assert wf_runtime.now() - dt.datetime.now(dt.UTC) < dt.timedelta(minutes=5)

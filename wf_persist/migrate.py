@@ -47,6 +47,19 @@ if TYPE_CHECKING:
 VERSION_TABLE: Final = "wf_persist_alembic_version"
 #: The version table of a host that merged our revisions into its own chain.
 HOST_VERSION_TABLE: Final = "alembic_version"
+#: The tables of our first revision, with the columns it gives them (CREATE TABLE is atomic:
+#: one an interrupted first revision left on MySQL has exactly these).
+FIRST_TABLES: Final = {
+    "wf_workflows": frozenset({"name", "version", "source_hash", "registered_at"}),
+    "wf_executions": frozenset(
+        {"id", "workflow_name", "workflow_version", "status", "input", "result", "error"}
+        | {"idempotency_key", "actor", "next_seq", "wake_at", "lease_owner"}
+        | {"lease_expires_at", "created_at", "started_at", "finished_at", "updated_at"}
+    ),
+    "wf_history": frozenset(
+        {"execution_id", "sequence", "type", "activity_name", "dedupe_key", "created_at", "event"}
+    ),
+}
 #: The views our revisions create (CREATE OR REPLACE on MySQL: a host's would be lost).
 VIEWS: Final = ("wf_step_attempts", "wf_execution_waits", "wf_run_tree")
 #: What migrates a merged database: the host's own Alembic, every branch at once.
@@ -455,6 +468,8 @@ def _read_state(conn: Connection, schema: str | None) -> SchemaState:
         if not standalone and not merged:
             taken = _taken(conn, backend, schema)
             if taken:  # seen after a concurrent upgrade committed: so is its record
+                if began and conn.in_transaction():
+                    conn.rollback()  # a fresh snapshot (REPEATABLE READ would keep the old)
                 standalone, merged = _recorded(conn, schema)
         mapped = None
         if schema is not None and not backend.supports_schemas:
@@ -480,8 +495,9 @@ def _taken(conn: Connection, backend: type[Backend], schema: str | None) -> tupl
     inspector = inspect(conn)
     present = set(inspector.get_table_names(schema)) | set(inspector.get_view_names(schema))
     found: list[str] = [name for name in VIEWS if name in present]
-    for name, tbl in metadata.tables.items():
-        if name in present and backend.foreign_table(conn, name, schema, frozenset(tbl.c.keys())):
+    for name in metadata.tables:
+        first = FIRST_TABLES.get(name, frozenset())
+        if name in present and backend.foreign_table(conn, name, schema, first):
             found.append(name)
     return tuple(sorted(found))
 

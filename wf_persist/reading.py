@@ -63,19 +63,19 @@ class RunReader:
         try:
             row = executions.look(self.backend, execution_id)
         except Exception as exc:
-            if not refusals.is_driver_error(exc) or not self.backend.unreachable(exc):
+            if not refusals.reset(self.backend, exc):
                 raise
             row = executions.look(self.backend, execution_id)
         if row is None:
             raise UnknownExecutionError(execution_id)
         return row
 
-    @refusals.typed_read
+    @refusals.typed  # its look is tried again itself
     def describe(self, execution_id: str) -> ExecutionInfo:
         """The stored record of a run."""
         return ExecutionInfo.from_row(self._look(execution_id))
 
-    @refusals.typed_read
+    @refusals.typed
     def status(self, execution_id: str) -> str:
         """The run's status: running, suspended, compensating, completed or failed."""
         return self.describe(execution_id).status

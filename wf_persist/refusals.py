@@ -108,18 +108,29 @@ def translate(backend: _Refuses, exc: BaseException) -> None:
         ) from exc
 
 
+def reset(backend: _Refuses, exc: BaseException) -> bool:
+    """Whether ``exc`` is a pooled connection the server ended under a statement (an
+    operator's kill, an idle timeout, a proxy's reset; the pool has dropped it), not a
+    connection that could not be made: a read may be tried once more on a fresh one."""
+    return (
+        isinstance(exc, DBAPIError)
+        and exc.connection_invalidated
+        and not isinstance(exc, WfPersistError)
+        and backend.unreachable(exc)
+    )
+
+
 def typed_read(method: F) -> F:
-    """:func:`typed`, for a method that only reads (so may run twice): a connection the
-    server ended while the server stays up (an operator's kill, an idle timeout, a proxy's
-    reset) is met again once, on a connection the pool makes afresh, before the database is
-    reported out of reach."""
+    """:func:`typed`, for a method that only reads (so may run twice) and calls no other
+    such method: a connection the server ended while staying up (:func:`reset`) is met
+    again once before the database is reported out of reach."""
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return method(self, *args, **kwargs)
         except Exception as exc:
-            if not is_driver_error(exc) or not self.backend.unreachable(exc):
+            if not reset(self.backend, exc):
                 translate(self.backend, exc)
                 raise
         try:

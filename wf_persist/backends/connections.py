@@ -419,8 +419,9 @@ class Connections:
         cls, conn: Connection, name: str, schema: str | None, columns: frozenset[str]
     ) -> bool:
         """Whether the table ``name``, found where no revision of ours is recorded, is not
-        one an interrupted first revision left (whose ``columns`` it would have). Where DDL
-        is transactional an interrupted revision leaves nothing: any such table is not."""
+        one an interrupted first revision left (with exactly the ``columns`` it gives it;
+        none: not one of its tables). Where DDL is transactional an interrupted revision
+        leaves nothing: any such table is not."""
         return True
 
     @classmethod

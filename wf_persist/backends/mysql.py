@@ -474,7 +474,7 @@ class MySQLBackend(Backend):
             ),
             {"schema": schema, "name": name},
         ).scalars()
-        return not {str(c) for c in found} <= columns
+        return {str(c) for c in found} != columns
 
     @classmethod
     def migration_lock(cls, conn: Connection) -> None:

@@ -277,7 +277,7 @@ class SQLiteBackend(Backend):
         # The file attached under that name, if it is attached (and is a file).
         for _, name, path in conn.exec_driver_sql("PRAGMA database_list").all():
             if name == schema and path:
-                return conn.engine.url.set(database=str(path))
+                return conn.engine.url.set(database=str(path), query={})
         return None
 
     @classmethod

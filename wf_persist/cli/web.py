@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from typing import Annotated
 
@@ -13,13 +14,18 @@ from .common import err
 
 def _check_listen(host: str, port: int) -> None:
     """Refuse an address this process cannot listen on (a name that does not resolve, a
-    port in use or not allowed) in one line, before the server's own traceback would."""
+    port in use or not allowed) in one line, before the server's own traceback would. Every
+    address the name resolves to is bound at once, as the server binds them (asyncio's: an
+    IPv6 socket for IPv6 only)."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        family, kind, proto, _, address = infos[0]
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server does
-            probe.bind(address)
+        with contextlib.ExitStack() as held:
+            for family, kind, proto, _, address in dict.fromkeys(infos):
+                probe = held.enter_context(socket.socket(family, kind, proto))
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                probe.bind(address)
     except OSError as exc:
         raise InvalidArgumentError(
             f"cannot listen on {host}:{port}: {exc.strerror or exc}"

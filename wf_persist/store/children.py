@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING
 from sqlalchemy import select
 
 from .. import events
-from ..backends.clock import db_now
-from ..backends.sql import active
+from ..backends.sql import active, due
 from ..error_documents import error_document
 from ..errors import Cancelled, CannotCancelError, UnknownExecutionError
 from ..models import executions_table as ex
@@ -40,30 +39,34 @@ def cancelled_with(conn: Executor, parent_id: str) -> list[str]:
     ]
 
 
-#: How far below a run, and how many runs of a level, :func:`due_descendants` looks.
+#: How far below a run :func:`due_descendants` looks, and how many parents one query takes.
 _DEPTH, _WIDTH = 64, 500
 
 
 def due_descendants(conn: Executor, root_id: str) -> list[str]:
-    """The unfinished runs below ``root_id`` (its children, theirs in turn) due now, of the
-    first level that has any: what a caller waiting for ``root_id`` drives when its run
-    waits for them (no worker need be running)."""
-    current = [root_id]
+    """The runs below ``root_id`` (its children, theirs in turn) due now, of the first level
+    that has any: what a caller waiting for ``root_id`` drives when its run waits for them
+    (no worker need be running). Each level is read a slice of parents at a time."""
+    level = [root_id]
     for _ in range(_DEPTH):
-        rows = (
-            connection_of(conn)
-            .execute(
-                select(ex.c.id, (ex.c.wake_at <= db_now()).label("due"))
-                .where(ex.c.parent_id.in_(current), active())
-                .order_by(ex.c.created_at, ex.c.id)
-                .limit(_WIDTH)
+        below: list[str] = []
+        for start in range(0, len(level), _WIDTH):
+            parents = ex.c.parent_id.in_(level[start : start + _WIDTH])
+            found = connection_of(conn).execute(
+                select(ex.c.id).where(parents, due()).order_by(ex.c.created_at, ex.c.id)
             )
-            .all()
-        )
-        found = [str(r.id) for r in rows if r.due]
-        if found or not rows:
-            return found
-        current = [str(r.id) for r in rows]
+            ready = [str(i) for i in found.scalars()]
+            if ready:
+                return ready
+            below += [
+                str(i)
+                for i in connection_of(conn)
+                .execute(select(ex.c.id).where(parents, active()))
+                .scalars()
+            ]
+        if not below:
+            return []
+        level = below
     return []
 
 
