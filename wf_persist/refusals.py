@@ -124,6 +124,7 @@ def typed_read(method: F) -> F:
     """:func:`typed`, for a method that only reads (so may run twice) and calls no other
     such method: a connection the server ended while staying up (:func:`reset`) is met
     again once before the database is reported out of reach."""
+    once = typed(method)
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -133,11 +134,7 @@ def typed_read(method: F) -> F:
             if not reset(self.backend, exc):
                 translate(self.backend, exc)
                 raise
-        try:
-            return method(self, *args, **kwargs)
-        except Exception as exc:
-            translate(self.backend, exc)
-            raise
+        return once(self, *args, **kwargs)
 
     return cast(F, wrapper)
 
