@@ -96,13 +96,13 @@ def test_a_connection_killed_between_writes_is_replaced(
             conn.rollback()
 
 
-def test_a_server_that_ended_every_connection_costs_one_failed_look(
+def test_a_server_that_ended_every_connection_costs_no_failed_look(
     db_url: str, make_engine: Callable[..., Engine]
 ) -> None:
     """The server ends all of a pool's connections at once (a restart, a failover): the
-    first look that meets a dead one fails with SQLAlchemy's error, the server's SQLSTATE
-    kept, and the pool replaces the others before they are used (each would otherwise
-    fail a call of its own, as many calls as the pool had connections)."""
+    first look that meets a dead one is made again on a fresh connection, and the pool
+    replaces the others before they are used (each would otherwise fail a call of its own,
+    as many calls as the pool had connections: a second try would not cover them)."""
     engine = make_engine(db_url, pool_size=5, max_overflow=0)
     admin = make_engine(db_url)
     with wp.Runtime(engine, lease_ttl=5) as rt:
@@ -124,8 +124,7 @@ def test_a_server_that_ended_every_connection_costs_one_failed_look(
                 assert thin.describe(handle.execution_id).status == "completed"
             except OperationalError as exc:
                 failures.append(exc)
-        assert len(failures) == 1, failures
-        assert failures[0].connection_invalidated
+        assert failures == []
         assert thin.result(handle.execution_id, timeout=5).unwrap() == [1, 2]
 
 
@@ -199,7 +198,8 @@ def test_a_host_whose_handle_error_keeps_the_pool_keeps_it(
 ) -> None:
     """A host's ``handle_error`` listener may keep the pool on a disconnect
     (``invalidate_pool_on_disconnect = False``); listeners never see a fast path's errors,
-    so on such an engine a lost connection replaces only itself."""
+    so on such an engine a lost connection replaces only itself (the look that met it is
+    made again on a fresh one)."""
     engine = make_engine(db_url, pool_size=2, max_overflow=0)
 
     @event.listens_for(engine, "handle_error")
@@ -213,12 +213,6 @@ def test_a_host_whose_handle_error_keeps_the_pool_keeps_it(
         thin = wp.Client(engine)
         dead, alive = sorted(_pids(engine, 2))
         _terminate(admin, dead)
-        failures = 0
-        for _ in range(2):  # one of the two looks meets the dead connection
-            try:
-                thin.describe(handle.execution_id)
-            except OperationalError as exc:
-                assert exc.connection_invalidated
-                failures += 1
-        assert failures == 1
-        assert alive in _pids(engine, 2)
+        for _ in range(2):  # one of the two looks meets the dead connection, and looks again
+            assert thin.describe(handle.execution_id).status in ("running", "completed")
+        assert alive in _pids(engine, 2) and dead not in _pids(engine, 2)
