@@ -343,3 +343,26 @@ def test_an_attached_uri_database_is_named_by_a_plain_url(
     procs.cli("db", "upgrade", "--url", f"sqlite:///{other}")
     assert migrate.current(mapped) == migrate.SCHEMA_HEAD
     assert sorted(p.name for p in tmp_path.iterdir() if "?" in p.name) == []
+
+
+@pytest.mark.needs("sql_mode")
+def test_tables_another_upgrade_is_building_are_not_taken(
+    blank_db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """MySQL commits each DDL statement: while another session holds the migration lock, a
+    table it built halfway is not called taken (a deploy racing it waits for the lock;
+    a runtime opening meanwhile hears "not migrated"). Once the lock is free with nothing
+    recorded, the same table is refused."""
+    from wf_persist.backends.mysql import MIGRATION_LOCK
+
+    builder = make_engine(blank_db_url)
+    with builder.connect() as conn:
+        assert conn.execute(text(f"SELECT GET_LOCK({MIGRATION_LOCK}, 5)")).scalar() == 1
+        conn.execute(text("CREATE TABLE wf_history (execution_id VARCHAR(36), type VARCHAR(64))"))
+        found = migrate.state(blank_db_url)
+        assert found.taken == ()
+        assert type(found.error()) is wp.SchemaVersionError
+        conn.execute(text(f"SELECT RELEASE_LOCK({MIGRATION_LOCK})"))
+    found = migrate.state(blank_db_url)
+    assert found.taken == ("wf_history",)
+    assert isinstance(found.error(), wp.SchemaNamesTakenError)

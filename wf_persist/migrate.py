@@ -467,6 +467,10 @@ def _read_state(conn: Connection, schema: str | None) -> SchemaState:
         taken: tuple[str, ...] = ()
         if not standalone and not merged:
             taken = _taken(conn, backend, schema)
+            if taken and backend.migrating(conn):
+                # Another upgrade is building them (asked after looking: the tables it
+                # builds appear only while it holds the lock, its record before it frees it).
+                taken = ()
             if taken:  # seen after a concurrent upgrade committed: so is its record
                 if began and conn.in_transaction():
                     conn.rollback()  # a fresh snapshot (REPEATABLE READ would keep the old)

@@ -415,6 +415,12 @@ class Connections:
         return None
 
     @classmethod
+    def migrating(cls, conn: Connection) -> bool:
+        """Whether another session holds the migration lock now, building tables that are
+        not recorded yet (only where DDL is not transactional: elsewhere none is seen)."""
+        return False
+
+    @classmethod
     def foreign_table(
         cls, conn: Connection, name: str, schema: str | None, columns: frozenset[str]
     ) -> bool:

@@ -463,6 +463,10 @@ class MySQLBackend(Backend):
         return conn.engine.url.set(database=schema)
 
     @classmethod
+    def migrating(cls, conn: Connection) -> bool:
+        return conn.execute(text(f"SELECT IS_USED_LOCK({MIGRATION_LOCK})")).scalar() is not None
+
+    @classmethod
     def foreign_table(
         cls, conn: Connection, name: str, schema: str | None, columns: frozenset[str]
     ) -> bool:
