@@ -419,3 +419,32 @@ def test_result_without_a_worker_drives_the_children_its_run_waits_for(
     assert report.divergence is None
     executed = client.execute(fam.parent_wf, _job(tmp_path, "z"), timeout=60)
     assert executed.unwrap() == ["v2:Z-A", "Z-B"]
+
+
+@pytest.mark.parametrize("compensate", [True, False])
+def test_a_cancelled_parent_whose_child_ended_first_ends_cancelled(
+    runtime: wp.Runtime, compensate: bool
+) -> None:
+    """The tree's cancel is recorded for the parent, then its child's drive ends the child
+    (``child.finished`` after the parent's ``execution.cancelled``) before the parent's drive
+    runs: the parent's wait ends with the cancellation, not with the child's error."""
+    runtime.register(*fam.ALL)
+    client = runtime.client()
+    handle = client.start(fam.waits_wf, "c")
+    runtime.drive(handle.execution_id)
+    wait_status(client, handle.execution_id, "suspended")
+    tied = _children(client, handle.execution_id)[1]
+    runtime.drive(tied)
+    client.cancel(handle.execution_id, compensate=compensate)
+    runtime.drive(tied)  # the child ends first
+    assert client.status(tied) == "failed"
+    if compensate:  # (without, the cancel ended the parent at once: nothing came after)
+        last = history_types(client, handle.execution_id)[-2:]
+        assert last == ["execution.cancelled", "child.finished"]
+    outcome = client.result(handle.execution_id, timeout=30)
+    assert isinstance(outcome, wp.Failed) and outcome.matches(wp.Cancelled), outcome
+    types = history_types(client, handle.execution_id)
+    assert ("cancellation.received" in types) is compensate
+    assert ("compensation.completed" in types) is compensate
+    (report,) = check_replay(runtime, [handle.execution_id])
+    assert report.divergence is None

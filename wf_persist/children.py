@@ -143,6 +143,8 @@ class ChildRunner:
                 f"run {handle.execution_id} is not a child this run started ({activity})"
             )
         done = self._journal.children_done.get(activity)
+        if activity in self._journal.children_late:
+            self._before_new_call()  # its end came after the run's cancellation: that wins
         if done is None:
             self._before_new_call()
             who = Activity(

@@ -122,6 +122,10 @@ class Journal:
     child_waits: set[str] = field(default_factory=set)
     #: Child activity -> ``(ok, result or error)`` once ``child.finished`` arrived.
     children_done: dict[str, tuple[bool, Any]] = field(default_factory=dict)
+    #: Child activities whose end arrived after the run's cancellation or timeout was
+    #: recorded: a wait for one ends with that, as it would have had the child been slower
+    #: (a tree's cancel ends the children after the parent's cancellation).
+    children_late: set[str] = field(default_factory=set)
     #: Signal name -> buffered signals no wait has taken or rejected yet, oldest first, as
     #: ``(signalId, payload)``.
     buffered: dict[str, list[tuple[str, Any]]] = field(default_factory=dict)
@@ -185,8 +189,10 @@ class Journal:
                 journal.child_waits.add(activity)
         taken: set[str] = set()
         child_activity = {str(e["childExecutionId"]): a for a, e in journal.children.items()}
+        stopped = False
         for ev in events:  # client-written: not journal positions
             etype = ev["type"]
+            stopped = stopped or etype in ("execution.cancelled", "workflow.timed_out")
             if etype == "signal.delivered" and ev["activityName"] in journal.waiting:
                 journal.delivered[ev["activityName"]] = ev.get("payload")
             elif etype in ("signal.received", "signal.rejected") and ev.get("signalId"):
@@ -194,7 +200,10 @@ class Journal:
             elif etype == "child.finished" and ev.get("childExecutionId") in child_activity:
                 ok = bool(ev.get("ok"))
                 done = (ok, ev.get("result") if ok else ev.get("error"))
-                journal.children_done[child_activity[str(ev["childExecutionId"])]] = done
+                child = child_activity[str(ev["childExecutionId"])]
+                journal.children_done[child] = done
+                if stopped:
+                    journal.children_late.add(child)
         for ev in events:
             if ev["type"] == "signal.buffered" and ev.get("signalId") not in taken:
                 queue = journal.buffered.setdefault(str(ev.get("name")), [])
