@@ -28,7 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
 import wf_persist as wp
-from wf_persist import migrate
+from wf_persist import migrate, schema_reads
 from wf_persist.backends import backend_type, normalize_url
 from wf_persist.models import metadata
 
@@ -310,7 +310,7 @@ def test_a_concurrent_first_upgrade_is_seen_through_a_repeatable_read_snapshot(
     (MariaDB's default REPEATABLE READ kept the first), so its tables are not "taken"."""
     _execute(blank_db_url, f"CREATE TABLE {migrate.VERSION_TABLE} (version_num VARCHAR(32))")
     host = make_engine(blank_db_url, isolation_level="REPEATABLE READ")
-    look = migrate._taken
+    look = schema_reads.taken
     done: list[bool] = []
 
     def other_deploy_first(*args: object) -> tuple[str, ...]:
@@ -319,7 +319,7 @@ def test_a_concurrent_first_upgrade_is_seen_through_a_repeatable_read_snapshot(
             migrate.upgrade(blank_db_url)  # another process, committed meanwhile
         return look(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(migrate, "_taken", other_deploy_first)
+    monkeypatch.setattr(schema_reads, "taken", other_deploy_first)
     found = migrate.state(host)
     assert done and found.error() is None and found.revision == migrate.SCHEMA_HEAD
 

@@ -20,12 +20,12 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from sqlalchemy import Connection, Engine, column, inspect, select, table
+from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.util.concurrency import await_, in_greenlet
 
-from . import backends, refusals
+from . import backends, refusals, schema_reads
 from .errors import (
     InvalidArgumentError,
     MergedSchemaVersionError,
@@ -36,32 +36,15 @@ from .errors import (
     UnsupportedDatabaseError,
 )
 from .models import ONLY_ON, metadata
+from .schema_reads import FIRST_TABLES as FIRST_TABLES
+from .schema_reads import HOST_VERSION_TABLE as HOST_VERSION_TABLE
+from .schema_reads import VERSION_TABLE as VERSION_TABLE
+from .schema_reads import VIEWS as VIEWS
 
 if TYPE_CHECKING:
     from alembic.config import Config
     from alembic.script import ScriptDirectory
 
-    from .backends.base import Backend
-
-#: Alembic version table wf_persist uses (never the host application's).
-VERSION_TABLE: Final = "wf_persist_alembic_version"
-#: The version table of a host that merged our revisions into its own chain.
-HOST_VERSION_TABLE: Final = "alembic_version"
-#: The tables of our first revision, with the columns it gives them (CREATE TABLE is atomic:
-#: one an interrupted first revision left on MySQL has exactly these).
-FIRST_TABLES: Final = {
-    "wf_workflows": frozenset({"name", "version", "source_hash", "registered_at"}),
-    "wf_executions": frozenset(
-        {"id", "workflow_name", "workflow_version", "status", "input", "result", "error"}
-        | {"idempotency_key", "actor", "next_seq", "wake_at", "lease_owner"}
-        | {"lease_expires_at", "created_at", "started_at", "finished_at", "updated_at"}
-    ),
-    "wf_history": frozenset(
-        {"execution_id", "sequence", "type", "activity_name", "dedupe_key", "created_at", "event"}
-    ),
-}
-#: The views our revisions create (CREATE OR REPLACE on MySQL: a host's would be lost).
-VIEWS: Final = ("wf_step_attempts", "wf_execution_waits", "wf_run_tree")
 #: What migrates a merged database: the host's own Alembic, every branch at once.
 HOST_UPGRADE_COMMAND: Final = "alembic upgrade heads"
 #: The revision this version of wf_persist needs. A test checks it is the script head.
@@ -459,71 +442,16 @@ def _missing_sqlite_file(url: URL) -> bool:
 
 
 def _read_state(conn: Connection, schema: str | None) -> SchemaState:
-    """Read both version tables, ending any transaction the reading began."""
-    backend = backends.backend_type(conn.dialect.name)
-    began = not conn.in_transaction()
-    try:
-        standalone, merged = _recorded(conn, schema)
-        taken: tuple[str, ...] = ()
-        if not standalone and not merged:
-            taken = _taken(conn, backend, schema)
-            if taken and backend.migrating(conn):
-                # Another upgrade is building them (asked after looking: the tables it
-                # builds appear only while it holds the lock, its record before it frees it).
-                taken = ()
-            if taken:  # seen after a concurrent upgrade committed: so is its record
-                if began and conn.in_transaction():
-                    conn.rollback()  # a fresh snapshot (REPEATABLE READ would keep the old)
-                standalone, merged = _recorded(conn, schema)
-        mapped = None
-        if schema is not None and not backend.supports_schemas:
-            mapped = backend.mapped_database(conn, schema)
-    finally:
-        if began and conn.in_transaction():
-            conn.rollback()
-    return SchemaState(standalone, merged, conn.engine.url, schema, taken=taken, mapped=mapped)
-
-
-def _recorded(conn: Connection, schema: str | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Our version table's revisions and the ``wf_`` ones of the host's."""
-    inspector = inspect(conn)
-    standalone = _versions(conn, inspector.has_table(VERSION_TABLE, schema), VERSION_TABLE, schema)
-    host = _host_versions(conn, inspector, schema)
-    return standalone, tuple(r for r in host if r.startswith("wf_"))
-
-
-def _taken(conn: Connection, backend: type[Backend], schema: str | None) -> tuple[str, ...]:
-    """The names our revisions create that a database recording none of them has already:
-    the first revision would fail on them. Our tables an interrupted first revision left
-    (where DDL is not transactional) are not counted."""
-    inspector = inspect(conn)
-    present = set(inspector.get_table_names(schema)) | set(inspector.get_view_names(schema))
-    found: list[str] = [name for name in VIEWS if name in present]
-    for name in metadata.tables:
-        first = FIRST_TABLES.get(name, frozenset())
-        if name in present and backend.foreign_table(conn, name, schema, first):
-            found.append(name)
-    return tuple(sorted(found))
-
-
-def _host_versions(conn: Connection, inspector: Any, schema: str | None) -> tuple[str, ...]:
-    """The host's Alembic revisions; none where the database refuses this engine's user
-    their table (a user granted wf_persist's tables only: MySQL refuses even to describe
-    it). Such a user sees the database as wf_persist's own version table records it."""
-    try:
-        exists = inspector.has_table(HOST_VERSION_TABLE, schema)
-        return _versions(conn, exists, HOST_VERSION_TABLE, schema)
-    except DBAPIError as exc:
-        if not backends.backend_type(conn.dialect.name).refused(exc):
-            raise
-        return ()
-
-
-def _versions(conn: Connection, exists: bool, name: str, schema: str | None) -> tuple[str, ...]:
-    if not exists:
-        return ()
-    version = table(name, column("version_num"), schema=schema)
-    return tuple(sorted(conn.execute(select(version.c.version_num)).scalars()))
+    """What the database records, as a :class:`SchemaState` (see :func:`schema_reads.read`)."""
+    found = schema_reads.read(conn, schema)
+    return SchemaState(
+        found.standalone,
+        found.merged,
+        conn.engine.url,
+        schema,
+        taken=found.taken,
+        mapped=found.mapped,
+    )
 
 
 def _refuse_foreign(found: SchemaState, host_command: str) -> None:
