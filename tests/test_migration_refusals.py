@@ -366,3 +366,18 @@ def test_tables_another_upgrade_is_building_are_not_taken(
     found = migrate.state(blank_db_url)
     assert found.taken == ("wf_history",)
     assert isinstance(found.error(), wp.SchemaNamesTakenError)
+
+
+@pytest.mark.needs("sql_mode")
+def test_names_taken_are_read_through_a_session_with_max_join_size(
+    blank_db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """A host's max_join_size refuses even SHOW FULL TABLES: the look for taken names is
+    allowed for its duration (the refusal is the typed one) and the setting put back."""
+    _execute(blank_db_url, "CREATE TABLE wf_executions (id INTEGER PRIMARY KEY, junk INTEGER)")
+    setting = "SET SESSION max_join_size=10"
+    engine = make_engine(blank_db_url, connect_args={"init_command": setting}, pool_size=1)
+    with pytest.raises(wp.SchemaNamesTakenError):
+        migrate.upgrade(engine)
+    with engine.connect() as conn:
+        assert conn.exec_driver_sql("SELECT @@sql_big_selects").scalar() == 0

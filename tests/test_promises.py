@@ -182,6 +182,16 @@ SAMPLES: dict[str, BaseException] = {
     "MissingWorkflowVersionError": wp.MissingWorkflowVersionError("wf", 2),
     "NonDeterminismError": wp.NonDeterminismError("step:a#1", "step:b#1"),
     "SchemaVersionError": wp.SchemaVersionError(None, "wf_0002", "wf-persist db upgrade"),
+    "SchemaTooNewError": wp.SchemaTooNewError("wf_0099", "wf_0002"),
+    "MergedSchemaVersionError": wp.MergedSchemaVersionError(
+        "wf_0001", "wf_0002", "alembic upgrade heads", "alembic_version"
+    ),
+    "SchemaVersionConflictError": wp.SchemaVersionConflictError(
+        "wf_0001", "wf_0001", "wf_0002", "DROP TABLE wf_persist_alembic_version"
+    ),
+    "SchemaNamesTakenError": wp.SchemaNamesTakenError(
+        ["wf_executions"], "wf_0002", "wf-persist db upgrade"
+    ),
     "StepExecutionError": wp.StepExecutionError("charge", {"name": "RuntimeError"}),
     "CodeExecutionError": wp.CodeExecutionError("block", {"name": "ValueError"}),
     "SignalNotWaitingError": wp.SignalNotWaitingError("id-1", "approval"),

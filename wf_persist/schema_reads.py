@@ -60,7 +60,8 @@ def read(conn: Connection, schema: str | None) -> Found:
         standalone, merged = _recorded(conn, schema)
         names: tuple[str, ...] = ()
         if not standalone and not merged:
-            names = taken(conn, backend, schema)
+            with backend.catalog_reads(conn):
+                names = taken(conn, backend, schema)
             if names and backend.migrating(conn):
                 # Another upgrade is building them (asked after looking: the tables it
                 # builds appear only while it holds the lock, its record before it frees it).

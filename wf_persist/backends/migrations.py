@@ -4,6 +4,8 @@ DDL is transactional, and overridden where a backend differs."""
 
 from __future__ import annotations
 
+import contextlib
+
 from sqlalchemy import Connection
 from sqlalchemy.engine import URL
 
@@ -22,6 +24,12 @@ class Migrations:
         """Why wf_persist's tables cannot be reached through ``conn`` (asked where a
         migration connects: an opened backend checks the same in :meth:`check`)."""
         return None
+
+    @classmethod
+    def catalog_reads(cls, conn: Connection) -> contextlib.AbstractContextManager[None]:
+        """Around reads of the server's catalog (its table and column lists) that a
+        session's limits would refuse: allowed for their duration, put back after."""
+        return contextlib.nullcontext()
 
     @classmethod
     def mapped_database(cls, conn: Connection, schema: str) -> URL | None:
