@@ -60,12 +60,9 @@ class RunReader:
         fresh connection if the server ended the one it took (a wait for a run looks many
         times: each look gets that second try)."""
         execution_id = arguments.check_id(execution_id)
-        try:
-            row = executions.look(self.backend, execution_id)
-        except Exception as exc:
-            if not refusals.reset(self.backend, exc):
-                raise
-            row = executions.look(self.backend, execution_id)
+        row = refusals.again_if_reset(
+            self.backend, lambda: executions.look(self.backend, execution_id)
+        )
         if row is None:
             raise UnknownExecutionError(execution_id)
         return row

@@ -32,6 +32,7 @@ from .errors import (
 )
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 F_ = TypeVar("F_", DatabaseUnavailableError, StatementCancelledError)
 
 
@@ -120,21 +121,28 @@ def reset(backend: _Refuses, exc: BaseException) -> bool:
     )
 
 
+def again_if_reset(backend: _Refuses, read: Callable[[], T]) -> T:
+    """``read()``, once more if the server ended its connection (:func:`reset`)."""
+    try:
+        return read()
+    except Exception as exc:
+        if not reset(backend, exc):
+            raise
+    return read()
+
+
 def typed_read(method: F) -> F:
     """:func:`typed`, for a method that only reads (so may run twice) and calls no other
     such method: a connection the server ended while staying up (:func:`reset`) is met
     again once before the database is reported out of reach."""
-    once = typed(method)
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            return method(self, *args, **kwargs)
+            return again_if_reset(self.backend, lambda: method(self, *args, **kwargs))
         except Exception as exc:
-            if not reset(self.backend, exc):
-                translate(self.backend, exc)
-                raise
-        return once(self, *args, **kwargs)
+            translate(self.backend, exc)
+            raise
 
     return cast(F, wrapper)
 
