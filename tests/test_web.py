@@ -170,3 +170,29 @@ def test_actions_need_the_flag_and_the_token(
             assert client.describe(again["id"]).actor == "web"
             wait_until(lambda: client.status(again["id"]) in ("running", "suspended"))
             assert http.post(f"/api/runs/{run}/cancel", json={}, headers=token).status_code == 400
+
+
+def test_every_answer_forbids_framing_and_foreign_scripts(
+    served: tuple[wp.Runtime, httpx.Client],
+) -> None:
+    """A page that framed the view could lead a visitor, token pasted, into clicking an
+    action: pages, the API, static files and errors all say no frames, only our scripts."""
+    rt, http = served
+    run = _run_approval(rt)
+    answers = [
+        http.get("/"),
+        http.get(f"/runs/{run}"),
+        http.get("/api/runs"),
+        http.get("/static/app.js"),
+        http.get("/api/runs/nope"),  # 404 in JSON
+        http.get("/nowhere"),  # no route
+        http.get("/", params={"status": "bogus"}),  # 400 page
+    ]
+    assert [a.status_code for a in answers] == [200, 200, 200, 200, 404, 404, 400]
+    for answer in answers:
+        policy = answer.headers["content-security-policy"]
+        assert "frame-ancestors 'none'" in policy and "default-src 'self'" in policy
+        assert answer.headers["x-frame-options"] == "DENY"
+        assert answer.headers["x-content-type-options"] == "nosniff"
+        assert answer.headers["referrer-policy"] == "no-referrer"
+        assert len(answer.headers.get_list("x-frame-options")) == 1

@@ -45,8 +45,11 @@ def page(browser: Browser) -> Iterator[Page]:
     context = browser.new_context()
     opened = context.new_page()
     opened.set_default_timeout(20_000)
+    refused: list[str] = []  # what the pages' security policy blocked, if anything
+    opened.on("console", lambda m: refused.append(m.text) if "Security Policy" in m.text else None)
     yield opened
     context.close()
+    assert not refused, refused
 
 
 @pytest.fixture

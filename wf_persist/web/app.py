@@ -26,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..client import Client
 from ..errors import (
@@ -39,6 +40,41 @@ from . import data
 
 _HERE = Path(__file__).parent
 Handler = Callable[[Request], Awaitable[Response]]
+
+#: Sent with every answer. The pages load only their own script and style, and no other site
+#: may frame them: a page that framed the view could lead a visitor, token pasted, into
+#: clicking an action (cancel, retry) they never meant.
+SECURITY_HEADERS: tuple[tuple[bytes, bytes], ...] = (
+    (
+        b"content-security-policy",
+        b"default-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; "
+        b"frame-ancestors 'none'",
+    ),
+    (b"x-frame-options", b"DENY"),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"no-referrer"),
+)
+
+
+class SecurityHeaders:
+    """ASGI middleware adding :data:`SECURITY_HEADERS` to every HTTP answer, errors too."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                known = {name.lower() for name, _ in message.get("headers", [])}
+                extra = [pair for pair in SECURITY_HEADERS if pair[0] not in known]
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
 
 
 class WebView:
@@ -203,11 +239,9 @@ def create_app(
         Route("/api/runs/{run_id}/retry", action(retry), methods=["POST"]),
         Mount("/static", StaticFiles(directory=_HERE / "static"), name="static"),
     ]
-    middleware = (
-        []
-        if allowed_hosts is None
-        else [Middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts)]
-    )
+    middleware = [Middleware(SecurityHeaders)]
+    if allowed_hosts is not None:
+        middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts))
     app = Starlette(routes=routes, middleware=middleware, exception_handlers={404: _not_found})
     app.state.view = view
     return app
