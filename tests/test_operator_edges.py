@@ -5,9 +5,11 @@ and a connection the server ends while a command waits."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
 import socket
+import sqlite3
 import sys
 import time
 from collections.abc import Callable
@@ -209,3 +211,60 @@ def test_the_listen_check_binds_as_the_server_does() -> None:
                 usable = False
             if usable:
                 _check_listen("::", port)
+
+
+def _journal(path: Path) -> str:
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        return str(conn.execute("PRAGMA journal_mode").fetchone()[0])
+
+
+@pytest.mark.needs("embedded")
+def test_a_mistyped_url_leaves_another_applications_file_as_it_was(
+    tmp_path: Path, procs: Processes
+) -> None:
+    """WAL is written into the file: a command or client pointed at another application's
+    database (rollback journal) or at an empty file converted the one to WAL and wrote a
+    header into the other before refusing them. Both are refused now, byte for byte as
+    they were."""
+    app_db, empty = tmp_path / "app.sqlite3", tmp_path / "empty.sqlite3"
+    with contextlib.closing(sqlite3.connect(app_db)) as conn:
+        conn.execute("CREATE TABLE orders (id INTEGER PRIMARY KEY)")
+        conn.commit()
+    empty.touch()
+    before = {path: path.read_bytes() for path in (app_db, empty)}
+    for path in (app_db, empty):
+        url = f"sqlite:///{path}"
+        listed = procs.cli("runs", "list", "--url", url, check=False)
+        assert "not migrated" in _one_error_line(listed)
+        current = procs.cli("db", "current", "--url", url, check=False)
+        assert (current.returncode, current.stdout) == (3, "none\n")
+        with pytest.raises(wp.SchemaVersionError):
+            wp.Client(url, auto_migrate=False)
+    assert {path: path.read_bytes() for path in before} == before
+    assert sorted(p.name for p in tmp_path.glob("*.sqlite3*")) == ["app.sqlite3", "empty.sqlite3"]
+    assert _journal(app_db) == "delete"
+
+
+@pytest.mark.needs("embedded")
+def test_our_database_in_a_rollback_journal_is_put_in_wal_by_our_engines_only(
+    tmp_path: Path, make_engine: Callable[..., Engine]
+) -> None:
+    """A database holding our schema in rollback-journal mode (a script migrated it, or a
+    host's engine) gets WAL when a runtime's own engine opens it; a host's engine keeps
+    the file's mode. A new file gets WAL from the first connection of an engine of ours."""
+    path = tmp_path / "ours.sqlite3"
+    url = f"sqlite:///{path}"
+    with wp.Runtime(make_engine(url), auto_migrate=True):
+        pass
+    assert _journal(path) == "delete"  # a host's engine: its file, its mode
+    with wp.Runtime(url):
+        pass
+    assert _journal(path) == "wal"
+    fresh = tmp_path / "fresh.sqlite3"
+    engine = wp.create_engine(f"sqlite:///{fresh}")
+    try:
+        with engine.connect():
+            pass
+    finally:
+        engine.dispose()
+    assert _journal(fresh) == "wal"

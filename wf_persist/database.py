@@ -65,6 +65,8 @@ class Database:
                 migrate.upgrade(self.backend.engine)
             else:
                 migrate.assert_at_head(self.backend.engine)
+            if not self.read_only:
+                self.backend.settle()
         except BaseException as exc:
             if self.owns_engine:
                 backends.dispose_engine(engine)

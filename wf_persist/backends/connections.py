@@ -157,6 +157,10 @@ class Connections(Migrations):
     def on_own_engine(cls, engine: Engine) -> None:
         """Listeners on an engine wf_persist created (never on a host's)."""
 
+    def settle(self) -> None:
+        """Settings an engine of ours writes into a database once it is known to hold
+        our schema at head (none here); a host's engine is never changed."""
+
     def view_options(self) -> dict[str, Any]:
         """Execution options of every connection wf_persist takes (a named schema)."""
         return dict(self.statement_options)

@@ -20,7 +20,8 @@ import sqlite3
 import tempfile
 import threading
 import urllib.parse
-from collections.abc import Iterator, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Final
 
 from sqlalchemy import Connection, Engine, bindparam, event
@@ -88,6 +89,25 @@ def _ts(value: dt.datetime | None) -> str | None:
         value = value.astimezone(dt.UTC)
     # isoformat is several times cheaper than strftime, and pads the year as SQLAlchemy does.
     return value.replace(tzinfo=None).isoformat(" ", "microseconds")
+
+
+#: Engines wf_persist made (``wp.create_engine``, a runtime's own), whose connections
+#: :meth:`SQLiteBackend.settle` may turn a database's journal into WAL through.
+_OWN_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def _size(path: str) -> int:
+    """A file's size; 0 for one not there (nor reachable)."""
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _wal_if(cursor: Any, wanted: Callable[[], bool]) -> None:
+    """Put the database in WAL unless it is already, when ``wanted()`` says so."""
+    if str(cursor.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal" and wanted():
+        cursor.execute("PRAGMA journal_mode = WAL")
 
 
 class DataVersion(Changes):
@@ -193,11 +213,17 @@ class SQLiteBackend(Backend):
             cursor = dbapi_connection.cursor()
             try:
                 cursor.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-                cursor.execute("PRAGMA journal_mode = WAL")
                 cursor.execute("PRAGMA synchronous = FULL")
                 cursor.execute("PRAGMA foreign_keys = ON")
+                # WAL is a property of the file, written into it: a new database gets it
+                # here, one that holds our schema when it is opened (settle). Another
+                # application's file, named by a mistyped URL, keeps its mode: nothing is
+                # written before the schema check refuses it.
+                _wal_if(cursor, lambda: cursor.execute("PRAGMA page_count").fetchone()[0] == 0)
             finally:
                 cursor.close()
+
+        _OWN_ENGINES.add(engine)
 
         @event.listens_for(engine, "begin")
         def _on_begin(conn: Connection) -> None:
@@ -206,6 +232,21 @@ class SQLiteBackend(Backend):
             options = conn.get_execution_options()
             if not options.get(MANUAL_BEGIN):
                 conn.exec_driver_sql("BEGIN" if options.get(READONLY) else "BEGIN IMMEDIATE")
+
+    def settle(self) -> None:
+        """An engine of ours puts a database that holds our schema in WAL (readers never
+        wait for the writer): one migrated by a script, say, or made before by a host."""
+        if self.base_engine not in _OWN_ENGINES:
+            return  # a host's engine: its file, its journal mode
+        with connect(self.base_engine) as conn:
+            raw: Any = conn.connection.driver_connection
+            cursor = raw.cursor()
+            try:
+                _wal_if(cursor, lambda: True)
+            except sqlite3.Error as exc:
+                raise self.raw_failure(conn, exc, "PRAGMA journal_mode = WAL", cursor) from exc
+            finally:
+                cursor.close()
 
     @contextlib.contextmanager
     def _controlled(self, conn: Connection) -> Iterator[Connection]:
@@ -293,8 +334,10 @@ class SQLiteBackend(Backend):
         if database in ("", ":memory:"):
             return False
         # Anything else is a path, "file:x" included when it is no URI (SQLAlchemy hands
-        # SQLite its absolute path, a plain file named "file:x").
-        return not os.path.exists(database)
+        # SQLite its absolute path, a plain file named "file:x"). An empty file holds no
+        # database yet either (unless its write-ahead log holds one): reading it as one
+        # would write SQLite's header into it.
+        return _size(database) == 0 and _size(database + "-wal") == 0
 
     @staticmethod
     def in_memory(url: URL) -> bool:
