@@ -56,7 +56,7 @@ class Lender:
             if conn is not None:
                 conn.close()
 
-    def _release_unless_busy(self) -> None:
+    def release_unless_busy(self) -> None:
         """The timer's release: a write in progress (of a ``ctx.all`` sibling, say) keeps
         the connection, and the timer thread, which serves every timer, never waits."""
         if self.lock.acquire(blocking=False):
@@ -114,8 +114,8 @@ class _Lent:
     def __enter__(self) -> None:
         lender = self._lender
         if lender._conn is not None and lender.backend.pool_full():
-            lender._release_unless_busy()
-        self._cancel = lender.timers.after(RELEASE_AFTER, lender._release_unless_busy)
+            lender.release_unless_busy()
+        self._cancel = lender.timers.after(RELEASE_AFTER, lender.release_unless_busy)
 
     def __exit__(self, *exc: object) -> None:
         if self._cancel is not None:

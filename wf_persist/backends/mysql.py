@@ -26,6 +26,7 @@ from sqlalchemy import (
     event,
     func,
     insert,
+    literal,
     or_,
     select,
     text,
@@ -112,6 +113,19 @@ class NamedLockSlots(SessionLockSlots):
 
     def unlock(self, conn: Connection, k1: int, slot: int) -> None:
         conn.execute(text("SELECT RELEASE_LOCK(:n)"), {"n": self._name(k1, slot)})
+
+    def stay(self, conn: Connection) -> object:
+        # A host's wait_timeout (an init_command's, say) would end the session mid-step.
+        was = conn.execute(text("SELECT @@SESSION.wait_timeout")).scalar()
+        conn.execute(text(f"SET SESSION wait_timeout = {_LONGEST_WAIT}"))
+        return was
+
+    def unstay(self, conn: Connection, saved: object) -> None:
+        conn.execute(text("SET SESSION wait_timeout = :s"), {"s": int(str(saved))})
+
+
+#: The largest ``wait_timeout`` the server takes on every platform (a year, in seconds).
+_LONGEST_WAIT: Final = 31_536_000
 
 
 @functools.lru_cache(maxsize=64)
@@ -298,12 +312,16 @@ class MySQLBackend(Backend):
             conn.execute(insert(table).values(**(sql_values or {})), dict(row))
         except IntegrityError as exc:
             args: tuple[Any, ...] = tuple(getattr(exc.orig, "args", ()))
+            if not args or args[0] != _DUPLICATE_KEY:
+                raise
             message = str(args[1]) if len(args) > 1 else ""
-            if (
-                args
-                and args[0] == _DUPLICATE_KEY
-                and re.search(rf"for key '(?:[^']*\.)?{re.escape(name)}'", message)
-            ):
+            if re.search(rf"for key '(?:[^']*\.)?{re.escape(name)}'", message):
+                return False
+            # Not in English (the session's lc_messages): ask the key itself, reading the
+            # newest committed row as the failed INSERT did, whatever the isolation level.
+            match = [table.c[column] == row[column] for column in key.columns]
+            taken = select(literal(1)).select_from(table).where(*match).limit(1)
+            if conn.execute(taken.with_for_update(read=True)).first() is not None:
                 return False
             raise
         return True

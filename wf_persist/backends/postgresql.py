@@ -89,6 +89,21 @@ class AdvisorySlots(SessionLockSlots):
     def unlock(self, conn: Connection, k1: int, slot: int) -> None:
         conn.execute(select(func.pg_advisory_unlock(k1, slot)))
 
+    def stay(self, conn: Connection) -> object:
+        # idle_session_timeout (PostgreSQL 14+; NULL before): a database's or role's
+        # setting a host may have, which would end the session mid-step.
+        was = conn.execute(select(func.current_setting(_IDLE_SESSION, True))).scalar()
+        if was not in (None, "0"):
+            conn.execute(select(func.set_config(_IDLE_SESSION, "0", False)))
+        return was
+
+    def unstay(self, conn: Connection, saved: object) -> None:
+        if saved not in (None, "0"):
+            conn.execute(select(func.set_config(_IDLE_SESSION, str(saved), False)))
+
+
+_IDLE_SESSION: Final = "idle_session_timeout"
+
 
 class PostgreSQLBackend(RawPath):
     can_listen: ClassVar[bool] = True

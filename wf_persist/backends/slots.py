@@ -76,6 +76,15 @@ class SessionLockSlots(Slots):
     def unlock(self, conn: Connection, k1: int, slot: int) -> None:
         raise NotImplementedError
 
+    def stay(self, conn: Connection) -> object:
+        """Keep the server from ending the session of a held slot for being idle (it sits
+        idle while the step runs, and its lock would go with it); what :meth:`unstay`
+        puts back."""
+        return None
+
+    def unstay(self, conn: Connection, saved: object) -> None:
+        """Put back what :meth:`stay` changed, before the connection returns to the pool."""
+
     @contextmanager
     def slot(self, step_name: str, key: str, limit: int) -> Iterator[Acquire]:
         # A connection only while a slot is held: each try takes one and gives it back
@@ -83,7 +92,7 @@ class SessionLockSlots(Slots):
         # would otherwise each hold a pooled connection for nothing, and the pool would
         # have none left for the writes of the runs that hold the slots.
         k1 = lock_key(self.namespace, step_name, key)
-        held: tuple[Connection, int] | None = None
+        held: tuple[Connection, int, object] | None = None
 
         def acquire() -> bool:
             nonlocal held
@@ -92,6 +101,7 @@ class SessionLockSlots(Slots):
                 try:
                     conn = conn.execution_options(isolation_level="AUTOCOMMIT")
                     got = next((s for s in range(limit) if self.try_lock(conn, k1, s)), None)
+                    saved = None if got is None else self.stay(conn)
                 except BaseException:
                     conn.invalidate()  # a lock it may have taken goes with its session
                     conn.close()
@@ -99,25 +109,26 @@ class SessionLockSlots(Slots):
                 if got is None:
                     conn.close()
                 else:
-                    held = (conn, got)
+                    held = (conn, got, saved)
             return held is not None
 
         try:
             yield acquire
         finally:
             if held is not None:
-                conn, got = held
+                conn, got, saved = held
                 try:
-                    self._release(conn, k1, got)
+                    self._release(conn, k1, got, saved)
                 finally:
                     conn.close()
 
-    def _release(self, conn: Connection, k1: int, slot: int) -> None:
+    def _release(self, conn: Connection, k1: int, slot: int, saved: object) -> None:
         """Unlock the slot; if that fails, close the connection instead (the server then
         drops its session locks): a pooled connection must never keep a slot held. The
         step's outcome stands either way."""
         try:
             self.unlock(conn, k1, slot)
+            self.unstay(conn, saved)
         except BaseException as exc:
             conn.invalidate()
             if not isinstance(exc, Exception):

@@ -1,0 +1,125 @@
+"""Servers that end idle sessions, and servers that answer in another language.
+
+Managed PostgreSQL often sets ``idle_session_timeout`` (for a database or a role), and a
+MySQL/MariaDB host may run with a short ``wait_timeout``: the server then ends a session
+that sent nothing for that long. A drive keeps no connection idle while user code runs, and
+a concurrency slot's session (idle while its step runs, its lock going with it) is kept
+from being ended. A server whose messages are not in English (``lc_messages``) still has
+its expected duplicate keys recognised.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine
+
+import wf_persist as wp
+
+from .conftest import has
+from .helpers import history_types
+
+#: How long the server lets a session sit idle (1 s), and a step outlasting it.
+STEP_SECONDS = 2.5
+
+
+def _idle_ending_engine(backend: str, db_url: str, make: Callable[..., Engine]) -> Engine:
+    """A host engine whose sessions the server ends after 1 s of silence."""
+    if has(backend, "sql_mode"):
+        return make(db_url, connect_args={"init_command": "SET SESSION wait_timeout = 1"})
+    return make(db_url, connect_args={"options": "-c idle_session_timeout=1000"})
+
+
+ran: list[int] = []
+inside = {"now": 0, "peak": 0}
+inside_lock = threading.Lock()
+
+
+@wp.step
+def slow(i: int) -> int:
+    ran.append(i)
+    time.sleep(STEP_SECONDS)
+    return i * 10
+
+
+@wp.step(concurrency=wp.Limit(1))
+def limited(i: int) -> int:
+    with inside_lock:
+        inside["now"] += 1
+        inside["peak"] = max(inside["peak"], inside["now"])
+    try:
+        time.sleep(STEP_SECONDS)
+    finally:
+        with inside_lock:
+            inside["now"] -= 1
+    return i
+
+
+@wp.workflow(name="idle_slow", version=1)
+def idle_slow_wf(ctx: wp.Context, i: int) -> int:
+    return ctx.run(slow, i) + 1
+
+
+@wp.workflow(name="idle_limited", version=1)
+def idle_limited_wf(ctx: wp.Context, i: int) -> int:
+    return ctx.run(limited, i)
+
+
+@pytest.mark.needs("server")
+def test_a_step_outlasting_the_servers_idle_limit_runs_once(
+    backend: str, db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """The attempt's start, recorded after 1 s, kept its connection idle for the rest of
+    the step; the server ended it and the outcome's write failed: every drive ran the step
+    again until the run failed with DriveFailedError."""
+    ran.clear()
+    engine = _idle_ending_engine(backend, db_url, make_engine)
+    with wp.Runtime(engine, max_drive_failures=2) as rt:
+        rt.register(idle_slow_wf)
+        run = rt.client().start(idle_slow_wf, 4).execution_id
+        rt.start_worker(concurrency=2)
+        assert rt.client().result(run, timeout=60).unwrap() == 41
+        assert ran == [4]
+        assert "drive.failed" not in history_types(rt.client(), run)
+
+
+@pytest.mark.needs("shared_slots")
+def test_a_limit_holds_when_the_server_ends_idle_sessions(
+    backend: str, db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """A slot is a session lock on a connection that sits idle while its step runs: the
+    server ended that session and its lock, and a second run entered the ``Limit(1)``."""
+    inside.update(now=0, peak=0)
+    engine = _idle_ending_engine(backend, db_url, make_engine)
+    with wp.Runtime(engine, record_start_after=None) as rt:
+        rt.register(idle_limited_wf)
+        runs = [rt.client().start(idle_limited_wf, i).execution_id for i in range(2)]
+        rt.start_worker(concurrency=4)
+        assert [rt.client().result(r, timeout=60).unwrap() for r in runs] == [0, 1]
+    assert inside["peak"] == 1
+
+
+@wp.workflow(name="spoken", version=1)
+def spoken_wf(ctx: wp.Context, x: int) -> int:
+    return x + 1
+
+
+@pytest.mark.needs("sql_mode")
+def test_duplicate_keys_are_recognised_in_the_servers_language(
+    db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """MariaDB in German (``lc_messages``): a repeated idempotent start and a second
+    process registering a cataloged version raised the server's raw duplicate-key error."""
+    kwargs: dict[str, Any] = {"connect_args": {"init_command": "SET lc_messages = 'de_DE'"}}
+    with wp.Runtime(make_engine(db_url, **kwargs)) as first:
+        first.register(spoken_wf)
+        client = first.client()
+        run = client.start(spoken_wf, 1, idempotency_key="order-1").execution_id
+        assert client.start(spoken_wf, 1, idempotency_key="order-1").execution_id == run
+        with wp.Runtime(make_engine(db_url, **kwargs)) as second:
+            second.register(spoken_wf)
+            assert second.client().result(run, timeout=30).unwrap() == 2
