@@ -70,18 +70,28 @@ def idle_limited_wf(ctx: wp.Context, i: int) -> int:
 
 
 @pytest.mark.needs("server")
+@pytest.mark.parametrize("worker", [True, False], ids=["worker", "caller"])
+@pytest.mark.parametrize("start_after", [1.0, None], ids=["start-recorded", "one-write"])
 def test_a_step_outlasting_the_servers_idle_limit_runs_once(
-    backend: str, db_url: str, make_engine: Callable[..., Engine]
+    backend: str,
+    db_url: str,
+    make_engine: Callable[..., Engine],
+    worker: bool,
+    start_after: float | None,
 ) -> None:
-    """The attempt's start, recorded after 1 s, kept its connection idle for the rest of
-    the step; the server ended it and the outcome's write failed: every drive ran the step
-    again until the run failed with DriveFailedError."""
+    """The outcome's write after a step longer than the server's idle limit met a
+    connection the server had ended: the attempt's start, recorded after 1 s, had kept its
+    connection idle for the rest of the step; or, with no lease renewals to keep the pool's
+    connections busy (a long lease), the pooled connection it took had sat idle through the
+    step. Every drive ran the step again until the run failed with DriveFailedError."""
     ran.clear()
     engine = _idle_ending_engine(backend, db_url, make_engine)
-    with wp.Runtime(engine, max_drive_failures=2) as rt:
+    options: dict[str, Any] = {"lease_ttl": 60.0, "record_start_after": start_after}
+    with wp.Runtime(engine, max_drive_failures=2, **options) as rt:
         rt.register(idle_slow_wf)
         run = rt.client().start(idle_slow_wf, 4).execution_id
-        rt.start_worker(concurrency=2)
+        if worker:
+            rt.start_worker(concurrency=2)
         assert rt.client().result(run, timeout=60).unwrap() == 41
         assert ran == [4]
         assert "drive.failed" not in history_types(rt.client(), run)

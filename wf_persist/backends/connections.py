@@ -37,6 +37,7 @@ from ..errors import (
 )
 from ..json_text import json_text
 from ..refusals import cancellation
+from . import idle
 from .migrations import Migrations
 from .slots import Slots
 
@@ -130,6 +131,8 @@ class Connections(Migrations):
         problem = None if mapped is None else self.schema_problem(mapped)
         if problem is not None:
             raise InvalidArgumentError(f"the engine's schema_translate_map: {mapped!r}: {problem}")
+        if not self.embedded:
+            idle.watch(self.engine)
         self.slots = Slots(self.engine)
         #: The largest JSON value (bytes, as sent) one stored value may have.
         self.max_value_bytes = 256 * 1024 * 1024 - 64 * 1024
