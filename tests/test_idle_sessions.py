@@ -97,6 +97,36 @@ def test_a_step_outlasting_the_servers_idle_limit_runs_once(
         assert "drive.failed" not in history_types(rt.client(), run)
 
 
+@wp.step
+def shorter(i: int) -> int:
+    ran.append(-i)
+    time.sleep(1.3)
+    return i
+
+
+@wp.workflow(name="idle_all", version=1)
+def idle_all_wf(ctx: wp.Context, i: int) -> int:
+    a, b = ctx.all([wp.call(shorter, i), wp.call(slow, i)])
+    return int(a) + int(b)
+
+
+@pytest.mark.needs("server")
+def test_parallel_branches_keep_no_connection_idle_while_a_sibling_runs(
+    backend: str, db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """The shorter branch's outcome write kept the drive's connection while the longer
+    branch ran on; the server ended it and the longer branch's write failed on it: the
+    longer step ran again."""
+    ran.clear()
+    engine = _idle_ending_engine(backend, db_url, make_engine)
+    with wp.Runtime(engine, max_drive_failures=2, lease_ttl=60.0) as rt:
+        rt.register(idle_all_wf)
+        run = rt.client().start(idle_all_wf, 3).execution_id
+        assert rt.client().result(run, timeout=60).unwrap() == 33
+        assert sorted(ran) == [-3, 3]
+        assert "drive.failed" not in history_types(rt.client(), run)
+
+
 @pytest.mark.needs("shared_slots")
 def test_a_limit_holds_when_the_server_ends_idle_sessions(
     backend: str, db_url: str, make_engine: Callable[..., Engine]

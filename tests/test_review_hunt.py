@@ -398,12 +398,23 @@ def test_a_read_only_engine_is_refused_by_a_runtime_and_only_reads_through_a_cli
 
 
 @pytest.mark.needs("embedded")
+@pytest.mark.parametrize("file", ["migrated", "empty"])
 def test_an_exclusive_sqlite_locking_mode_is_refused_when_the_engine_opens(
-    db_url: str, make_engine: Callable[..., Engine], make_runtime: Callable[..., wp.Runtime]
+    db_url: str,
+    make_engine: Callable[..., Engine],
+    make_runtime: Callable[..., wp.Runtime],
+    file: str,
 ) -> None:
     """Under locking_mode EXCLUSIVE the first connection to write keeps the lock: a worker
-    could never claim (the run stayed running while its claim loop retried)."""
-    make_runtime().close()  # the file, migrated
+    could never claim (the run stayed running while its claim loop retried). Also on an
+    empty file, which reads as no database yet (its checks were skipped as for a file not
+    there, whose connecting would create it)."""
+    if file == "migrated":
+        make_runtime().close()
+    else:
+        path = make_url(db_url).database
+        assert path is not None
+        Path(path).write_bytes(b"")
     engine = make_engine(db_url)
 
     @event.listens_for(engine, "connect")
@@ -411,7 +422,7 @@ def test_an_exclusive_sqlite_locking_mode_is_refused_when_the_engine_opens(
         dbapi_connection.execute("PRAGMA locking_mode = EXCLUSIVE")
 
     with pytest.raises(wp.UnsupportedDatabaseError, match="locking_mode EXCLUSIVE"):
-        wp.Runtime(engine)
+        wp.Runtime(engine, auto_migrate=True)
 
 
 def test_cancel_takes_compensate_as_a_bool_only(runtime: wp.Runtime) -> None:

@@ -196,3 +196,22 @@ def test_every_answer_forbids_framing_and_foreign_scripts(
         assert answer.headers["x-content-type-options"] == "nosniff"
         assert answer.headers["referrer-policy"] == "no-referrer"
         assert len(answer.headers.get_list("x-frame-options")) == 1
+
+
+def test_an_unexpected_error_answers_500_with_the_same_headers(
+    served: tuple[wp.Runtime, httpx.Client], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Starlette answers an unexpected error outside every middleware: the 500 came
+    without the security headers."""
+    from wf_persist.web import data
+
+    def broken(*_: object) -> object:  # a defect of the view's own code, not of the data
+        raise RuntimeError("unexpected")
+
+    _, http = served
+    monkeypatch.setattr(data, "workflows", broken)
+    answer = http.get("/workflows")
+    assert (answer.status_code, answer.text) == (500, "Internal Server Error")
+    assert "frame-ancestors 'none'" in answer.headers["content-security-policy"]
+    assert answer.headers["x-frame-options"] == "DENY"
+    assert "unexpected" not in answer.text

@@ -411,9 +411,6 @@ class RunDriver(ChildDriving):
     def user_code(self) -> AbstractContextManager[None]:
         return self.lender.lent()
 
-    def lend_back(self) -> None:
-        self.lender.release_unless_busy()
-
     def step_function(self, step: Step[Any]) -> Callable[..., Any]:
         return self.runtime.step_overrides.get(step, step.fn)
 

@@ -102,10 +102,6 @@ class Driver(Protocol):
         """Around user code (a step, a code block, a compensation): the drive's
         connection may go back to the pool meanwhile."""
 
-    def lend_back(self) -> None:
-        """User code still runs after a write of its own (a long attempt's start): the
-        drive's connection goes back to the pool, unless a write holds it."""
-
     def step_function(self, step: Step[Any]) -> Callable[..., Any]:
         """The function an attempt of ``step`` calls (the test kit may stand in for it)."""
 

@@ -43,6 +43,12 @@ class Lender:
         #: Held while a connection is in use (and while it is taken or given back).
         self.lock = threading.RLock()
         self._conn: Connection | None = None
+        #: How many pieces of user code of this drive run now (``ctx.all`` branches, an
+        #: attempt whose start a timer records): a write made meanwhile gives its
+        #: connection back, which would otherwise sit idle until they end (a server
+        #: ending idle sessions would end it under the next write).
+        self.running = 0
+        self._counting = threading.Lock()
 
     def connection(self) -> AbstractContextManager[Connection]:
         """The drive's connection for one write (taken from the pool if it has none). A
@@ -96,7 +102,7 @@ class _Borrowed:
     def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
         lender = self._lender
         try:
-            if kind is not None or not lender.keep:
+            if kind is not None or not lender.keep or lender.running:
                 lender.release()
         finally:
             lender.lock.release()
@@ -113,10 +119,15 @@ class _Lent:
 
     def __enter__(self) -> None:
         lender = self._lender
+        with lender._counting:
+            lender.running += 1
         if lender._conn is not None and lender.backend.pool_full():
             lender.release_unless_busy()
         self._cancel = lender.timers.after(RELEASE_AFTER, lender.release_unless_busy)
 
     def __exit__(self, *exc: object) -> None:
+        lender = self._lender
+        with lender._counting:
+            lender.running -= 1
         if self._cancel is not None:
             self._cancel()

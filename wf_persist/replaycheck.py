@@ -153,9 +153,6 @@ class _DryDriver:
     def user_code(self) -> AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    def lend_back(self) -> None:
-        return None
-
     def step_function(self, step: Step[Any]) -> Callable[..., Any]:
         def never(**_: Any) -> Any:
             raise _Frontier(f"would run step {step.name}")

@@ -109,11 +109,6 @@ class _StartWatch:
                 self.recorded = True
             except BaseException as exc:  # the completion write reports it
                 self.error = exc
-            if self._cancel is not None:
-                # Written while the attempt runs: its connection goes back to the pool, not
-                # kept idle for the rest of the step (a server ending idle sessions would
-                # end it, and the outcome's write would fail on it).
-                self._driver.lend_back()
 
     def _stop(self) -> None:
         with self._state:

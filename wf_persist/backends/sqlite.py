@@ -96,6 +96,23 @@ def _ts(value: dt.datetime | None) -> str | None:
 _OWN_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
+def _file_of(url: URL) -> str | None:
+    """The path of the file a SQLite URL opens, ``None`` for an in-memory database."""
+    database = url.database or ""
+    if database.startswith("file:") and url.query.get("uri") == "true":
+        # A URI filename (file:PATH?mode=...): SQLite creates PATH unless told otherwise.
+        parts = urllib.parse.urlsplit(database)
+        modes = [*urllib.parse.parse_qs(parts.query).get("mode", ()), url.query.get("mode")]
+        if "memory" in modes:
+            return None
+        database = urllib.parse.unquote(parts.path)
+    if database in ("", ":memory:"):
+        return None
+    # Anything else is a path, "file:x" included when it is no URI (SQLAlchemy hands
+    # SQLite its absolute path, a plain file named "file:x").
+    return database
+
+
 def _size(path: str) -> int:
     """A file's size; 0 for one not there (nor reachable)."""
     try:
@@ -323,21 +340,17 @@ class SQLiteBackend(Backend):
 
     @classmethod
     def database_missing(cls, url: URL) -> bool:
-        database = url.database or ""
-        if database.startswith("file:") and url.query.get("uri") == "true":
-            # A URI filename (file:PATH?mode=...): SQLite creates PATH unless told otherwise.
-            parts = urllib.parse.urlsplit(database)
-            modes = [*urllib.parse.parse_qs(parts.query).get("mode", ()), url.query.get("mode")]
-            if "memory" in modes:
-                return False
-            database = urllib.parse.unquote(parts.path)
-        if database in ("", ":memory:"):
-            return False
-        # Anything else is a path, "file:x" included when it is no URI (SQLAlchemy hands
-        # SQLite its absolute path, a plain file named "file:x"). An empty file holds no
-        # database yet either (unless its write-ahead log holds one): reading it as one
-        # would write SQLite's header into it.
-        return _size(database) == 0 and _size(database + "-wal") == 0
+        # An empty file holds no database yet either (unless its write-ahead log holds
+        # one): an engine of ours reading it as one would write SQLite's header into it.
+        path = _file_of(url)
+        return path is not None and _size(path) == 0 and _size(path + "-wal") == 0
+
+    @staticmethod
+    def _absent(url: URL) -> bool:
+        """Whether connecting would create the database file (reading an empty one
+        writes nothing, unless an engine of ours opens it)."""
+        path = _file_of(url)
+        return path is not None and not os.path.exists(path)
 
     @staticmethod
     def in_memory(url: URL) -> bool:
@@ -375,7 +388,7 @@ class SQLiteBackend(Backend):
                 + ", under which wf_persist's connections (it writes from several at once) "
                 "fail each other instead of waiting; open the file without it"
             )
-        if self.database_missing(self.base_engine.url):
+        if self._absent(self.base_engine.url):
             return  # not created by asking
         with connect(self.base_engine) as conn:
             mode = str(conn.exec_driver_sql("PRAGMA locking_mode").scalar()).lower()
@@ -429,7 +442,7 @@ class SQLiteBackend(Backend):
         options = _uri_options(url)  # a URI filename opened read-only
         if options.get("mode") == "ro" or options.get("immutable") == "1":
             return True
-        if self.database_missing(url):
+        if self._absent(url):
             return False  # not created by asking (a host's query_only would refuse that too)
         with self.base_engine.connect() as conn:
             return bool(conn.exec_driver_sql("PRAGMA query_only").scalar())

@@ -242,7 +242,8 @@ def create_app(
     middleware = [Middleware(SecurityHeaders)]
     if allowed_hosts is not None:
         middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts))
-    app = Starlette(routes=routes, middleware=middleware, exception_handlers={404: _not_found})
+    handlers = {404: _not_found, 500: _server_error}
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
     app.state.view = view
     return app
 
@@ -253,6 +254,13 @@ async def _not_found(request: Request, exc: Exception) -> Response:
     if request.url.path.startswith("/api/runs/"):
         return JSONResponse({"error": "Run not found"}, status_code=404)
     return PlainTextResponse("Not Found", status_code=404)
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    """An unexpected error: Starlette answers it outside every middleware, so the
+    security headers are set here."""
+    headers = {name.decode(): value.decode() for name, value in SECURITY_HEADERS}
+    return PlainTextResponse("Internal Server Error", status_code=500, headers=headers)
 
 
 def _actor(body: dict[str, Any]) -> str:
