@@ -5,6 +5,7 @@ and a connection the server ends while a command waits."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import shlex
@@ -189,6 +190,47 @@ def test_a_wait_rides_out_a_connection_the_server_ended(
         rt.drive(run)
     assert "done" in procs.finish(waiting, timeout=60).stdout
     assert "workflow.completed" in procs.finish(following, timeout=60).stdout
+
+
+@pytest.mark.needs("server")
+def test_async_reads_ride_out_a_connection_the_server_ended(
+    backend: str, db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """``wp.AsyncClient``'s reads after an operator ended its idle pooled connection: on
+    MariaDB its engine set READ COMMITTED at every checkout, and on a connection the server
+    had ended that SET failed with the driver's raw error (read as the database out of
+    reach, the connection leaked); ``get_event``'s looks were not tried again anywhere."""
+    with wp.Runtime(db_url) as rt:
+        rt.register(dashed_wf)
+        run = rt.client().start(dashed_wf).execution_id
+        rt.drive(run)
+    admin = make_engine(db_url)
+
+    async def reads() -> list[object]:
+        found: list[object] = []
+        async with wp.AsyncClient(db_url) as client:
+            for read in (
+                lambda: client.status(run),
+                lambda: client.describe(run),
+                lambda: client.history(run),
+                lambda: client.pending_signals(run),
+                lambda: client.events(run),
+                lambda: client.get_event(run, "k", timeout=0.3),
+            ):
+                await client.status(run)  # leaves an idle connection in the pool
+                assert _end_connections(backend, admin) > 0
+                try:
+                    found.append(await read())
+                except wp.EventNotSetError as exc:
+                    found.append(type(exc))
+        return found
+
+    status, info, history, pending, published, event = asyncio.run(reads())
+    assert status == "suspended"
+    assert isinstance(info, wp.ExecutionInfo) and info.status == "suspended"
+    assert isinstance(history, list) and history
+    assert isinstance(pending, list) and [p.name for p in pending] == ["-x"]
+    assert (published, event) == ({}, wp.EventNotSetError)
 
 
 def test_the_listen_check_binds_as_the_server_does() -> None:

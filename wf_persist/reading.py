@@ -86,7 +86,7 @@ class RunReader:
             waits = signals.pending(conn, str(self._row(conn, execution_id).id))
         return [PendingSignal.from_event(w) for w in waits]
 
-    @refusals.typed
+    @refusals.typed  # each look is tried again itself
     def get_event(self, execution_id: str, key: str, *, timeout: float | None = None) -> Any:
         """The latest value the run published under ``key`` with ``ctx.set_event``, waiting
         up to ``timeout`` seconds (``None``: until it is set or the run ends) for a first.
@@ -100,9 +100,9 @@ class RunReader:
         deadline = None if timeout is None else clocks.elapsed() + timeout
         delay = 0.002
         while True:
-            with self._reading() as conn:
-                row = self._row(conn, execution_id)
-                found = history.events_set(conn, execution_id)
+            row, found = refusals.again_if_reset(
+                self.backend, lambda: self._events_of(execution_id)
+            )
             if key in found:
                 return found[key]
             if row.status in lifecycle.TERMINAL:
@@ -117,9 +117,12 @@ class RunReader:
     @refusals.typed_read
     def events(self, execution_id: str) -> dict[str, Any]:
         """Every key the run published with ``ctx.set_event``, with its latest value."""
+        return self._events_of(execution_id)[1]
+
+    def _events_of(self, execution_id: str) -> tuple[Row[Any], dict[str, Any]]:
+        """The run's row and the events it set, in one read."""
         with self._reading() as conn:
-            self._row(conn, execution_id)
-            return history.events_set(conn, execution_id)
+            return self._row(conn, execution_id), history.events_set(conn, execution_id)
 
     @refusals.typed_read
     def workflows(self, name: str | None = None) -> list[WorkflowEntry]:

@@ -188,6 +188,14 @@ class MySQLBackend(Backend):
         self.max_value_bytes = (self.packet_bytes - _PACKET_MARGIN) // 2
 
     @classmethod
+    def async_engine_kwargs(cls) -> dict[str, Any]:
+        # READ COMMITTED set once per connection: as an execution option SQLAlchemy sets it
+        # at every checkout, a round trip, and a connection the server ended meanwhile
+        # fails that SET with the driver's raw error (the connection leaked), never as a
+        # connection to drop and read again on another.
+        return {"isolation_level": "READ COMMITTED"}
+
+    @classmethod
     def configure_engine(cls, url: URL, kwargs: dict[str, Any]) -> tuple[URL, dict[str, Any]]:
         # What PostgreSQL does by default: each statement sees what committed before it.
         kwargs.setdefault("isolation_level", "READ COMMITTED")
