@@ -62,7 +62,7 @@ class Lender:
             if conn is not None:
                 conn.close()
 
-    def release_unless_busy(self) -> None:
+    def _release_unless_busy(self) -> None:
         """The timer's release: a write in progress (of a ``ctx.all`` sibling, say) keeps
         the connection, and the timer thread, which serves every timer, never waits."""
         if self.lock.acquire(blocking=False):
@@ -122,8 +122,8 @@ class _Lent:
         with lender._counting:
             lender.running += 1
         if lender._conn is not None and lender.backend.pool_full():
-            lender.release_unless_busy()
-        self._cancel = lender.timers.after(RELEASE_AFTER, lender.release_unless_busy)
+            lender._release_unless_busy()
+        self._cancel = lender.timers.after(RELEASE_AFTER, lender._release_unless_busy)
 
     def __exit__(self, *exc: object) -> None:
         lender = self._lender
