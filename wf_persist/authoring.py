@@ -27,7 +27,7 @@ from .error_documents import shown
 from .errors import InvalidArgumentError, WorkflowDefinitionError
 from .models import CALL_NAME_WIDTH, WORKFLOW_NAME_WIDTH
 from .policies import Limit, Retry
-from .sources import source_hash
+from .sources import source_hashes
 from .timeouts import duration_seconds
 from .values import json_schema_of, unstorable
 
@@ -190,6 +190,8 @@ class Workflow(Generic[I, O]):
     output_adapter: TypeAdapter[Any]
     takes_input: bool
     source_hash: str
+    #: The hash an earlier release cataloged the same code under (see :mod:`.sources`).
+    former_hash: str
     #: Seconds a run may take from its start before it is cancelled (with compensation)
     #: and fails with ``WorkflowTimeoutError``; ``start(timeout=...)`` overrides it.
     timeout: float | None = None
@@ -197,6 +199,12 @@ class Workflow(Generic[I, O]):
     @property
     def key(self) -> tuple[str, int]:
         return (self.name, self.version)
+
+    @property
+    def hashes(self) -> tuple[str, str]:
+        """The hashes a catalog entry of this code may carry: its own, and the one an
+        earlier release computed (:func:`.sources.source_hashes`)."""
+        return (self.source_hash, self.former_hash)
 
     @property
     def is_async(self) -> bool:
@@ -250,7 +258,14 @@ def workflow(
             run is cancelled with compensation at its next durable call (also if no
             process was alive when it passed) and fails with ``WorkflowTimeoutError``.
     """
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise WorkflowDefinitionError(
+            f"workflow version must be an integer >= 1, got {shown(version)}"
+        )
+    # A plain int from here on: an int subclass's own __str__ or __hash__ would enter the
+    # source hash or the registry.
+    version = int.__int__(version)
+    if version < 1:
         raise WorkflowDefinitionError(
             f"workflow version must be an integer >= 1, got {shown(version)}"
         )
@@ -281,6 +296,7 @@ def workflow(
         hints = _hints(fn)
         takes_input = len(params) == 2
         in_type = hints.get(params[1].name, Any) if takes_input else type(None)
+        hashes = source_hashes(wf_name, version, fn)
         return Workflow(
             name=wf_name,
             version=version,
@@ -288,7 +304,8 @@ def workflow(
             input_adapter=adapter_for(in_type),
             output_adapter=adapter_for(hints.get("return", Any)),
             takes_input=takes_input,
-            source_hash=source_hash(wf_name, version, fn),
+            source_hash=hashes[0],
+            former_hash=hashes[1],
             timeout=seconds,
         )
 
