@@ -26,7 +26,14 @@ from .authoring import Step, Workflow
 from .context import Context
 from .control import Stop
 from .driving import ChildStart
-from .errors import Cancelled, InvalidArgumentError, NonDeterminismError, WfPersistError
+from .error_documents import shown
+from .errors import (
+    Cancelled,
+    InvalidArgumentError,
+    NonDeterminismError,
+    UnknownExecutionError,
+    WfPersistError,
+)
 from .events import Activity, NewEvent
 from .replay import Journal
 from .secrets import SecretResolver
@@ -259,6 +266,15 @@ def check_replay(
         reports that as its divergence if it is unfinished (nothing could drive it), and is
         skipped if it has finished.
     """
+    from .client import Client
+    from .runtime import Runtime
+
+    if not isinstance(runtime, Runtime):
+        raise InvalidArgumentError(
+            f"check_replay needs the wp.Runtime holding the code to check, got {shown(runtime)}"
+        )
+    if database is not None and not isinstance(database, Client):
+        raise InvalidArgumentError(f"database must be a wp.Client, got {shown(database)}")
     if since is not None and (not isinstance(since, dt.datetime) or since.tzinfo is None):
         raise InvalidArgumentError(f"since must be an aware datetime, got {since!r:.80}")
     # One id would be read as a list of characters.
@@ -271,7 +287,9 @@ def check_replay(
         with reader.backend.read() as conn:
             row = executions.get(conn, execution_id)
             if row is None:
-                continue
+                if runs is not None:  # a mistyped id must not pass a gate
+                    raise UnknownExecutionError(execution_id)
+                continue  # purged since it was listed
             events = [dict(r.event) for r in history.load(conn, execution_id)]
             keys = history.dedupe_keys(conn, execution_id)
         key = (row.workflow_name, int(row.workflow_version))
@@ -287,13 +305,23 @@ def check_replay(
 
 
 def _runs_of(runtime: Runtime, client: Client, since: dt.datetime | None) -> list[str]:
-    ids: list[str] = []
-    for name in sorted({name for name, _ in runtime.runnable_workflows()}):
-        cursor = None
-        while True:
-            page = client.list(name, created_after=since, limit=500, cursor=cursor)
-            ids += [item.execution_id for item in page.items]
-            if page.next_cursor is None:
-                break
-            cursor = page.next_cursor
+    """Every run of the workflows the runtime registers, and the unfinished runs of those
+    it no longer does (a workflow the new code removed: nothing could drive them)."""
+    names = sorted({name for name, _ in runtime.runnable_workflows()})
+    ids = [i for name in names for i, _ in _pages(client, since, name, None)]
+    for status in sorted(lifecycle.ACTIVE):
+        ids += [i for i, name in _pages(client, since, None, status) if name not in names]
     return ids
+
+
+def _pages(
+    client: Client, since: dt.datetime | None, name: str | None, status: str | None
+) -> Iterator[tuple[str, str]]:
+    """(id, workflow name) of each run listed, a page at a time."""
+    cursor = None
+    while True:
+        page = client.list(name, status=status, created_after=since, limit=500, cursor=cursor)
+        yield from ((item.execution_id, item.workflow_name) for item in page.items)
+        if page.next_cursor is None:
+            return
+        cursor = page.next_cursor
