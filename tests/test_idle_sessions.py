@@ -10,18 +10,21 @@ its expected duplicate keys recognised.
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
+from sqlalchemy.exc import DBAPIError
 
 import wf_persist as wp
+from wf_persist import migrate
 
 from .conftest import has
-from .helpers import history_types
+from .helpers import Processes, history_types, wait_until
 
 #: How long the server lets a session sit idle (1 s), and a step outlasting it.
 STEP_SECONDS = 2.5
@@ -163,3 +166,47 @@ def test_duplicate_keys_are_recognised_in_the_servers_language(
         with wp.Runtime(make_engine(db_url, **kwargs)) as second:
             second.register(spoken_wf)
             assert second.client().result(run, timeout=30).unwrap() == 2
+
+
+@pytest.mark.needs("notify")
+def test_the_listening_connection_outlives_the_servers_idle_limit(
+    blank_db_url: str, make_engine: Callable[..., Engine], procs: Processes
+) -> None:
+    """A database whose sessions end after 1 s idle (as a managed service sets it): a
+    worker whose listening connection went quiet that long (its process paused, here) had
+    it ended by the server, and logged an ERROR for each time."""
+    migrate.upgrade(blank_db_url)
+    with make_engine(blank_db_url, isolation_level="AUTOCOMMIT").connect() as admin:
+        name = admin.execute(text("SELECT current_database()")).scalar_one()
+        admin.execute(text(f'ALTER DATABASE "{name}" SET idle_session_timeout = 1000'))
+    worker = procs.worker(blank_db_url, lease_ttl=30.0, app_poll_interval=5.0)
+    wait_until(lambda: "serving" in worker.stderr(), what="the worker", timeout=30)
+    time.sleep(1.0)
+    worker.popen.send_signal(signal.SIGSTOP)
+    time.sleep(2.5)  # the listening connection quiet for longer than the limit
+    worker.popen.send_signal(signal.SIGCONT)
+    time.sleep(2.0)
+    worker.popen.send_signal(signal.SIGTERM)
+    assert "wake-ups" not in procs.finish(worker, timeout=60).stderr
+
+
+@pytest.mark.needs("sql_mode")
+def test_a_renewal_on_a_connection_the_server_ended_is_a_lost_connection(
+    db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """MySQL's renewal switches its connection to autocommit, a SET SQLAlchemy sends outside
+    its error handling: on a connection the server had ended (a drive's, kept across a
+    pause) the driver's raw error came out, recorded as a failed drive, where a connection
+    to replace (and a renewal sent again on another) was meant."""
+    admin = make_engine(db_url)
+    with wp.Runtime(db_url) as rt:
+        rt.register(idle_slow_wf)
+        run = rt.client().start(idle_slow_wf, 1).execution_id
+        with rt.backend.engine.connect() as conn:
+            session = conn.execute(text("SELECT CONNECTION_ID()")).scalar_one()
+            conn.commit()
+            with admin.connect() as killer:
+                killer.execute(text(f"KILL {int(session)}"))
+            with pytest.raises(DBAPIError) as info:
+                rt.backend.renew_alone(conn, {run: 0}, 5.0)
+        assert info.value.connection_invalidated

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import select
 
-from . import bridge, clocks, drive_telemetry, events, lifecycle, telemetry
+from . import bridge, clocks, drive_telemetry, events, lifecycle, refusals, telemetry
 from .authoring import Step, Workflow
 from .backends import Claim, Fenced
 from .bridge import off_loop
@@ -397,9 +397,15 @@ class RunDriver(ChildDriving):
         return self.runtime.secret_resolver
 
     def _renew(self, ttl: float, owner: str | None) -> set[str]:
-        # On the drive's connection: never one held while waiting for a second.
-        with self.lender.connection() as conn:
-            return self.backend.renew_alone(conn, {self.execution_id: self.epoch}, ttl, owner)
+        # On the drive's connection: never one held while waiting for a second. Once more
+        # on a fresh one if the server ended it (kept across a pause, say): fenced by the
+        # epoch, a renewal may be sent twice.
+        def renew() -> set[str]:
+            with self.lender.connection() as conn:
+                held = {self.execution_id: self.epoch}
+                return self.backend.renew_alone(conn, held, ttl, owner)
+
+        return refusals.again_if_reset(self.backend, renew)
 
     def after(self, delay: float, fn: Callable[[], None]) -> Callable[[], None]:
         return self.runtime.timers.after(delay, fn, blocking=True)

@@ -420,7 +420,12 @@ class MySQLBackend(Backend):
         # returns, and the SELECT that follows reads without locking. ``conn`` may be a
         # drive's, kept for its next writes: its level is put back.
         before = conn.get_execution_options().get("isolation_level")
-        conn.execution_options(isolation_level="AUTOCOMMIT")
+        try:
+            conn.execution_options(isolation_level="AUTOCOMMIT")
+        except conn.dialect.loaded_dbapi.Error as exc:
+            # SQLAlchemy sends this SET outside its error handling: on a connection the
+            # server ended, the driver's own error, not a lost connection to replace.
+            raise self.raw_failure(conn, exc, "SET autocommit = 1", None) from exc
         try:
             with conn.begin():  # only SQLAlchemy's: the driver is in autocommit
                 return self.renew(conn, held, ttl, owner)

@@ -295,6 +295,9 @@ def _fail_fast(raw: Any) -> None:
         "tcp_keepalives_interval": KEEPALIVE_INTERVAL,
         "tcp_keepalives_count": KEEPALIVE_COUNT,
         "tcp_user_timeout": USER_TIMEOUT_MS,
+        # A database's or role's idle_session_timeout (PostgreSQL 14+) would end this
+        # session whenever the process has nothing to hear for that long.
+        "idle_session_timeout": 0,
     }
     for name, value in settings.items():
         try:
