@@ -10,6 +10,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
+from pydantic import BaseModel
 from sqlalchemy import Engine, select, update
 
 import wf_persist as wp
@@ -344,3 +345,45 @@ def test_corrupted_recorded_value_fails_decoding(rt: wp.Runtime, db_engine: Engi
     assert isinstance(outcome, wp.Failed) and outcome.error_type == "InvalidPayloadError"
     assert "recorded result of code block build-value" in outcome.message
     assert s.CALLS["compute"] == 1
+
+
+class _GoBefore(BaseModel):
+    ok: bool
+
+
+class _GoAfter(BaseModel):
+    ok: bool
+    who: str  # a field the deployed code now requires
+
+
+#: The type the deployed code waits with: the body's text (its source hash) stays the same.
+_GO_TYPE: dict[str, type[BaseModel]] = {"type": _GoBefore}
+
+
+@wp.workflow(name="go_typed", version=1)
+def _go_typed_wf(ctx: wp.Context) -> bool:
+    got = ctx.wait_for_signal("go", _GO_TYPE["type"])
+    assert isinstance(got, wp.Received)
+    return bool(getattr(got.value, "ok", False))
+
+
+def test_a_recorded_value_that_no_longer_fits_fails_the_run_typed(rt: wp.Runtime) -> None:
+    """A run parked on a signal is resumed by code whose payload type gained a required
+    field: the payload, delivered as the recorded schema allowed, failed the run with
+    pydantic's raw ValidationError (a step's recorded result gets the typed error)."""
+    rt.register(_go_typed_wf)
+    client = rt.client()
+    run = client.start(_go_typed_wf).execution_id
+    assert rt.drive(run)  # parked on the wait
+    try:
+        _GO_TYPE["type"] = _GoAfter
+        client.signal(run, "go", {"ok": True})
+        outcome = client.result(run, timeout=30)
+    finally:
+        _GO_TYPE["type"] = _GoBefore
+    assert isinstance(outcome, wp.Failed)
+    assert (outcome.error["name"], outcome.error["module"]) == (
+        "InvalidPayloadError",
+        "wf_persist.errors",
+    )
+    assert "payload of signal go" in outcome.error["message"]

@@ -17,7 +17,7 @@ from .driver import RunDriver
 from .errors import Cancelled, NonDeterminismError
 from .logs import run_fields
 from .replay import Journal
-from .values import to_json
+from .values import from_json, to_json
 
 log = logging.getLogger("wf_persist.runtime")
 
@@ -35,7 +35,7 @@ def run_body(driver: RunDriver, wf: Workflow[Any, Any], payload: Any, journal: J
     :class:`Reload` / :class:`Halt`."""
     ctx = Context(driver.execution_id, journal, driver)
     try:
-        value = wf.input_adapter.validate_python(payload)
+        value = from_json(wf.input_adapter, payload, f"input of workflow {wf.name}")
         out = call_body(wf, ctx, value)
         _still_going(ctx)
         ctx._ended()

@@ -367,7 +367,7 @@ class Context:
         if recorded is not None:
             outcome = recorded[1]
             if isinstance(outcome, Received):
-                return Received(adapter.validate_python(outcome.value))
+                return Received(from_json(adapter, outcome.value, f"payload of signal {name}"))
             return TimedOut()
         who = self._who(name, invocation, activity)
         rejected: list[events.NewEvent] = []
@@ -376,7 +376,7 @@ class Context:
             self._before_new_call()
             taken = self._take_buffered(who, payload_type, adapter, schema, rejected)
             if taken is not None:
-                return Received(adapter.validate_python(taken.value))
+                return Received(from_json(adapter, taken.value, f"payload of signal {name}"))
         waiting = self._journal.waiting.get(activity)
         if waiting is None:
             now = self._driver.clock()
@@ -391,7 +391,7 @@ class Context:
             self._driver.record_checked(
                 [events.signal_received(who, payload, self._driver.clock())]
             )
-            return Received(adapter.validate_python(payload))
+            return Received(from_json(adapter, payload, f"payload of signal {name}"))
         deadline_text = waiting.get("deadline")
         deadline = None if deadline_text is None else dt.datetime.fromisoformat(deadline_text)
         if deadline is not None and self._driver.clock() >= deadline:

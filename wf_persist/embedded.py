@@ -19,6 +19,7 @@ from .client import Client
 from .records import Completed, Failed, Outcome
 from .runtime import NOT_DRIVEN
 from .store import Executor, children, executions
+from .values import from_json
 from .wakeups import Ends
 
 if TYPE_CHECKING:
@@ -81,7 +82,7 @@ class WorkflowClient(Client):
         outcome = super()._outcome(row)
         definition = self.runtime._registry.get((row.workflow_name, row.workflow_version))
         if isinstance(outcome, Completed) and definition is not None:
-            return Completed(row.id, definition.output_adapter.validate_python(outcome.value))
+            return Completed(row.id, _output(definition, outcome.value))
         return outcome
 
     def _executing(self) -> bool:
@@ -198,7 +199,7 @@ class WorkflowClient(Client):
             return Failed(execution_id, dict(value or {}))
         definition = self.runtime._registry.get((name, version))
         if definition is not None:
-            value = definition.output_adapter.validate_python(value)
+            value = _output(definition, value)
         return Completed(execution_id, value)
 
     def _busy(self, execution_id: str) -> bool:
@@ -242,7 +243,7 @@ class WorkflowClient(Client):
             ok, value = drove
             if not ok:
                 return Failed(row.id, dict(value or {}))
-            return Completed(row.id, definition.output_adapter.validate_python(value))
+            return Completed(row.id, _output(definition, value))
         return _WAIT if drove is NOT_DRIVEN else _AGAIN
 
     def _drive_below(self, execution_id: str, deadline: float | None) -> bool:
@@ -261,3 +262,8 @@ class WorkflowClient(Client):
 
     def close(self) -> None:
         """Nothing to do: the runtime owns the engine."""
+
+
+def _output(definition: Workflow[Any, Any], value: Any) -> Any:
+    """A run's recorded output as the registered type (a typed error if it no longer fits)."""
+    return from_json(definition.output_adapter, value, f"output of workflow {definition.name}")

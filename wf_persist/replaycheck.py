@@ -38,7 +38,7 @@ from .events import Activity, NewEvent
 from .replay import Journal
 from .secrets import SecretResolver
 from .store import executions, history
-from .values import to_json
+from .values import from_json, to_json
 
 if TYPE_CHECKING:
     from .client import Client
@@ -189,7 +189,7 @@ def replay_run(
     driver = _DryDriver(wf.name, row.updated_at, recorded, keys, definitions)
     ctx = Context(row.id, journal, driver)
     try:
-        value = wf.input_adapter.validate_python(row.input)
+        value = from_json(wf.input_adapter, row.input, f"input of workflow {wf.name}")
         out = call_body(wf, ctx, value)
         if isinstance(ctx._stopped, _Frontier):  # the body caught it and went on
             raise ctx._stopped.with_traceback(None)
