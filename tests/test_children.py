@@ -448,3 +448,24 @@ def test_a_cancelled_parent_whose_child_ended_first_ends_cancelled(
     assert ("compensation.completed" in types) is compensate
     (report,) = check_replay(runtime, [handle.execution_id])
     assert report.divergence is None
+
+
+@wp.workflow(name="c" * 200, version=1)
+def longest_named_kid(ctx: wp.Context, n: int) -> int:
+    return n + 1
+
+
+@wp.workflow(name="longest_named_parent", version=1)
+def longest_named_parent(ctx: wp.Context, n: int) -> int:
+    return int(ctx.child_result(ctx.start_child(longest_named_kid, n)))
+
+
+def test_a_workflow_with_the_longest_name_runs_as_a_child(runtime: wp.Runtime) -> None:
+    """A 200-character name is a legal workflow's, but started as a child its call name
+    (``child:`` and the name) was refused as longer than other calls' names may be."""
+    runtime.register(longest_named_kid, longest_named_parent)
+    client = runtime.client()
+    run = client.start(longest_named_parent, 4).execution_id
+    assert client.result(run, timeout=30).unwrap() == 5
+    activities = {r.event.get("activityName") for r in client.history(run)}
+    assert f"child:{'c' * 200}#1" in activities

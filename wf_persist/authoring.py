@@ -78,6 +78,17 @@ def check_call_name(name: object, what: str) -> str:
     return _check_name(name, what, CALL_NAME_WIDTH, InvalidArgumentError)
 
 
+#: What a child call's name is: this prefix and the child's workflow name.
+CHILD_PREFIX: Final = "child:"
+
+
+def child_call_name(workflow_name: str) -> str:
+    """A child call's name (``child:<workflow>``): any workflow name fits (its activity
+    name has no dedupe key made of it, so it may be longer than other calls')."""
+    width, refusal = WORKFLOW_NAME_WIDTH, InvalidArgumentError
+    return CHILD_PREFIX + _check_name(workflow_name, "child workflow name", width, refusal)
+
+
 def _check_plain(fn: Callable[..., Any], what: str) -> None:
     """Generators would be "called" without running: refuse them now. ``async def``
     functions are fine (an async step runs only where an async workflow awaits it)."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from . import events
-from .authoring import Workflow, check_call_name
+from .authoring import Workflow, child_call_name
 from .control import Suspended
 from .driving import Driver
 from .errors import ChildWorkflowError, InvalidArgumentError
@@ -84,7 +84,7 @@ class ChildRunner:
                 f"cancel_with_parent must be a bool, got {cancel_with_parent!r}"
             )
         name = workflow if isinstance(workflow, str) else workflow.name
-        base = check_call_name(f"child:{name}", "child workflow name")
+        base = child_call_name(name)
         child = None
         new = not self._cursor.replaying()
         if not self._recorded_next(base, version):
