@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import inspect
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-from sqlalchemy import Engine, select, update
+from sqlalchemy import Engine, select
 
 import wf_persist as wp
-from wf_persist import canonical as canonical_module
-from wf_persist.canonical import canonical
 from wf_persist.models import workflows_table
-from wf_persist.sources import _definition, source_hash, source_hashes
+from wf_persist.sources import normalized_source, source_hash
 
 from .fixtures import workflows as w
 from .helpers import Processes
@@ -35,97 +28,15 @@ def _v1_changed(ctx: wp.Context, x: int) -> int:
     return x + 2
 
 
-def _body(fn: object) -> str:
-    return canonical(_definition(fn))  # type: ignore[arg-type]
-
-
 def test_source_hash_ignores_comments_and_formatting_only() -> None:
-    assert _body(_v1_plain).replace("_v1_plain", "f") == _body(_v1_reformatted).replace(
-        "_v1_reformatted", "f"
-    )
+    assert normalized_source(_v1_plain).replace("_v1_plain", "f") == normalized_source(
+        _v1_reformatted
+    ).replace("_v1_reformatted", "f")
     base = source_hash("wf", 1, _v1_plain)
     assert len(base) == 64 and base == source_hash("wf", 1, _v1_plain)
     assert source_hash("wf", 1, _v1_changed) != base
     assert source_hash("wf", 2, _v1_plain) != base
     assert source_hash("other", 1, _v1_plain) != base
-
-
-def _quoted(ctx: wp.Context, order: dict[str, str]) -> str:
-    return f"{order['name']}: {order['id']!r:>8}" if order else f"{ {'a': 1}['a'] }"
-
-
-#: The canonical text of ``_quoted``: the same on every supported interpreter (3.12 prints
-#: its f-strings back differently with ``ast.unparse``, which changed the hash of unchanged
-#: code for a deploy that moved to it).
-QUOTED = (
-    "FunctionDef(name=str:'_quoted', args=arguments(args=[arg(arg=str:'ctx', "
-    "annotation=Attribute(value=Name(id=str:'wp', ctx=Load()), attr=str:'Context', "
-    "ctx=Load())), arg(arg=str:'order', annotation=Subscript(value=Name(id=str:'dict', "
-    "ctx=Load()), slice=Tuple(elts=[Name(id=str:'str', ctx=Load()), Name(id=str:'str', "
-    "ctx=Load())], ctx=Load()), ctx=Load()))]), body=[Return(value=IfExp(test=Name("
-    "id=str:'order', ctx=Load()), body=JoinedStr(values=[FormattedValue(value=Subscript("
-    "value=Name(id=str:'order', ctx=Load()), slice=Constant(value=str:'name'), ctx=Load()), "
-    "conversion=int:-1), Constant(value=str:': '), FormattedValue(value=Subscript(value="
-    "Name(id=str:'order', ctx=Load()), slice=Constant(value=str:'id'), ctx=Load()), "
-    "conversion=int:114, format_spec=JoinedStr(values=[Constant(value=str:'>8')]))]), "
-    "orelse=JoinedStr(values=[FormattedValue(value=Subscript(value=Dict(keys=[Constant("
-    "value=str:'a')], values=[Constant(value=int:1)]), slice=Constant(value=str:'a'), "
-    "ctx=Load()), conversion=int:-1)])))], returns=Name(id=str:'str', ctx=Load()))"
-)
-
-
-def _other_interpreters() -> list[Path]:
-    """Other CPython versions (3.11 and up) installed beside this one (pyenv's)."""
-    here = Path(sys.base_prefix).resolve()
-    found = []
-    for candidate in sorted(here.parent.glob("3.*/bin/python3")):
-        minor = candidate.parent.parent.name.partition(".")[2]
-        if candidate.parent.parent != here and int(minor.partition(".")[0]) >= 11:
-            found.append(candidate)
-    return found
-
-
-def test_the_source_hash_is_the_same_on_every_interpreter() -> None:
-    """The canonical text loads with no package around it, so each interpreter installed
-    here (3.12 and 3.13 on this project's machines) computes it of the same source."""
-    assert _body(_quoted) == QUOTED
-    source = inspect.getsource(_quoted)
-    module = Path(canonical_module.__file__ or "")
-    script = (
-        "import ast, importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('c', {str(module)!r})\n"
-        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
-        "print(m.canonical(ast.parse(sys.stdin.read()).body[0]), end='')\n"
-    )
-    for python in _other_interpreters():
-        done = subprocess.run(
-            [str(python), "-c", script], input=source, capture_output=True, text=True, check=True
-        )
-        assert done.stdout == QUOTED, python
-
-
-def test_code_cataloged_by_an_earlier_release_is_the_same_code(
-    runtime: wp.Runtime, db_engine: Engine
-) -> None:
-    """A catalog entry written before the canonical text (its hash over ``ast.unparse``) is
-    the same code's: registering it again is no conflict, and a changed body still is."""
-    current, former = source_hashes(w.echo_wf.name, w.echo_wf.version, w.echo_wf.fn)
-    assert (current, former) == (w.echo_wf.source_hash, w.echo_wf.former_hash)
-    assert current != former
-    runtime.register(w.echo_wf)
-    with db_engine.begin() as conn:
-        conn.execute(update(workflows_table).values(source_hash=former))
-    runtime._registry.clear()
-    runtime.register(w.echo_wf)
-    client = runtime.client()
-    assert client.result(client.start(w.echo_wf, 3).execution_id, timeout=30).unwrap()
-
-    @wp.workflow(name=w.echo_wf.name, version=w.echo_wf.version)
-    def echo_wf(ctx: wp.Context, n: int) -> list[int]:
-        return [n]
-
-    with pytest.raises(wp.WorkflowVersionConflictError):
-        runtime.register(echo_wf)
 
 
 def test_a_version_of_an_int_subclass_is_a_plain_int() -> None:

@@ -27,7 +27,7 @@ from .error_documents import shown
 from .errors import InvalidArgumentError, WorkflowDefinitionError
 from .models import CALL_NAME_WIDTH, WORKFLOW_NAME_WIDTH
 from .policies import Limit, Retry
-from .sources import source_hashes
+from .sources import source_hash
 from .timeouts import duration_seconds
 from .values import json_schema_of, unstorable
 
@@ -83,8 +83,10 @@ CHILD_PREFIX: Final = "child:"
 
 
 def child_call_name(workflow_name: str) -> str:
-    """A child call's name (``child:<workflow>``): any workflow name fits (its activity
-    name has no dedupe key made of it, so it may be longer than other calls')."""
+    """A child call's name (``child:<workflow>``), checked as the workflow's name: every
+    workflow name fits. Its activity name (``child:<workflow>#<n>``, at most 217
+    characters) and the dedupe keys made of it (``child.started:``, ``child.waiting:``,
+    at most 231) fit the key columns (255)."""
     width, refusal = WORKFLOW_NAME_WIDTH, InvalidArgumentError
     return CHILD_PREFIX + _check_name(workflow_name, "child workflow name", width, refusal)
 
@@ -201,8 +203,6 @@ class Workflow(Generic[I, O]):
     output_adapter: TypeAdapter[Any]
     takes_input: bool
     source_hash: str
-    #: The hash an earlier release cataloged the same code under (see :mod:`.sources`).
-    former_hash: str
     #: Seconds a run may take from its start before it is cancelled (with compensation)
     #: and fails with ``WorkflowTimeoutError``; ``start(timeout=...)`` overrides it.
     timeout: float | None = None
@@ -210,12 +210,6 @@ class Workflow(Generic[I, O]):
     @property
     def key(self) -> tuple[str, int]:
         return (self.name, self.version)
-
-    @property
-    def hashes(self) -> tuple[str, str]:
-        """The hashes a catalog entry of this code may carry: its own, and the one an
-        earlier release computed (:func:`.sources.source_hashes`)."""
-        return (self.source_hash, self.former_hash)
 
     @property
     def is_async(self) -> bool:
@@ -307,7 +301,6 @@ def workflow(
         hints = _hints(fn)
         takes_input = len(params) == 2
         in_type = hints.get(params[1].name, Any) if takes_input else type(None)
-        hashes = source_hashes(wf_name, version, fn)
         return Workflow(
             name=wf_name,
             version=version,
@@ -315,8 +308,7 @@ def workflow(
             input_adapter=adapter_for(in_type),
             output_adapter=adapter_for(hints.get("return", Any)),
             takes_input=takes_input,
-            source_hash=hashes[0],
-            former_hash=hashes[1],
+            source_hash=source_hash(wf_name, version, fn),
             timeout=seconds,
         )
 

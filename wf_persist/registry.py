@@ -60,7 +60,7 @@ class Registry:
                     f"register takes @wp.workflow definitions, got {shown(wf)}"
                 )
             known = self._registry.get(wf.key)
-            if known is not None and known.source_hash not in wf.hashes:
+            if known is not None and known.source_hash != wf.source_hash:
                 raise WorkflowVersionConflictError(
                     wf.name, wf.version, known.source_hash, wf.source_hash
                 )
@@ -69,16 +69,9 @@ class Registry:
         def write(conn: Executor) -> None:
             for wf in workflows:
                 found = catalog.catalog_version(
-                    conn,
-                    self.backend,
-                    wf.name,
-                    wf.version,
-                    wf.source_hash,
-                    now,
-                    wf.schemas,
-                    wf.former_hash,
+                    conn, self.backend, wf.name, wf.version, wf.source_hash, now, wf.schemas
                 )
-                if found not in wf.hashes:
+                if found != wf.source_hash:
                     raise WorkflowVersionConflictError(wf.name, wf.version, found, wf.source_hash)
 
         if session is not None:

@@ -1,12 +1,10 @@
 """A workflow version's source hash, which the catalog keeps to tell a changed body.
 
 sha256 over ``name NUL version NUL body`` where *body* is the workflow function's source
-parsed with :mod:`ast`, stripped of its decorators and docstring, and written as
-:func:`~.canonical.canonical` text. Comments, blank lines, quoting style, formatting and the
-interpreter's version therefore never change the hash; any change to what the code does (or
-to its annotations) does. Step definitions and helper functions are not part of it: they are
-recorded results, not replayed code. A catalog entry made before (the body printed back with
-:func:`ast.unparse`) is still the same code's: :func:`source_hashes` gives both.
+parsed with :mod:`ast`, stripped of its decorators and docstring, and printed back with
+:func:`ast.unparse`. Comments, blank lines, quoting style and formatting therefore never change
+the hash; any change to what the code does (or to its annotations) does. Step definitions and
+helper functions are not part of it: they are recorded results, not replayed code.
 """
 
 from __future__ import annotations
@@ -18,13 +16,12 @@ import textwrap
 from collections.abc import Callable
 from typing import Any
 
-from .canonical import canonical
 from .error_documents import shown
 from .errors import WorkflowDefinitionError
 
 
-def _definition(fn: Callable[..., Any]) -> ast.FunctionDef | ast.AsyncFunctionDef:
-    """The function's definition without decorators or docstring."""
+def normalized_source(fn: Callable[..., Any]) -> str:
+    """The function's code without decorators, docstring, comments or formatting."""
     try:
         source = textwrap.dedent(inspect.getsource(fn))
     except (OSError, TypeError) as exc:
@@ -47,26 +44,15 @@ def _definition(fn: Callable[..., Any]) -> ast.FunctionDef | ast.AsyncFunctionDe
     )
     if is_docstring:
         node.body = body[1:] or [ast.Pass()]
-    return node
-
-
-def source_hashes(name: str, version: int, fn: Callable[..., Any]) -> tuple[str, str]:
-    """The source hash, and the one the catalog recorded before (over ``ast.unparse``,
-    which one interpreter version may print differently from another)."""
-    node = _definition(fn)
-    return _hash(name, version, canonical(node)), _hash(name, version, ast.unparse(node))
+    return ast.unparse(node)
 
 
 def source_hash(name: str, version: int, fn: Callable[..., Any]) -> str:
     """sha256 (hex) over name, version and the normalized workflow source."""
-    return source_hashes(name, version, fn)[0]
-
-
-def _hash(name: str, version: int, body: str) -> str:
     digest = hashlib.sha256()
     digest.update(name.encode())
     digest.update(b"\0")
-    digest.update(str(int(version)).encode())
+    digest.update(str(version).encode())
     digest.update(b"\0")
-    digest.update(body.encode())
+    digest.update(normalized_source(fn).encode())
     return digest.hexdigest()

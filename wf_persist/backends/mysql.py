@@ -431,7 +431,11 @@ class MySQLBackend(Backend):
                 return self.renew(conn, held, ttl, owner)
         finally:
             if not conn.invalidated and not conn.closed:
-                conn.execution_options(isolation_level=before or conn.default_isolation_level)
+                level = before or conn.default_isolation_level
+                try:
+                    conn.execution_options(isolation_level=level)
+                except conn.dialect.loaded_dbapi.Error as exc:  # as above
+                    raise self.raw_failure(conn, exc, f"SET {level}", None) from exc
 
     # fenced writes -----------------------------------------------------------------
 

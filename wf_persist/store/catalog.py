@@ -23,10 +23,9 @@ def catalog_version(
     source_hash: str,
     now: dt.datetime,
     schemas: tuple[dict[str, Any] | None, dict[str, Any] | None] = (None, None),
-    former_hash: str | None = None,
 ) -> str:
     """Record (name, version, hash, input and output schema) unless present; return the hash
-    the catalog holds (``former_hash``, that of an earlier release, is the same code's).
+    the catalog holds.
 
     The insert ignores a conflict on the primary key, so two processes registering at once
     never fail; the loser reads the winner's hash and the caller compares. A version
@@ -50,7 +49,7 @@ def catalog_version(
         ),
         execution_options=options,
     ).one()
-    if found.source_hash in (source_hash, former_hash):
+    if found.source_hash == source_hash:
         # Only what is missing (versions cataloged before schemas were recorded): a process
         # that could not make a schema never erases the one another process recorded.
         for column, schema in ((wf.c.input_schema, schemas[0]), (wf.c.output_schema, schemas[1])):
