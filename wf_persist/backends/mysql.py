@@ -420,22 +420,22 @@ class MySQLBackend(Backend):
         # returns, and the SELECT that follows reads without locking. ``conn`` may be a
         # drive's, kept for its next writes: its level is put back.
         before = conn.get_execution_options().get("isolation_level")
-        try:
-            conn.execution_options(isolation_level="AUTOCOMMIT")
-        except conn.dialect.loaded_dbapi.Error as exc:
-            # SQLAlchemy sends this SET outside its error handling: on a connection the
-            # server ended, the driver's own error, not a lost connection to replace.
-            raise self.raw_failure(conn, exc, "SET autocommit = 1", None) from exc
+        self._set_level(conn, "AUTOCOMMIT")
         try:
             with conn.begin():  # only SQLAlchemy's: the driver is in autocommit
                 return self.renew(conn, held, ttl, owner)
         finally:
             if not conn.invalidated and not conn.closed:
-                level = before or conn.default_isolation_level
-                try:
-                    conn.execution_options(isolation_level=level)
-                except conn.dialect.loaded_dbapi.Error as exc:  # as above
-                    raise self.raw_failure(conn, exc, f"SET {level}", None) from exc
+                self._set_level(conn, before or conn.default_isolation_level)
+
+    def _set_level(self, conn: Connection, level: Any) -> None:
+        """``conn``'s isolation level. SQLAlchemy sends the SET outside its error handling:
+        on a connection the server ended, the driver's own error came out, where a lost
+        connection (to replace, and the renewal sent again) is meant."""
+        try:
+            conn.execution_options(isolation_level=level)
+        except conn.dialect.loaded_dbapi.Error as exc:
+            raise self.raw_failure(conn, exc, f"SET {level}", None) from exc
 
     # fenced writes -----------------------------------------------------------------
 
