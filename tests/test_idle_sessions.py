@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, make_url, text
 from sqlalchemy.exc import DBAPIError
 
 import wf_persist as wp
@@ -30,11 +30,35 @@ from .helpers import Processes, history_types, wait_until
 STEP_SECONDS = 2.5
 
 
-def _idle_ending_engine(backend: str, db_url: str, make: Callable[..., Engine]) -> Engine:
-    """A host engine whose sessions the server ends after 1 s of silence."""
-    if has(backend, "sql_mode"):
-        return make(db_url, connect_args={"init_command": "SET SESSION wait_timeout = 1"})
-    return make(db_url, connect_args={"options": "-c idle_session_timeout=1000"})
+@pytest.fixture(params=["ours", "host"])
+def idle_ending(
+    request: pytest.FixtureRequest,
+    backend: str,
+    db_url: str,
+    blank_db_url: str,
+    make_engine: Callable[..., Engine],
+) -> str | Engine:
+    """A database whose sessions the server ends after 1 s of silence: reached by a URL
+    (wf_persist's own engine; a database setting on PostgreSQL, the session's on MySQL), or
+    by a host's engine, which is used as is: its ``pool_pre_ping`` (what a host facing such
+    a server sets) replaces the pooled connections the server ended, and only what
+    wf_persist holds itself is left to it."""
+    mysql = has(backend, "sql_mode")
+    if request.param == "host":
+        args = (
+            {"init_command": "SET SESSION wait_timeout = 1"}
+            if mysql
+            else {"options": "-c idle_session_timeout=1000"}
+        )
+        return make_engine(db_url, connect_args=args, pool_pre_ping=True)
+    if mysql:
+        url = make_url(db_url).update_query_dict({"init_command": "SET SESSION wait_timeout = 1"})
+        return url.render_as_string(hide_password=False)
+    migrate.upgrade(blank_db_url)
+    with make_engine(blank_db_url, isolation_level="AUTOCOMMIT").connect() as admin:
+        name = admin.execute(text("SELECT current_database()")).scalar_one()
+        admin.execute(text(f'ALTER DATABASE "{name}" SET idle_session_timeout = 1000'))
+    return blank_db_url
 
 
 ran: list[int] = []
@@ -76,11 +100,7 @@ def idle_limited_wf(ctx: wp.Context, i: int) -> int:
 @pytest.mark.parametrize("worker", [True, False], ids=["worker", "caller"])
 @pytest.mark.parametrize("start_after", [1.0, None], ids=["start-recorded", "one-write"])
 def test_a_step_outlasting_the_servers_idle_limit_runs_once(
-    backend: str,
-    db_url: str,
-    make_engine: Callable[..., Engine],
-    worker: bool,
-    start_after: float | None,
+    idle_ending: str | Engine, worker: bool, start_after: float | None
 ) -> None:
     """The outcome's write after a step longer than the server's idle limit met a
     connection the server had ended: the attempt's start, recorded after 1 s, had kept its
@@ -88,7 +108,7 @@ def test_a_step_outlasting_the_servers_idle_limit_runs_once(
     connections busy (a long lease), the pooled connection it took had sat idle through the
     step. Every drive ran the step again until the run failed with DriveFailedError."""
     ran.clear()
-    engine = _idle_ending_engine(backend, db_url, make_engine)
+    engine = idle_ending
     options: dict[str, Any] = {"lease_ttl": 60.0, "record_start_after": start_after}
     with wp.Runtime(engine, max_drive_failures=2, **options) as rt:
         rt.register(idle_slow_wf)
@@ -115,13 +135,13 @@ def idle_all_wf(ctx: wp.Context, i: int) -> int:
 
 @pytest.mark.needs("server")
 def test_parallel_branches_keep_no_connection_idle_while_a_sibling_runs(
-    backend: str, db_url: str, make_engine: Callable[..., Engine]
+    idle_ending: str | Engine,
 ) -> None:
     """The shorter branch's outcome write kept the drive's connection while the longer
     branch ran on; the server ended it and the longer branch's write failed on it: the
     longer step ran again."""
     ran.clear()
-    engine = _idle_ending_engine(backend, db_url, make_engine)
+    engine = idle_ending
     with wp.Runtime(engine, max_drive_failures=2, lease_ttl=60.0) as rt:
         rt.register(idle_all_wf)
         run = rt.client().start(idle_all_wf, 3).execution_id
@@ -131,13 +151,11 @@ def test_parallel_branches_keep_no_connection_idle_while_a_sibling_runs(
 
 
 @pytest.mark.needs("shared_slots")
-def test_a_limit_holds_when_the_server_ends_idle_sessions(
-    backend: str, db_url: str, make_engine: Callable[..., Engine]
-) -> None:
+def test_a_limit_holds_when_the_server_ends_idle_sessions(idle_ending: str | Engine) -> None:
     """A slot is a session lock on a connection that sits idle while its step runs: the
     server ended that session and its lock, and a second run entered the ``Limit(1)``."""
     inside.update(now=0, peak=0)
-    engine = _idle_ending_engine(backend, db_url, make_engine)
+    engine = idle_ending
     with wp.Runtime(engine, record_start_after=None) as rt:
         rt.register(idle_limited_wf)
         runs = [rt.client().start(idle_limited_wf, i).execution_id for i in range(2)]

@@ -131,8 +131,8 @@ class Connections(Migrations):
         problem = None if mapped is None else self.schema_problem(mapped)
         if problem is not None:
             raise InvalidArgumentError(f"the engine's schema_translate_map: {mapped!r}: {problem}")
-        if not self.embedded:
-            idle.watch(self.engine)
+        if not self.embedded and (self.owned or self.engine.pool is not engine.pool):
+            idle.watch(self.engine)  # never a host's pool: its engine is used as is
         self.slots = Slots(self.engine)
         #: The largest JSON value (bytes, as sent) one stored value may have.
         self.max_value_bytes = 256 * 1024 * 1024 - 64 * 1024

@@ -11,11 +11,12 @@ connections idle for less than that: its hot paths pay nothing.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Final
 
 from sqlalchemy import Engine, event
 from sqlalchemy.exc import DisconnectionError
+
+from .. import clocks
 
 #: Seconds in the pool after which a connection is pinged before it is handed out.
 PING_AFTER: Final = 0.5
@@ -24,15 +25,17 @@ _IDLE_SINCE: Final = "wf_persist_idle_since"
 
 
 def watch(engine: Engine) -> None:
-    """Ping, at checkout, a connection of ``engine``'s pool that sat idle long enough."""
+    """Ping, at checkout, a connection of ``engine``'s pool that sat idle long enough (a
+    pool of wf_persist's own: a host's engine is used as is, its ``pool_pre_ping`` its
+    choice)."""
     dialect = engine.dialect
 
     def checkin(dbapi_connection: Any, record: Any) -> None:
-        record.info[_IDLE_SINCE] = time.monotonic()
+        record.info[_IDLE_SINCE] = clocks.elapsed()
 
     def checkout(dbapi_connection: Any, record: Any, proxy: Any) -> None:
         since = record.info.pop(_IDLE_SINCE, None)
-        if since is None or time.monotonic() - since < PING_AFTER:
+        if since is None or clocks.elapsed() - since < PING_AFTER:
             return
         try:
             dialect.do_ping(dbapi_connection)
