@@ -21,7 +21,7 @@ import tempfile
 import threading
 import urllib.parse
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Final
 
 from sqlalchemy import Connection, Engine, bindparam, event
@@ -121,9 +121,12 @@ def _size(path: str) -> int:
         return 0
 
 
-def _wal_if(cursor: Any, wanted: Callable[[], bool]) -> None:
-    """Put the database in WAL unless it is already, when ``wanted()`` says so."""
-    if str(cursor.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal" and wanted():
+def _to_wal(cursor: Any, *, only_new: bool) -> None:
+    """Put the database in WAL unless it is already; with ``only_new``, only a database
+    with no page yet (one this connection creates)."""
+    if str(cursor.execute("PRAGMA journal_mode").fetchone()[0]).lower() == "wal":
+        return
+    if not only_new or cursor.execute("PRAGMA page_count").fetchone()[0] == 0:
         cursor.execute("PRAGMA journal_mode = WAL")
 
 
@@ -236,7 +239,7 @@ class SQLiteBackend(Backend):
                 # here, one that holds our schema when it is opened (settle). Another
                 # application's file, named by a mistyped URL, keeps its mode: nothing is
                 # written before the schema check refuses it.
-                _wal_if(cursor, lambda: cursor.execute("PRAGMA page_count").fetchone()[0] == 0)
+                _to_wal(cursor, only_new=True)
             finally:
                 cursor.close()
 
@@ -259,7 +262,7 @@ class SQLiteBackend(Backend):
             raw: Any = conn.connection.driver_connection
             cursor = raw.cursor()
             try:
-                _wal_if(cursor, lambda: True)
+                _to_wal(cursor, only_new=False)
             except sqlite3.Error as exc:
                 raise self.raw_failure(conn, exc, "PRAGMA journal_mode = WAL", cursor) from exc
             finally:
