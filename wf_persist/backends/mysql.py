@@ -44,7 +44,7 @@ from ..models import executions_table as ex
 from .base import Backend
 from .clock import db_now
 from .connections import connect
-from .slots import SessionLockSlots
+from .slots import NamedLockSlots
 from .sql import (
     CLAIM_COLUMNS,
     INSERT_HISTORY,
@@ -101,31 +101,6 @@ def _code(exc: BaseException) -> Any:
     orig = getattr(exc, "orig", exc)
     args = getattr(orig, "args", ())
     return args[0] if args else None
-
-
-class NamedLockSlots(SessionLockSlots):
-    def _name(self, k1: int, slot: int) -> str:
-        return f"wf_persist:{k1}:{slot}"
-
-    def try_lock(self, conn: Connection, k1: int, slot: int) -> bool:
-        got = conn.execute(text("SELECT GET_LOCK(:n, 0)"), {"n": self._name(k1, slot)}).scalar()
-        return got == 1
-
-    def unlock(self, conn: Connection, k1: int, slot: int) -> None:
-        conn.execute(text("SELECT RELEASE_LOCK(:n)"), {"n": self._name(k1, slot)})
-
-    def stay(self, conn: Connection) -> object:
-        # A host's wait_timeout (an init_command's, say) would end the session mid-step.
-        was = conn.execute(text("SELECT @@SESSION.wait_timeout")).scalar()
-        conn.execute(text(f"SET SESSION wait_timeout = {_LONGEST_WAIT}"))
-        return was
-
-    def unstay(self, conn: Connection, saved: object) -> None:
-        conn.execute(text("SET SESSION wait_timeout = :s"), {"s": int(str(saved))})
-
-
-#: The largest ``wait_timeout`` the server takes on every platform (a year, in seconds).
-_LONGEST_WAIT: Final = 31_536_000
 
 
 @functools.lru_cache(maxsize=64)

@@ -53,7 +53,7 @@ from .pg_sql import (
     start_statement,
     write_statement,
 )
-from .slots import SessionLockSlots
+from .slots import AdvisorySlots
 from .sql import (
     STALE,
     Cataloged,
@@ -80,29 +80,6 @@ _GONE = frozenset({"57P01", "57P02", "57P03"})
 #: A statement cancelled: query_canceled (statement_timeout, pg_cancel_backend) and
 #: lock_not_available (lock_timeout, NOWAIT).
 _CANCELLED = frozenset({"57014", "55P03"})
-
-
-class AdvisorySlots(SessionLockSlots):
-    def try_lock(self, conn: Connection, k1: int, slot: int) -> bool:
-        return bool(conn.execute(select(func.pg_try_advisory_lock(k1, slot))).scalar())
-
-    def unlock(self, conn: Connection, k1: int, slot: int) -> None:
-        conn.execute(select(func.pg_advisory_unlock(k1, slot)))
-
-    def stay(self, conn: Connection) -> object:
-        # idle_session_timeout (PostgreSQL 14+; NULL before): a database's or role's
-        # setting a host may have, which would end the session mid-step.
-        was = conn.execute(select(func.current_setting(_IDLE_SESSION, True))).scalar()
-        if was not in (None, "0"):
-            conn.execute(select(func.set_config(_IDLE_SESSION, "0", False)))
-        return was
-
-    def unstay(self, conn: Connection, saved: object) -> None:
-        if saved not in (None, "0"):
-            conn.execute(select(func.set_config(_IDLE_SESSION, str(saved), False)))
-
-
-_IDLE_SESSION: Final = "idle_session_timeout"
 
 
 class PostgreSQLBackend(RawPath):

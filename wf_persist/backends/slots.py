@@ -13,8 +13,9 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Final
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, func, select, text
 
 log = logging.getLogger("wf_persist.worker")
 
@@ -136,3 +137,56 @@ class SessionLockSlots(Slots):
             log.warning(
                 "releasing a step's concurrency slot failed; its connection was closed: %s", exc
             )
+
+
+class AdvisorySlots(SessionLockSlots):
+    """PostgreSQL: a slot is a session-level advisory lock ``(k1, slot)``."""
+
+    def try_lock(self, conn: Connection, k1: int, slot: int) -> bool:
+        return bool(conn.execute(select(func.pg_try_advisory_lock(k1, slot))).scalar())
+
+    def unlock(self, conn: Connection, k1: int, slot: int) -> None:
+        conn.execute(select(func.pg_advisory_unlock(k1, slot)))
+
+    def stay(self, conn: Connection) -> object:
+        # idle_session_timeout (PostgreSQL 14+; NULL before): a database's or role's
+        # setting a host may have, which would end the session mid-step.
+        was = conn.execute(select(func.current_setting(_IDLE_SESSION, True))).scalar()
+        if was not in (None, "0"):
+            conn.execute(select(func.set_config(_IDLE_SESSION, "0", False)))
+        return was
+
+    def unstay(self, conn: Connection, saved: object) -> None:
+        if saved not in (None, "0"):
+            conn.execute(select(func.set_config(_IDLE_SESSION, str(saved), False)))
+
+
+_IDLE_SESSION: Final = "idle_session_timeout"
+
+
+class NamedLockSlots(SessionLockSlots):
+    """MySQL/MariaDB: a slot is a named lock (the server's, shared by its databases: the
+    key carries the namespace)."""
+
+    def _name(self, k1: int, slot: int) -> str:
+        return f"wf_persist:{k1}:{slot}"
+
+    def try_lock(self, conn: Connection, k1: int, slot: int) -> bool:
+        got = conn.execute(text("SELECT GET_LOCK(:n, 0)"), {"n": self._name(k1, slot)}).scalar()
+        return got == 1
+
+    def unlock(self, conn: Connection, k1: int, slot: int) -> None:
+        conn.execute(text("SELECT RELEASE_LOCK(:n)"), {"n": self._name(k1, slot)})
+
+    def stay(self, conn: Connection) -> object:
+        # A host's wait_timeout (an init_command's, say) would end the session mid-step.
+        was = conn.execute(text("SELECT @@SESSION.wait_timeout")).scalar()
+        conn.execute(text(f"SET SESSION wait_timeout = {_LONGEST_WAIT}"))
+        return was
+
+    def unstay(self, conn: Connection, saved: object) -> None:
+        conn.execute(text("SET SESSION wait_timeout = :s"), {"s": int(str(saved))})
+
+
+#: The largest ``wait_timeout`` the server takes on every platform (a year, in seconds).
+_LONGEST_WAIT: Final = 31_536_000

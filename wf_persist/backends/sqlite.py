@@ -19,7 +19,6 @@ import os
 import sqlite3
 import tempfile
 import threading
-import urllib.parse
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Final
@@ -33,6 +32,7 @@ from ..errors import LeaseLostError, UnsupportedDatabaseError
 from ..events import NewEvent
 from ..json_text import json_text
 from ..models import executions_table as ex
+from . import sqlite_files as files
 from . import sqlite_waits as waits
 from .base import Backend, Changes
 from .connections import connect, dispose_pool
@@ -96,40 +96,6 @@ def _ts(value: dt.datetime | None) -> str | None:
 _OWN_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
-def _file_of(url: URL) -> str | None:
-    """The path of the file a SQLite URL opens, ``None`` for an in-memory database."""
-    database = url.database or ""
-    if database.startswith("file:") and url.query.get("uri") == "true":
-        # A URI filename (file:PATH?mode=...): SQLite creates PATH unless told otherwise.
-        parts = urllib.parse.urlsplit(database)
-        modes = [*urllib.parse.parse_qs(parts.query).get("mode", ()), url.query.get("mode")]
-        if "memory" in modes:
-            return None
-        database = urllib.parse.unquote(parts.path)
-    if database in ("", ":memory:"):
-        return None
-    # Anything else is a path, "file:x" included when it is no URI (SQLAlchemy hands
-    # SQLite its absolute path, a plain file named "file:x").
-    return database
-
-
-def _size(path: str) -> int:
-    """A file's size; 0 for one not there (nor reachable)."""
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
-
-
-def _to_wal(cursor: Any, *, only_new: bool) -> None:
-    """Put the database in WAL unless it is already; with ``only_new``, only a database
-    with no page yet (one this connection creates)."""
-    if str(cursor.execute("PRAGMA journal_mode").fetchone()[0]).lower() == "wal":
-        return
-    if not only_new or cursor.execute("PRAGMA page_count").fetchone()[0] == 0:
-        cursor.execute("PRAGMA journal_mode = WAL")
-
-
 class DataVersion(Changes):
     """``PRAGMA data_version`` on a connection of its own that never writes: it moves when
     any other connection (any process) commits, and costs no disk access to read. The
@@ -162,17 +128,6 @@ class DataVersion(Changes):
             self._raw.close()
             self._raw = None
         dispose_pool(self._engine)
-
-
-def _uri_options(url: URL) -> dict[str, str]:
-    """The options of a URI filename (``sqlite:///file:x?mode=ro&uri=true``: the URL's
-    query, and any in the filename itself); none for a plain path."""
-    database = url.database or ""
-    uri = str(url.query.get("uri", "")).lower() in ("true", "1", "yes", "on")
-    if not (database.startswith("file:") and uri):
-        return {}
-    found = {k: v for k, v in url.query.items() if isinstance(v, str)}
-    return {**found, **dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(database).query))}
 
 
 _COUNT_CHANGES: Final = (
@@ -216,7 +171,7 @@ class SQLiteBackend(Backend):
 
     @classmethod
     def configure_engine(cls, url: URL, kwargs: dict[str, Any]) -> tuple[URL, dict[str, Any]]:
-        if url.query.get("mode") == "memory" or cls.in_memory(url):
+        if url.query.get("mode") == "memory" or files.in_memory(url):
             # An in-memory database is one connection, which threads would have to take turns
             # on: a private file in a temporary directory, removed with the engine, behaves
             # the same to its user and lets every thread have its own connection.
@@ -239,7 +194,7 @@ class SQLiteBackend(Backend):
                 # here, one that holds our schema when it is opened (settle). Another
                 # application's file, named by a mistyped URL, keeps its mode: nothing is
                 # written before the schema check refuses it.
-                _to_wal(cursor, only_new=True)
+                files.to_wal(cursor, only_new=True)
             finally:
                 cursor.close()
 
@@ -262,7 +217,7 @@ class SQLiteBackend(Backend):
             raw: Any = conn.connection.driver_connection
             cursor = raw.cursor()
             try:
-                _to_wal(cursor, only_new=False)
+                files.to_wal(cursor, only_new=False)
             except sqlite3.Error as exc:
                 raise self.raw_failure(conn, exc, "PRAGMA journal_mode = WAL", cursor) from exc
             finally:
@@ -345,29 +300,7 @@ class SQLiteBackend(Backend):
     def database_missing(cls, url: URL) -> bool:
         # An empty file holds no database yet either (unless its write-ahead log holds
         # one): an engine of ours reading it as one would write SQLite's header into it.
-        path = _file_of(url)
-        return path is not None and _size(path) == 0 and _size(path + "-wal") == 0
-
-    @staticmethod
-    def _absent(url: URL) -> bool:
-        """Whether connecting would create the database file (reading an empty one
-        writes nothing, unless an engine of ours opens it)."""
-        path = _file_of(url)
-        return path is not None and not os.path.exists(path)
-
-    @staticmethod
-    def in_memory(url: URL) -> bool:
-        """Whether ``url`` names an in-memory database: each connection has its own (or,
-        shared through a URI's cache, one that locks whole tables without waiting)."""
-        database = url.database or ""
-        if database in ("", ":memory:"):
-            return True
-        uri = str(url.query.get("uri", "")).lower() in ("true", "1", "yes", "on")
-        if database.startswith("file:") and uri:
-            parts = urllib.parse.urlsplit(database)
-            modes = [*urllib.parse.parse_qs(parts.query).get("mode", ()), url.query.get("mode")]
-            return parts.path == ":memory:" or "memory" in modes
-        return False
+        return files.empty(url)
 
     # checks ------------------------------------------------------------------------
 
@@ -381,7 +314,7 @@ class SQLiteBackend(Backend):
                 "pass wf_persist the URL (it keeps the database in a private file) or use a "
                 "file"
             )
-        options = _uri_options(self.base_engine.url)
+        options = files.uri_options(self.base_engine.url)
         if options.get("cache") == "shared" or options.get("nolock") == "1":
             # Shared cache: connections lock tables, and one that meets a lock fails at once
             # (SQLITE_LOCKED, no busy timeout); nolock: nothing keeps two writers apart.
@@ -391,7 +324,7 @@ class SQLiteBackend(Backend):
                 + ", under which wf_persist's connections (it writes from several at once) "
                 "fail each other instead of waiting; open the file without it"
             )
-        if self._absent(self.base_engine.url):
+        if files.absent(self.base_engine.url):
             return  # not created by asking
         with connect(self.base_engine) as conn:
             mode = str(conn.exec_driver_sql("PRAGMA locking_mode").scalar()).lower()
@@ -428,7 +361,7 @@ class SQLiteBackend(Backend):
         and a connection confirms it has no file (a ``creator`` may open a file under
         ``sqlite://``), unless the URL shares it through SQLite's shared cache. A URL that
         names a file is taken at its word: connecting would create a missing one."""
-        if not self.in_memory(self.base_engine.url):
+        if not files.in_memory(self.base_engine.url):
             return False
         with self.base_engine.connect() as conn:
             rows = conn.exec_driver_sql("PRAGMA database_list").all()
@@ -442,10 +375,10 @@ class SQLiteBackend(Backend):
 
     def read_only(self) -> bool:
         url = self.base_engine.url
-        options = _uri_options(url)  # a URI filename opened read-only
+        options = files.uri_options(url)  # a URI filename opened read-only
         if options.get("mode") == "ro" or options.get("immutable") == "1":
             return True
-        if self._absent(url):
+        if files.absent(url):
             return False  # not created by asking (a host's query_only would refuse that too)
         with self.base_engine.connect() as conn:
             return bool(conn.exec_driver_sql("PRAGMA query_only").scalar())
