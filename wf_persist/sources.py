@@ -2,7 +2,8 @@
 
 sha256 over ``name NUL version NUL body`` where *body* is the workflow function's source
 parsed with :mod:`ast`, stripped of its decorators and docstring, and printed back with
-:func:`ast.unparse`. Comments, blank lines, quoting style and formatting therefore never change
+:func:`ast.unparse` (f-strings as Python 3.11 prints them, on every version: see
+:mod:`.source_print`). Comments, blank lines, quoting style and formatting therefore never change
 the hash; any change to what the code does (or to its annotations) does. Step definitions and
 helper functions are not part of it: they are recorded results, not replayed code.
 """
@@ -18,6 +19,7 @@ from typing import Any
 
 from .error_documents import shown
 from .errors import WorkflowDefinitionError
+from .source_print import printed
 
 
 def normalized_source(fn: Callable[..., Any]) -> str:
@@ -44,7 +46,7 @@ def normalized_source(fn: Callable[..., Any]) -> str:
     )
     if is_docstring:
         node.body = body[1:] or [ast.Pass()]
-    return ast.unparse(node)
+    return printed(node)
 
 
 def source_hash(name: str, version: int, fn: Callable[..., Any]) -> str:
