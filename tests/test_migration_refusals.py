@@ -381,3 +381,20 @@ def test_names_taken_are_read_through_a_session_with_max_join_size(
         migrate.upgrade(engine)
     with engine.connect() as conn:
         assert conn.exec_driver_sql("SELECT @@sql_big_selects").scalar() == 0
+
+
+def test_a_revision_half_applied_by_hand_fails_typed(blank_db_url: str, backend: str) -> None:
+    """A column of wf_0007 added by hand before the upgrade: PostgreSQL and SQLite fail the
+    revision's ALTER, which raised the driver's raw error, and roll the revision back;
+    MySQL/MariaDB revisions look at what is there first and go on."""
+    migrate.upgrade(blank_db_url, "wf_0006")
+    _execute(blank_db_url, "ALTER TABLE wf_executions ADD COLUMN parent_id VARCHAR(36)")
+    try:
+        migrate.upgrade(blank_db_url)
+    except wp.UnsupportedDatabaseError as exc:
+        assert backend != "mysql"
+        assert "parent_id" in str(exc) and "changed by hand" in str(exc)
+        assert migrate.current(blank_db_url) == "wf_0006"
+    else:
+        assert backend == "mysql"
+        assert migrate.current(blank_db_url) == migrate.SCHEMA_HEAD

@@ -217,8 +217,9 @@ def _revision_errors(bind: Bind) -> Iterator[None]:
     """Alembic's refusal of a revision (unknown, ambiguous, not reachable) as the typed
     :class:`InvalidArgumentError`, and the database's refusal of the engine (a privilege
     it lacks, a read-only server), the database out of reach or a statement it cancelled
-    as their typed errors (:func:`wf_persist.refusals.translate`), that callers (the CLI)
-    report in one line."""
+    as their typed errors (:func:`wf_persist.refusals.translate`), any other statement the
+    database failed as :class:`UnsupportedDatabaseError`, that callers (the CLI) report in
+    one line."""
     from alembic.util import CommandError
 
     try:
@@ -231,7 +232,22 @@ def _revision_errors(bind: Bind) -> Iterator[None]:
         ) from exc
     except DBAPIError as exc:
         refusals.translate(backends.backend_type(_url_of(bind).get_backend_name()), exc)
-        raise
+        raise UnsupportedDatabaseError(_failed(exc)) from exc
+
+
+def _failed(exc: DBAPIError) -> str:
+    """What to tell of a statement of a revision the database failed: the schema is not
+    what the recorded revision says (a table or column changed by hand, most often)."""
+    cause = (str(exc.orig).strip().splitlines() or [type(exc.orig).__name__])[0]
+    statement = " ".join(str(exc.statement or "").split())
+    if len(statement) > 200:
+        statement = statement[:200] + "..."
+    return (
+        f"a statement of the migration failed: {cause} (in: {statement}); the wf_ tables "
+        "are not as the revision recorded in the database says (changed by hand?). The "
+        "revision was rolled back where DDL is transactional (PostgreSQL, SQLite); "
+        "MySQL/MariaDB revisions may be run again once the cause is removed"
+    )
 
 
 def upgrade(
