@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import httpx
 import pytest
 from sqlalchemy import Engine, create_engine, text
 
@@ -16,6 +17,7 @@ import wf_persist as wp
 from wf_persist import migrate
 
 from .fixtures import workflows as w
+from .helpers import Processes, wait_until
 
 HOSTILE = 'x"; CREATE TABLE public.pwned (i int); --'
 ODD = 'wf "odd" 50% ü'
@@ -76,3 +78,30 @@ def test_a_schema_name_postgresql_cannot_keep_is_refused_before_anything_is_sent
             call()
     assert _schemas(blank_db_url) == before
     assert migrate.current(blank_db_url) is None
+
+
+@pytest.mark.needs("schemas")
+def test_the_web_command_serves_the_runs_of_a_schema(blank_db_url: str, procs: Processes) -> None:
+    """Every other read command took --schema; the web view had none, and served nothing."""
+    from .webserver import _free_port
+
+    migrate.upgrade(blank_db_url, schema=ODD)
+    with wp.Runtime(blank_db_url, schema=ODD) as rt:
+        rt.register(w.echo_wf)
+        run = rt.client().start(w.echo_wf, 2).execution_id
+        rt.client().result(run, timeout=20)
+    port = _free_port()
+    served = procs.python(
+        "-m", "wf_persist.cli", "web", "--url", blank_db_url, "--schema", ODD,
+        "--port", str(port), name="web",
+    )  # fmt: skip
+
+    def listed() -> bool:
+        try:
+            found = httpx.get(f"http://127.0.0.1:{port}/api/runs", timeout=5)
+        except httpx.TransportError:
+            return False
+        return found.status_code == 200 and run in found.text
+
+    wait_until(listed, what="the run in the web view", timeout=30)
+    served.stop()

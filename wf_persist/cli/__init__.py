@@ -16,7 +16,7 @@ from sqlalchemy.exc import DBAPIError
 
 from ..errors import WfPersistError
 from . import catalog, db, replay, runs, web
-from .common import EXIT_EPILOG, EXIT_ERROR, parse_age
+from .common import EXIT_EPILOG, EXIT_ERROR, SERVE_EPILOG, parse_age
 from .output import visible
 from .worker import load_runtime, worker
 
@@ -27,9 +27,9 @@ app.add_typer(db.app, name="db")
 app.add_typer(runs.app, name="runs")
 app.command(epilog=EXIT_EPILOG)(db.purge)
 app.command(epilog=EXIT_EPILOG)(catalog.workflows)
-app.command()(worker)
+app.command(epilog=SERVE_EPILOG)(worker)
 app.command("replay-check", epilog=replay.REPLAY_EPILOG)(replay.replay_check)
-app.command()(web.web)
+app.command(epilog=SERVE_EPILOG)(web.web)
 
 
 def _print_version(value: bool) -> None:

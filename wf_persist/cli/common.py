@@ -39,6 +39,11 @@ EXIT_TIMEOUT = 4
 
 #: The epilog of commands that only report success or an error.
 EXIT_EPILOG = "Exit status: 0 ok; 1 an error (one line 'error: ...'); 2 a usage error."
+#: The epilog of commands that serve until stopped (a worker, the web view).
+SERVE_EPILOG = (
+    "Exit status: 0 stopped by SIGINT or SIGTERM; 1 an error (one line 'error: ...'); 2 a "
+    "usage error."
+)
 #: The epilog of commands that wait for a run's outcome.
 OUTCOME_EPILOG = (
     "Exit status: 0 the run completed; 3 the run failed; 4 --timeout passed before it "

@@ -92,7 +92,7 @@ def downgrade(
     epilog="Exit status: 0 at head; 3 behind head or never migrated; 4 migrated by a newer "
     "wf_persist; 1 an error (e.g. revisions recorded in both version tables); 2 a usage error."
 )
-def current(url: UrlOption = None, schema: MigrateSchemaOption = None) -> None:
+def current(url: UrlOption = None, schema: SchemaOption = None) -> None:
     """Print the revision the database is at ('none' if never migrated).
 
     In merged mode that is the wf_ rows of your alembic_version.

@@ -12,12 +12,12 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from .. import backends
 from ..replaycheck import check_replay
 from .common import (
     EXIT_FAILED,
     JsonOption,
     SchemaOption,
-    UrlOption,
     cutoff,
     database_errors,
     err,
@@ -27,6 +27,16 @@ from .output import add_row, emit_json, out
 from .worker import load_runtime
 
 #: The epilog of ``replay-check``.
+#: Unlike every other command's, the default is the app runtime's database, not the file.
+ReplayUrlOption = Annotated[
+    str | None,
+    typer.Option(
+        "--url",
+        envvar=backends.DATABASE_URL_ENV,
+        help="Database URL of the runs (default: $WF_PERSIST_DATABASE_URL, else the app "
+        "runtime's own database).",
+    ),
+]
 REPLAY_EPILOG = (
     "Exit status: 0 every run replays; 3 some run diverges (listed); 1 an error (one line "
     "'error: ...'); 2 a usage error."
@@ -42,12 +52,13 @@ def replay_check(
         typer.Option(help="Only runs created since: an age (7d, 12h) or an ISO time."),
     ] = None,
     json_: JsonOption = False,
-    url: UrlOption = None,
+    url: ReplayUrlOption = None,
     schema: SchemaOption = None,
 ) -> None:
     """Replay the stored runs of the app's workflows against its code; list divergences.
 
-    The runs are read from --url (default: the app runtime's own database).
+    The runs are read from --url (default: $WF_PERSIST_DATABASE_URL, else the app
+    runtime's own database).
     """
     start = None if since is None else cutoff(since, "--since")
     runtime = load_runtime(app_ref)

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from ..errors import InvalidArgumentError, WfPersistError
-from .common import err
+from .common import SchemaOption, err
 
 
 def _check_listen(host: str, port: int) -> None:
@@ -55,6 +55,7 @@ def web(
             help="The actions' token (default: a new random one, printed at start).",
         ),
     ] = None,
+    schema: SchemaOption = None,
 ) -> None:
     """Serve the web view of runs: the runs, each run's timeline, the catalog, a JSON API.
 
@@ -73,7 +74,9 @@ def web(
     local = host in ("127.0.0.1", "localhost")
     allowed = ["127.0.0.1", "localhost"] if local else None
     _check_listen(host, port)
-    app = create_app(url, allow_actions=allow_actions, token=token, allowed_hosts=allowed)
+    app = create_app(
+        url, allow_actions=allow_actions, token=token, allowed_hosts=allowed, schema=schema
+    )
     view = app.state.view
     mode = "actions allowed" if allow_actions else "read-only"
     err.print(f"wf-persist web: http://{host}:{port}/ ({mode})")

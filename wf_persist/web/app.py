@@ -134,16 +134,18 @@ def create_app(
     token: str | None = None,
     client: Client | None = None,
     allowed_hosts: Sequence[str] | None = None,
+    schema: str | None = None,
 ) -> Starlette:
     """The web view's ASGI app over ``database`` (a URL or an engine; default
-    ``$WF_PERSIST_DATABASE_URL``), or over ``client``. With ``allow_actions`` the pages and
+    ``$WF_PERSIST_DATABASE_URL``; ``schema``: the PostgreSQL schema of the wf_ tables), or
+    over ``client``. With ``allow_actions`` the pages and
     the API can signal, cancel and retry runs given the ``token`` (made up if not given:
     ``app.state.view.token``). ``allowed_hosts``: the only ``Host`` headers answered (a
     page of another site that rebinds its name to this address reads nothing)."""
     view = WebView(
         # A viewer never migrates (nor creates an embedded file): a database behind is
         # refused with the command that brings it to head.
-        client if client is not None else Client(database, auto_migrate=False),
+        client if client is not None else Client(database, schema=schema, auto_migrate=False),
         allow_actions=allow_actions,
         token=token,
     )
