@@ -144,6 +144,34 @@ def test_merged_database_is_read_and_left_to_the_host(blank_db_url: str) -> None
     _use_the_fk(blank_db_url)
 
 
+def test_a_hosts_version_table_named_otherwise_is_read(blank_db_url: str) -> None:
+    """A host's env.py may set ``version_table``: our tables, at head, were refused as
+    another application's ("rename or drop them")."""
+    command.upgrade(_host_config(blank_db_url, merged=True), "heads")
+    _execute(blank_db_url, "ALTER TABLE alembic_version RENAME TO app_versions")
+    found = migrate.state(blank_db_url)
+    assert (found.mode, found.revision, found.host_table) == (
+        "merged",
+        migrate.SCHEMA_HEAD,
+        "app_versions",
+    )
+    assert found.taken == ()
+    wp.Runtime(blank_db_url, auto_migrate=False).close()
+    up = wf_cli("db", "upgrade", "--url", blank_db_url)
+    assert up.returncode == 0, up.stderr[-800:]
+    assert "in app_versions (merged" in up.stderr
+    _execute(
+        blank_db_url,
+        "UPDATE app_versions SET version_num = :old WHERE version_num = :new",
+        old=below_head(),
+        new=migrate.SCHEMA_HEAD,
+    )
+    with pytest.raises(wp.MergedSchemaVersionError) as info:
+        wp.Runtime(blank_db_url, auto_migrate=False)
+    assert info.value.version_table == "app_versions"
+    assert migrate.VERSION_TABLE not in _tables(blank_db_url)
+
+
 def test_merged_database_behind_head_names_the_hosts_command(blank_db_url: str) -> None:
     cfg = _host_config(blank_db_url, merged=True)
     command.upgrade(cfg, below_head())

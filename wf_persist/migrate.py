@@ -335,6 +335,8 @@ class SchemaState:
     Attributes:
         standalone: the rows of our own version table (standalone mode).
         merged: the ``wf_`` rows of the host's ``alembic_version`` (merged mode).
+        host_table: the host's version table they were read from: ``alembic_version``, or
+            the one its Alembic environment names instead (``version_table``).
         url: the database, for the command an error names.
         schema: the PostgreSQL schema looked in.
         missing: the SQLite file does not exist (and was not created to look).
@@ -350,6 +352,7 @@ class SchemaState:
     missing: bool = False
     taken: tuple[str, ...] = ()
     mapped: URL | None = None
+    host_table: str = HOST_VERSION_TABLE
 
     @property
     def mode(self) -> Mode:
@@ -387,7 +390,7 @@ class SchemaState:
         if found is not None and _is_newer(found):
             return SchemaTooNewError(found, SCHEMA_HEAD)
         if found is not None and self.mode == "merged":
-            return MergedSchemaVersionError(found, SCHEMA_HEAD, host_command, HOST_VERSION_TABLE)
+            return MergedSchemaVersionError(found, SCHEMA_HEAD, host_command, self.host_table)
         if found is None and self.taken:
             return SchemaNamesTakenError(self.taken, SCHEMA_HEAD, self._upgrade())
         return SchemaVersionError(found, SCHEMA_HEAD, self._upgrade())
@@ -409,7 +412,7 @@ class SchemaState:
         rows = ", ".join(f"'{r}'" for r in self.merged)
         return (
             f"DROP TABLE {prefix}{VERSION_TABLE} to stay merged, or DELETE FROM "
-            f"{prefix}{HOST_VERSION_TABLE} WHERE version_num IN ({rows}) to stay standalone"
+            f"{prefix}{self.host_table} WHERE version_num IN ({rows}) to stay standalone"
         )
 
 
@@ -467,6 +470,7 @@ def _read_state(conn: Connection, schema: str | None) -> SchemaState:
         schema,
         taken=found.taken,
         mapped=found.mapped,
+        host_table=found.host_table,
     )
 
 
@@ -478,7 +482,7 @@ def _refuse_foreign(found: SchemaState, host_command: str) -> None:
     problem = found.error(host_command)
     if problem is None and found.mode == "merged":
         merged = ",".join(found.merged)
-        problem = MergedSchemaVersionError(merged, SCHEMA_HEAD, host_command, HOST_VERSION_TABLE)
+        problem = MergedSchemaVersionError(merged, SCHEMA_HEAD, host_command, found.host_table)
     if isinstance(
         problem, SchemaTooNewError | MergedSchemaVersionError | SchemaVersionConflictError
     ):

@@ -49,6 +49,8 @@ class Found:
     merged: tuple[str, ...]
     taken: tuple[str, ...]
     mapped: URL | None
+    #: The host's version table the merged revisions were read from.
+    host_table: str = HOST_VERSION_TABLE
 
 
 def read(conn: Connection, schema: str | None) -> Found:
@@ -70,13 +72,18 @@ def read(conn: Connection, schema: str | None) -> Found:
                 if began and conn.in_transaction():
                     conn.rollback()  # a fresh snapshot (REPEATABLE READ would keep the old)
                 standalone, merged = _recorded(conn, schema)
+        host_table = HOST_VERSION_TABLE
+        if names and not standalone and not merged:
+            with backend.catalog_reads(conn):
+                host_table, merged = _renamed_host_versions(conn, backend, schema)
+            names = () if merged else names
         mapped = None
         if schema is not None and not backend.supports_schemas:
             mapped = backend.mapped_database(conn, schema)
     finally:
         if began and conn.in_transaction():
             conn.rollback()
-    return Found(standalone, merged, names, mapped)
+    return Found(standalone, merged, names, mapped, host_table)
 
 
 def _recorded(conn: Connection, schema: str | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -112,6 +119,28 @@ def _host_versions(conn: Connection, inspector: Any, schema: str | None) -> tupl
         if not backends.backend_type(conn.dialect.name).refused(exc):
             raise
         return ()
+
+
+def _renamed_host_versions(
+    conn: Connection, backend: type[Backend], schema: str | None
+) -> tuple[str, tuple[str, ...]]:
+    """A host's Alembic environment may name its version table otherwise (``env.py``'s
+    ``version_table``): a table of the one column ``version_num`` holding ``wf_`` revisions
+    is one that merged ours. Read only where our names are taken and nothing is recorded
+    (without it, that database was refused as holding another application's tables)."""
+    inspector = inspect(conn)
+    for (_, name), columns in sorted(inspector.get_multi_columns(schema).items()):
+        if name == VERSION_TABLE or [c["name"] for c in columns] != ["version_num"]:
+            continue
+        try:
+            found = tuple(r for r in _versions(conn, True, name, schema) if r.startswith("wf_"))
+        except DBAPIError as exc:
+            if not backend.refused(exc):
+                raise
+            continue
+        if found:
+            return name, found
+    return HOST_VERSION_TABLE, ()
 
 
 def _versions(conn: Connection, exists: bool, name: str, schema: str | None) -> tuple[str, ...]:

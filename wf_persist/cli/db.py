@@ -47,7 +47,7 @@ def _report(script: str | None, url: str | None, schema: str | None) -> None:
         found = migrate.state(backends.resolve_url(url), schema=schema)
     where = found.revision or "base"
     if found.mode == "merged":
-        where += f" in {migrate.HOST_VERSION_TABLE} (merged: {migrate.HOST_UPGRADE_COMMAND})"
+        where += f" in {found.host_table} (merged: {migrate.HOST_UPGRADE_COMMAND})"
     err.print(f"wf_persist schema at {where} ({describe(url)})", markup=False)
 
 
