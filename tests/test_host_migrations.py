@@ -172,6 +172,31 @@ def test_a_hosts_version_table_named_otherwise_is_read(blank_db_url: str) -> Non
     assert migrate.VERSION_TABLE not in _tables(blank_db_url)
 
 
+def test_only_one_text_version_table_is_read_as_the_hosts(blank_db_url: str) -> None:
+    """A second copy of the record (kept by hand) leaves it unknown, refused as before
+    rather than read from whichever sorts first; a one-column version_num table of
+    numbers or NULLs (an application's own) is no Alembic record and no crash."""
+    command.upgrade(_host_config(blank_db_url, merged=True), "heads")
+    _execute(blank_db_url, "ALTER TABLE alembic_version RENAME TO app_versions")
+    _execute(
+        blank_db_url,
+        "CREATE TABLE numbered (version_num INTEGER)",
+        "INSERT INTO numbered (version_num) VALUES (7), (NULL)",
+    )
+    assert migrate.state(blank_db_url).host_table == "app_versions"
+    _execute(
+        blank_db_url,
+        "CREATE TABLE app_versions_bak (version_num VARCHAR(32) NOT NULL PRIMARY KEY)",
+        "INSERT INTO app_versions_bak (version_num) VALUES (:old)",
+        old=below_head(),
+    )
+    found = migrate.state(blank_db_url)
+    assert (found.mode, found.revision) == ("none", None)
+    assert "wf_executions" in found.taken
+    with pytest.raises(wp.SchemaNamesTakenError):
+        wp.Runtime(blank_db_url, auto_migrate=False)
+
+
 def test_merged_database_behind_head_names_the_hosts_command(blank_db_url: str) -> None:
     cfg = _host_config(blank_db_url, merged=True)
     command.upgrade(cfg, below_head())

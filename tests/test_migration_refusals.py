@@ -393,7 +393,7 @@ def test_a_revision_half_applied_by_hand_fails_typed(blank_db_url: str, backend:
         migrate.upgrade(blank_db_url)
     except wp.UnsupportedDatabaseError as exc:
         assert backend != "mysql"
-        assert "parent_id" in str(exc) and "changed by hand" in str(exc)
+        assert "parent_id" in str(exc) and "changed by hand" in str(exc), str(exc)
         assert migrate.current(blank_db_url) == "wf_0006"
     else:
         assert backend == "mysql"

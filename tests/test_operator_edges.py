@@ -66,6 +66,11 @@ def test_the_web_view_never_creates_or_migrates_a_database(
     with pytest.raises(wp.SchemaVersionError):
         create_app(f"sqlite:///{missing}")
     assert not missing.exists()
+    with wp.Client(f"sqlite:///{behind}", auto_migrate=True) as client:  # a schema ignored
+        for given in ({"database": f"sqlite:///{missing}"}, {"schema": "wf"}):
+            with pytest.raises(wp.InvalidArgumentError, match="not both"):
+                create_app(client=client, **given)  # type: ignore[arg-type]
+    assert not missing.exists()
 
 
 def test_telemetry_settings_the_sdk_refuses_leave_telemetry_off(

@@ -48,6 +48,7 @@ from .errors import MergedSchemaVersionError as MergedSchemaVersionError
 from .errors import MissingWorkflowVersionError as MissingWorkflowVersionError
 from .errors import NonDeterminismError as NonDeterminismError
 from .errors import NotSerializableError as NotSerializableError
+from .errors import PoolExhaustedError as PoolExhaustedError
 from .errors import PoolTooSmallError as PoolTooSmallError
 from .errors import ResultTimeoutError as ResultTimeoutError
 from .errors import SchemaNamesTakenError as SchemaNamesTakenError
@@ -118,6 +119,7 @@ __all__ = [
     "Outcome",
     "Page",
     "PendingSignal",
+    "PoolExhaustedError",
     "PoolTooSmallError",
     "Received",
     "ResultTimeoutError",

@@ -149,7 +149,7 @@ def drive(
     """
     wf = runtime.definition(claim.workflow_name, claim.workflow_version)
     deadline = run_deadline(claim, wf.timeout)
-    lender = Lender(runtime.backend, runtime.timers, keep=not bridge.bridged())
+    lender = Lender(runtime.backend, runtime.timers, keep=not bridge.bridged(), lease=lease)
     driver: RunDriver | None = None
     try:
         try:  # a read that fails is counted as the drive's failure, as a reload's is

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 
 class WfPersistError(Exception):
@@ -155,6 +156,12 @@ class StatementCancelledError(_DriverFailure):
     committed before it. Also SQLAlchemy's ``OperationalError``; ``orig`` is the driver's
     exception.
     """
+
+
+class PoolExhaustedError(DatabaseUnavailableError, PoolTimeout):
+    """No connection of the engine's pool was free within its ``pool_timeout``: the
+    application holds them all, or more calls run at once than the pool holds. Nothing was
+    written. Also SQLAlchemy's pool ``TimeoutError``; ``orig`` is that error."""
 
 
 class DatabaseConnectError(DatabaseUnavailableError):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -82,6 +82,23 @@ class Lease:
     #: Renamed to the runtime's plain name (its presence lock was in doubt): only a lapsed
     #: lease frees the run from then on, whatever becomes of that lock.
     plain: bool = False
+    #: When the drive's database call in progress began (monotonic; ``None`` between
+    #: calls), set by its :class:`~wf_persist.lending.Lender`.
+    busy_since: float | None = None
+    #: The keeper stopped renewing the lease: that call has waited past its bound.
+    stalled: bool = False
+    #: Ends that call (set by the Lender): it fails as a lost connection, and the drive
+    #: stops instead of holding its worker's slot for good.
+    cut: Callable[[], None] | None = None
+
+
+#: A drive's database call waiting longer than this (or than the lease TTL, if longer)
+#: stops its lease's renewal. A connection a network fault cut without either end hearing
+#: of it (a failover that black-holes the old primary, a proxy whose upstream died) waits
+#: for an answer that never comes; renewed from another connection, the lease would keep
+#: the run from every other worker for good. Unrenewed, it lapses and the run is taken
+#: over; a call that was only slow finds its lease lost and stops (its writes are fenced).
+STALL_AFTER = 30.0
 
 
 class LeaseKeeper(threading.Thread):
@@ -150,6 +167,7 @@ class LeaseKeeper(threading.Thread):
             wait = interval
             with self._lock:  # a lease known lost is not asked about again
                 leases = {i: lease for i, lease in self._held.items() if not lease.lost}
+            leases = {i: lease for i, lease in leases.items() if not self._stalled(lease)}
             if not leases:
                 continue
             started = clocks.elapsed()
@@ -180,6 +198,30 @@ class LeaseKeeper(threading.Thread):
                     len(lost),
                     lost,
                 )
+
+    def _stalled(self, lease: Lease) -> bool:
+        """Whether the lease's drive has waited on one database call past the bound (see
+        :data:`STALL_AFTER`); said once."""
+        since = lease.busy_since
+        if lease.stalled or since is None:
+            return lease.stalled
+        waited = clocks.elapsed() - since
+        if waited <= max(self.ttl, STALL_AFTER):
+            return False
+        lease.stalled = True
+        log.warning(
+            "run %s: its drive has waited %.0fs on one database call (a connection cut "
+            "without a word?); the call is ended and the lease no longer renewed, so "
+            "another runtime takes the run over when it lapses",
+            lease.execution_id,
+            waited,
+        )
+        if lease.cut is not None:
+            try:
+                lease.cut()
+            except Exception as exc:  # the connection ended meanwhile, say
+                log.debug("ending the stalled call of run %s: %s", lease.execution_id, exc)
+        return True
 
     def _taken(self, missing: dict[str, Lease]) -> list[str]:
         """Of leases a renewal did not find, those another claim took (not the ones their

@@ -21,8 +21,11 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import Connection
 
+from . import clocks
+
 if TYPE_CHECKING:
     from .backends import Backend
+    from .leases import Lease
     from .timers import Timers
 
 #: How long user code may run before its drive's connection goes back to the pool.
@@ -33,9 +36,16 @@ class Lender:
     """The connection of one drive (shared by its replays, ``ctx.all`` branches and its
     start-record timer, one statement at a time under :attr:`lock`)."""
 
-    def __init__(self, backend: Backend, timers: Timers, *, keep: bool = True) -> None:
+    def __init__(
+        self, backend: Backend, timers: Timers, *, keep: bool = True, lease: Lease | None = None
+    ) -> None:
         self.backend = backend
         self.timers = timers
+        #: The drive's lease, told when a database call begins and ends (a call that never
+        #: ends stops its renewal: see :data:`wf_persist.leases.STALL_AFTER`).
+        self.lease = lease
+        if lease is not None:
+            lease.cut = self.cut
         #: Whether a connection is kept from one write to the next (a drive on a thread
         #: goes from its write straight to its next call); False on the async worker's
         #: loop, where hundreds of runs wait their turn between writes.
@@ -43,6 +53,8 @@ class Lender:
         #: Held while a connection is in use (and while it is taken or given back).
         self.lock = threading.RLock()
         self._conn: Connection | None = None
+        #: Borrows in progress (nested ones on the thread holding :attr:`lock`).
+        self.depth = 0
         #: How many pieces of user code of this drive run now (``ctx.all`` branches, an
         #: attempt whose start a timer records): a write made meanwhile gives its
         #: connection back, which would otherwise sit idle until they end (a server
@@ -61,6 +73,16 @@ class Lender:
             conn, self._conn = self._conn, None
             if conn is not None:
                 conn.close()
+
+    def cut(self) -> None:
+        """End the database call in progress from another thread (see
+        :meth:`Backend.cut <wf_persist.backends.base.Backend.cut>`)."""
+        conn = self._conn
+        if conn is None or conn.closed or conn.invalidated:
+            return
+        raw = conn.connection.driver_connection
+        if raw is not None:
+            self.backend.cut(raw)
 
     def _release_unless_busy(self) -> None:
         """The timer's release: a write in progress (of a ``ctx.all`` sibling, say) keeps
@@ -90,12 +112,16 @@ class _Borrowed:
     def __enter__(self) -> Connection:
         lender = self._lender
         lender.lock.acquire()
+        lender.depth += 1
+        lease = lender.lease
+        if lease is not None and lender.depth == 1:
+            lease.busy_since = clocks.elapsed()
         try:
             conn = lender._conn
             if conn is None or conn.closed or conn.invalidated:
                 conn = lender._conn = lender.backend.engine.connect()
         except BaseException:
-            lender.lock.release()
+            self._done(lender)
             raise
         return conn
 
@@ -105,7 +131,14 @@ class _Borrowed:
             if kind is not None or not lender.keep or lender.running:
                 lender.release()
         finally:
-            lender.lock.release()
+            self._done(lender)
+
+    @staticmethod
+    def _done(lender: Lender) -> None:
+        lender.depth -= 1
+        if lender.lease is not None and lender.depth == 0:  # the outermost borrow ended
+            lender.lease.busy_since = None
+        lender.lock.release()
 
 
 class _Lent:

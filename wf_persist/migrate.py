@@ -236,17 +236,21 @@ def _revision_errors(bind: Bind) -> Iterator[None]:
 
 
 def _failed(exc: DBAPIError) -> str:
-    """What to tell of a statement of a revision the database failed: the schema is not
-    what the recorded revision says (a table or column changed by hand, most often)."""
-    cause = (str(exc.orig).strip().splitlines() or [type(exc.orig).__name__])[0]
+    """What to tell of a statement the database failed during a migration: most often
+    the schema is not what the recorded revision says (a table or column changed by
+    hand)."""
+    cause = (str(exc.orig).strip().splitlines() or [type(exc.orig).__name__])[0][:300]
     statement = " ".join(str(exc.statement or "").split())
+    if not statement:
+        return f"the database failed the migration: {cause}"
     if len(statement) > 200:
         statement = statement[:200] + "..."
     return (
-        f"a statement of the migration failed: {cause} (in: {statement}); the wf_ tables "
-        "are not as the revision recorded in the database says (changed by hand?). The "
-        "revision was rolled back where DDL is transactional (PostgreSQL, SQLite); "
-        "MySQL/MariaDB revisions may be run again once the cause is removed"
+        f"a statement of the migration failed: {cause} (in: {statement}). If the wf_ "
+        "tables were changed by hand, they are not as the revision recorded in the "
+        "database says. The revision was rolled back where DDL is transactional "
+        "(PostgreSQL, SQLite); MySQL/MariaDB revisions may be run again once the cause is "
+        "removed"
     )
 
 

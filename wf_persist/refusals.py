@@ -22,10 +22,12 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, cast
 
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from .errors import (
     DatabaseUnavailableError,
     InvalidArgumentError,
+    PoolExhaustedError,
     StatementCancelledError,
     UnsupportedDatabaseError,
     WfPersistError,
@@ -44,6 +46,8 @@ class _Refuses(Protocol):
     def cancelled(self, exc: BaseException) -> bool: ...
 
     def aborted(self, exc: BaseException) -> bool: ...
+
+    def missing_table(self, exc: BaseException) -> bool: ...
 
 
 def _said(exc: BaseException) -> tuple[BaseException | None, str]:
@@ -94,6 +98,13 @@ def translate(backend: _Refuses, exc: BaseException) -> None:
     """Raise the typed error if ``exc`` is ``backend``'s server refusing the user or out of
     reach (an error of wf_persist's own, such as one refused at connecting, is typed
     already)."""
+    if isinstance(exc, PoolTimeout) and not isinstance(exc, WfPersistError):
+        raise _failure(
+            PoolExhaustedError,
+            exc,
+            "no connection of the engine's pool was free within its pool_timeout (all in "
+            "use: by the application, or by more calls at once than the pool holds)",
+        ) from exc
     if isinstance(exc, WfPersistError) or not is_driver_error(exc):
         return
     if backend.refused(exc):
@@ -102,6 +113,12 @@ def translate(backend: _Refuses, exc: BaseException) -> None:
         raise unavailable(exc) from exc
     if backend.cancelled(exc):
         raise cancellation(exc) from exc
+    if backend.missing_table(exc):
+        raise UnsupportedDatabaseError(
+            f"a table of wf_persist's is not where this connection looks: {_said(exc)[1]} "
+            "(a session or connection given without the schema, search_path or "
+            "schema_translate_map of the runtime's engine? tables dropped?)"
+        ) from exc
     if backend.aborted(exc):  # an application's session, after a statement of its own failed
         raise InvalidArgumentError(
             "the transaction this call was given had already failed (a statement earlier in "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, Final
 
-from sqlalchemy import Connection, column, inspect, select, table
+from sqlalchemy import Connection, String, column, inspect, select, table
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 
@@ -73,7 +73,7 @@ def read(conn: Connection, schema: str | None) -> Found:
                     conn.rollback()  # a fresh snapshot (REPEATABLE READ would keep the old)
                 standalone, merged = _recorded(conn, schema)
         host_table = HOST_VERSION_TABLE
-        if names and not standalone and not merged:
+        if names and not standalone and not merged and began:
             with backend.catalog_reads(conn):
                 host_table, merged = _renamed_host_versions(conn, backend, schema)
             names = () if merged else names
@@ -125,22 +125,28 @@ def _renamed_host_versions(
     conn: Connection, backend: type[Backend], schema: str | None
 ) -> tuple[str, tuple[str, ...]]:
     """A host's Alembic environment may name its version table otherwise (``env.py``'s
-    ``version_table``): a table of the one column ``version_num`` holding ``wf_`` revisions
-    is one that merged ours. Read only where our names are taken and nothing is recorded
-    (without it, that database was refused as holding another application's tables)."""
+    ``version_table``): the one table of a single text column ``version_num`` holding
+    ``wf_`` revisions is the one that merged ours. Read only where our names are taken and
+    nothing is recorded (the database was refused as holding another application's
+    tables), on a transaction of this read's own. Two such tables (a copy kept by hand),
+    or one this user may not read, leave the record unknown: refused as before."""
     inspector = inspect(conn)
+    found: list[tuple[str, tuple[str, ...]]] = []
     for (_, name), columns in sorted(inspector.get_multi_columns(schema).items()):
         if name == VERSION_TABLE or [c["name"] for c in columns] != ["version_num"]:
             continue
+        if not isinstance(columns[0]["type"], String):
+            continue
         try:
-            found = tuple(r for r in _versions(conn, True, name, schema) if r.startswith("wf_"))
+            rows = _versions(conn, True, name, schema)
         except DBAPIError as exc:
             if not backend.refused(exc):
                 raise
-            continue
-        if found:
-            return name, found
-    return HOST_VERSION_TABLE, ()
+            return HOST_VERSION_TABLE, ()  # (PostgreSQL's transaction has failed: stop)
+        ours = tuple(sorted(r for r in rows if isinstance(r, str) and r.startswith("wf_")))
+        if ours:
+            found.append((name, ours))
+    return found[0] if len(found) == 1 else (HOST_VERSION_TABLE, ())
 
 
 def _versions(conn: Connection, exists: bool, name: str, schema: str | None) -> tuple[str, ...]:

@@ -7,8 +7,9 @@ hash differently on workers of two Python versions, and the catalog would refuse
 one's registration as a changed body (``WorkflowVersionConflictError``) in the middle of an
 upgrade of the interpreter. :func:`printed` therefore prints f-strings as Python 3.11 does
 on every version; on 3.11 it is :func:`ast.unparse` itself, so hashes cataloged before stay
-valid. Code that only parses on a newer Python (an f-string whose replacement field holds a
-backslash, say) has no 3.11 print: it gets the interpreter's own.
+valid. Code 3.11 cannot print (an f-string whose replacement field needs a backslash, which
+only parses from 3.12 on, or an invisible character there) is written out as its syntax
+tree instead (:func:`shape`), the same on every version.
 
 Only the printer's f-string methods differ between the versions supported (3.11 to 3.13):
 the rest of :mod:`ast`'s printer is used as it is.
@@ -102,10 +103,27 @@ class Printer311(ast._Unparser):  # type: ignore[name-defined,misc]
 
 
 def printed(node: ast.AST) -> str:
-    """``node`` printed as Python 3.11's :func:`ast.unparse` prints it, where it can be."""
-    if NATIVE:
-        return ast.unparse(node)
+    """``node`` printed as Python 3.11's :func:`ast.unparse` prints it, or where 3.11 cannot
+    print it (an f-string expression that needs a backslash), its :func:`shape`."""
     try:
-        return str(Printer311().visit(node))
-    except ValueError:  # syntax 3.11 cannot print: the interpreter's own print
-        return ast.unparse(node)
+        return ast.unparse(node) if NATIVE else str(Printer311().visit(node))
+    except ValueError:
+        return shape(node)
+
+
+def shape(value: Any) -> str:
+    """A syntax tree written out field by field, the same on every version: fields a newer
+    Python added are empty for older syntax and left out (``type_params=[]``), as are the
+    empty text pieces Python 3.12.1 puts in f-strings' format specs."""
+    if isinstance(value, ast.AST):
+        fields = []
+        for name in value._fields:
+            field: Any = getattr(value, name, None)
+            if isinstance(value, ast.JoinedStr) and name == "values":
+                field = [v for v in field if not (isinstance(v, ast.Constant) and v.value == "")]
+            if field is not None and field != []:
+                fields.append(f"{name}={shape(field)}")
+        return f"{type(value).__name__}({', '.join(fields)})"
+    if isinstance(value, list):
+        return f"[{', '.join(shape(v) for v in value)}]"
+    return repr(value)

@@ -127,6 +127,11 @@ class Backend(Connections):
         poll then skips its queries when nothing changed); ``None`` where there is none."""
         return None
 
+    def cut(self, raw: Any) -> None:
+        """End the statement another thread waits on with the driver connection ``raw``
+        (it fails there as a lost connection): its answer will never come (see
+        :data:`wf_persist.leases.STALL_AFTER`). Nothing where the driver has no way."""
+
     # dedupe ------------------------------------------------------------------------
 
     #: The dialect's INSERT with ``ON CONFLICT (...) DO NOTHING`` (PostgreSQL, SQLite), which

@@ -317,6 +317,18 @@ class Connections(Migrations):
         return False
 
     @classmethod
+    def missing_table(cls, exc: BaseException) -> bool:
+        """Whether ``exc`` says a table the statement names is not there (not where the
+        connection looks: another schema or database, or dropped)."""
+        return False
+
+    @classmethod
+    def serialization_failure(cls, exc: BaseException) -> bool:
+        """Whether ``exc`` is a serialization failure: a transaction at REPEATABLE READ or
+        stricter met a row committed after its snapshot (SQLSTATE 40001)."""
+        return getattr(getattr(exc, "orig", exc), "sqlstate", None) == "40001"
+
+    @classmethod
     def aborted(cls, exc: BaseException) -> bool:
         """Whether ``exc`` is a statement refused because its transaction had already failed
         (PostgreSQL's, until rolled back; elsewhere a failed statement leaves the rest of

@@ -41,6 +41,7 @@ from ..errors import LeaseLostError, UnsupportedDatabaseError, ValueTooLargeErro
 from ..events import NewEvent
 from ..models import UniqueKey
 from ..models import executions_table as ex
+from . import cuts
 from .base import Backend
 from .clock import db_now
 from .connections import connect
@@ -78,6 +79,7 @@ _PACKET_MARGIN: Final = 64 * 1024
 _STATEMENT_MARGIN: Final = 16 * 1024
 _STRICT = ("STRICT_TRANS_TABLES", "STRICT_ALL_TABLES")
 _DUPLICATE_KEY: Final = 1062
+_NO_SUCH_TABLE: Final = 1146
 _DEADLOCK: Final = 1213
 _LOCK_WAIT_TIMEOUT: Final = 1205
 #: ``sql_select_limit`` at DEFAULT: no limit.
@@ -211,6 +213,15 @@ class MySQLBackend(Backend):
 
     def read_only(self) -> bool:
         return self._read_only
+
+    def cut(self, raw: Any) -> None:
+        sock = getattr(raw, "_sock", None)  # PyMySQL's socket; None once closed
+        if sock is not None:
+            cuts.shut(sock.fileno())
+
+    @classmethod
+    def missing_table(cls, exc: BaseException) -> bool:
+        return bool(_code(exc) == _NO_SUCH_TABLE)
 
     @classmethod
     def refused(cls, exc: BaseException) -> bool:

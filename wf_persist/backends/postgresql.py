@@ -38,7 +38,7 @@ from ..json_text import as_jsonb, json_text
 from ..models import executions_table as ex
 from ..models import workflows_table as wf
 from ..wakeups import DUE, END, NOT_AVAILABLE, Hearing, Listener
-from . import pg_json
+from . import cuts, pg_json
 from .connections import connect
 from .pg_presence import PRESENT_MARK, REAP, UNSUPPORTED, PGListener, advisory_locks_work
 from .pg_raw import RawPath, as_created
@@ -180,6 +180,9 @@ class PostgreSQLBackend(RawPath):
     def as_stored(self, doc: Any) -> Any:
         return as_jsonb(doc)
 
+    def cut(self, raw: Any) -> None:
+        cuts.shut(raw.pgconn.socket)
+
     @classmethod
     def refused(cls, exc: BaseException) -> bool:
         return getattr(getattr(exc, "orig", exc), "sqlstate", None) in _REFUSED
@@ -187,6 +190,10 @@ class PostgreSQLBackend(RawPath):
     @classmethod
     def cancelled(cls, exc: BaseException) -> bool:
         return getattr(getattr(exc, "orig", exc), "sqlstate", None) in _CANCELLED
+
+    @classmethod
+    def missing_table(cls, exc: BaseException) -> bool:
+        return getattr(getattr(exc, "orig", exc), "sqlstate", None) == "42P01"
 
     @classmethod
     def aborted(cls, exc: BaseException) -> bool:

@@ -383,6 +383,14 @@ class SQLiteBackend(Backend):
         with self.base_engine.connect() as conn:
             return bool(conn.exec_driver_sql("PRAGMA query_only").scalar())
 
+    def cut(self, raw: Any) -> None:
+        raw.interrupt()  # a lock wait or a statement: SQLITE_INTERRUPT where it runs
+
+    @classmethod
+    def missing_table(cls, exc: BaseException) -> bool:
+        orig = getattr(exc, "orig", exc)
+        return isinstance(orig, sqlite3.OperationalError) and "no such table" in str(orig)
+
     @classmethod
     def refused(cls, exc: BaseException) -> bool:
         code = getattr(getattr(exc, "orig", exc), "sqlite_errorcode", None)

@@ -142,6 +142,10 @@ def create_app(
     the API can signal, cancel and retry runs given the ``token`` (made up if not given:
     ``app.state.view.token``). ``allowed_hosts``: the only ``Host`` headers answered (a
     page of another site that rebinds its name to this address reads nothing)."""
+    if client is not None and (database is not None or schema is not None):
+        raise InvalidArgumentError(
+            "create_app: give a client, or a database (and its schema), not both"
+        )
     view = WebView(
         # A viewer never migrates (nor creates an embedded file): a database behind is
         # refused with the command that brings it to head.
