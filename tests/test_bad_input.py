@@ -1589,3 +1589,48 @@ def test_an_object_claiming_to_be_a_str_is_refused_as_one_typed_error(
         with pytest.raises(wp.InvalidArgumentError):
             call()
     assert tables.counts() == before
+
+
+@wp.workflow(name="limited_text", version=1)
+def limited_text_wf(ctx: wp.Context, text: str) -> str:
+    return text
+
+
+def test_a_host_sqlite_engine_with_a_lower_length_limit_is_measured_by_it(
+    tmp_path: Path, make_engine: Callable[..., sa.Engine]
+) -> None:
+    """A host's connections may lower SQLITE_LIMIT_LENGTH: the limit was read from a
+    throwaway connection of SQLite's defaults, and a value past the engine's own limit
+    raised the driver's raw DataError."""
+    import sqlite3
+
+    engine = make_engine(f"sqlite:///{tmp_path / 'limited.sqlite3'}")
+
+    @sa.event.listens_for(engine, "connect")
+    def _limit(raw: Any, _record: Any) -> None:
+        raw.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, 100_000)
+
+    migrate.upgrade(engine)
+    with wp.Runtime(engine) as rt:
+        rt.register(limited_text_wf)
+        assert rt.backend.max_value_bytes < 100_000
+        with pytest.raises(wp.ValueTooLargeError):
+            rt.client().start(limited_text_wf, "a" * 200_000)
+        assert rt.client().list().items == []
+        small = rt.client().start(limited_text_wf, "a" * 1_000).execution_id
+        assert rt.client().result(small, timeout=30).unwrap() == "a" * 1_000
+
+
+@pytest.mark.needs("schemas")  # PostgreSQL
+def test_a_value_past_what_postgresqls_jsonb_parser_takes_is_refused_typed(
+    runtime: wp.Runtime,
+) -> None:
+    """An array of small numbers of 69 MB of JSON (within the 256 MiB the limit was) failed
+    the start with PostgreSQL's raw "invalid memory alloc request size": such a document
+    takes 32 bytes an element to parse. The limit is 16 MiB now; the refusal is typed, and
+    nothing is written."""
+    runtime.register(limited_text_wf)
+    with pytest.raises(wp.ValueTooLargeError) as info:
+        runtime.client().start(limited_text_wf, "1," * (9 * 1024 * 1024))
+    assert info.value.limit == 16 * 1024 * 1024 - 64 * 1024
+    assert runtime.client().list().items == []

@@ -387,3 +387,34 @@ def test_a_recorded_value_that_no_longer_fits_fails_the_run_typed(rt: wp.Runtime
         "wf_persist.errors",
     )
     assert "payload of signal go" in outcome.error["message"]
+
+
+BIG_ERROR_CALLS: list[int] = []
+
+
+@wp.step
+def _boom_big() -> str:
+    BIG_ERROR_CALLS.append(1)
+    raise RuntimeError("x" * 4_500_000)
+
+
+@wp.workflow(name="big_error", version=1)
+def big_error_wf(ctx: wp.Context) -> str:
+    return ctx.run(_boom_big)
+
+
+def test_a_step_error_with_a_huge_message_is_recorded_once(runtime: wp.Runtime) -> None:
+    """Its document (message and args, nested again in the run's error) made the failure's
+    write larger than MariaDB takes: the step ran again at every drive and the run failed
+    with DriveFailedError. The document keeps the message's beginning."""
+    from wf_persist.error_documents import MAX_MESSAGE
+
+    BIG_ERROR_CALLS.clear()
+    runtime.register(big_error_wf)
+    outcome = runtime.client().execute(big_error_wf, None)
+    assert outcome.status == "failed" and outcome.error_type == "StepExecutionError"
+    assert BIG_ERROR_CALLS == [1]
+    cause = outcome.error["cause"]
+    assert cause["name"] == "RuntimeError"
+    assert cause["message"].startswith("x" * MAX_MESSAGE + "... (4492000 more characters)")
+    assert len(cause["message"]) < MAX_MESSAGE + 100

@@ -213,6 +213,7 @@ SAMPLES: dict[str, BaseException] = {
     "StatementCancelledError": wp.StatementCancelledError("timed out", TimeoutError(), False),
     "DriveFailedError": wp.DriveFailedError(10, {"name": "DataError"}),
     "PoolTooSmallError": wp.PoolTooSmallError(3, 5, 4),
+    "PoolExhaustedError": wp.PoolExhaustedError("no connection of the pool was free"),
     "IdempotencyConflictError": wp.IdempotencyConflictError("wf", "key"),
     "LeaseLostError": wp.LeaseLostError("id-1"),
     "Cancelled": wp.Cancelled(False, "ops"),

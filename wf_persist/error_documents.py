@@ -66,16 +66,19 @@ def error_document(
         bits, not nested past MariaDB's limit), else its text: an error must always be
         recordable, or the step that raised it would run again at every drive."""
         try:
-            doc = _scrub(json.loads(json.dumps(value, allow_nan=False)))
+            dumped = json.dumps(value, allow_nan=False)
+            doc = _scrub(json.loads(dumped))
         except (TypeError, ValueError, RecursionError):
-            return text_of(value)
+            return _cut(text_of(value))
         # Room for the levels around it: event, error, compensation errors, args.
-        return text_of(value) if unstorable(doc, 6) else doc
+        if unstorable(doc, 6) or len(dumped) > MAX_VALUE:
+            return _cut(text_of(value))
+        return _cut(doc) if isinstance(doc, str) else doc
 
     doc: dict[str, Any] = {
         "name": type(exc).__name__,
         "module": type(exc).__module__,
-        "message": text_of(exc),
+        "message": _cut(text_of(exc)),
     }
     # Strict JSON (no NaN or infinities, which JSON columns reject), kept in its JSON form:
     # the document a caller gets is the one a later read of the database returns.
@@ -98,6 +101,21 @@ def error_document(
 
 #: The longest traceback kept in an error document (its end, where the error was raised).
 MAX_TRACEBACK: Final = 8000
+#: The longest message (and text of an argument or field) kept in an error document: an
+#: error's document is nested in the run's and written more than once, and a message of
+#: megabytes made every write of the failure too large, so the step ran again at every
+#: drive until the run failed with ``DriveFailedError`` instead of its own error.
+MAX_MESSAGE: Final = 8000
+#: The longest JSON of another argument or field kept as it is (an error document of a
+#: cause, nested, is one: each of its texts is cut already), else its text, cut.
+MAX_VALUE: Final = 256 * 1024
+
+
+def _cut(text: str) -> str:
+    """``text``, its beginning only past :data:`MAX_MESSAGE` characters (saying so)."""
+    if len(text) <= MAX_MESSAGE:
+        return text
+    return f"{text[:MAX_MESSAGE]}... ({len(text) - MAX_MESSAGE} more characters)"
 
 
 def traceback_text(exc: BaseException, redact: Callable[[str], str] | None = None) -> str | None:

@@ -34,6 +34,7 @@ from .errors import (
     SchemaVersionConflictError,
     SchemaVersionError,
     UnsupportedDatabaseError,
+    WfPersistError,
 )
 from .models import ONLY_ON, metadata
 from .schema_reads import FIRST_TABLES as FIRST_TABLES
@@ -231,6 +232,8 @@ def _revision_errors(bind: Bind) -> Iterator[None]:
             "revision: a relative revision reaches past the last one"
         ) from exc
     except DBAPIError as exc:
+        if isinstance(exc, WfPersistError):  # typed already (a connection refused, say)
+            raise
         refusals.translate(backends.backend_type(_url_of(bind).get_backend_name()), exc)
         raise UnsupportedDatabaseError(_failed(exc)) from exc
 

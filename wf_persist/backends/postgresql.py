@@ -65,6 +65,12 @@ from .sql import (
 )
 
 log = logging.getLogger("wf_persist.worker")
+#: The largest value (bytes of JSON, as sent) one write stores. JSONB holds up to 256 MiB,
+#: but the server parses a document into a node of 32 bytes per element, in one array of at
+#: most 1 GiB: an array of small numbers past about 32 MiB of text failed the write with
+#: "invalid memory alloc request size". 16 MiB (less room for the event around it) is
+#: below that for any document.
+MAX_JSONB_VALUE: Final = 16 * 1024 * 1024 - 64 * 1024
 
 #: The longest name (a schema's, a channel's) PostgreSQL keeps whole is one byte short of this.
 NAMEDATALEN: Final = 64
@@ -129,6 +135,7 @@ class PostgreSQLBackend(RawPath):
         self._channel: str | None = None
         self._end_channel: str | None = None
         super().__init__(engine, owned=owned, schema=schema)
+        self.max_value_bytes = MAX_JSONB_VALUE
         # Advisory locks are the database's: a limit holds within the schema of our tables.
         tables = (
             (self.schema_map or {}).get(None) or self.tables_schema or self.current_schema or ""

@@ -45,6 +45,8 @@ _BEGIN_WRITE: Final = "BEGIN IMMEDIATE"
 #: SQLITE_READONLY_DIRECTORY (nor its directory), SQLITE_AUTH (a host's authorizer). Not
 #: the other READONLY codes (a file moved, a hot journal): no grant would help those.
 _REFUSED: Final = frozenset({8, 8 | 6 << 8, 23})
+#: Room a history row needs besides its one value (SQLite's length limit is per row too).
+_ROW_MARGIN: Final = 64 * 1024
 #: Execution option: this transaction only reads (a deferred BEGIN).
 READONLY: Final = "wf_persist_readonly"
 #: Execution option of wf_persist's own connections: it sends BEGIN itself.
@@ -149,7 +151,7 @@ class SQLiteBackend(Backend):
         #: wf_persist's write transactions in this process queue here before BEGIN
         #: IMMEDIATE, see :meth:`_queued`.
         self._writers = threading.RLock()
-        self.max_value_bytes = self._length_limit() - 64 * 1024
+        self.max_value_bytes = self._length_limit() - _ROW_MARGIN
 
     @staticmethod
     def _length_limit() -> int:
@@ -210,11 +212,17 @@ class SQLiteBackend(Backend):
 
     def settle(self) -> None:
         """An engine of ours puts a database that holds our schema in WAL (readers never
-        wait for the writer): one migrated by a script, say, or made before by a host."""
-        if self.base_engine not in _OWN_ENGINES:
-            return  # a host's engine: its file, its journal mode
+        wait for the writer): one migrated by a script, say, or made before by a host.
+        Any engine's connections tell their limit on one value (a host's may lower it)."""
+        own = self.base_engine in _OWN_ENGINES
         with connect(self.base_engine) as conn:
             raw: Any = conn.connection.driver_connection
+            getlimit = getattr(raw, "getlimit", None)  # Python 3.11+
+            if getlimit is not None:
+                limit = int(getlimit(sqlite3.SQLITE_LIMIT_LENGTH)) - _ROW_MARGIN
+                self.max_value_bytes = max(0, min(self.max_value_bytes, limit))
+            if not own:
+                return  # a host's engine: its file, its journal mode
             cursor = raw.cursor()
             try:
                 files.to_wal(cursor, only_new=False)
