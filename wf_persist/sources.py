@@ -34,6 +34,8 @@ def normalized_source(fn: Callable[..., Any]) -> str:
         node: ast.stmt | None = ast.parse(source).body[0]
     except (SyntaxError, IndexError):
         node = None
+    except ValueError as exc:  # the parser's own failure (CPython 3.12.1 on f"{x:{y=}}")
+        raise WorkflowDefinitionError(f"cannot parse the source of {shown(fn)}: {exc}") from exc
     if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
         raise WorkflowDefinitionError(f"{shown(fn)} is not a plain function definition")
     node.decorator_list = []
