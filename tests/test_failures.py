@@ -418,3 +418,44 @@ def test_a_step_error_with_a_huge_message_is_recorded_once(runtime: wp.Runtime) 
     assert cause["name"] == "RuntimeError"
     assert cause["message"].startswith("x" * MAX_MESSAGE + "... (4492000 more characters)")
     assert len(cause["message"]) < MAX_MESSAGE + 100
+
+
+class _LongRejected(Exception):
+    pass
+
+
+SEEN_LENGTHS: list[int] = []
+
+
+@wp.step(errors=(_LongRejected,))
+def _reject_long() -> int:
+    raise _LongRejected("x" * 9_000)
+
+
+@wp.step
+def _note_length(n: int) -> int:
+    SEEN_LENGTHS.append(n)
+    return n
+
+
+@wp.workflow(name="long_rejection", version=1)
+def long_rejection_wf(ctx: wp.Context) -> int:
+    try:
+        ctx.run(_reject_long)
+    except _LongRejected as e:
+        n = len(e.args[0])
+    ctx.run(_note_length, n)
+    ctx.sleep(0.2)  # parks: what follows runs in a replay
+    return ctx.run(_note_length, n)
+
+
+def test_a_declared_error_is_seen_as_a_replay_sees_it(runtime: wp.Runtime) -> None:
+    """The first drive raised the step's own exception into the body, a replay one rebuilt
+    from the record, whose long texts are cut: the body saw 9,000 characters, then 8,026,
+    and its replay disagreed with what the first drive recorded."""
+    SEEN_LENGTHS.clear()
+    runtime.register(long_rejection_wf)
+    runtime.start_worker(concurrency=1)
+    run = runtime.client().start(long_rejection_wf).execution_id
+    value = runtime.client().result(run, timeout=30).unwrap()
+    assert [value, value] == SEEN_LENGTHS and value < 9_000

@@ -23,8 +23,6 @@ from wf_persist import leases
 from .helpers import wait_until
 from .tcpproxy import TCPProxy
 
-pytestmark = pytest.mark.needs("server")
-
 CALLS: list[str] = []
 GATE = threading.Event()
 
@@ -84,6 +82,7 @@ def _server_ports(engine: Engine, runtime: wp.Runtime) -> set[int]:
         return {int(conn.execute(text(query), {"i": i}).scalar_one()) for i in ids}
 
 
+@pytest.mark.needs("server")
 def test_a_run_whose_drive_waits_forever_on_a_cut_connection_is_taken_over(
     proxied: tuple[TCPProxy, str],
     make_runtime: Callable[..., wp.Runtime],
@@ -114,3 +113,59 @@ def test_a_run_whose_drive_waits_forever_on_a_cut_connection_is_taken_over(
     finally:
         proxy.close()  # the silenced connections end: nothing waits on them any more
         stuck.close()
+
+
+HOLDING: list[Engine] = []
+
+
+@wp.step
+def _hold_the_pool() -> int:
+    """The application takes every connection of the pool it shares, for 2.5 s."""
+    CALLS.append("hold")
+    engine = HOLDING[0]
+
+    def hold() -> None:
+        taken = [engine.connect() for _ in range(3)]
+        time.sleep(2.5)
+        for conn in taken:
+            conn.close()
+
+    threading.Thread(target=hold).start()
+    time.sleep(0.2)
+    return 1
+
+
+@wp.step
+def _long() -> int:
+    CALLS.append("long")
+    time.sleep(4)
+    return 2
+
+
+@wp.workflow(name="pool_wait", version=1)
+def pool_wait_wf(ctx: wp.Context) -> int:
+    return ctx.run(_hold_the_pool) + ctx.run(_long)
+
+
+def test_a_wait_for_a_pooled_connection_is_no_stall(
+    db_url: str,
+    make_runtime: Callable[..., wp.Runtime],
+    make_engine: Callable[..., Engine],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A write waiting past the bound for the host's pool (its pool_timeout bounds that
+    wait) was counted as a stall: the lease was never renewed again, and the next step
+    longer than the lease ran in a second drive at once."""
+    monkeypatch.setattr(leases, "STALL_AFTER", 1.0)
+    CALLS.clear()
+    HOLDING[:] = [make_engine(db_url, pool_size=3, max_overflow=0, pool_timeout=30)]
+    with wp.Runtime(HOLDING[0], lease_ttl=1) as first:
+        first.register(pool_wait_wf)
+        first.start_worker(concurrency=1)
+        run = first.client().start(pool_wait_wf).execution_id
+        wait_until(lambda: "long" in CALLS, what="the long step", timeout=20)
+        other = make_runtime(lease_ttl=1)
+        other.register(pool_wait_wf)
+        other.start_worker(concurrency=1)
+        assert other.client().result(run, timeout=30).unwrap() == 3
+        assert CALLS.count("long") == 1, CALLS

@@ -148,7 +148,9 @@ class StatementCancelledError(_DriverFailure):
     """The database cancelled a statement of the call: a statement or lock-wait timeout of
     the engine's settings ran out (PostgreSQL's ``statement_timeout`` or ``lock_timeout``,
     MySQL's ``max_execution_time``, MariaDB's ``max_statement_time``,
-    ``innodb_lock_wait_timeout``, SQLite's busy timeout), or an operator cancelled it. A
+    ``innodb_lock_wait_timeout``, SQLite's busy timeout), an operator cancelled it, or (on
+    PostgreSQL) an application's transaction at REPEATABLE READ or stricter met a
+    concurrent change (a serialization failure: retry in a new transaction). A
     transaction of wf_persist's own that it was part of rolled back whole; in an
     application's transaction (``session=``) the application decides (PostgreSQL aborted
     it; MySQL, MariaDB and SQLite undid the statement only). A call made of several

@@ -97,7 +97,8 @@ class Lease:
 #: of it (a failover that black-holes the old primary, a proxy whose upstream died) waits
 #: for an answer that never comes; renewed from another connection, the lease would keep
 #: the run from every other worker for good. Unrenewed, it lapses and the run is taken
-#: over; a call that was only slow finds its lease lost and stops (its writes are fenced).
+#: over; a call that was only slow ends to find its lease lost, and its drive stops before
+#: anything new (its writes are fenced).
 STALL_AFTER = 30.0
 
 
@@ -208,7 +209,9 @@ class LeaseKeeper(threading.Thread):
         waited = clocks.elapsed() - since
         if waited <= max(self.ttl, STALL_AFTER):
             return False
-        lease.stalled = True
+        # Not renewed from now on: its drive stops before anything new (whether or not the
+        # call ends after all), and the run is taken over when the lease lapses.
+        lease.stalled = lease.lost = True
         log.warning(
             "run %s: its drive has waited %.0fs on one database call (a connection cut "
             "without a word?); the call is ended and the lease no longer renewed, so "

@@ -55,6 +55,7 @@ class Lender:
         self._conn: Connection | None = None
         #: Borrows in progress (nested ones on the thread holding :attr:`lock`).
         self.depth = 0
+        self._was_cut = False
         #: How many pieces of user code of this drive run now (``ctx.all`` branches, an
         #: attempt whose start a timer records): a write made meanwhile gives its
         #: connection back, which would otherwise sit idle until they end (a server
@@ -68,18 +69,25 @@ class Lender:
         return _Borrowed(self)
 
     def release(self) -> None:
-        """Give the connection back to the pool (the next write takes one again)."""
+        """Give the connection back to the pool (the next write takes one again); one
+        :meth:`cut` shut down is dropped from the pool instead."""
         with self.lock:
             conn, self._conn = self._conn, None
             if conn is not None:
+                if self._was_cut:
+                    self._was_cut = False
+                    conn.invalidate()
                 conn.close()
 
     def cut(self) -> None:
         """End the database call in progress from another thread (see
-        :meth:`Backend.cut <wf_persist.backends.base.Backend.cut>`)."""
+        :meth:`Backend.cut <wf_persist.backends.base.Backend.cut>`); the connection is
+        dropped from the pool when it is given back (it may be shut down even if the call
+        ended meanwhile)."""
         conn = self._conn
-        if conn is None or conn.closed or conn.invalidated:
+        if conn is None or conn.closed or conn.invalidated or not self.depth:
             return
+        self._was_cut = True
         raw = conn.connection.driver_connection
         if raw is not None:
             self.backend.cut(raw)
@@ -113,9 +121,6 @@ class _Borrowed:
         lender = self._lender
         lender.lock.acquire()
         lender.depth += 1
-        lease = lender.lease
-        if lease is not None and lender.depth == 1:
-            lease.busy_since = clocks.elapsed()
         try:
             conn = lender._conn
             if conn is None or conn.closed or conn.invalidated:
@@ -123,6 +128,11 @@ class _Borrowed:
         except BaseException:
             self._done(lender)
             raise
+        lease = lender.lease
+        if lease is not None and lender.depth == 1:
+            # From when the call has its connection: a wait for one from the pool is the
+            # pool's to bound (pool_timeout), and there is no connection yet to cut.
+            lease.busy_since = clocks.elapsed()
         return conn
 
     def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:

@@ -49,6 +49,8 @@ class _Refuses(Protocol):
 
     def missing_table(self, exc: BaseException) -> bool: ...
 
+    def serialization_failure(self, exc: BaseException) -> bool: ...
+
 
 def _said(exc: BaseException) -> tuple[BaseException | None, str]:
     """The driver's exception behind ``exc`` and the first line of what it said."""
@@ -113,6 +115,14 @@ def translate(backend: _Refuses, exc: BaseException) -> None:
         raise unavailable(exc) from exc
     if backend.cancelled(exc):
         raise cancellation(exc) from exc
+    if backend.serialization_failure(exc):  # in an application's transaction
+        raise _failure(
+            StatementCancelledError,
+            exc,
+            "the database cancelled a statement",
+            "; the transaction it was part of (at REPEATABLE READ or stricter) met a "
+            "concurrent change: retry it in a new transaction",
+        ) from exc
     if backend.missing_table(exc):
         raise UnsupportedDatabaseError(
             f"a table of wf_persist's is not where this connection looks: {_said(exc)[1]} "

@@ -240,7 +240,9 @@ class StepRunner:
                 self.record([*pending, failed])
                 self._log_failure(step.name, attempt, cause, retry_at, final=final)
                 if terminal:
-                    raise
+                    # What a replay raises (rebuilt from the record, its long texts cut and
+                    # its non-JSON arguments as text), so the body sees the same both times.
+                    raise _recorded_step_error(step, failed.event) from exc
                 if final:
                     raise StepExecutionError(step.name, cause) from exc
                 failures += 1

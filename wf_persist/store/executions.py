@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sqlalchemy import Row, delete, func, select, update
-from sqlalchemy.exc import DBAPIError
 
 from .. import lifecycle
 from ..backends.clock import db_now
@@ -87,14 +86,7 @@ def create(
         "deadline_at": deadline,
         "parent_id": parent_id,
     }
-    try:
-        inserted = backend.insert_run(core, row, started, lease=lease, newest=newest)
-    except DBAPIError as exc:
-        # The winner committed after the snapshot of a host transaction at REPEATABLE READ
-        # or stricter: PostgreSQL fails the insert where the others find no row (below).
-        if idempotency_key is not None and backend.serialization_failure(exc):
-            raise IdempotencyConflictError(workflow_name, idempotency_key) from exc
-        raise
+    inserted = backend.insert_run(core, row, started, lease=lease, newest=newest)
     if isinstance(inserted, Stale):
         return inserted
     if inserted is False:
