@@ -169,3 +169,39 @@ def test_a_wait_for_a_pooled_connection_is_no_stall(
         other.start_worker(concurrency=1)
         assert other.client().result(run, timeout=30).unwrap() == 3
         assert CALLS.count("long") == 1, CALLS
+
+
+@pytest.mark.needs("presence")  # PostgreSQL
+def test_a_held_slots_session_has_the_servers_keepalives_and_gives_them_back(
+    runtime: wp.Runtime,
+) -> None:
+    """A worker whose host vanished without a word kept its Limit slots for hours (the
+    server's default keepalives): the slot's session now probes its client in seconds,
+    and the pooled connection gets its own settings back at release."""
+    slots = runtime.backend.slots
+    with runtime.backend.engine.connect() as conn:
+        conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+        before = conn.exec_driver_sql("SHOW tcp_keepalives_idle").scalar()
+        saved = slots.stay(conn)  # type: ignore[attr-defined]
+        assert conn.exec_driver_sql("SHOW tcp_keepalives_idle").scalar() == "10"
+        assert conn.exec_driver_sql("SHOW tcp_user_timeout").scalar() == "30000"
+        assert conn.exec_driver_sql("SHOW idle_session_timeout").scalar() == "0"
+        slots.unstay(conn, saved)  # type: ignore[attr-defined]
+        assert conn.exec_driver_sql("SHOW tcp_keepalives_idle").scalar() == before
+
+
+@pytest.mark.needs("server")
+def test_connections_of_our_own_engines_notice_a_dead_server(runtime: wp.Runtime) -> None:
+    """Keepalives and a user timeout on every connection of an engine wf_persist made: a
+    server gone without a word (a host crash, a partition) failed nothing for hours."""
+    import os
+    import socket
+
+    with runtime.backend.engine.connect() as conn:
+        raw = conn.connection.driver_connection
+        pgconn = getattr(raw, "pgconn", None)
+        fileno = pgconn.socket if pgconn is not None else raw._sock.fileno()  # type: ignore[union-attr]
+        with socket.socket(fileno=os.dup(fileno)) as sock:
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 10
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 30_000

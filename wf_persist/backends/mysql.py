@@ -41,7 +41,7 @@ from ..errors import LeaseLostError, UnsupportedDatabaseError, ValueTooLargeErro
 from ..events import NewEvent
 from ..models import UniqueKey
 from ..models import executions_table as ex
-from . import cuts
+from . import sockets
 from .base import Backend
 from .clock import db_now
 from .connections import connect
@@ -203,6 +203,9 @@ class MySQLBackend(Backend):
 
         @event.listens_for(engine, "connect")
         def _strict(dbapi_connection: Any, _record: ConnectionPoolEntry) -> None:
+            sock = getattr(dbapi_connection, "_sock", None)  # PyMySQL takes no such option
+            if sock is not None:
+                sockets.keep_alive(sock)
             cursor = dbapi_connection.cursor()
             try:
                 cursor.execute(
@@ -217,7 +220,7 @@ class MySQLBackend(Backend):
     def cut(self, raw: Any) -> None:
         sock = getattr(raw, "_sock", None)  # PyMySQL's socket; None once closed
         if sock is not None:
-            cuts.shut(sock.fileno())
+            sockets.shut(sock.fileno())
 
     @classmethod
     def missing_table(cls, exc: BaseException) -> bool:

@@ -38,7 +38,7 @@ from ..json_text import as_jsonb, json_text
 from ..models import executions_table as ex
 from ..models import workflows_table as wf
 from ..wakeups import DUE, END, NOT_AVAILABLE, Hearing, Listener
-from . import cuts, pg_json
+from . import pg_json, sockets
 from .connections import connect
 from .pg_presence import PRESENT_MARK, REAP, UNSUPPORTED, PGListener, advisory_locks_work
 from .pg_raw import RawPath, as_created
@@ -173,6 +173,10 @@ class PostgreSQLBackend(RawPath):
     def configure_engine(cls, url: URL, kwargs: dict[str, Any]) -> tuple[URL, dict[str, Any]]:
         # wf_persist's level on every connection once, when it connects (see view_options).
         kwargs.setdefault("isolation_level", "READ COMMITTED")
+        given = {**url.query, **kwargs.get("connect_args", {})}
+        if url.get_driver_name() == "psycopg" and not set(given) & set(sockets.LIBPQ):
+            # A dead server noticed in seconds, not hours (a URL's own choice is kept).
+            kwargs["connect_args"] = {**sockets.LIBPQ, **kwargs.get("connect_args", {})}
         return url, kwargs
 
     def view_options(self) -> dict[str, Any]:
@@ -188,7 +192,7 @@ class PostgreSQLBackend(RawPath):
         return as_jsonb(doc)
 
     def cut(self, raw: Any) -> None:
-        cuts.shut(raw.pgconn.socket)
+        sockets.shut(raw.pgconn.socket)
 
     @classmethod
     def refused(cls, exc: BaseException) -> bool:

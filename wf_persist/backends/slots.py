@@ -17,6 +17,8 @@ from typing import Final
 
 from sqlalchemy import Connection, Engine, func, select, text
 
+from . import sockets
+
 log = logging.getLogger("wf_persist.worker")
 
 #: ``acquire()`` tries once, without blocking; True once a slot is held.
@@ -150,18 +152,33 @@ class AdvisorySlots(SessionLockSlots):
 
     def stay(self, conn: Connection) -> object:
         # idle_session_timeout (PostgreSQL 14+; NULL before): a database's or role's
-        # setting a host may have, which would end the session mid-step.
-        was = conn.execute(select(func.current_setting(_IDLE_SESSION, True))).scalar()
-        if was not in (None, "0"):
-            conn.execute(select(func.set_config(_IDLE_SESSION, "0", False)))
-        return was
+        # setting a host may have, which would end the session mid-step. The server's
+        # keepalives: a worker whose host vanished without a word frees its slots in
+        # seconds (with the server's defaults, hours). What the session had comes back.
+        names = list(_HELD_SETTINGS)
+        found = conn.execute(select(*(func.current_setting(n, True) for n in names))).one()
+        saved = {
+            name: was
+            for name, was in zip(names, found, strict=True)
+            if was is not None and was != _HELD_SETTINGS[name]
+        }
+        if saved:
+            conn.execute(select(*(func.set_config(n, _HELD_SETTINGS[n], False) for n in saved)))
+        return saved
 
     def unstay(self, conn: Connection, saved: object) -> None:
-        if saved not in (None, "0"):
-            conn.execute(select(func.set_config(_IDLE_SESSION, str(saved), False)))
+        if isinstance(saved, dict) and saved:
+            conn.execute(select(*(func.set_config(n, str(v), False) for n, v in saved.items())))
 
 
-_IDLE_SESSION: Final = "idle_session_timeout"
+#: The settings of a held slot's session (those a server lacks are left alone).
+_HELD_SETTINGS: Final = {
+    "idle_session_timeout": "0",
+    "tcp_keepalives_idle": str(sockets.IDLE),
+    "tcp_keepalives_interval": str(sockets.INTERVAL),
+    "tcp_keepalives_count": str(sockets.COUNT),
+    "tcp_user_timeout": str(sockets.USER_TIMEOUT_MS),
+}
 
 
 class NamedLockSlots(SessionLockSlots):
