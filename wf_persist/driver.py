@@ -215,9 +215,10 @@ class RunDriver(ChildDriving):
     ) -> Fenced:
         # Every event of a fenced write is new: progress is what it sends.
         progressed = self._failing and events.progress(evs)
-        try:
+
+        def send() -> Fenced:
             with self.lender.connection() as conn:
-                fenced = self.backend.write(
+                return self.backend.write(
                     conn,
                     self.execution_id,
                     self.epoch,
@@ -227,6 +228,9 @@ class RunDriver(ChildDriving):
                     guard=guard,
                     note=note,
                 )
+
+        try:
+            fenced = refusals.again_if_deadlocked(self.backend, send)
         except Exception as exc:
             raise Halt(exc) from exc
         self._written(progressed)
@@ -288,24 +292,29 @@ class RunDriver(ChildDriving):
                 # A park ends the drive cleanly: the run is not failing, whatever it adds.
                 unfailing = self._unfailing()
                 merged = {**self._reset, **(unfailing or {} if park else {}), **(values or {})}
-                with self.lender.connection() as conn, self.backend.begin(conn):
-                    appended = history.append(
-                        conn,
-                        self.backend,
-                        self.execution_id,
-                        evs,
-                        now=self.clock(),
-                        epoch=self.epoch,
-                        seen_through=self.seen,
-                        values=merged or None,
-                        on_progress=unfailing,
-                    )
-                    if note is not None:
-                        self.backend.announce(conn, note)
-                    if park:
-                        executions.park(conn, self.execution_id, self.epoch, wake_at)
-                        if wake_at is not None and self._near(wake_at):
-                            self.backend.announce(conn, WAKE + wake_at.isoformat())
+
+                def append() -> history.AppendResult:
+                    with self.lender.connection() as conn, self.backend.begin(conn):
+                        appended = history.append(
+                            conn,
+                            self.backend,
+                            self.execution_id,
+                            evs,
+                            now=self.clock(),
+                            epoch=self.epoch,
+                            seen_through=self.seen,
+                            values=merged or None,
+                            on_progress=unfailing,
+                        )
+                        if note is not None:
+                            self.backend.announce(conn, note)
+                        if park:
+                            executions.park(conn, self.execution_id, self.epoch, wake_at)
+                            if wake_at is not None and self._near(wake_at):
+                                self.backend.announce(conn, WAKE + wake_at.isoformat())
+                        return appended
+
+                appended = refusals.again_if_deadlocked(self.backend, append)
             except StaleHistoryError:
                 raise Reload from None
             except Exception as exc:

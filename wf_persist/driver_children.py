@@ -10,7 +10,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import events, telemetry
+from . import events, refusals, telemetry
 from .authoring import Workflow, adapter_for
 from .backends import Backend
 from .bridge import off_loop
@@ -91,7 +91,8 @@ class ChildDriving:
         with self.conn_lock:
             self._open()
             evs = [*self._deferred, mark]
-            try:
+
+            def append() -> history.AppendResult:
                 with self.lender.connection() as conn, self.backend.begin(conn):
                     appended = history.append(
                         conn,
@@ -118,6 +119,10 @@ class ChildDriving:
                         deadline=deadline,
                         parent_id=self.execution_id,
                     )
+                    return appended
+
+            try:
+                appended = refusals.again_if_deadlocked(self.backend, append)
             except StaleHistoryError:
                 raise Reload from None
             except Exception as exc:
@@ -181,7 +186,8 @@ class ChildDriving:
 
     def _cancel_children_now(self, ids: Sequence[str], compensate: bool) -> None:
         for child_id in ids:
-            try:
+
+            def cancel(child_id: str = child_id) -> None:
                 with self.lender.connection() as own, self.backend.begin(own) as conn:
                     children.cancel(
                         conn,
@@ -191,5 +197,8 @@ class ChildDriving:
                         actor=None,
                         now=self.clock(),
                     )
+
+            try:
+                refusals.again_if_deadlocked(self.backend, cancel)
             except Exception as exc:
                 raise Halt(exc) from exc

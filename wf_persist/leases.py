@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import Engine
 
-from . import clocks
+from . import clocks, refusals
 from .backends.connections import dispose_pool
 from .error_documents import brief
 from .errors import WfPersistError
@@ -172,11 +172,14 @@ class LeaseKeeper(threading.Thread):
             if not leases:
                 continue
             started = clocks.elapsed()
-            try:
+            held = {i: lease.epoch for i, lease in leases.items()}
+
+            def renew(held: dict[str, int] = held) -> set[str]:
                 with self.engine().connect() as conn:
-                    still = self.backend.renew_alone(
-                        conn, {i: lease.epoch for i, lease in leases.items()}, self.ttl
-                    )
+                    return self.backend.renew_alone(conn, held, self.ttl)
+
+            try:  # a renewal meets a drive's write in a deadlock now and then: sent again
+                still = refusals.again_if_deadlocked(self.backend, renew)
             except Exception as exc:
                 if self._stop_event.is_set():
                     return  # stopped meanwhile (its engine refused, or was disposed of)

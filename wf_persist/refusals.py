@@ -18,6 +18,8 @@ refused rolls its transaction back, so nothing is half-written.
 from __future__ import annotations
 
 import functools
+import random
+import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, cast
 
@@ -156,6 +158,30 @@ def again_if_reset(backend: _Refuses, read: Callable[[], T]) -> T:
         if not reset(backend, exc):
             raise
     return read()
+
+
+#: How often a write the database rolled back to break a deadlock is sent (in all).
+DEADLOCK_TRIES = 4
+
+
+class _Deadlocks(Protocol):
+    def deadlocked(self, exc: BaseException) -> bool: ...
+
+
+def again_if_deadlocked(backend: _Deadlocks, write: Callable[[], T]) -> T:
+    """``write()``, sent again (after a pause of a few milliseconds, growing) while the
+    database breaks a deadlock by rolling it back: its transaction is gone whole, and a
+    drive's writes are fenced and deduplicated. Two of wf_persist's own writes meet so (a
+    child telling its parent, locking child then parent, and a lease renewal of both); a
+    drive failed, and the step whose result it was writing ran again."""
+    for attempt in range(1, DEADLOCK_TRIES + 1):
+        try:
+            return write()
+        except Exception as exc:
+            if attempt == DEADLOCK_TRIES or not backend.deadlocked(exc):
+                raise
+            time.sleep(random.uniform(0.005, 0.02) * attempt)
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def typed_read(method: F) -> F:

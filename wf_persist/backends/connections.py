@@ -323,6 +323,12 @@ class Connections(Migrations):
         return False
 
     @classmethod
+    def deadlocked(cls, exc: BaseException) -> bool:
+        """Whether ``exc`` says the database broke a deadlock by rolling this transaction
+        back: nothing of it happened, and sent again it goes through."""
+        return getattr(getattr(exc, "orig", exc), "sqlstate", None) == "40P01"
+
+    @classmethod
     def serialization_failure(cls, exc: BaseException) -> bool:
         """Whether ``exc`` is a serialization failure: a transaction at REPEATABLE READ or
         stricter met a row committed after its snapshot (SQLSTATE 40001)."""

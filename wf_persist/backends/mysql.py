@@ -223,6 +223,10 @@ class MySQLBackend(Backend):
             sockets.shut(sock.fileno())
 
     @classmethod
+    def deadlocked(cls, exc: BaseException) -> bool:
+        return bool(_code(exc) == _DEADLOCK)
+
+    @classmethod
     def missing_table(cls, exc: BaseException) -> bool:
         return bool(_code(exc) == _NO_SUCH_TABLE)
 
