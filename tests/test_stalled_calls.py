@@ -10,9 +10,13 @@ lapses, and a step recorded before it never runs again.
 
 from __future__ import annotations
 
+import asyncio
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from sqlalchemy import Engine, make_url, text
@@ -190,18 +194,44 @@ def test_a_held_slots_session_has_the_servers_keepalives_and_gives_them_back(
         assert conn.exec_driver_sql("SHOW tcp_keepalives_idle").scalar() == before
 
 
-@pytest.mark.needs("server")
-def test_connections_of_our_own_engines_notice_a_dead_server(runtime: wp.Runtime) -> None:
-    """Keepalives and a user timeout on every connection of an engine wf_persist made: a
-    server gone without a word (a host crash, a partition) failed nothing for hours."""
-    import os
-    import socket
+def _probes_in_seconds(raw: Any) -> None:
+    """The driver connection's socket has keepalives (10 s idle) and a 30 s user timeout."""
+    pgconn = getattr(raw, "pgconn", None)
+    if pgconn is not None:
+        fileno = pgconn.socket
+    elif getattr(raw, "_sock", None) is not None:  # PyMySQL
+        fileno = raw._sock.fileno()
+    else:  # aiomysql: the socket under its stream's transport
+        fileno = raw._writer.get_extra_info("socket").fileno()
+    with socket.socket(fileno=os.dup(fileno)) as sock:
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 10
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 30_000
 
+
+@pytest.mark.needs("server")
+def test_connections_of_our_own_engines_notice_a_dead_server(
+    runtime: wp.Runtime, db_url: str
+) -> None:
+    """Keepalives and a user timeout on every connection of an engine wf_persist made (a
+    runtime's, an AsyncClient's and its side engine's): a server gone without a word (a
+    host crash, a partition) failed nothing for hours."""
     with runtime.backend.engine.connect() as conn:
-        raw = conn.connection.driver_connection
-        pgconn = getattr(raw, "pgconn", None)
-        fileno = pgconn.socket if pgconn is not None else raw._sock.fileno()  # type: ignore[union-attr]
-        with socket.socket(fileno=os.dup(fileno)) as sock:
-            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
-            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 10
-            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 30_000
+        _probes_in_seconds(conn.connection.driver_connection)
+
+    async def through_async_client() -> None:
+        client = wp.AsyncClient(db_url)
+        try:
+            await client.list("nothing")
+            async with client.engine.connect() as conn:
+                _probes_in_seconds((await conn.get_raw_connection()).driver_connection)
+            side = client._client.backend.side_engine()  # type: ignore[union-attr]
+            try:
+                with side.connect() as plain:
+                    _probes_in_seconds(plain.connection.driver_connection)
+            finally:
+                side.dispose()
+        finally:
+            await client.close()
+
+    asyncio.run(through_async_client())

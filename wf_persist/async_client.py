@@ -77,7 +77,8 @@ class AsyncClient:
             kind = backend_type(url.get_backend_name())
             target = kind.async_url(url)
             try:
-                self.engine = create_async_engine(target, **kind.async_engine_kwargs())
+                self.engine = create_async_engine(target, **kind.async_engine_kwargs(target))
+                kind.on_own_async_engine(self.engine.sync_engine)
             except ImportError as exc:
                 raise UnsupportedDatabaseError(
                     f"no asyncio driver for {describe_url(target)} ({exc}); "

@@ -152,9 +152,13 @@ class Connections(Migrations):
         return url.set(drivername=f"{url.get_backend_name()}+{cls.async_driver}")
 
     @classmethod
-    def async_engine_kwargs(cls) -> dict[str, Any]:
-        """Arguments of the asyncio engine ``wp.AsyncClient`` creates itself."""
+    def async_engine_kwargs(cls, url: URL) -> dict[str, Any]:
+        """Arguments of the asyncio engine ``wp.AsyncClient`` creates itself for ``url``."""
         return {}
+
+    @classmethod
+    def on_own_async_engine(cls, engine: Engine) -> None:
+        """Listeners on the synchronous side of an asyncio engine wf_persist created."""
 
     @classmethod
     def on_own_engine(cls, engine: Engine) -> None:
@@ -272,7 +276,12 @@ class Connections(Migrations):
 
             url = self.base_engine.url
             plain = normalize_url(url.set(drivername=url.get_backend_name()))
-            return create_engine(plain, pool_size=2, max_overflow=2, execution_options=options)
+            plain, kwargs = self.configure_engine(
+                plain, {"pool_size": 2, "max_overflow": 2, "execution_options": options}
+            )
+            engine = create_engine(plain, **kwargs)
+            self.on_own_engine(engine)
+            return engine
         pool = self.base_engine.pool.recreate()
         engine = create_engine(self.base_engine.url, pool=pool, execution_options=options)
         if self.owned:

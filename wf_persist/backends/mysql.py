@@ -165,12 +165,22 @@ class MySQLBackend(Backend):
         self.max_value_bytes = (self.packet_bytes - _PACKET_MARGIN) // 2
 
     @classmethod
-    def async_engine_kwargs(cls) -> dict[str, Any]:
+    def async_engine_kwargs(cls, url: URL) -> dict[str, Any]:
         # READ COMMITTED set once per connection: as an execution option SQLAlchemy sets it
         # at every checkout, a round trip, and a connection the server ended meanwhile
         # fails that SET with the driver's raw error (the connection leaked), never as a
         # connection to drop and read again on another.
         return {"isolation_level": "READ COMMITTED"}
+
+    @classmethod
+    def on_own_async_engine(cls, engine: Engine) -> None:
+        @event.listens_for(engine, "connect")
+        def _keep_alive(dbapi_connection: Any, _record: ConnectionPoolEntry) -> None:
+            # aiomysql's stream: the socket under its transport.
+            writer = getattr(getattr(dbapi_connection, "driver_connection", None), "_writer", None)
+            sock = None if writer is None else writer.get_extra_info("socket")
+            if sock is not None:
+                sockets.keep_alive(sock)
 
     @classmethod
     def configure_engine(cls, url: URL, kwargs: dict[str, Any]) -> tuple[URL, dict[str, Any]]:

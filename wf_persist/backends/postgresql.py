@@ -170,6 +170,11 @@ class PostgreSQLBackend(RawPath):
         self._presence_ok: bool | None = None
 
     @classmethod
+    def async_engine_kwargs(cls, url: URL) -> dict[str, Any]:
+        # psycopg's asyncio connections take libpq's options as the others do.
+        return {} if set(url.query) & set(sockets.LIBPQ) else {"connect_args": {**sockets.LIBPQ}}
+
+    @classmethod
     def configure_engine(cls, url: URL, kwargs: dict[str, Any]) -> tuple[URL, dict[str, Any]]:
         # wf_persist's level on every connection once, when it connects (see view_options).
         kwargs.setdefault("isolation_level", "READ COMMITTED")

@@ -167,7 +167,7 @@ class SQLiteBackend(Backend):
     # engines -----------------------------------------------------------------------
 
     @classmethod
-    def async_engine_kwargs(cls) -> dict[str, Any]:
+    def async_engine_kwargs(cls, url: URL) -> dict[str, Any]:
         # Waits for another writer's lock as wf_persist's own engines do (aiosqlite: 5 s).
         return {"connect_args": {"timeout": 30.0}}
 
