@@ -295,17 +295,7 @@ class RunDriver(ChildDriving):
 
                 def append() -> history.AppendResult:
                     with self.lender.connection() as conn, self.backend.begin(conn):
-                        appended = history.append(
-                            conn,
-                            self.backend,
-                            self.execution_id,
-                            evs,
-                            now=self.clock(),
-                            epoch=self.epoch,
-                            seen_through=self.seen,
-                            values=merged or None,
-                            on_progress=unfailing,
-                        )
+                        appended = self._append(conn, evs, self.clock(), merged or None, unfailing)
                         if note is not None:
                             self.backend.announce(conn, note)
                         if park:

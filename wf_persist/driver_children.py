@@ -27,6 +27,8 @@ from .store import catalog, children, executions, history
 from .values import cataloged_document, to_json
 
 if TYPE_CHECKING:
+    from sqlalchemy import Connection
+
     from .driver import DriveClock
     from .runtime import Runtime
 
@@ -94,17 +96,7 @@ class ChildDriving:
 
             def append() -> history.AppendResult:
                 with self.lender.connection() as conn, self.backend.begin(conn):
-                    appended = history.append(
-                        conn,
-                        self.backend,
-                        self.execution_id,
-                        evs,
-                        now=now,
-                        epoch=self.epoch,
-                        seen_through=self.seen,
-                        values=self._reset or None,
-                        on_progress=self._unfailing(),
-                    )
+                    appended = self._append(conn, evs, now, self._reset or None, self._unfailing())
                     executions.create(
                         conn,
                         self.backend,
@@ -131,6 +123,28 @@ class ChildDriving:
             self._written(appended.progressed)
         self.runtime._notify()  # this process's worker may take the child at once
         telemetry.run_started(name, pinned)
+
+    def _append(
+        self,
+        conn: Connection,
+        evs: Sequence[NewEvent],
+        now: dt.datetime,
+        values: dict[str, Any] | None,
+        on_progress: dict[str, Any] | None,
+    ) -> history.AppendResult:
+        """The drive's events appended in ``conn``'s transaction, fenced by its epoch and
+        by what it has seen of the history."""
+        return history.append(
+            conn,
+            self.backend,
+            self.execution_id,
+            evs,
+            now=now,
+            epoch=self.epoch,
+            seen_through=self.seen,
+            values=values,
+            on_progress=on_progress,
+        )
 
     def _registered(
         self, workflow: Workflow[Any, Any] | str, version: int | None

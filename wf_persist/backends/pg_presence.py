@@ -36,7 +36,7 @@ from sqlalchemy.exc import DBAPIError
 
 from .. import clocks
 from ..wakeups import HEAR_DUE, HEAR_END, Hearing
-from . import pg_wire
+from . import pg_wire, sockets
 from .connections import dispose_pool
 
 if TYPE_CHECKING:
@@ -281,15 +281,9 @@ def _fail_fast(raw: Any) -> None:
     with sock:
         if sock.family not in (socket.AF_INET, socket.AF_INET6):
             return  # a Unix socket: the server's end cannot vanish silently
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        for name, value in (
-            ("TCP_KEEPIDLE", KEEPALIVE_IDLE),
-            ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL),
-            ("TCP_KEEPCNT", KEEPALIVE_COUNT),
-            ("TCP_USER_TIMEOUT", USER_TIMEOUT_MS),
-        ):
-            if hasattr(socket, name):
-                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+        sockets.keep_alive(
+            sock, KEEPALIVE_IDLE, KEEPALIVE_INTERVAL, KEEPALIVE_COUNT, USER_TIMEOUT_MS
+        )
     settings = {
         "tcp_keepalives_idle": KEEPALIVE_IDLE,
         "tcp_keepalives_interval": KEEPALIVE_INTERVAL,

@@ -34,17 +34,23 @@ LIBPQ: Final = {
 }
 
 
-def keep_alive(sock: socket.socket) -> None:
-    """Set the keepalives and the user timeout on a connected TCP socket (a driver that
-    takes no such options: PyMySQL); nothing on a Unix socket."""
+def keep_alive(
+    sock: socket.socket,
+    idle: int = IDLE,
+    interval: int = INTERVAL,
+    count: int = COUNT,
+    user_timeout_ms: int = USER_TIMEOUT_MS,
+) -> None:
+    """Set keepalives and a user timeout on a connected TCP socket (a driver that takes no
+    such options: PyMySQL; a connection a host's creator made); nothing on a Unix socket."""
     if sock.family not in (socket.AF_INET, socket.AF_INET6):
         return
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (
-        ("TCP_KEEPIDLE", IDLE),
-        ("TCP_KEEPINTVL", INTERVAL),
-        ("TCP_KEEPCNT", COUNT),
-        ("TCP_USER_TIMEOUT", USER_TIMEOUT_MS),
+        ("TCP_KEEPIDLE", idle),
+        ("TCP_KEEPINTVL", interval),
+        ("TCP_KEEPCNT", count),
+        ("TCP_USER_TIMEOUT", user_timeout_ms),
     ):
         if hasattr(socket, name):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
