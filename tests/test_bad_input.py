@@ -1616,7 +1616,7 @@ def test_a_host_sqlite_engine_with_a_lower_length_limit_is_measured_by_it(
         assert rt.backend.max_value_bytes < 100_000
         with pytest.raises(wp.ValueTooLargeError):
             rt.client().start(limited_text_wf, "a" * 200_000)
-        assert rt.client().list().items == []
+        assert rt.client().list("limited_text").items == []
         small = rt.client().start(limited_text_wf, "a" * 1_000).execution_id
         assert rt.client().result(small, timeout=30).unwrap() == "a" * 1_000
 
@@ -1633,4 +1633,4 @@ def test_a_value_past_what_postgresqls_jsonb_parser_takes_is_refused_typed(
     with pytest.raises(wp.ValueTooLargeError) as info:
         runtime.client().start(limited_text_wf, "1," * (9 * 1024 * 1024))
     assert info.value.limit == 16 * 1024 * 1024 - 64 * 1024
-    assert runtime.client().list().items == []
+    assert runtime.client().list("limited_text").items == []
