@@ -85,8 +85,6 @@ class Lease:
     #: When the drive's database call in progress began (monotonic; ``None`` between
     #: calls), set by its :class:`~wf_persist.lending.Lender`.
     busy_since: float | None = None
-    #: The keeper stopped renewing the lease: that call has waited past its bound.
-    stalled: bool = False
     #: Ends that call (set by the Lender): it fails as a lost connection, and the drive
     #: stops instead of holding its worker's slot for good.
     cut: Callable[[], None] | None = None
@@ -205,16 +203,16 @@ class LeaseKeeper(threading.Thread):
 
     def _stalled(self, lease: Lease) -> bool:
         """Whether the lease's drive has waited on one database call past the bound (see
-        :data:`STALL_AFTER`); said once."""
+        :data:`STALL_AFTER`): then the lease is lost (never asked about again)."""
         since = lease.busy_since
-        if lease.stalled or since is None:
-            return lease.stalled
+        if since is None:
+            return False
         waited = clocks.elapsed() - since
         if waited <= max(self.ttl, STALL_AFTER):
             return False
         # Not renewed from now on: its drive stops before anything new (whether or not the
         # call ends after all), and the run is taken over when the lease lapses.
-        lease.stalled = lease.lost = True
+        lease.lost = True
         log.warning(
             "run %s: its drive has waited %.0fs on one database call (a connection cut "
             "without a word?); the call is ended and the lease no longer renewed, so "

@@ -53,6 +53,8 @@ class _Refuses(Protocol):
 
     def serialization_failure(self, exc: BaseException) -> bool: ...
 
+    def deadlocked(self, exc: BaseException) -> bool: ...
+
 
 def _said(exc: BaseException) -> tuple[BaseException | None, str]:
     """The driver's exception behind ``exc`` and the first line of what it said."""
@@ -164,24 +166,20 @@ def again_if_reset(backend: _Refuses, read: Callable[[], T]) -> T:
 DEADLOCK_TRIES = 4
 
 
-class _Deadlocks(Protocol):
-    def deadlocked(self, exc: BaseException) -> bool: ...
-
-
-def again_if_deadlocked(backend: _Deadlocks, write: Callable[[], T]) -> T:
+def again_if_deadlocked(backend: _Refuses, write: Callable[[], T]) -> T:
     """``write()``, sent again (after a pause of a few milliseconds, growing) while the
     database breaks a deadlock by rolling it back: its transaction is gone whole, and a
     drive's writes are fenced and deduplicated. Two of wf_persist's own writes meet so (a
     child telling its parent, locking child then parent, and a lease renewal of both); a
     drive failed, and the step whose result it was writing ran again."""
-    for attempt in range(1, DEADLOCK_TRIES + 1):
+    for attempt in range(1, DEADLOCK_TRIES):
         try:
             return write()
         except Exception as exc:
-            if attempt == DEADLOCK_TRIES or not backend.deadlocked(exc):
+            if not backend.deadlocked(exc):
                 raise
-            time.sleep(random.uniform(0.005, 0.02) * attempt)
-    raise AssertionError("unreachable")  # pragma: no cover
+        time.sleep(random.uniform(0.005, 0.02) * attempt)
+    return write()
 
 
 def typed_read(method: F) -> F:

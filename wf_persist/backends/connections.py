@@ -45,6 +45,12 @@ from .slots import Slots
 _BOUNDED: Final = (int, float, bool)
 
 
+def sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE the driver's error behind ``exc`` carries (psycopg's; ``None`` for
+    drivers that report none)."""
+    return getattr(getattr(exc, "orig", exc), "sqlstate", None)
+
+
 def dispose_pool(engine: Engine) -> None:
     """Dispose of an engine's pool so that every connection of it gets closed, also those
     checked out now: SQLAlchemy would put those back into the replaced pool when they are
@@ -335,13 +341,13 @@ class Connections(Migrations):
     def deadlocked(cls, exc: BaseException) -> bool:
         """Whether ``exc`` says the database broke a deadlock by rolling this transaction
         back: nothing of it happened, and sent again it goes through."""
-        return getattr(getattr(exc, "orig", exc), "sqlstate", None) == "40P01"
+        return sqlstate(exc) == "40P01"
 
     @classmethod
     def serialization_failure(cls, exc: BaseException) -> bool:
         """Whether ``exc`` is a serialization failure: a transaction at REPEATABLE READ or
         stricter met a row committed after its snapshot (SQLSTATE 40001)."""
-        return getattr(getattr(exc, "orig", exc), "sqlstate", None) == "40001"
+        return sqlstate(exc) == "40001"
 
     @classmethod
     def aborted(cls, exc: BaseException) -> bool:
@@ -402,8 +408,7 @@ class Connections(Migrations):
     def contention(self, exc: BaseException) -> bool:
         """Whether ``exc`` says another transaction was in the way (a deadlock, a lock
         timeout, a serialization failure): nothing happened, try again later."""
-        orig = getattr(exc, "orig", exc)
-        return getattr(orig, "sqlstate", None) in ("40001", "40P01", "55P03")
+        return sqlstate(exc) in ("40001", "40P01", "55P03")
 
     def pool_full(self) -> bool:
         """Whether every connection the runs' pool can give is out (a checkout would wait).

@@ -39,7 +39,7 @@ from ..models import executions_table as ex
 from ..models import workflows_table as wf
 from ..wakeups import DUE, END, NOT_AVAILABLE, Hearing, Listener
 from . import pg_json, sockets
-from .connections import connect
+from .connections import connect, sqlstate
 from .pg_presence import PRESENT_MARK, REAP, UNSUPPORTED, PGListener, advisory_locks_work
 from .pg_raw import RawPath, as_created
 from .pg_settings import SETTINGS
@@ -201,19 +201,19 @@ class PostgreSQLBackend(RawPath):
 
     @classmethod
     def refused(cls, exc: BaseException) -> bool:
-        return getattr(getattr(exc, "orig", exc), "sqlstate", None) in _REFUSED
+        return sqlstate(exc) in _REFUSED
 
     @classmethod
     def cancelled(cls, exc: BaseException) -> bool:
-        return getattr(getattr(exc, "orig", exc), "sqlstate", None) in _CANCELLED
+        return sqlstate(exc) in _CANCELLED
 
     @classmethod
     def missing_table(cls, exc: BaseException) -> bool:
-        return getattr(getattr(exc, "orig", exc), "sqlstate", None) == "42P01"
+        return sqlstate(exc) == "42P01"
 
     @classmethod
     def aborted(cls, exc: BaseException) -> bool:
-        return getattr(getattr(exc, "orig", exc), "sqlstate", None) == "25P02"
+        return sqlstate(exc) == "25P02"
 
     @classmethod
     def unreachable(cls, exc: BaseException) -> bool:

@@ -18,16 +18,22 @@ def _is_uri(url: URL) -> bool:
     return (url.database or "").startswith("file:") and uri
 
 
+def _path_and_modes(url: URL) -> tuple[str, list[str | None]]:
+    """A URI filename's path and the ``mode`` options given (in it and in the URL)."""
+    parts = urllib.parse.urlsplit(url.database or "")
+    modes = [*urllib.parse.parse_qs(parts.query).get("mode", ()), url.query.get("mode")]
+    return parts.path, modes
+
+
 def file_of(url: URL) -> str | None:
     """The path of the file a SQLite URL opens, ``None`` for an in-memory database."""
     database = url.database or ""
     if database.startswith("file:") and url.query.get("uri") == "true":
         # A URI filename (file:PATH?mode=...): SQLite creates PATH unless told otherwise.
-        parts = urllib.parse.urlsplit(database)
-        modes = [*urllib.parse.parse_qs(parts.query).get("mode", ()), url.query.get("mode")]
+        path, modes = _path_and_modes(url)
         if "memory" in modes:
             return None
-        database = urllib.parse.unquote(parts.path)
+        database = urllib.parse.unquote(path)
     if database in ("", ":memory:"):
         return None
     # Anything else is a path, "file:x" included when it is no URI (SQLAlchemy hands
@@ -64,9 +70,8 @@ def in_memory(url: URL) -> bool:
     if database in ("", ":memory:"):
         return True
     if _is_uri(url):
-        parts = urllib.parse.urlsplit(database)
-        modes = [*urllib.parse.parse_qs(parts.query).get("mode", ()), url.query.get("mode")]
-        return parts.path == ":memory:" or "memory" in modes
+        path, modes = _path_and_modes(url)
+        return path == ":memory:" or "memory" in modes
     return False
 
 
