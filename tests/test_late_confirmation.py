@@ -108,7 +108,15 @@ def scene(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., None]]:
                 time.sleep(0.01)
             return real(conn, held, ttl, *renamed)
 
+        real_free = first.backend.renew_free
+
+        def renew_free(conn: Connection, held: Mapping[str, int], ttl: float) -> set[str]:
+            while frozen.is_set():  # the keeper of a frozen process renews nothing
+                time.sleep(0.01)
+            return real_free(conn, held, ttl)
+
         monkeypatch.setattr(first.backend, "renew_alone", renew_alone)
+        monkeypatch.setattr(first.backend, "renew_free", renew_free)
 
     yield play
     SCENE.clear()

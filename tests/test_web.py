@@ -114,8 +114,9 @@ def test_unknown_runs_and_bad_filters_are_clear_errors(
     assert http.get("/api/runs/nope/cancel").status_code == 405  # a route, another method
     assert http.get("/api/runs/", follow_redirects=False).status_code in (307, 308)
     assert http.get("/runs/nope").status_code == 404
+    assert http.get("/api/runs", params={"limit": "200"}).status_code == 200  # the README's
     for params in ({"status": "bogus"}, {"limit": "0"}, {"limit": "x"}, {"after": "yesterday"},
-                   {"cursor": "garbage"}, {"version": "2"}):  # fmt: skip
+                   {"cursor": "garbage"}, {"version": "2"}, {"limit": "201"}):  # fmt: skip
         answer = http.get("/api/runs", params=params)
         assert answer.status_code == 400, params
         assert set(answer.json()) == {"error"}

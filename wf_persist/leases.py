@@ -174,7 +174,7 @@ class LeaseKeeper(threading.Thread):
 
             def renew(held: dict[str, int] = held) -> set[str]:
                 with self.engine().connect() as conn:
-                    return self.backend.renew_alone(conn, held, self.ttl)
+                    return self.backend.renew_free(conn, held, self.ttl)
 
             try:  # a renewal meets a drive's write in a deadlock now and then: sent again
                 still = refusals.again_if_deadlocked(self.backend, renew)

@@ -309,6 +309,26 @@ class Backend(Connections):
         with self.begin(conn):
             return self.renew(conn, held, ttl, owner)
 
+    def renew_free(self, conn: Connection, held: Mapping[str, int], ttl: float) -> set[str]:
+        """:meth:`renew_alone` of the leases whose rows no other transaction holds locked;
+        returns the ids renewed. The lease keeper renews every lease of its process at
+        once: waiting for one run's row (an application's long transaction holding it, say)
+        would let every other lease lapse meanwhile. A skipped lease is renewed at the next
+        turn, or by its own drive before its next step. Without row-level locks to skip,
+        :meth:`renew_alone`."""
+        if not held or not self.skip_locked:
+            return self.renew_alone(conn, held, ttl)
+        free = ex.alias("wf_free")
+        lockable = select(free.c.id).where(held_at(held, free)).with_for_update(skip_locked=True)
+        stmt = (
+            update(ex)
+            .where(held_at(held), ex.c.id.in_(lockable))
+            .values(renew_values())
+            .returning(ex.c.id)
+        )
+        with self.begin(conn):
+            return {str(i) for i in conn.execute(stmt, {"p_ttl": ttl}).scalars()}
+
     def epochs(self, conn: Connection, execution_ids: Sequence[str]) -> dict[str, int]:
         """The current claim epoch of each run (a run that is gone is left out)."""
         rows = conn.execute(

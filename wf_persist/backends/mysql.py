@@ -420,13 +420,32 @@ class MySQLBackend(Backend):
         self, conn: Connection, held: Mapping[str, int], ttl: float, owner: str | None = None
     ) -> set[str]:
         # Each statement commits on its own: the UPDATE's row locks are gone when it
-        # returns, and the SELECT that follows reads without locking. ``conn`` may be a
-        # drive's, kept for its next writes: its level is put back.
+        # returns, and the SELECT that follows reads without locking.
+        with self._autocommit(conn):
+            return self.renew(conn, held, ttl, owner)
+
+    def renew_free(self, conn: Connection, held: Mapping[str, int], ttl: float) -> set[str]:
+        # An UPDATE cannot skip locked rows here: a locking read that skips them comes
+        # first, its locks gone as it returns (autocommit, as in renew_alone). A row locked
+        # in between is waited for, as by every renewal before.
+        if not held:
+            return set()
+        with self._autocommit(conn):
+            lockable = select(ex.c.id).where(held_at(held)).with_for_update(skip_locked=True)
+            free = {str(i) for i in conn.execute(lockable).scalars()}
+            if not free:
+                return set()
+            return free & self.renew(conn, {i: e for i, e in held.items() if i in free}, ttl)
+
+    @contextlib.contextmanager
+    def _autocommit(self, conn: Connection) -> Iterator[Connection]:
+        """``conn`` with each statement committing on its own. It may be a drive's, kept
+        for its next writes: its level is put back."""
         before = conn.get_execution_options().get("isolation_level")
         self._set_level(conn, "AUTOCOMMIT")
         try:
             with conn.begin():  # only SQLAlchemy's: the driver is in autocommit
-                return self.renew(conn, held, ttl, owner)
+                yield conn
         finally:
             if not conn.invalidated and not conn.closed:
                 self._set_level(conn, before or conn.default_isolation_level)

@@ -58,20 +58,22 @@ P_EPOCHS = bindparam("p_epochs", type_=postgresql.ARRAY(BigInteger()))
 
 
 @functools.cache
-def renew_statement() -> Any:
+def renew_statement(skip_locked: bool = False) -> Any:
     """Extend the leases still held at their epochs, in ONE statement (its text does not
-    depend on how many)."""
+    depend on how many); with ``skip_locked``, only those whose rows no other transaction
+    holds locked (see ``Backend.renew_free``)."""
     held = select(func.unnest(P_IDS).label("id"), func.unnest(P_EPOCHS).label("epoch")).subquery()
-    return (
-        update(ex)
-        .where(
-            ex.c.id == held.c.id,
-            ex.c.claim_epoch == held.c.epoch,
-            ex.c.lease_expires_at.is_not(None),
-        )
-        .values(renew_values())
-        .returning(ex.c.id)
+    still = (
+        ex.c.id == held.c.id,
+        ex.c.claim_epoch == held.c.epoch,
+        ex.c.lease_expires_at.is_not(None),
     )
+    stmt = update(ex).where(*still)
+    if skip_locked:
+        free = ex.alias("wf_free")
+        lockable = select(free.c.id).where(free.c.id == held.c.id).with_for_update(skip_locked=True)
+        stmt = stmt.where(ex.c.id.in_(lockable))
+    return stmt.values(renew_values()).returning(ex.c.id)
 
 
 def _text(value: str) -> Any:

@@ -458,6 +458,12 @@ class PostgreSQLBackend(RawPath):
         params = {"p_ids": list(held), "p_epochs": list(held.values()), "p_ttl": ttl}
         return {str(row[0]) for row in self._raw(renew_statement(), params, conn)}
 
+    def renew_free(self, conn: Connection, held: Mapping[str, int], ttl: float) -> set[str]:
+        if not held or not self.raw_ok:
+            return super().renew_free(conn, held, ttl)
+        params = {"p_ids": list(held), "p_epochs": list(held.values()), "p_ttl": ttl}
+        return {str(row[0]) for row in self._raw(renew_statement(True), params, conn)}
+
     def claim_to_drive(
         self, execution_id: str, owner: str, ttl: float, workflows: Sequence[tuple[str, int]]
     ) -> Claim | None:

@@ -3,17 +3,24 @@
 Where the database has session locks (PostgreSQL advisory locks, MySQL/MariaDB named locks) a
 slot is such a lock, held on a connection of its own while the step runs: the limit holds
 across every worker sharing the database, and a worker that dies releases its slots with its
-connection. Elsewhere (SQLite) a slot is a semaphore of this process.
+connection. A held slot's session is ended by the server once it idles past
+:attr:`SessionLockSlots.idle_limit`, and a heartbeat of its process keeps it from idling: a
+worker frozen (SIGSTOP) or cut off frees its slots as it loses its leases, instead of
+keeping the runs that took them over waiting for as long as it stays so. Elsewhere (SQLite)
+a slot is a semaphore of this process.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Final
+from dataclasses import dataclass, field
+from typing import ClassVar, Final
 
 from sqlalchemy import Connection, Engine, func, select, text
 
@@ -68,10 +75,27 @@ class Slots:
                 semaphore.release()
 
 
+@dataclass(eq=False)
+class _Held:
+    """A held slot's connection; ``lock``: its heartbeat and its release take turns."""
+
+    conn: Connection
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
 class SessionLockSlots(Slots):
     """Slots as session-level database locks ``(step, key, slot number)``."""
 
     shared = True
+    #: Seconds a held slot's session may idle before the server ends it (and frees the
+    #: slot): the default lease TTL, so a frozen worker's slot is free about when its runs
+    #: are taken over. The heartbeat speaks every quarter of it.
+    idle_limit: ClassVar[float] = 30.0
+
+    def __init__(self, engine: Engine, namespace: str = "") -> None:
+        super().__init__(engine, namespace)
+        self._held: set[_Held] = set()
+        self._beat_thread: threading.Thread | None = None
 
     def try_lock(self, conn: Connection, k1: int, slot: int) -> bool:
         raise NotImplementedError
@@ -80,9 +104,9 @@ class SessionLockSlots(Slots):
         raise NotImplementedError
 
     def stay(self, conn: Connection) -> object:
-        """Keep the server from ending the session of a held slot for being idle (it sits
-        idle while the step runs, and its lock would go with it); what :meth:`unstay`
-        puts back."""
+        """Have the server end the held slot's session if it idles past
+        :attr:`idle_limit` (and no sooner, whatever the session had: a host's timeout
+        would end it mid-step); what :meth:`unstay` puts back."""
         return None
 
     def unstay(self, conn: Connection, saved: object) -> None:
@@ -95,7 +119,7 @@ class SessionLockSlots(Slots):
         # would otherwise each hold a pooled connection for nothing, and the pool would
         # have none left for the writes of the runs that hold the slots.
         k1 = lock_key(self.namespace, step_name, key)
-        held: tuple[Connection, int, object] | None = None
+        held: tuple[_Held, int, object] | None = None
 
         def acquire() -> bool:
             nonlocal held
@@ -112,18 +136,53 @@ class SessionLockSlots(Slots):
                 if got is None:
                     conn.close()
                 else:
-                    held = (conn, got, saved)
+                    held = (self._keep(conn), got, saved)
             return held is not None
 
         try:
             yield acquire
         finally:
             if held is not None:
-                conn, got, saved = held
-                try:
-                    self._release(conn, k1, got, saved)
-                finally:
-                    conn.close()
+                kept, got, saved = held
+                with self._lock:
+                    self._held.discard(kept)
+                with kept.lock:
+                    try:
+                        self._release(kept.conn, k1, got, saved)
+                    finally:
+                        kept.conn.close()
+
+    def _keep(self, conn: Connection) -> _Held:
+        """Beat for ``conn`` from now on (a heartbeat runs while any slot is held)."""
+        kept = _Held(conn)
+        with self._lock:
+            self._held.add(kept)
+            if self._beat_thread is None or not self._beat_thread.is_alive():  # or forked
+                self._beat_thread = threading.Thread(
+                    target=self._beat, name="wf-persist-slot-heartbeat", daemon=True
+                )
+                self._beat_thread.start()
+        return kept
+
+    def _beat(self) -> None:
+        """Every quarter of :attr:`idle_limit`, a round trip on each held slot's session,
+        until none is held. A session the server ended meanwhile has lost its slot: said,
+        and left to the release (the step runs on; its run's lease decides the rest)."""
+        while True:
+            time.sleep(self.idle_limit / 4)
+            with self._lock:
+                if not self._held:
+                    self._beat_thread = None
+                    return
+                held = list(self._held)
+            for kept in held:
+                with kept.lock:
+                    if kept.conn.closed or kept.conn.invalidated:
+                        continue  # released meanwhile
+                    try:
+                        kept.conn.exec_driver_sql("SELECT 1")
+                    except Exception as exc:
+                        log.warning("a held concurrency slot's session ended: %s", exc)
 
     def _release(self, conn: Connection, k1: int, slot: int, saved: object) -> None:
         """Unlock the slot; if that fails, close the connection instead (the server then
@@ -151,19 +210,20 @@ class AdvisorySlots(SessionLockSlots):
         conn.execute(select(func.pg_advisory_unlock(k1, slot)))
 
     def stay(self, conn: Connection) -> object:
-        # idle_session_timeout (PostgreSQL 14+; NULL before): a database's or role's
-        # setting a host may have, which would end the session mid-step. The server's
-        # keepalives: a worker whose host vanished without a word frees its slots in
-        # seconds (with the server's defaults, hours). What the session had comes back.
-        names = list(_HELD_SETTINGS)
+        # idle_session_timeout: PostgreSQL 14+ (NULL before: such a server keeps a frozen
+        # worker's slot until it thaws). The server's keepalives: a worker whose host
+        # vanished without a word frees its slots in seconds (with the server's defaults,
+        # hours). What the session had comes back.
+        wanted = {**_HELD_SETTINGS, "idle_session_timeout": str(math.ceil(self.idle_limit * 1000))}
+        names = list(wanted)
         found = conn.execute(select(*(func.current_setting(n, True) for n in names))).one()
         saved = {
             name: was
             for name, was in zip(names, found, strict=True)
-            if was is not None and was != _HELD_SETTINGS[name]
+            if was is not None and was != wanted[name]
         }
         if saved:
-            conn.execute(select(*(func.set_config(n, _HELD_SETTINGS[n], False) for n in saved)))
+            conn.execute(select(*(func.set_config(n, wanted[n], False) for n in saved)))
         return saved
 
     def unstay(self, conn: Connection, saved: object) -> None:
@@ -171,9 +231,8 @@ class AdvisorySlots(SessionLockSlots):
             conn.execute(select(*(func.set_config(n, str(v), False) for n, v in saved.items())))
 
 
-#: The settings of a held slot's session (those a server lacks are left alone).
+#: The keepalive settings of a held slot's session (those a server lacks are left alone).
 _HELD_SETTINGS: Final = {
-    "idle_session_timeout": "0",
     "tcp_keepalives_idle": str(sockets.IDLE),
     "tcp_keepalives_interval": str(sockets.INTERVAL),
     "tcp_keepalives_count": str(sockets.COUNT),
@@ -196,14 +255,9 @@ class NamedLockSlots(SessionLockSlots):
         conn.execute(text("SELECT RELEASE_LOCK(:n)"), {"n": self._name(k1, slot)})
 
     def stay(self, conn: Connection) -> object:
-        # A host's wait_timeout (an init_command's, say) would end the session mid-step.
         was = conn.execute(text("SELECT @@SESSION.wait_timeout")).scalar()
-        conn.execute(text(f"SET SESSION wait_timeout = {_LONGEST_WAIT}"))
+        conn.execute(text(f"SET SESSION wait_timeout = {max(1, math.ceil(self.idle_limit))}"))
         return was
 
     def unstay(self, conn: Connection, saved: object) -> None:
         conn.execute(text("SET SESSION wait_timeout = :s"), {"s": int(str(saved))})
-
-
-#: The largest ``wait_timeout`` the server takes on every platform (a year, in seconds).
-_LONGEST_WAIT: Final = 31_536_000

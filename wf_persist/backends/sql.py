@@ -249,11 +249,12 @@ LOAD_HISTORY = (
 )
 
 
-def held_at(held: Mapping[str, int]) -> Any:
-    """Runs still leased at the given epochs (a parked run is never renewed)."""
+def held_at(held: Mapping[str, int], table: Any = ex) -> Any:
+    """Runs still leased at the given epochs (a parked run is never renewed); ``table``:
+    the runs table or an alias of it."""
     return and_(
-        tuple_(ex.c.id, ex.c.claim_epoch).in_(list(held.items())),
-        ex.c.lease_expires_at.is_not(None),
+        tuple_(table.c.id, table.c.claim_epoch).in_(list(held.items())),
+        table.c.lease_expires_at.is_not(None),
     )
 
 

@@ -1,0 +1,133 @@
+"""A worker frozen (SIGSTOP) or cut off while it holds a ``Limit`` slot frees the slot as it
+loses its leases, instead of for as long as it stays so.
+
+A slot is a session lock on a connection that sits idle while its step runs. A frozen
+process's kernel still answers for its connections, so neither keepalives nor the lease
+freed the slot: the runs that took over the frozen worker's runs queued for it until the
+process was thawed. A held slot's session is now ended by the server once it idles past
+``SessionLockSlots.idle_limit``, and a heartbeat keeps it from idling while its process
+lives.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import wf_persist as wp
+from tests.helpers import Processes, wait_until
+from wf_persist.backends.slots import SessionLockSlots
+
+pytestmark = pytest.mark.needs("shared_slots")  # session locks: PostgreSQL, MySQL/MariaDB
+
+IDLE = 1.0
+
+_HOLDER = """
+import sys, time
+import wf_persist as wp
+from wf_persist.backends.slots import SessionLockSlots
+SessionLockSlots.idle_limit = float(sys.argv[2])
+rt = wp.Runtime(sys.argv[1])
+with rt.backend.slots.slot("heartbeat-step", "k", 1) as acquire:
+    assert acquire()
+    print("holding", flush=True)
+    time.sleep(3600)
+"""
+
+
+@wp.step(concurrency=wp.Limit(1))
+def frozen_limited(marks: str) -> str:
+    with open(marks, "a", encoding="utf-8") as out:
+        out.write(f"{os.getpid()}\n")
+    if os.environ.get("WF_TEST_HOLD"):
+        time.sleep(3600)
+    return "done"
+
+
+@wp.workflow(name="slot_heartbeat", version=1)
+def slot_heartbeat_wf(ctx: wp.Context, marks: str) -> str:
+    return str(ctx.run(frozen_limited, marks))
+
+
+_WORKER = """
+import sys, time
+import wf_persist as wp
+from wf_persist.backends.slots import SessionLockSlots
+from tests.test_slot_heartbeat import slot_heartbeat_wf
+SessionLockSlots.idle_limit = float(sys.argv[2])
+rt = wp.Runtime(sys.argv[1], lease_ttl=float(sys.argv[2]))
+rt.register(slot_heartbeat_wf)
+rt.start_worker(concurrency=1)
+time.sleep(3600)
+"""
+
+
+def _free(runtime: wp.Runtime) -> bool:
+    """Whether this process can take the one slot (given back at once if so)."""
+    with runtime.backend.slots.slot("heartbeat-step", "k", 1) as acquire:
+        return acquire()
+
+
+def test_a_frozen_holder_frees_its_slot_a_live_one_keeps_it(
+    runtime: wp.Runtime, db_url: str, procs: Processes
+) -> None:
+    holder = procs.python("-c", _HOLDER, db_url, str(IDLE), stdout=True)
+    assert holder.popen.stdout is not None
+    assert holder.popen.stdout.readline().strip() == "holding"
+    try:
+        for _ in range(4):  # several idle limits: the heartbeat keeps the session
+            assert not _free(runtime)
+            time.sleep(IDLE)
+        holder.send(signal.SIGSTOP)
+        began = time.monotonic()
+        wait_until(lambda: _free(runtime), what="the frozen holder's slot", timeout=20)
+        assert time.monotonic() - began < IDLE + 5
+    finally:
+        holder.send(signal.SIGCONT)
+        holder.stop()
+
+
+def test_the_heartbeat_ends_with_the_last_slot(runtime: wp.Runtime) -> None:
+    """The heartbeat thread runs while a slot is held, and not after."""
+    slots = runtime.backend.slots
+    assert isinstance(slots, SessionLockSlots)
+    before = SessionLockSlots.idle_limit
+    SessionLockSlots.idle_limit = 0.2
+    try:
+        with slots.slot("heartbeat-step", "k", 1) as acquire:
+            assert acquire()
+            beat = slots._beat_thread
+            assert beat is not None and beat.is_alive()
+            time.sleep(0.5)  # a few beats
+        beat.join(timeout=5)
+        assert not beat.is_alive() and slots._beat_thread is None
+    finally:
+        SessionLockSlots.idle_limit = before
+
+
+def test_a_run_taken_over_from_a_frozen_worker_gets_its_slot(
+    make_runtime: Callable[..., wp.Runtime], db_url: str, procs: Processes, tmp_path: Path
+) -> None:
+    """End to end: the step holding the only slot is frozen with its worker; another
+    worker takes the run over once the lease lapses and gets the slot to run the step (at
+    least once: the step in flight runs again)."""
+    marks = tmp_path / "marks"
+    starter = make_runtime(lease_ttl=IDLE)
+    starter.register(slot_heartbeat_wf)
+    worker = procs.python("-c", _WORKER, db_url, str(IDLE), env={"WF_TEST_HOLD": "1"})
+    run = starter.client().start(slot_heartbeat_wf, str(marks)).execution_id
+    try:
+        wait_until(marks.exists, what="the step in the worker", timeout=30)
+        worker.send(signal.SIGSTOP)
+        starter.start_worker(concurrency=1)
+        assert starter.client().result(run, timeout=30).unwrap() == "done"
+        ran = marks.read_text(encoding="utf-8").split()
+        assert ran[-1] == str(os.getpid()) and len(ran) == 2
+    finally:
+        worker.send(signal.SIGCONT)
+        worker.stop()
