@@ -134,3 +134,26 @@ def _check_renew_free(
     with backend.engine.connect() as conn:
         assert renew(conn, held, 60) == {locked, free}
         assert renew(conn, {}, 60) == set()
+
+
+@pytest.mark.needs("libpq")
+def test_a_foreign_key_checks_lock_skips_no_renewal(
+    runtime: wp.Runtime, make_engine: Callable[..., Engine], db_url: str
+) -> None:
+    """PostgreSQL: an open transaction that wrote a history row of the run holds its row
+    with KEY SHARE (the foreign key's check), which does not hold up the renewal's UPDATE:
+    the renewal's skip does not skip it either (FOR NO KEY UPDATE, not FOR UPDATE)."""
+    runtime.register(renewal_locks_wf)
+    backend = runtime.backend
+    run = runtime.client().start(renewal_locks_wf, "k").execution_id
+    claim = backend.claim_to_drive(run, "renewal-test", 3600, [("renewal_locks", 1)])
+    assert claim is not None
+    held = {run: claim.epoch}
+    generic = functools.partial(Backend.renew_free, backend)
+    with make_engine(db_url).connect() as host:
+        share = "SELECT id FROM wf_executions WHERE id = :i FOR KEY SHARE"
+        host.execute(text(share), {"i": run})
+        with backend.engine.connect() as conn:
+            assert backend.renew_free(conn, held, 60) == {run}
+            assert generic(conn, held, 60) == {run}
+        host.rollback()

@@ -18,6 +18,7 @@ from sqlalchemy import Engine, event, func, make_url, select, text
 from sqlalchemy.pool import AssertionPool, Pool, QueuePool, StaticPool
 
 import wf_persist as wp
+from wf_persist import migrate
 from wf_persist.cli.common import read_json
 from wf_persist.models import executions_table
 from wf_persist.web import create_app
@@ -221,6 +222,22 @@ def test_a_pool_that_shares_one_connection_between_threads_is_refused(
         wp.Runtime(engine)
     with pytest.raises(wp.UnsupportedDatabaseError, match=pool.__name__):
         wp.Client(engine)
+
+
+@pytest.mark.needs("embedded")
+def test_sqlite_connections_kept_to_their_thread_are_refused(
+    db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """``check_same_thread=True``: accepted, then every call failed with a raw
+    ``sqlite3.ProgrammingError`` (a pooled connection serves one thread, then another)."""
+    engine = make_engine(db_url, connect_args={"check_same_thread": True})
+    with pytest.raises(wp.UnsupportedDatabaseError, match="check_same_thread"):
+        wp.Runtime(engine)
+    with pytest.raises(wp.UnsupportedDatabaseError, match="check_same_thread"):
+        wp.Client(engine)
+    with wp.Runtime(make_engine(db_url, connect_args={"check_same_thread": False})) as runtime:
+        runtime.register(any_input)
+        assert runtime.client().execute(any_input, 1).unwrap() == 1
 
 
 @pytest.mark.needs("embedded")
@@ -455,3 +472,21 @@ def test_a_sqlite_file_opened_read_only_by_its_uri_is_refused_by_a_runtime(
             assert client.list().items == []
             with pytest.raises(wp.UnsupportedDatabaseError, match="read-only"):
                 client.purge(older_than=dt.timedelta(0))
+
+
+@pytest.mark.needs("libpq")
+def test_a_client_encoding_of_sql_ascii_is_refused_when_the_engine_opens(
+    db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """SQL_ASCII (a database's or role's setting) has psycopg hand text over as bytes:
+    SQLAlchemy's reading of the server's version failed with a raw TypeError at every
+    entry point (Runtime, Client, migrate, the CLI)."""
+    engine = make_engine(db_url, connect_args={"client_encoding": "SQL_ASCII"})
+    with pytest.raises(wp.UnsupportedDatabaseError, match="SQL_ASCII"):
+        wp.Runtime(engine)
+    url = make_url(db_url).update_query_dict({"client_encoding": "SQL_ASCII"})
+    plain = url.render_as_string(hide_password=False)
+    with pytest.raises(wp.UnsupportedDatabaseError, match="SQL_ASCII"):
+        wp.Client(plain)
+    with pytest.raises(wp.UnsupportedDatabaseError, match="SQL_ASCII"):
+        migrate.upgrade(plain)

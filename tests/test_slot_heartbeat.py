@@ -18,9 +18,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from sqlalchemy import Connection, text
+from sqlalchemy.engine import make_url
 
 import wf_persist as wp
 from tests.helpers import Processes, wait_until
+from tests.tcpproxy import TCPProxy
 from wf_persist.backends.slots import SessionLockSlots
 
 pytestmark = pytest.mark.needs("shared_slots")  # session locks: PostgreSQL, MySQL/MariaDB
@@ -31,8 +34,8 @@ _HOLDER = """
 import sys, time
 import wf_persist as wp
 from wf_persist.backends.slots import SessionLockSlots
-SessionLockSlots.idle_limit = float(sys.argv[2])
-rt = wp.Runtime(sys.argv[1])
+SessionLockSlots.min_idle = float(sys.argv[2])
+rt = wp.Runtime(sys.argv[1], lease_ttl=float(sys.argv[2]))
 with rt.backend.slots.slot("heartbeat-step", "k", 1) as acquire:
     assert acquire()
     print("holding", flush=True)
@@ -59,7 +62,7 @@ import sys, time
 import wf_persist as wp
 from wf_persist.backends.slots import SessionLockSlots
 from tests.test_slot_heartbeat import slot_heartbeat_wf
-SessionLockSlots.idle_limit = float(sys.argv[2])
+SessionLockSlots.min_idle = float(sys.argv[2])
 rt = wp.Runtime(sys.argv[1], lease_ttl=float(sys.argv[2]))
 rt.register(slot_heartbeat_wf)
 rt.start_worker(concurrency=1)
@@ -96,18 +99,65 @@ def test_the_heartbeat_ends_with_the_last_slot(runtime: wp.Runtime) -> None:
     """The heartbeat thread runs while a slot is held, and not after."""
     slots = runtime.backend.slots
     assert isinstance(slots, SessionLockSlots)
-    before = SessionLockSlots.idle_limit
-    SessionLockSlots.idle_limit = 0.2
+    assert slots.idle_limit == 30.0  # the runtime's lease
+    slots.idle_limit = 0.2
+    with slots.slot("heartbeat-step", "k", 1) as acquire:
+        assert acquire()
+        beat = slots._beat_thread
+        assert beat is not None and beat.is_alive()
+        time.sleep(0.5)  # a few beats
+    beat.join(timeout=5)
+    assert not beat.is_alive() and slots._beat_thread is None
+
+
+def test_a_slot_whose_connection_never_answers_holds_up_no_other(
+    runtime: wp.Runtime, db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One held slot's connection cut without a word (a proxy's upstream gone): its round
+    trip never came back, and the heartbeat, one thread for every slot, stopped for all
+    of them: their sessions idled out mid-step and other workers took their slots. Now
+    each round trip has a thread of its own, and one still waiting a turn later is cut
+    (so is a release waiting on it)."""
+    monkeypatch.setattr(SessionLockSlots, "min_idle", IDLE)
+    url = make_url(db_url)
+    default = 5432 if url.get_backend_name() == "postgresql" else 3306
+    proxy = TCPProxy((url.host or "127.0.0.1", url.port or default))
+    proxied = url.set(host="127.0.0.1", port=proxy.port).render_as_string(False)
+    held = wp.Runtime(proxied, lease_ttl=IDLE)
     try:
-        with slots.slot("heartbeat-step", "k", 1) as acquire:
-            assert acquire()
-            beat = slots._beat_thread
-            assert beat is not None and beat.is_alive()
-            time.sleep(0.5)  # a few beats
-        beat.join(timeout=5)
-        assert not beat.is_alive() and slots._beat_thread is None
+        slots = held.backend.slots
+        assert isinstance(slots, SessionLockSlots)
+        with slots.slot("heartbeat-step", "cut", 1) as cut:
+            assert cut()
+            (kept,) = slots._held
+            port = _server_port(runtime, kept.conn)
+            with slots.slot("heartbeat-step", "k", 1) as other:
+                assert other()
+                proxy.silence(port)
+                for _ in range(4):  # several idle limits: the other slot stays held
+                    time.sleep(IDLE)
+                    assert not _free(runtime)
+            began = time.monotonic()
+        assert time.monotonic() - began < 5  # the release on the cut connection ended
     finally:
-        SessionLockSlots.idle_limit = before
+        held.close()
+        proxy.close()
+
+
+def _server_port(runtime: wp.Runtime, conn: Connection) -> int:
+    """The server-side client port of ``conn``'s session."""
+    raw = conn.connection.dbapi_connection
+    pgconn = getattr(raw, "pgconn", None)
+    with runtime.backend.engine.connect() as reader:
+        if pgconn is not None:
+            query, i = "SELECT client_port FROM pg_stat_activity WHERE pid = :i", pgconn.backend_pid
+        else:
+            query = (
+                "SELECT CAST(SUBSTRING_INDEX(host, ':', -1) AS UNSIGNED) "
+                "FROM information_schema.processlist WHERE id = :i"
+            )
+            i = raw.thread_id()  # type: ignore[union-attr]
+        return int(reader.execute(text(query), {"i": i}).scalar_one())
 
 
 def test_a_run_taken_over_from_a_frozen_worker_gets_its_slot(

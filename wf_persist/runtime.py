@@ -127,6 +127,7 @@ class Runtime(Registry, Notices, WorkerSide):
         telemetry.configure()
         self.database = Database(bind, auto_migrate=auto_migrate, schema=schema)
         self.backend = self.database.backend
+        self.backend.slots.follow_lease(lease_seconds)
         self.schema = schema
         #: The engine wf_persist works through (same pool as ``bind``, our options).
         self.engine = self.database.engine

@@ -319,7 +319,13 @@ class Backend(Connections):
         if not held or not self.skip_locked:
             return self.renew_alone(conn, held, ttl)
         free = ex.alias("wf_free")
-        lockable = select(free.c.id).where(held_at(held, free)).with_for_update(skip_locked=True)
+        # ``key_share``: FOR NO KEY UPDATE where the database has it (the UPDATE's own
+        # lock, which a foreign-key check's KEY SHARE does not hold up).
+        lockable = (
+            select(free.c.id)
+            .where(held_at(held, free))
+            .with_for_update(skip_locked=True, key_share=True)
+        )
         stmt = (
             update(ex)
             .where(held_at(held), ex.c.id.in_(lockable))

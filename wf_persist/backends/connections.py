@@ -86,6 +86,9 @@ class Connections(Migrations):
     extra: ClassVar[str | None] = None
     #: Whether tables can live in a named schema (``Runtime(schema=...)``).
     supports_schemas: ClassVar[bool] = False
+    #: Said after a connection's setup failed reading the server's answers: the likely
+    #: cause on this database.
+    setup_hint: ClassVar[str] = ""
     #: Seconds a write transaction of ours may sit idle before the server ends it (None:
     #: the backend cannot bound it; a paused process holds its locks until it resumes).
     idle_timeout: ClassVar[float | None] = None
@@ -526,6 +529,16 @@ def connect(engine: Engine) -> Connection:
     tiny ``statement_timeout``) as :class:`~wf_persist.errors.StatementCancelledError`."""
     try:
         return engine.connect()
+    except (TypeError, UnicodeError) as exc:
+        # The dialect's first reading of the server's answers (its version, its settings)
+        # failed on what it was handed: text the session could not give as text.
+        from . import backend_type  # the package's: it imports this module
+
+        hint = backend_type(engine.dialect.name).setup_hint
+        raise UnsupportedDatabaseError(
+            f"setting up a connection to the database at {describe_url(engine.url)} failed "
+            f"reading the server's answers ({type(exc).__name__}: {exc}){hint}"
+        ) from exc
     except OperationalError as exc:
         from . import backend_type  # the package's: it imports this module
 

@@ -154,7 +154,7 @@ class MySQLBackend(Backend):
         #: The database the connections use (None: the URL names none).
         self.database: str | None = found[8]
         tables = (self.schema_map or {}).get(None) or self.database or ""
-        self.slots = NamedLockSlots(self.engine, str(tables))
+        self.slots = NamedLockSlots(self.engine, str(tables), cut=self.cut)
         self.sql_mode = str(mode)
         # Results in their columns' own character set (NULL) are utf8mb4 for our tables.
         results = "utf8mb4" if results_set is None else str(results_set)

@@ -71,7 +71,13 @@ def renew_statement(skip_locked: bool = False) -> Any:
     stmt = update(ex).where(*still)
     if skip_locked:
         free = ex.alias("wf_free")
-        lockable = select(free.c.id).where(free.c.id == held.c.id).with_for_update(skip_locked=True)
+        # FOR NO KEY UPDATE, the UPDATE's own lock: a history row's foreign-key check in
+        # an open transaction (KEY SHARE) holds up neither.
+        lockable = (
+            select(free.c.id)
+            .where(free.c.id == held.c.id)
+            .with_for_update(skip_locked=True, key_share=True)
+        )
         stmt = stmt.where(ex.c.id.in_(lockable))
     return stmt.values(renew_values()).returning(ex.c.id)
 

@@ -98,6 +98,10 @@ class PostgreSQLBackend(RawPath):
     supports_schemas: ClassVar[bool] = True
     skip_locked: ClassVar[bool] = True
     idle_timeout: ClassVar[float | None] = 15.0
+    setup_hint: ClassVar[str] = (
+        "; a client_encoding of SQL_ASCII (a database's or role's setting) hands text "
+        "over as bytes: use UTF8, e.g. ALTER DATABASE ... SET client_encoding = 'UTF8'"
+    )
 
     def __init__(self, engine: Engine, *, owned: bool, schema: str | None = None) -> None:
         # Whether every connection of the pool is at READ COMMITTED by construction: an
@@ -140,7 +144,7 @@ class PostgreSQLBackend(RawPath):
         tables = (
             (self.schema_map or {}).get(None) or self.tables_schema or self.current_schema or ""
         )
-        self.slots = AdvisorySlots(self.engine, tables)
+        self.slots = AdvisorySlots(self.engine, tables, cut=self.cut)
         self._sql: dict[WriteShape, str] = {}
         # The one-statement write runs in autocommit, at the sessions' default isolation
         # (the host's connect options or the database's setting may raise it): above READ

@@ -20,10 +20,11 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import ClassVar, Final
+from typing import Any, ClassVar, Final
 
 from sqlalchemy import Connection, Engine, func, select, text
 
+from .. import clocks
 from . import sockets
 
 log = logging.getLogger("wf_persist.worker")
@@ -54,6 +55,9 @@ class Slots:
         self._lock = threading.Lock()
         self._semaphores: dict[tuple[str, str, int], threading.Semaphore] = {}
 
+    def follow_lease(self, ttl: float) -> None:
+        """Bound what a held slot outlives its worker by this lease TTL (where it can)."""
+
     @contextmanager
     def slot(self, step_name: str, key: str, limit: int) -> Iterator[Acquire]:
         """Yields ``acquire()``; the slot (if taken) is released on exit."""
@@ -77,25 +81,38 @@ class Slots:
 
 @dataclass(eq=False)
 class _Held:
-    """A held slot's connection; ``lock``: its heartbeat and its release take turns."""
+    """A held slot's connection. Its heartbeat and its release take turns (``lock``);
+    ``busy_since``: when the round trip on it now began (monotonic), to cut one that
+    never ends."""
 
     conn: Connection
     lock: threading.Lock = field(default_factory=threading.Lock)
+    busy_since: float | None = None
 
 
 class SessionLockSlots(Slots):
     """Slots as session-level database locks ``(step, key, slot number)``."""
 
     shared = True
-    #: Seconds a held slot's session may idle before the server ends it (and frees the
-    #: slot): the default lease TTL, so a frozen worker's slot is free about when its runs
-    #: are taken over. The heartbeat speaks every quarter of it.
-    idle_limit: ClassVar[float] = 30.0
+    #: The least :attr:`idle_limit` a runtime's lease sets: a heartbeat's turn a little
+    #: late on a busy machine must not end a slot mid-step.
+    min_idle: ClassVar[float] = 5.0
 
-    def __init__(self, engine: Engine, namespace: str = "") -> None:
+    def __init__(
+        self, engine: Engine, namespace: str = "", cut: Callable[[Any], None] | None = None
+    ) -> None:
         super().__init__(engine, namespace)
+        #: Seconds a held slot's session may idle before the server ends it (and frees
+        #: the slot): the runtime's lease TTL (see :meth:`follow_lease`), so a frozen
+        #: worker's slots are free about when its runs are taken over. The heartbeat
+        #: speaks every quarter of it.
+        self.idle_limit = 30.0
+        self._cut = cut
         self._held: set[_Held] = set()
         self._beat_thread: threading.Thread | None = None
+
+    def follow_lease(self, ttl: float) -> None:
+        self.idle_limit = max(ttl, self.min_idle)
 
     def try_lock(self, conn: Connection, k1: int, slot: int) -> bool:
         raise NotImplementedError
@@ -144,13 +161,16 @@ class SessionLockSlots(Slots):
         finally:
             if held is not None:
                 kept, got, saved = held
-                with self._lock:
-                    self._held.discard(kept)
-                with kept.lock:
-                    try:
-                        self._release(kept.conn, k1, got, saved)
-                    finally:
-                        kept.conn.close()
+                try:
+                    with kept.lock:
+                        kept.busy_since = clocks.elapsed()  # cut if it never ends
+                        try:
+                            self._release(kept.conn, k1, got, saved)
+                        finally:
+                            kept.conn.close()
+                finally:
+                    with self._lock:
+                        self._held.discard(kept)
 
     def _keep(self, conn: Connection) -> _Held:
         """Beat for ``conn`` from now on (a heartbeat runs while any slot is held)."""
@@ -165,24 +185,53 @@ class SessionLockSlots(Slots):
         return kept
 
     def _beat(self) -> None:
-        """Every quarter of :attr:`idle_limit`, a round trip on each held slot's session,
-        until none is held. A session the server ended meanwhile has lost its slot: said,
-        and left to the release (the step runs on; its run's lease decides the rest)."""
+        """Every quarter of :attr:`idle_limit`, a round trip on each held slot's session
+        (each in a thread of its own: one that never comes back holds up no other), until
+        none is held. A round trip, or a release, still waiting a turn later is on a
+        connection cut without a word: it is ended (the driver reports a lost connection),
+        as the server has ended that session by now, or soon will. A session the server
+        ended has lost its slot: said, and left to the release (the step runs on; its
+        run's lease decides the rest)."""
         while True:
-            time.sleep(self.idle_limit / 4)
+            every = self.idle_limit / 4
+            time.sleep(every)
             with self._lock:
                 if not self._held:
                     self._beat_thread = None
                     return
                 held = list(self._held)
             for kept in held:
-                with kept.lock:
-                    if kept.conn.closed or kept.conn.invalidated:
-                        continue  # released meanwhile
-                    try:
-                        kept.conn.exec_driver_sql("SELECT 1")
-                    except Exception as exc:
-                        log.warning("a held concurrency slot's session ended: %s", exc)
+                since = kept.busy_since
+                if since is None:
+                    threading.Thread(
+                        target=self._ping, args=(kept,), name="wf-persist-slot-ping", daemon=True
+                    ).start()
+                elif clocks.elapsed() - since > every:
+                    self._end(kept)
+
+    def _ping(self, kept: _Held) -> None:
+        if not kept.lock.acquire(blocking=False):
+            return  # being released
+        try:
+            if kept.conn.closed or kept.conn.invalidated:
+                return
+            kept.busy_since = clocks.elapsed()
+            kept.conn.exec_driver_sql("SELECT 1")
+        except Exception as exc:
+            log.warning("a held concurrency slot's session ended: %s", exc)
+        finally:
+            kept.busy_since = None
+            kept.lock.release()
+
+    def _end(self, kept: _Held) -> None:
+        """Cut the held slot's connection under a call that does not come back."""
+        log.warning("a held concurrency slot's connection does not answer; it is cut")
+        try:
+            raw = kept.conn.connection.dbapi_connection
+            if self._cut is not None and raw is not None:
+                self._cut(raw)
+        except Exception as exc:  # closed meanwhile
+            log.debug("cutting a held slot's connection: %s", exc)
 
     def _release(self, conn: Connection, k1: int, slot: int, saved: object) -> None:
         """Unlock the slot; if that fails, close the connection instead (the server then

@@ -338,6 +338,14 @@ class SQLiteBackend(Backend):
             mode = str(conn.exec_driver_sql("PRAGMA locking_mode").scalar()).lower()
             # No row where SQLite was built without its deprecated pragmas.
             counting = conn.exec_driver_sql("PRAGMA count_changes").scalar()
+            elsewhere = _usable_from_another_thread(conn.connection.driver_connection)
+        if not elsewhere:
+            raise UnsupportedDatabaseError(
+                "this engine's SQLite connections refuse every thread but the one that opened "
+                "them (check_same_thread=True), and a pooled connection serves wf_persist's "
+                "threads in turn (callers, workers, the lease keeper); leave check_same_thread "
+                "out (SQLAlchemy turns it off for a database file)"
+            )
         if counting:
             # Every INSERT, UPDATE and DELETE returns a row of its count: a write's rows are
             # read as what RETURNING gave, and a run's drives fail forever.
@@ -512,3 +520,24 @@ class SQLiteBackend(Backend):
             if cursor is not None:
                 cursor.close()
         return Fenced([base + i for i in range(n)], status)
+
+
+def _usable_from_another_thread(raw: Any) -> bool:
+    """Whether the driver connection ``raw`` takes a statement from another thread."""
+    if not isinstance(raw, sqlite3.Connection):
+        return True  # another driver: its own rules
+    found: list[bool] = []
+
+    def probe() -> None:
+        try:
+            raw.execute("SELECT 1").close()
+            found.append(True)
+        except sqlite3.ProgrammingError:
+            found.append(False)
+        except sqlite3.Error:
+            found.append(True)  # another matter, met where it matters
+
+    thread = threading.Thread(target=probe, name="wf-persist-thread-check")
+    thread.start()
+    thread.join()
+    return found == [True]
