@@ -181,3 +181,17 @@ def test_a_run_taken_over_from_a_frozen_worker_gets_its_slot(
     finally:
         worker.send(signal.SIGCONT)
         worker.stop()
+
+
+def test_a_lease_longer_than_any_server_idle_limit(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """A lease of years: the slot's idle limit is the most every server takes, not a
+    value PostgreSQL refuses (its ``idle_session_timeout`` is an int of milliseconds)."""
+    runtime = make_runtime(lease_ttl=1e8)
+    slots = runtime.backend.slots
+    assert isinstance(slots, SessionLockSlots)
+    assert slots.idle_limit == 2_147_483.0
+    with slots.slot("heartbeat-step", "long", 1) as acquire:
+        assert acquire()
+    assert _free(runtime)

@@ -88,6 +88,10 @@ class _Held:
     conn: Connection
     lock: threading.Lock = field(default_factory=threading.Lock)
     busy_since: float | None = None
+    #: Set (under ``guard``, never held across a round trip) once the release is through,
+    #: before the connection goes back to the pool: no cut may reach it after that.
+    done: bool = False
+    guard: threading.Lock = field(default_factory=threading.Lock)
 
 
 class SessionLockSlots(Slots):
@@ -112,7 +116,7 @@ class SessionLockSlots(Slots):
         self._beat_thread: threading.Thread | None = None
 
     def follow_lease(self, ttl: float) -> None:
-        self.idle_limit = max(ttl, self.min_idle)
+        self.idle_limit = min(max(ttl, self.min_idle), _MOST_IDLE)
 
     def try_lock(self, conn: Connection, k1: int, slot: int) -> bool:
         raise NotImplementedError
@@ -167,6 +171,8 @@ class SessionLockSlots(Slots):
                         try:
                             self._release(kept.conn, k1, got, saved)
                         finally:
+                            with kept.guard:
+                                kept.done = True
                             kept.conn.close()
                 finally:
                     with self._lock:
@@ -225,13 +231,16 @@ class SessionLockSlots(Slots):
 
     def _end(self, kept: _Held) -> None:
         """Cut the held slot's connection under a call that does not come back."""
-        log.warning("a held concurrency slot's connection does not answer; it is cut")
-        try:
-            raw = kept.conn.connection.dbapi_connection
-            if self._cut is not None and raw is not None:
-                self._cut(raw)
-        except Exception as exc:  # closed meanwhile
-            log.debug("cutting a held slot's connection: %s", exc)
+        with kept.guard:
+            if kept.done:
+                return  # released meanwhile: the connection may serve another by now
+            log.warning("a held concurrency slot's connection does not answer; it is cut")
+            try:
+                raw = kept.conn.connection.dbapi_connection
+                if self._cut is not None and raw is not None:
+                    self._cut(raw)
+            except Exception as exc:  # invalidated meanwhile
+                log.debug("cutting a held slot's connection: %s", exc)
 
     def _release(self, conn: Connection, k1: int, slot: int, saved: object) -> None:
         """Unlock the slot; if that fails, close the connection instead (the server then
@@ -278,6 +287,11 @@ class AdvisorySlots(SessionLockSlots):
     def unstay(self, conn: Connection, saved: object) -> None:
         if isinstance(saved, dict) and saved:
             conn.execute(select(*(func.set_config(n, str(v), False) for n, v in saved.items())))
+
+
+#: The most :attr:`SessionLockSlots.idle_limit` every server takes (PostgreSQL's
+#: ``idle_session_timeout`` is an int of milliseconds: 24 days and some).
+_MOST_IDLE: Final = 2_147_483.0
 
 
 #: The keepalive settings of a held slot's session (those a server lacks are left alone).
