@@ -490,3 +490,19 @@ def test_a_client_encoding_of_sql_ascii_is_refused_when_the_engine_opens(
         wp.Client(plain)
     with pytest.raises(wp.UnsupportedDatabaseError, match="SQL_ASCII"):
         migrate.upgrade(plain)
+
+
+@pytest.mark.needs("server")
+def test_a_host_connect_listeners_own_type_error_is_raised_as_it_came(
+    db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """Only the dialect's first reading of the server's answers is read as a database
+    wf_persist cannot use; a host's own bug in a connect listener stays its own."""
+    engine = make_engine(db_url)
+
+    @event.listens_for(engine, "connect")
+    def broken(dbapi_connection: Any, record: Any) -> None:
+        raise TypeError("host listener bug")
+
+    with pytest.raises(TypeError, match="host listener bug"):
+        wp.Runtime(engine)

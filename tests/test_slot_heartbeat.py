@@ -89,7 +89,7 @@ def test_a_frozen_holder_frees_its_slot_a_live_one_keeps_it(
         holder.send(signal.SIGSTOP)
         began = time.monotonic()
         wait_until(lambda: _free(runtime), what="the frozen holder's slot", timeout=20)
-        assert time.monotonic() - began < IDLE + 5
+        assert time.monotonic() - began < 2 * IDLE + 5  # the idle limit: two leases
     finally:
         holder.send(signal.SIGCONT)
         holder.stop()
@@ -99,7 +99,7 @@ def test_the_heartbeat_ends_with_the_last_slot(runtime: wp.Runtime) -> None:
     """The heartbeat thread runs while a slot is held, and not after."""
     slots = runtime.backend.slots
     assert isinstance(slots, SessionLockSlots)
-    assert slots.idle_limit == 30.0  # the runtime's lease
+    assert slots.idle_limit == 60.0  # two of the runtime's leases
     slots.idle_limit = 0.2
     with slots.slot("heartbeat-step", "k", 1) as acquire:
         assert acquire()
@@ -195,3 +195,33 @@ def test_a_lease_longer_than_any_server_idle_limit(
     with slots.slot("heartbeat-step", "long", 1) as acquire:
         assert acquire()
     assert _free(runtime)
+
+
+def _hog_the_gil(seconds: float) -> None:
+    """Keep the GIL for about ``seconds`` in one C call (no other thread runs)."""
+    began = time.perf_counter()
+    sum(range(1_000_000))
+    n = int(1_000_000 * seconds / max(time.perf_counter() - began, 1e-6))
+    sum(range(n))
+
+
+def test_a_step_that_keeps_the_gil_for_stretches_keeps_its_slot(
+    make_runtime: Callable[..., wp.Runtime], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each heartbeat round trip needs a few turns of the GIL; a step keeping it for
+    stretches (one long C call after another) held them back, and the heartbeat cut the
+    healthy connection a quarter of the idle limit later: the slot was lost while the
+    run's lease held, and another worker ran the limited step alongside."""
+    monkeypatch.setattr(SessionLockSlots, "min_idle", 1.0)
+    runtime = make_runtime(lease_ttl=2.0)  # a slot's idle limit: 4 s, a beat every 0.5 s
+    other = make_runtime()
+    slots = runtime.backend.slots
+    assert isinstance(slots, SessionLockSlots) and slots.idle_limit == 4.0
+    with slots.slot("heartbeat-step", "k", 1) as acquire:
+        assert acquire()
+        (kept,) = slots._held
+        until = time.monotonic() + 6
+        while time.monotonic() < until:
+            _hog_the_gil(0.3)
+        assert not kept.conn.invalidated
+        assert not _free(other)

@@ -190,7 +190,7 @@ def test_a_held_slots_session_has_the_servers_keepalives_and_gives_them_back(
         assert conn.exec_driver_sql("SHOW tcp_keepalives_idle").scalar() == "10"
         assert conn.exec_driver_sql("SHOW tcp_user_timeout").scalar() == "30000"
         # Ended by the server if it idles past the heartbeat's bound (its process frozen).
-        assert conn.exec_driver_sql("SHOW idle_session_timeout").scalar() == "30s"
+        assert conn.exec_driver_sql("SHOW idle_session_timeout").scalar() == "1min"
         slots.unstay(conn, saved)  # type: ignore[attr-defined]
         assert conn.exec_driver_sql("SHOW tcp_keepalives_idle").scalar() == before
 

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Final
 
 import pydantic_core
 from sqlalchemy import Connection, Engine, event
-from sqlalchemy.engine import URL, Row
+from sqlalchemy.engine import URL, Dialect, Row
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.pool import (
     AssertionPool,
@@ -523,13 +523,17 @@ def describe_url(url: URL) -> str:
 def connect(engine: Engine) -> Connection:
     """``engine.connect()``, a failure to connect (the driver's ``OperationalError``)
     raised as the typed :class:`~wf_persist.errors.DatabaseConnectError` that names the
-    database (passwords hidden) and says the server's or driver's reason. Another error
-    (a host's connect listener failing, say) is raised as it came; a statement the
+    database (passwords hidden) and says the server's or driver's reason; the dialect's
+    first reading of the server's answers failing on them (text handed over as bytes) as
+    :class:`~wf_persist.errors.UnsupportedDatabaseError`. Another error (a host's connect
+    listener failing, say) is raised as it came; a statement the
     database cancelled while the connection was made (its first queries, under a host's
     tiny ``statement_timeout``) as :class:`~wf_persist.errors.StatementCancelledError`."""
     try:
         return engine.connect()
     except (TypeError, UnicodeError) as exc:
+        if not _in_dialect_setup(exc):
+            raise
         # The dialect's first reading of the server's answers (its version, its settings)
         # failed on what it was handed: text the session could not give as text.
         from . import backend_type  # the package's: it imports this module
@@ -552,3 +556,15 @@ def connect(engine: Engine) -> Connection:
         raise DatabaseConnectError(
             f"cannot connect to the database at {describe_url(url)}: {reason}", exc.orig
         ) from exc
+
+
+def _in_dialect_setup(exc: BaseException) -> bool:
+    """Whether ``exc`` came out of a dialect's ``initialize`` (its first connection's
+    reading of the server's version and settings), not out of a host's own code."""
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "initialize" and isinstance(frame.f_locals.get("self"), Dialect):
+            return True
+        tb = tb.tb_next
+    return False

@@ -100,23 +100,25 @@ class SessionLockSlots(Slots):
     shared = True
     #: The least :attr:`idle_limit` a runtime's lease sets: a heartbeat's turn a little
     #: late on a busy machine must not end a slot mid-step.
-    min_idle: ClassVar[float] = 5.0
+    min_idle: ClassVar[float] = 10.0
 
     def __init__(
         self, engine: Engine, namespace: str = "", cut: Callable[[Any], None] | None = None
     ) -> None:
         super().__init__(engine, namespace)
         #: Seconds a held slot's session may idle before the server ends it (and frees
-        #: the slot): the runtime's lease TTL (see :meth:`follow_lease`), so a frozen
-        #: worker's slots are free about when its runs are taken over. The heartbeat
-        #: speaks every quarter of it.
-        self.idle_limit = 30.0
+        #: the slot): twice the runtime's lease TTL (see :meth:`follow_lease`), so a
+        #: frozen worker's slots are free a lease after its runs can be taken over, and a
+        #: step that keeps the GIL for long stretches (each round trip of the heartbeat
+        #: needs a few turns of it) loses its lease before its slot. The heartbeat speaks
+        #: every eighth of it.
+        self.idle_limit = 60.0
         self._cut = cut
         self._held: set[_Held] = set()
         self._beat_thread: threading.Thread | None = None
 
     def follow_lease(self, ttl: float) -> None:
-        self.idle_limit = min(max(ttl, self.min_idle), _MOST_IDLE)
+        self.idle_limit = min(max(2 * ttl, self.min_idle), _MOST_IDLE)
 
     def try_lock(self, conn: Connection, k1: int, slot: int) -> bool:
         raise NotImplementedError
@@ -191,16 +193,15 @@ class SessionLockSlots(Slots):
         return kept
 
     def _beat(self) -> None:
-        """Every quarter of :attr:`idle_limit`, a round trip on each held slot's session
+        """Every eighth of :attr:`idle_limit`, a round trip on each held slot's session
         (each in a thread of its own: one that never comes back holds up no other), until
-        none is held. A round trip, or a release, still waiting a turn later is on a
-        connection cut without a word: it is ended (the driver reports a lost connection),
-        as the server has ended that session by now, or soon will. A session the server
-        ended has lost its slot: said, and left to the release (the step runs on; its
-        run's lease decides the rest)."""
+        none is held. A round trip, or a release, still waiting after the idle limit is on
+        a connection cut without a word (or its process kept from running that long, when
+        the server has ended the session anyway): it is ended, and the driver reports a
+        lost connection. A session the server ended has lost its slot: said, and left to
+        the release (the step runs on; its run's lease decides the rest)."""
         while True:
-            every = self.idle_limit / 4
-            time.sleep(every)
+            time.sleep(self.idle_limit / 8)
             with self._lock:
                 if not self._held:
                     self._beat_thread = None
@@ -212,7 +213,7 @@ class SessionLockSlots(Slots):
                     threading.Thread(
                         target=self._ping, args=(kept,), name="wf-persist-slot-ping", daemon=True
                     ).start()
-                elif clocks.elapsed() - since > every:
+                elif clocks.elapsed() - since > self.idle_limit:
                     self._end(kept)
 
     def _ping(self, kept: _Held) -> None:
