@@ -167,7 +167,7 @@ def test_a_run_taken_over_from_a_frozen_worker_gets_its_slot(
     worker takes the run over once the lease lapses and gets the slot to run the step (at
     least once: the step in flight runs again)."""
     marks = tmp_path / "marks"
-    starter = make_runtime(lease_ttl=IDLE)
+    starter = make_runtime(lease_ttl=10)  # its own drive must not lapse on a busy machine
     starter.register(slot_heartbeat_wf)
     worker = procs.python("-c", _WORKER, db_url, str(IDLE), env={"WF_TEST_HOLD": "1"})
     run = starter.client().start(slot_heartbeat_wf, str(marks)).execution_id
