@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import signal
 import subprocess
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -89,6 +90,25 @@ def test_cancelled_run_queued_behind_a_limit_never_starts(
     assert client.result(holder.execution_id, timeout=10).unwrap() == "holder"
     assert s.CALLS["exclusive:queued"] == 0
     assert client.status(queued.execution_id) == "failed"
+    assert "step.completed" not in history_types(client, queued.execution_id)
+
+
+@pytest.mark.parametrize("compensate", [False, True])
+def test_a_run_cancelled_just_before_the_slot_frees_never_starts(
+    make_runtime: Callable[..., wp.Runtime], compensate: bool
+) -> None:
+    """The cancel lands between the queued run's last look at its run (every 0.2 s while
+    it waits) and the slot freeing: it took the slot and ran the step, after its run had
+    been cancelled. Now a run that waited looks once more with the slot in hand."""
+    runtime = make_runtime(record_start_after=0)
+    client = runtime.client()
+    holder, queued = holder_and_queued(runtime)
+    time.sleep(0.3)  # a look or two while it waits
+    client.cancel(queued.execution_id, compensate=compensate)
+    s.GATE.set()  # the slot frees at once
+    assert client.result(holder.execution_id, timeout=10).unwrap() == "holder"
+    assert isinstance(client.result(queued.execution_id, timeout=30), wp.Failed)
+    assert s.CALLS["exclusive:queued"] == 0
     assert "step.completed" not in history_types(client, queued.execution_id)
 
 
@@ -313,3 +333,20 @@ def test_a_search_path_with_an_empty_schema_first_shares_the_limit(
     finally:
         with admin.begin() as conn:
             conn.exec_driver_sql(f"DROP SCHEMA {empty} CASCADE")
+
+
+@wp.step(concurrency=wp.Limit(1, key=lambda tag: f"a\ud800{tag}"))
+def _surrogate_keyed(tag: str) -> str:
+    return tag
+
+
+@wp.workflow(name="surrogate-keyed", version=1)
+def surrogate_keyed_wf(ctx: wp.Context, tag: str) -> str:
+    return str(ctx.run(_surrogate_keyed, tag))
+
+
+def test_a_key_with_a_lone_surrogate_is_a_key_like_another(runtime: wp.Runtime) -> None:
+    """Any str is a key: one with a lone surrogate failed the step (UnicodeEncodeError
+    hashing it into the lock's name) on PostgreSQL and MySQL/MariaDB, not on SQLite."""
+    runtime.register(surrogate_keyed_wf)
+    assert runtime.client().execute(surrogate_keyed_wf, "b").unwrap() == "b"

@@ -437,13 +437,18 @@ class RunDriver(ChildDriving):
         held = self.backend.slots.slot(step.name, key, limit.limit)
         acquire = off_loop(held.__enter__)
         try:
+            waited = False
             while not off_loop(_or_halt, acquire):
+                waited = True
                 if clocks.elapsed() - last_check > 0.2:
                     last_check = clocks.elapsed()
                     self.check_lease()
                     self._check_run()
                 bridge.pause(delay, time.sleep)
                 delay = min(delay * 2, 0.05)
+            if waited:  # a cancel since the last look must not see the step start now
+                self.check_lease()
+                self._check_run()
             yield
         except BaseException:
             off_loop(held.__exit__, *sys.exc_info())

@@ -90,8 +90,10 @@ def _seconds(value: object, what: str) -> float:
 class Limit:
     """At most ``limit`` executions of a step at once, per ``key(*args, **kwargs)`` if given.
 
-    On PostgreSQL the limit holds across every worker sharing the database (session
-    advisory locks, released if a worker dies); elsewhere it holds within one process.
+    On PostgreSQL and MySQL/MariaDB the limit holds across every worker sharing the
+    database (session advisory locks, named locks; released if a worker dies); on SQLite
+    it holds within one process. A run cancelled while it waits for a slot never starts
+    the step.
     """
 
     limit: int

@@ -38,7 +38,9 @@ def lock_key(namespace: str, step_name: str, key: str) -> int:
     whose wf_ tables the limit is for: a server's locks are shared by all its databases
     (MySQL's named locks) or all schemas of one (PostgreSQL's advisory locks), and two
     deployments must not hold each other's slots."""
-    digest = hashlib.sha256(f"wf_persist\0{namespace}\0{step_name}\0{key}".encode()).digest()
+    # surrogatepass: a key with a lone surrogate (any str) is a key like another.
+    text = f"wf_persist\0{namespace}\0{step_name}\0{key}"
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
     return int.from_bytes(digest[:4], "big", signed=True)
 
 
