@@ -350,3 +350,18 @@ def test_a_key_with_a_lone_surrogate_is_a_key_like_another(runtime: wp.Runtime) 
     hashing it into the lock's name) on PostgreSQL and MySQL/MariaDB, not on SQLite."""
     runtime.register(surrogate_keyed_wf)
     assert runtime.client().execute(surrogate_keyed_wf, "b").unwrap() == "b"
+
+
+def test_a_slot_taken_after_its_context_ended_is_given_back(runtime: wp.Runtime) -> None:
+    """On the async worker a try for the slot runs on an io thread; a cancel of the step's
+    call ran the slot's exit meanwhile, and the try then took the slot and kept it (and
+    its heartbeat kept it) until the runtime closed: every run behind it waited."""
+    slots = runtime.backend.slots
+    context = slots.slot("heartbeat-step", "late", 1)
+    acquire = context.__enter__()
+    context.__exit__(None, None, None)  # the cancel's exit, before the try finished
+    assert acquire() is False
+    with slots.slot("heartbeat-step", "late", 1) as again:
+        assert again()  # not kept by the late try
+    if isinstance(slots, SessionLockSlots):
+        assert not slots._held

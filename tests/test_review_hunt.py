@@ -506,3 +506,20 @@ def test_a_host_connect_listeners_own_type_error_is_raised_as_it_came(
 
     with pytest.raises(TypeError, match="host listener bug"):
         wp.Runtime(engine)
+
+
+@pytest.mark.needs("libpq")
+def test_another_engines_setup_failing_in_a_host_listener_stays_the_hosts(
+    db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """Only this engine's dialect setup is read as a database wf_persist cannot use: a
+    host listener connecting to another engine whose setup fails is the host's matter."""
+    other = make_engine(db_url, connect_args={"client_encoding": "SQL_ASCII"})
+    engine = make_engine(db_url)
+
+    @event.listens_for(engine, "connect")
+    def reach_the_other(dbapi_connection: Any, record: Any) -> None:
+        other.connect().close()
+
+    with pytest.raises(TypeError):
+        wp.Runtime(engine)

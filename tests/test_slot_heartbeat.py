@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -224,4 +226,37 @@ def test_a_step_that_keeps_the_gil_for_stretches_keeps_its_slot(
         while time.monotonic() < until:
             _hog_the_gil(0.3)
         assert not kept.conn.invalidated
+        assert not _free(other)
+
+
+class _NoThreadOnce(threading.Thread):
+    """A thread whose first ping cannot start (no thread to be had)."""
+
+    failed = False
+
+    def start(self) -> None:
+        if self.name == "wf-persist-slot-ping" and not _NoThreadOnce.failed:
+            _NoThreadOnce.failed = True
+            raise RuntimeError("can't start new thread")
+        super().start()
+
+
+def test_the_heartbeat_outlives_a_ping_it_could_not_start(
+    make_runtime: Callable[..., wp.Runtime], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A thread start that failed ended the heartbeat thread: every held slot idled out
+    mid-step, and another worker took it."""
+    monkeypatch.setattr(SessionLockSlots, "min_idle", 1.0)
+    fake = types.SimpleNamespace(**{**vars(threading), "Thread": _NoThreadOnce})
+    monkeypatch.setattr("wf_persist.backends.slots.threading", fake)
+    _NoThreadOnce.failed = False
+    runtime = make_runtime(lease_ttl=0.5)  # a slot's idle limit: 1 s
+    other = make_runtime()
+    slots = runtime.backend.slots
+    assert isinstance(slots, SessionLockSlots)
+    with slots.slot("heartbeat-step", "k", 1) as acquire:
+        assert acquire()
+        time.sleep(2.5)
+        assert _NoThreadOnce.failed
+        assert slots._beat_thread is not None and slots._beat_thread.is_alive()
         assert not _free(other)

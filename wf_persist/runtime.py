@@ -80,7 +80,7 @@ class Runtime(Registry, Notices, WorkerSide):
             (``wf-persist db upgrade``) and opening it otherwise raises
             :class:`~wf_persist.errors.SchemaVersionError`.
         lease_ttl: seconds a claim lasts without renewal. A runtime renews its leases every
-            third of this while it works; if it dies, any other runtime may take its runs over
+            quarter of this while it works; if it dies, any other runtime may take its runs over
             after the lease ran out (by the database's clock).
         poll_interval: seconds between looks for due work (timers, signals, expired leases)
             when nothing in this process announced it; a timer fires at most this late.

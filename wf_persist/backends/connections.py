@@ -532,7 +532,7 @@ def connect(engine: Engine) -> Connection:
     try:
         return engine.connect()
     except (TypeError, UnicodeError) as exc:
-        if not _in_dialect_setup(exc):
+        if not _in_dialect_setup(exc, engine.dialect):
             raise
         # The dialect's first reading of the server's answers (its version, its settings)
         # failed on what it was handed: text the session could not give as text.
@@ -558,13 +558,14 @@ def connect(engine: Engine) -> Connection:
         ) from exc
 
 
-def _in_dialect_setup(exc: BaseException) -> bool:
-    """Whether ``exc`` came out of a dialect's ``initialize`` (its first connection's
-    reading of the server's version and settings), not out of a host's own code."""
+def _in_dialect_setup(exc: BaseException, dialect: Dialect) -> bool:
+    """Whether ``exc`` came out of ``dialect``'s ``initialize`` (its first connection's
+    reading of the server's version and settings), not out of a host's own code (another
+    engine's among it)."""
     tb = exc.__traceback__
     while tb is not None:
         frame = tb.tb_frame
-        if frame.f_code.co_name == "initialize" and isinstance(frame.f_locals.get("self"), Dialect):
+        if frame.f_code.co_name == "initialize" and frame.f_locals.get("self") is dialect:
             return True
         tb = tb.tb_next
     return False

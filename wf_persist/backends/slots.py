@@ -68,15 +68,24 @@ class Slots:
                 (step_name, key, limit), threading.Semaphore(limit)
             )
         held = False
+        ended = threading.Lock()  # the exit and a late acquire() take turns
+        exited = False
 
         def acquire() -> bool:
             nonlocal held
-            held = held or semaphore.acquire(blocking=False)
+            if not held and semaphore.acquire(blocking=False):
+                with ended:
+                    if exited:  # see SessionLockSlots.slot
+                        semaphore.release()
+                        return False
+                    held = True
             return held
 
         try:
             yield acquire
         finally:
+            with ended:
+                exited = True
             if held:
                 semaphore.release()
 
@@ -145,6 +154,11 @@ class SessionLockSlots(Slots):
         # have none left for the writes of the runs that hold the slots.
         k1 = lock_key(self.namespace, step_name, key)
         held: tuple[_Held, int, object] | None = None
+        # The exit and a late acquire() take turns: on the async worker a try runs on an
+        # io thread, and a cancel of the step's call runs the exit meanwhile; a slot that
+        # try takes afterwards is given back at once, never kept (and beaten for) for good.
+        ended = threading.Lock()
+        exited = False
 
         def acquire() -> bool:
             nonlocal held
@@ -160,13 +174,24 @@ class SessionLockSlots(Slots):
                     raise
                 if got is None:
                     conn.close()
-                else:
-                    held = (self._keep(conn), got, saved)
+                    return False
+                with ended:
+                    late = exited
+                    if not late:
+                        held = (self._keep(conn), got, saved)
+                if late:
+                    try:
+                        self._release(conn, k1, got, saved)
+                    finally:
+                        conn.close()
+                    return False
             return held is not None
 
         try:
             yield acquire
         finally:
+            with ended:
+                exited = True
             if held is not None:
                 kept, got, saved = held
                 try:
@@ -211,12 +236,18 @@ class SessionLockSlots(Slots):
                 held = list(self._held)
             for kept in held:
                 since = kept.busy_since
-                if since is None:
-                    threading.Thread(
-                        target=self._ping, args=(kept,), name="wf-persist-slot-ping", daemon=True
-                    ).start()
-                elif clocks.elapsed() - since > self.idle_limit:
-                    self._end(kept)
+                try:
+                    if since is None:
+                        threading.Thread(
+                            target=self._ping,
+                            args=(kept,),
+                            name="wf-persist-slot-ping",
+                            daemon=True,
+                        ).start()
+                    elif clocks.elapsed() - since > self.idle_limit:
+                        self._end(kept)
+                except Exception as exc:  # no thread to be had, say: the next turn tries again
+                    log.warning("a held concurrency slot's heartbeat failed: %s", exc)
 
     def _ping(self, kept: _Held) -> None:
         if not kept.lock.acquire(blocking=False):
