@@ -523,3 +523,23 @@ def test_another_engines_setup_failing_in_a_host_listener_stays_the_hosts(
 
     with pytest.raises(TypeError):
         wp.Runtime(engine)
+
+
+def test_connection_arguments_the_driver_refuses_are_one_typed_error(
+    db_url: str, make_engine: Callable[..., Engine]
+) -> None:
+    """An option the driver does not know (a typo in ``connect_args``, or in the URL's
+    query on a server) escaped as the driver's raw error: psycopg's ProgrammingError,
+    PyMySQL's and sqlite3's TypeError."""
+    engine = make_engine(db_url, connect_args={"no_such_option": 1})
+    with pytest.raises(wp.UnsupportedDatabaseError, match="refused the connection arguments"):
+        wp.Runtime(engine)
+    with pytest.raises(wp.UnsupportedDatabaseError, match="refused the connection arguments"):
+        wp.Client(engine)
+
+
+@pytest.mark.needs("libpq")
+def test_a_url_option_libpq_does_not_know_is_one_typed_error(db_url: str) -> None:
+    url = make_url(db_url).update_query_dict({"no_such_option": "1"})
+    with pytest.raises(wp.UnsupportedDatabaseError, match="no_such_option"):
+        wp.Client(url.render_as_string(hide_password=False))

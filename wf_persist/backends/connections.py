@@ -523,16 +523,34 @@ def describe_url(url: URL) -> str:
 def connect(engine: Engine) -> Connection:
     """``engine.connect()``, a failure to connect (the driver's ``OperationalError``)
     raised as the typed :class:`~wf_persist.errors.DatabaseConnectError` that names the
-    database (passwords hidden) and says the server's or driver's reason; the dialect's
-    first reading of the server's answers failing on them (text handed over as bytes) as
-    :class:`~wf_persist.errors.UnsupportedDatabaseError`. Another error (a host's connect
-    listener failing, say) is raised as it came; a statement the
-    database cancelled while the connection was made (its first queries, under a host's
-    tiny ``statement_timeout``) as :class:`~wf_persist.errors.StatementCancelledError`."""
+    database (passwords hidden) and says the server's or driver's reason; the driver
+    refusing the engine's connection arguments (an option it does not know, in the URL or
+    ``connect_args``), or the dialect's first reading of the server's answers failing on
+    them (text handed over as bytes), as :class:`~wf_persist.errors.UnsupportedDatabaseError`.
+    Another error (a host's connect listener failing, say) is raised as it came; a
+    statement the database cancelled while the connection was made (its first queries,
+    under a host's tiny ``statement_timeout``) as
+    :class:`~wf_persist.errors.StatementCancelledError`."""
     try:
         return engine.connect()
-    except (TypeError, UnicodeError) as exc:
-        if not _in_dialect_setup(exc, engine.dialect):
+    except OperationalError as exc:
+        from . import backend_type  # the package's: it imports this module
+
+        if backend_type(engine.dialect.name).cancelled(exc):
+            raise cancellation(exc) from exc
+        raise DatabaseConnectError(
+            f"cannot connect to the database at {describe_url(engine.url)}: "
+            f"{_reason(engine.url, exc)}",
+            exc.orig,
+        ) from exc
+    except (TypeError, UnicodeError, DBAPIError) as exc:
+        where = _in_dialect(exc, engine.dialect)
+        if where == "connect":
+            raise UnsupportedDatabaseError(
+                f"the driver refused the connection arguments for the database at "
+                f"{describe_url(engine.url)}: {_reason(engine.url, exc)}"
+            ) from exc
+        if where != "initialize" or isinstance(exc, DBAPIError):
             raise
         # The dialect's first reading of the server's answers (its version, its settings)
         # failed on what it was handed: text the session could not give as text.
@@ -543,29 +561,28 @@ def connect(engine: Engine) -> Connection:
             f"setting up a connection to the database at {describe_url(engine.url)} failed "
             f"reading the server's answers ({type(exc).__name__}: {exc}){hint}"
         ) from exc
-    except OperationalError as exc:
-        from . import backend_type  # the package's: it imports this module
-
-        if backend_type(engine.dialect.name).cancelled(exc):
-            raise cancellation(exc) from exc
-        url = engine.url
-        reason = " ".join(str(exc.orig if exc.orig is not None else exc).split())
-        for password in _passwords(url):
-            if len(password) >= _MASKED_FROM:
-                reason = reason.replace(password, "***")
-        raise DatabaseConnectError(
-            f"cannot connect to the database at {describe_url(url)}: {reason}", exc.orig
-        ) from exc
 
 
-def _in_dialect_setup(exc: BaseException, dialect: Dialect) -> bool:
-    """Whether ``exc`` came out of ``dialect``'s ``initialize`` (its first connection's
-    reading of the server's version and settings), not out of a host's own code (another
-    engine's among it)."""
+def _reason(url: URL, exc: BaseException) -> str:
+    """The driver's words for ``exc`` on one line, the URL's passwords hidden."""
+    orig = getattr(exc, "orig", None)
+    reason = " ".join(str(orig if orig is not None else exc).split())
+    for password in _passwords(url):
+        if len(password) >= _MASKED_FROM:
+            reason = reason.replace(password, "***")
+    return reason
+
+
+def _in_dialect(exc: BaseException, dialect: Dialect) -> str | None:
+    """Which of ``dialect``'s own steps ``exc`` came out of: ``connect`` (the driver's
+    connect call, with the engine's arguments) or ``initialize`` (its first connection's
+    reading of the server's version and settings); None for anything else (a host's own
+    code, another engine's among it)."""
     tb = exc.__traceback__
     while tb is not None:
         frame = tb.tb_frame
-        if frame.f_code.co_name == "initialize" and frame.f_locals.get("self") is dialect:
-            return True
+        name = frame.f_code.co_name
+        if name in ("connect", "initialize") and frame.f_locals.get("self") is dialect:
+            return name
         tb = tb.tb_next
-    return False
+    return None
