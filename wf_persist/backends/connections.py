@@ -550,17 +550,18 @@ def connect(engine: Engine) -> Connection:
                 f"the driver refused the connection arguments for the database at "
                 f"{describe_url(engine.url)}: {_reason(engine.url, exc)}"
             ) from exc
-        if where != "initialize" or isinstance(exc, DBAPIError):
-            raise
-        # The dialect's first reading of the server's answers (its version, its settings)
-        # failed on what it was handed: text the session could not give as text.
-        from . import backend_type  # the package's: it imports this module
+        if where == "initialize" and not isinstance(exc, DBAPIError):
+            # The dialect's first reading of the server's answers (its version, its
+            # settings) failed on what it was handed: text the session could not give as
+            # text.
+            from . import backend_type  # the package's: it imports this module
 
-        hint = backend_type(engine.dialect.name).setup_hint
-        raise UnsupportedDatabaseError(
-            f"setting up a connection to the database at {describe_url(engine.url)} failed "
-            f"reading the server's answers ({type(exc).__name__}: {exc}){hint}"
-        ) from exc
+            hint = backend_type(engine.dialect.name).setup_hint
+            raise UnsupportedDatabaseError(
+                f"setting up a connection to the database at {describe_url(engine.url)} "
+                f"failed reading the server's answers ({type(exc).__name__}: {exc}){hint}"
+            ) from exc
+        raise
 
 
 def _reason(url: URL, exc: BaseException) -> str:

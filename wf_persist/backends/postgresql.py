@@ -459,14 +459,19 @@ class PostgreSQLBackend(RawPath):
     ) -> set[str]:
         if not held or not self.raw_ok or owner is not None:  # renaming: rare, not hot
             return super().renew_alone(conn, held, ttl, owner)
-        params = {"p_ids": list(held), "p_epochs": list(held.values()), "p_ttl": ttl}
-        return {str(row[0]) for row in self._raw(renew_statement(), params, conn)}
+        return self._renew_raw(conn, held, ttl, skip_locked=False)
 
     def renew_free(self, conn: Connection, held: Mapping[str, int], ttl: float) -> set[str]:
         if not held or not self.raw_ok:
             return super().renew_free(conn, held, ttl)
+        return self._renew_raw(conn, held, ttl, skip_locked=True)
+
+    def _renew_raw(
+        self, conn: Connection, held: Mapping[str, int], ttl: float, *, skip_locked: bool
+    ) -> set[str]:
+        """The renewal as one autocommitted statement through libpq."""
         params = {"p_ids": list(held), "p_epochs": list(held.values()), "p_ttl": ttl}
-        return {str(row[0]) for row in self._raw(renew_statement(True), params, conn)}
+        return {str(row[0]) for row in self._raw(renew_statement(skip_locked), params, conn)}
 
     def claim_to_drive(
         self, execution_id: str, owner: str, ttl: float, workflows: Sequence[tuple[str, int]]

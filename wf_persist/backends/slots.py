@@ -68,26 +68,48 @@ class Slots:
                 (step_name, key, limit), threading.Semaphore(limit)
             )
         held = False
-        ended = threading.Lock()  # the exit and a late acquire() take turns
-        exited = False
+        ending = _Exit()
+
+        def hold() -> None:
+            nonlocal held
+            held = True
 
         def acquire() -> bool:
-            nonlocal held
-            if not held and semaphore.acquire(blocking=False):
-                with ended:
-                    if exited:  # see SessionLockSlots.slot
-                        semaphore.release()
-                        return False
-                    held = True
+            if not held and semaphore.acquire(blocking=False) and not ending.keep(hold):
+                semaphore.release()
+                return False
             return held
 
         try:
             yield acquire
         finally:
-            with ended:
-                exited = True
+            ending.exit()
             if held:
                 semaphore.release()
+
+
+class _Exit:
+    """A slot's exit and a late ``acquire()`` take turns: on the async worker a try runs
+    on an io thread, and a cancel of the step's call runs the exit meanwhile; a slot that
+    try takes afterwards must be given back at once, never kept (and, for a session lock,
+    beaten for) for good."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._exited = False
+
+    def keep(self, hold: Callable[[], None]) -> bool:
+        """``hold()`` (recording the slot taken) unless the exit came first; whether it
+        did not."""
+        with self._lock:
+            if self._exited:
+                return False
+            hold()
+            return True
+
+    def exit(self) -> None:
+        with self._lock:
+            self._exited = True
 
 
 @dataclass(eq=False)
@@ -154,11 +176,7 @@ class SessionLockSlots(Slots):
         # have none left for the writes of the runs that hold the slots.
         k1 = lock_key(self.namespace, step_name, key)
         held: tuple[_Held, int, object] | None = None
-        # The exit and a late acquire() take turns: on the async worker a try runs on an
-        # io thread, and a cancel of the step's call runs the exit meanwhile; a slot that
-        # try takes afterwards is given back at once, never kept (and beaten for) for good.
-        ended = threading.Lock()
-        exited = False
+        ending = _Exit()
 
         def acquire() -> bool:
             nonlocal held
@@ -175,11 +193,12 @@ class SessionLockSlots(Slots):
                 if got is None:
                     conn.close()
                     return False
-                with ended:
-                    late = exited
-                    if not late:
-                        held = (self._keep(conn), got, saved)
-                if late:
+
+                def hold() -> None:
+                    nonlocal held
+                    held = (self._keep(conn), got, saved)
+
+                if not ending.keep(hold):
                     try:
                         self._release(conn, k1, got, saved)
                     finally:
@@ -190,8 +209,7 @@ class SessionLockSlots(Slots):
         try:
             yield acquire
         finally:
-            with ended:
-                exited = True
+            ending.exit()
             if held is not None:
                 kept, got, saved = held
                 try:
