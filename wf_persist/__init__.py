@@ -31,6 +31,7 @@ from .client import WorkflowEntry as WorkflowEntry
 from .context import Context as Context
 from .embedded import WorkflowClient as WorkflowClient
 from .errors import Cancelled as Cancelled
+from .errors import CancelledCallError as CancelledCallError
 from .errors import CannotCancelError as CannotCancelError
 from .errors import ChildWorkflowError as ChildWorkflowError
 from .errors import CodeExecutionError as CodeExecutionError
@@ -90,6 +91,7 @@ __all__ = [
     "Base",
     "Call",
     "Cancelled",
+    "CancelledCallError",
     "CannotCancelError",
     "ChildHandle",
     "ChildWorkflowError",

@@ -13,17 +13,21 @@ on the body's loop), while calls awaited together with ``asyncio.gather`` take t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import datetime as dt
 import functools
+import threading
 import uuid as _uuid
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 
 from . import bridge
 from .authoring import Call, Step, Workflow, inside_body
 from .children import ChildHandle
 from .control import Halt, Reload, Suspended
+from .errors import Cancelled, WorkflowDefinitionError
 from .loops import BODY_LOOP, on_own_loop
 from .replay import Received, TimedOut
 
@@ -48,23 +52,82 @@ class AsyncContext:
         #: Set once a call stopped this replay (it parked, reloads, lost the run): the
         #: calls awaiting their turn (``asyncio.gather``) must not start anything after it.
         self._stopped: BaseException | None = None
+        #: The durable call under way, if one is; and every call made and not yet over.
+        self._flying: _Flight | None = None
+        self._pending: list[_Flight] = []
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        async with self._turn:
-            if self._stopped is not None:
-                raise self._stopped.with_traceback(None)
-            try:
-                if self._pools is not None:
-                    call = functools.partial(fn, *args, **kwargs)
-                    return await bridge.spawn(call, pools=self._pools)
-                context = contextvars.copy_context()  # carries the body's loop to the thread
-                call = functools.partial(context.run, fn, *args, **kwargs)
-                return await bridge.hand_over(None, call)
-            except (Suspended, Reload, Halt) as stop:
-                # Before the next call's turn; and for the runtime, which stops the body's
-                # outcome too (a stop raised before the sync call began: a hand-over refused).
-                self._stopped = self._sync._stopped = stop
-                raise
+        flight = _Flight(fn, args)
+        self._pending.append(flight)
+        try:
+            async with self._turn:
+                if self._stopped is not None:
+                    raise self._stopped.with_traceback(None)
+                try:
+                    return await self._in_flight(flight, functools.partial(fn, *args, **kwargs))
+                except (Suspended, Reload, Halt) as stop:
+                    # Before the next call's turn; and for the runtime, which stops the body's
+                    # outcome too (a stop raised before the sync call began: a hand-over
+                    # refused).
+                    self._stopped = self._sync._stopped = stop
+                    raise
+        except asyncio.CancelledError:
+            if not flight.cancel_began():  # it never ran, but a replay's might
+                self._sync._cancelled(flight.described(), "cancelled it before it began")
+            raise
+        finally:
+            self._pending.remove(flight)
+
+    async def _in_flight(self, flight: _Flight, call: Callable[[], T]) -> T:
+        """``call`` made by the sync machinery. A cancel of the body's await (its own
+        ``wait_for``, ``timeout``, ``task.cancel``) cannot stop it: it runs to its end, and
+        records in order, before the body hears ``CancelledError``. A cancel that lands
+        before the call began drops it: nothing runs. Either way the run fails (see
+        :class:`CancelledCallError`)."""
+        gated = flight.gated(call)
+        if self._pools is not None:
+            started: asyncio.Future[T] = asyncio.ensure_future(
+                bridge.spawn(gated, pools=self._pools)
+            )
+        else:
+            context = contextvars.copy_context()  # carries the body's loop to the thread
+            started = bridge.hand_over(None, functools.partial(context.run, gated))
+        flight.started = started
+        self._flying = flight
+        try:
+            return await asyncio.shield(started)
+        except asyncio.CancelledError:
+            if flight.cancel_began() and not flight.cancelled_itself():
+                await self._settle(flight, "cancelled it while it ran")
+            raise
+        finally:
+            self._flying = None
+
+    async def _settle(self, flight: _Flight, how: str) -> None:
+        """Wait for a call the body cancelled, or left behind, to end (more cancels wait
+        too: its records must come before anything after it), then fail the run with
+        :class:`CancelledCallError`, unless the call stopped the replay itself or met the
+        run's cancellation."""
+        started = flight.started
+        while not started.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait((started,))
+        outcome = None if started.cancelled() else started.exception()
+        if isinstance(outcome, (Suspended, Reload, Halt)):
+            self._stopped = self._sync._stopped = outcome
+        elif not isinstance(outcome, Cancelled):
+            self._sync._cancelled(flight.described(), how)
+
+    async def _ended(self) -> None:
+        """The body ended: calls it left behind (in tasks it never awaited) start nothing,
+        one under way ends before the body's outcome is taken, and either fails the run."""
+        if self._stopped is None:
+            self._stopped = WorkflowDefinitionError("a durable call after the workflow body ended")
+        flight = self._flying
+        if flight is not None and flight.cancel_began():
+            await self._settle(flight, "ended while it still ran")
+        elif self._pending:
+            self._sync._cancelled(self._pending[0].described(), "ended while it waited")
 
     @property
     def execution_id(self) -> str:
@@ -146,6 +209,49 @@ class AsyncContext:
         raise error
 
 
+@dataclass(eq=False)  # one per call, told apart by identity
+class _Flight:
+    """A durable call under way: whether it began is decided once, under a lock (it starts
+    on another thread): a cancel that lands first drops it."""
+
+    fn: Callable[..., Any]
+    args: Any
+    started: asyncio.Future[Any] = field(init=False)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    state: str | None = None  # "began" or "dropped"
+
+    def gated(self, call: Callable[[], T]) -> Callable[[], T]:
+        def gated() -> T:
+            with self.lock:
+                if self.state == "dropped":  # its await was cancelled: nobody reads this
+                    return cast(T, None)
+                self.state = "began"
+            return call()
+
+        return gated
+
+    def cancel_began(self) -> bool:
+        """Drop the call unless it began; whether it had."""
+        with self.lock:
+            if self.state is None:
+                self.state = "dropped"
+            return self.state == "began"
+
+    def cancelled_itself(self) -> bool:
+        """Whether the call ended in a cancellation of its own (the loop shutting down)."""
+        started = self.started
+        return started.done() and (
+            started.cancelled() or isinstance(started.exception(), asyncio.CancelledError)
+        )
+
+    def described(self) -> str:
+        """How the body made the call, for an error: ``ctx.run('charge')``."""
+        first = self.args[0] if self.args else None
+        label = getattr(first, "name", first)
+        shown = repr(label) if isinstance(label, str) else ""
+        return f"ctx.{getattr(self.fn, '__name__', 'call')}({shown})"
+
+
 def call_body(wf: Workflow[Any, Any], ctx: Context, value: Any) -> Any:
     """Run the workflow function on ``ctx`` (and its input): a plain one here, an
     ``async def`` one on an event loop of its own (in this thread, or in a thread of its
@@ -160,8 +266,12 @@ def call_body(wf: Workflow[Any, Any], ctx: Context, value: Any) -> Any:
 
     async def main() -> Any:
         BODY_LOOP.set(asyncio.get_running_loop())
-        with inside_body():
-            return await wf.fn(AsyncContext(ctx, pools), *args)
+        actx = AsyncContext(ctx, pools)
+        try:
+            with inside_body():
+                return await wf.fn(actx, *args)
+        finally:
+            await actx._ended()
 
     if bridged:  # the async worker's loop runs it (this drive's greenlet waits)
         # As a task in this drive's context (its trace), not the loop's waiting one.

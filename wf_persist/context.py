@@ -127,6 +127,11 @@ class Context:
         replayed."""
         self._cursor.check_exhausted(raised)
 
+    def _cancelled(self, call: str, how: str) -> None:
+        """An ``async def`` body cancelled ``call`` (see
+        :class:`~wf_persist.errors.CancelledCallError`)."""
+        self._cursor.cancelled(call, how)
+
     @property
     def divergence(self) -> Exception | None:
         return self._cursor.divergence

@@ -270,6 +270,26 @@ class NonDeterminismError(WfPersistError):
         super().__init__(f"Non-deterministic workflow replay: expected {expected} but saw {actual}")
 
 
+class CancelledCallError(NonDeterminismError):
+    """An ``async def`` body cancelled one of its durable calls, or ended while one was
+    still under way: a wall-clock event that history does not hold, so a replay could make
+    other calls. Every later durable call raises it and the run fails with it, unless the
+    body ends by raising an error of its own (a ``TaskGroup`` whose task failed): the run
+    fails with that one."""
+
+    def __init__(self, call: str, how: str) -> None:
+        self.call = call
+        self.expected = f"{call} to run to its end"
+        self.actual = f"the body {how}"
+        WfPersistError.__init__(
+            self,
+            f"{call}: the workflow body {how} (asyncio.wait_for, asyncio.timeout, "
+            "task.cancel, a TaskGroup, a task it never awaited); no replay can repeat a "
+            "wall-clock cancel. Bound a step with timeout=, wait with ctx.sleep or a signal's "
+            "timeout=, and await every durable call.",
+        )
+
+
 class StepExecutionError(WfPersistError):
     """A step failed (its exception is the ``cause``)."""
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Generic, TypeVar
 
-from .errors import NonDeterminismError
+from .errors import CancelledCallError, NonDeterminismError
 
 #: How much of an ending exception's text a divergence quotes.
 END_TEXT: Final = 500
@@ -241,6 +241,12 @@ class Cursor:
     def _diverge(self, expected: str, actual: str) -> NonDeterminismError:
         self.divergence = NonDeterminismError(expected, actual)
         return self.divergence
+
+    def cancelled(self, call: str, how: str) -> None:
+        """The body cancelled ``call`` (or ended while it was under way): the run fails with
+        that, as with any divergence, whatever the body does next."""
+        if self.divergence is None:
+            self.divergence = CancelledCallError(call, how)
 
     def next_name(self, name: str) -> tuple[str, int]:
         """The activity name and invocation of the next call named ``name``."""

@@ -183,9 +183,11 @@ def replay_run(
     """Replay one stored run (its events and their dedupe ``keys``) against ``wf``; how it
     diverges, or ``None``. ``definitions``: the registered workflow of a name and version
     (a child's, started by name), or ``None``."""
+    finished = row.status in lifecycle.TERMINAL
+    if finished and (row.error or {}).get("name") == "CancelledCallError":
+        return "the run failed with CancelledCallError: no replay can repeat a wall-clock cancel"
     journal = Journal.from_events(events)
     recorded = {str(e["type"]) for e in events}
-    finished = row.status in lifecycle.TERMINAL
     driver = _DryDriver(wf.name, row.updated_at, recorded, keys, definitions)
     ctx = Context(row.id, journal, driver)
     try:

@@ -1,0 +1,251 @@
+"""An ``async def`` body that cancels one of its own durable calls (``asyncio.wait_for``,
+``asyncio.timeout``, ``task.cancel``) or ends while one is under way: a call that began
+runs to its end and records in order; one cancelled before it began never runs. Either way
+every later durable call is refused and the run fails with ``CancelledCallError`` at once,
+so no replay can differ, unless the body raises an error of its own (a ``TaskGroup``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+
+import wf_persist as wp
+from wf_persist.replaycheck import check_replay
+
+CALLS: Counter[str] = Counter()
+
+
+@pytest.fixture(autouse=True)
+def _reset() -> None:
+    CALLS.clear()
+
+
+@wp.step(name="cc_slow")
+def slow() -> str:
+    CALLS["slow"] += 1
+    time.sleep(0.5)
+    return "slow"
+
+
+@wp.step(name="cc_slow_async")
+async def slow_async() -> str:
+    CALLS["slow_async"] += 1
+    await asyncio.sleep(0.5)
+    return "slow_async"
+
+
+@wp.step(name="cc_quick")
+def quick() -> str:
+    CALLS["quick"] += 1
+    return "quick"
+
+
+@wp.workflow(name="cc_wait_for", version=1)
+async def wait_for_wf(ctx: wp.AsyncContext, kind: str) -> str:
+    step = slow_async if kind == "async" else slow
+    try:
+        return await asyncio.wait_for(ctx.run(step), 0.1)
+    except TimeoutError:
+        return await ctx.run(quick)  # refused: the run already failed
+
+
+@wp.workflow(name="cc_timeout", version=1)
+async def timeout_wf(ctx: wp.AsyncContext) -> str:
+    try:
+        async with asyncio.timeout(0.1):
+            return await ctx.run(slow)
+    except TimeoutError:
+        return "gave up"
+
+
+@wp.workflow(name="cc_task_cancel", version=1)
+async def task_cancel_wf(ctx: wp.AsyncContext) -> str:
+    task = asyncio.ensure_future(ctx.run(slow))
+    await asyncio.sleep(0.1)
+    task.cancel()
+    try:
+        return await task
+    except asyncio.CancelledError:
+        return "cancelled"
+
+
+@wp.workflow(name="cc_left_behind", version=1)
+async def left_behind_wf(ctx: wp.AsyncContext) -> str:
+    asyncio.ensure_future(ctx.run(slow))  # noqa: RUF006 (never awaited)
+    await asyncio.sleep(0.1)
+    return "early"
+
+
+class Declined(Exception):
+    pass
+
+
+@wp.step(name="cc_declines", errors=(Declined,))
+def declines() -> str:
+    CALLS["declines"] += 1
+    time.sleep(0.1)
+    raise Declined("no")
+
+
+async def _queue_behind_slow(
+    ctx: wp.AsyncContext,
+) -> tuple[asyncio.Future[str], asyncio.Future[str]]:
+    first = asyncio.ensure_future(ctx.run(slow))
+    await asyncio.sleep(0.05)  # ``first`` holds the turn
+    second = asyncio.ensure_future(ctx.run(quick))
+    await asyncio.sleep(0.05)
+    second.cancel()  # still waiting for its turn: it never begins
+    return first, second
+
+
+@wp.workflow(name="cc_before_turn", version=1)
+async def before_turn_wf(ctx: wp.AsyncContext) -> str:
+    first, second = await _queue_behind_slow(ctx)
+    with contextlib.suppress(asyncio.CancelledError):
+        await second
+    return await first  # goes on after the cancel: under replay ``second`` might begin
+
+
+@wp.workflow(name="cc_before_turn_then_call", version=1)
+async def before_turn_then_call_wf(ctx: wp.AsyncContext) -> str:
+    first, second = await _queue_behind_slow(ctx)
+    with contextlib.suppress(asyncio.CancelledError):
+        await second
+    await first
+    return await ctx.run(quick)  # refused
+
+
+@wp.workflow(name="cc_task_group", version=1)
+async def task_group_wf(ctx: wp.AsyncContext) -> str:
+    try:
+        async with asyncio.TaskGroup() as group:
+            group.create_task(ctx.run(declines))
+            group.create_task(ctx.run(quick))  # waits for its turn, cancelled when declines fails
+    except* Declined as failed:
+        raise failed.exceptions[0] from None
+    return "unreachable"
+
+
+@wp.workflow(name="cc_left_queued", version=1)
+async def left_queued_wf(ctx: wp.AsyncContext) -> str:
+    first = asyncio.ensure_future(ctx.run(slow))
+    await asyncio.sleep(0.05)
+    asyncio.ensure_future(ctx.run(quick))  # noqa: RUF006 (never awaited, waits its turn)
+    await asyncio.sleep(0)
+    return await first
+
+
+ALL = (
+    wait_for_wf,
+    timeout_wf,
+    task_cancel_wf,
+    left_behind_wf,
+    before_turn_wf,
+    before_turn_then_call_wf,
+    task_group_wf,
+    left_queued_wf,
+)
+
+
+def _outcome(
+    runtime: wp.Runtime, how: str, wf: wp.Workflow[Any, str], payload: object = None
+) -> wp.Outcome:
+    runtime.register(*ALL)
+    if how == "loop":
+        runtime.start_worker(concurrency=4, poll_interval=0.05, event_loop=True)
+    client = runtime.client()
+    run = client.start(wf, payload).execution_id
+    return client.result(run, timeout=30)
+
+
+def _events(client: wp.WorkflowClient, execution_id: str) -> list[tuple[str, str | None]]:
+    return [(r.event["type"], r.event.get("activityName")) for r in client.history(execution_id)]
+
+
+def _failed_with_cancelled_call(
+    runtime: wp.Runtime, out: wp.Outcome, call: str, how: str, steps: list[str]
+) -> None:
+    """The run failed with CancelledCallError naming ``call``; ``steps`` ran and recorded
+    (in order, each before the failure), and nothing else."""
+    assert isinstance(out, wp.Failed), out
+    assert out.error["name"] == "CancelledCallError", out.error
+    assert out.error["call"] == f"ctx.run({call!r})"
+    assert f"the workflow body {how}" in out.error["message"]
+    client = runtime.client()
+    recorded = [
+        e
+        for step in steps
+        for e in [("step.started", f"{step}#1"), ("step.completed", f"{step}#1")]
+    ]
+    assert _events(client, out.execution_id)[2:] == [*recorded, ("workflow.failed", None)]
+    (report,) = check_replay(runtime, [out.execution_id])
+    assert report.divergence is not None and "CancelledCallError" in report.divergence
+
+
+@pytest.mark.parametrize("how", ["caller", "loop"])
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_body_that_cancels_its_durable_call_fails_the_run_at_once(
+    runtime: wp.Runtime, how: str, kind: str
+) -> None:
+    out = _outcome(runtime, how, wait_for_wf, kind)
+    step = "cc_slow_async" if kind == "async" else "cc_slow"
+    _failed_with_cancelled_call(runtime, out, step, "cancelled it while it ran", [step])
+    assert Counter({"slow_async" if kind == "async" else "slow": 1}) == CALLS  # never quick
+
+
+@pytest.mark.parametrize("how", ["caller", "loop"])
+@pytest.mark.parametrize("wf", [timeout_wf, task_cancel_wf], ids=["timeout", "task_cancel"])
+def test_every_way_of_cancelling_a_call_fails_the_run(
+    runtime: wp.Runtime, how: str, wf: wp.Workflow[Any, str]
+) -> None:
+    out = _outcome(runtime, how, wf)
+    _failed_with_cancelled_call(runtime, out, "cc_slow", "cancelled it while it ran", ["cc_slow"])
+    assert Counter({"slow": 1}) == CALLS
+
+
+@pytest.mark.parametrize("how", ["caller", "loop"])
+def test_a_body_that_ends_with_a_call_under_way_fails_the_run(
+    runtime: wp.Runtime, how: str
+) -> None:
+    out = _outcome(runtime, how, left_behind_wf)
+    _failed_with_cancelled_call(runtime, out, "cc_slow", "ended while it still ran", ["cc_slow"])
+    assert Counter({"slow": 1}) == CALLS
+    out = _outcome(runtime, how, left_queued_wf)
+    _failed_with_cancelled_call(runtime, out, "cc_quick", "ended while it waited", ["cc_slow"])
+    assert Counter({"slow": 2}) == CALLS  # the queued call never began
+
+
+@pytest.mark.parametrize("how", ["caller", "loop"])
+@pytest.mark.parametrize("wf", [before_turn_wf, before_turn_then_call_wf], ids=["ends", "calls"])
+def test_a_body_that_goes_on_after_a_cancel_before_the_call_began_fails_the_run(
+    runtime: wp.Runtime, how: str, wf: wp.Workflow[Any, str]
+) -> None:
+    out = _outcome(runtime, how, wf)
+    how_ = "cancelled it before it began"
+    _failed_with_cancelled_call(runtime, out, "cc_quick", how_, ["cc_slow"])
+    assert Counter({"slow": 1}) == CALLS  # the cancelled call, and the later one, never ran
+
+
+@pytest.mark.parametrize("how", ["caller", "loop"])
+def test_a_task_group_whose_call_fails_fails_the_run_with_that_error(
+    runtime: wp.Runtime, how: str
+) -> None:
+    """The failing task cancels its sibling, waiting for its turn or (a race) just begun:
+    the run fails with the step's error, not the cancel's; the sibling ran at most once,
+    before the failure."""
+    out = _outcome(runtime, how, task_group_wf)
+    assert isinstance(out, wp.Failed) and out.error["name"] == "Declined", out
+    assert CALLS["declines"] == 1 and CALLS["quick"] <= 1
+    client = runtime.client()
+    quick = [("step.started", "cc_quick#1"), ("step.completed", "cc_quick#1")]
+    assert _events(client, out.execution_id)[2:] == [
+        ("step.started", "cc_declines#1"),
+        ("step.failed", "cc_declines#1"),
+        *(quick if CALLS["quick"] else []),
+        ("workflow.failed", None),
+    ]
