@@ -198,13 +198,24 @@ def test_a_body_that_cancels_its_durable_call_fails_the_run_at_once(
     assert Counter({"slow_async" if kind == "async" else "slow": 1}) == CALLS  # never quick
 
 
+#: Workflow, the call it cancels, how, and the one step that ran.
+CANCELS = {
+    "timeout": (timeout_wf, "cc_slow", "cancelled it while it ran"),
+    "task_cancel": (task_cancel_wf, "cc_slow", "cancelled it while it ran"),
+    # A call cancelled while waiting for its turn never ran, nor did a later one; the run
+    # fails anyway once the body goes on, since under replay the call might begin.
+    "before_turn_then_end": (before_turn_wf, "cc_quick", "cancelled it before it began"),
+    "before_turn_then_call": (before_turn_then_call_wf, "cc_quick", "cancelled it before it began"),
+}
+
+
 @pytest.mark.parametrize("how", ["caller", "loop"])
-@pytest.mark.parametrize("wf", [timeout_wf, task_cancel_wf], ids=["timeout", "task_cancel"])
+@pytest.mark.parametrize("case", list(CANCELS))
 def test_every_way_of_cancelling_a_call_fails_the_run(
-    runtime: wp.Runtime, how: str, wf: wp.Workflow[Any, str]
+    runtime: wp.Runtime, how: str, case: str
 ) -> None:
-    out = _outcome(runtime, how, wf)
-    _failed_with_cancelled_call(runtime, out, "cc_slow", "cancelled it while it ran", ["cc_slow"])
+    wf, call, said = CANCELS[case]
+    _failed_with_cancelled_call(runtime, _outcome(runtime, how, wf), call, said, ["cc_slow"])
     assert Counter({"slow": 1}) == CALLS
 
 
@@ -218,17 +229,6 @@ def test_a_body_that_ends_with_a_call_under_way_fails_the_run(
     out = _outcome(runtime, how, left_queued_wf)
     _failed_with_cancelled_call(runtime, out, "cc_quick", "ended while it waited", ["cc_slow"])
     assert Counter({"slow": 2}) == CALLS  # the queued call never began
-
-
-@pytest.mark.parametrize("how", ["caller", "loop"])
-@pytest.mark.parametrize("wf", [before_turn_wf, before_turn_then_call_wf], ids=["ends", "calls"])
-def test_a_body_that_goes_on_after_a_cancel_before_the_call_began_fails_the_run(
-    runtime: wp.Runtime, how: str, wf: wp.Workflow[Any, str]
-) -> None:
-    out = _outcome(runtime, how, wf)
-    how_ = "cancelled it before it began"
-    _failed_with_cancelled_call(runtime, out, "cc_quick", how_, ["cc_slow"])
-    assert Counter({"slow": 1}) == CALLS  # the cancelled call, and the later one, never ran
 
 
 @pytest.mark.parametrize("how", ["caller", "loop"])
