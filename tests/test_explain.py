@@ -269,6 +269,10 @@ def test_everyday_operations_read_run_tables_through_indexes(
         assert [c.execution_id for c in claims] == [handle.execution_id]
         rt.drive_claim(claims[0])
 
+    def get_event() -> None:
+        with pytest.raises(wp.EventNotSetError):
+            client.get_event(some, "progress", timeout=0)
+
     operations: dict[str, Callable[[], object]] = {
         "claim, nothing due": claim_nothing_due,
         "claim, one due (and its drive)": claim_one_due,
@@ -284,6 +288,8 @@ def test_everyday_operations_read_run_tables_through_indexes(
         "signal": lambda: client.signal(waiting, "approval", approve),
         "pending signals": lambda: client.pending_signals(waiting),
         "history": lambda: client.history(some),
+        "get event": get_event,
+        "events": lambda: client.events(some),
     }
     engine = rt.backend.base_engine
     problems: list[str] = []

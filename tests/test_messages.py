@@ -215,6 +215,29 @@ def test_events_are_published_durably_and_read_by_any_client(rt: wp.Runtime, db_
     assert kinds(client, handle.execution_id).count("event.set") == 4
 
 
+def test_get_event_finds_the_latest_value_of_a_key_set_recently_or_long_ago(
+    rt: wp.Runtime,
+) -> None:
+    """A look reads the newest published events first; a key set before them (or never) is
+    found in the whole history: the same answers either way."""
+    client = rt.client()
+    run = client.start(m.progress_wf, 30).execution_id
+    client.result(run, timeout=30).unwrap()
+    assert client.get_event(run, "late") is None  # among the newest, a null value
+    assert client.get_event(run, "progress") == 29
+    assert client.get_event(run, "progress#1") == -29
+    assert client.get_event(run, "early") == "first"  # long before the newest 16
+    with pytest.raises(wp.EventNotSetError) as never:
+        client.get_event(run, "progres", timeout=0)
+    assert never.value.finished is True
+    assert client.events(run) == {
+        "early": "first",
+        "progress": 29,
+        "progress#1": -29,
+        "late": None,
+    }
+
+
 def test_bad_event_values_and_keys_fail_the_run_with_a_typed_error(rt: wp.Runtime) -> None:
     client = rt.client()
     for value in ("nan", "2**64"):

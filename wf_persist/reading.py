@@ -100,11 +100,11 @@ class RunReader:
         deadline = None if timeout is None else clocks.elapsed() + timeout
         delay = 0.002
         while True:
-            row, found = refusals.again_if_reset(
-                self.backend, lambda: self._events_of(execution_id)
+            row, (found, value) = refusals.again_if_reset(
+                self.backend, lambda: self._event_of(execution_id, key)
             )
-            if key in found:
-                return found[key]
+            if found:
+                return value
             if row.status in lifecycle.TERMINAL:
                 raise EventNotSetError(execution_id, key, finished=True)
             remaining = None if deadline is None else deadline - clocks.elapsed()
@@ -118,6 +118,11 @@ class RunReader:
     def events(self, execution_id: str) -> dict[str, Any]:
         """Every key the run published with ``ctx.set_event``, with its latest value."""
         return self._events_of(execution_id)[1]
+
+    def _event_of(self, execution_id: str, key: str) -> tuple[Row[Any], tuple[bool, Any]]:
+        """The run's row and whether it set ``key`` (with the value), in one read."""
+        with self._reading() as conn:
+            return self._row(conn, execution_id), history.event_set(conn, execution_id, key)
 
     def _events_of(self, execution_id: str) -> tuple[Row[Any], dict[str, Any]]:
         """The run's row and the events it set, in one read."""

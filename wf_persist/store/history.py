@@ -13,7 +13,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from sqlalchemy import Connection, Row, insert, select, update
 
@@ -213,6 +213,30 @@ def dedupe_keys(conn: Executor, execution_id: str) -> set[str]:
         )
     )
     return {str(r.dedupe_key) for r in rows}
+
+
+#: How many of a run's newest published events a look for one key reads first.
+RECENT_EVENTS: Final = 16
+
+
+def event_set(conn: Executor, execution_id: str, key: str) -> tuple[bool, Any]:
+    """Whether the run published ``key`` with ``ctx.set_event``, and its latest value. The
+    newest few published events first (a run updating its progress finds it there, however
+    long its history); only a key set long ago costs the whole read."""
+    rows = connection_of(conn).execute(
+        select(hist.c.event)
+        .where(hist.c.execution_id == execution_id, hist.c.type == "event.set")
+        .order_by(hist.c.sequence.desc())
+        .limit(RECENT_EVENTS)
+    )
+    recent = [r.event for r in rows]
+    for event in recent:
+        if event.get("key") == key:
+            return True, event.get("value")
+    if len(recent) < RECENT_EVENTS:
+        return False, None
+    found = events_set(conn, execution_id)
+    return key in found, found.get(key)
 
 
 def events_set(conn: Executor, execution_id: str) -> dict[str, Any]:
