@@ -171,6 +171,18 @@ def test_result_times_out_while_another_runtime_holds_the_lease(make_runtime: ob
     assert waiter.client().status(handle.execution_id) == "running"
 
 
+def test_a_result_timeout_names_the_timeout_asked_for(runtime: wp.Runtime) -> None:
+    """The embedded client drives the run first (up to its signal wait), then waits out
+    the rest: the error says the caller's timeout, not what was left of it."""
+    runtime.register(w.approval_wf)
+    client = runtime.client()
+    run = client.start(w.approval_wf, None).execution_id
+    with pytest.raises(wp.ResultTimeoutError) as late:
+        client.result(run, timeout=0.5)
+    assert late.value.timeout == 0.5 and "within 0.5s" in str(late.value)
+    assert client.status(run) == "suspended"  # it was driven here, up to the wait
+
+
 def test_signal_and_cancel_need_no_workflow_code_in_this_process(make_runtime: object) -> None:
     """A process that registered nothing (a web handler, an operations script) signals and
     cancels runs that a runtime with the code drives: the signal is validated against the

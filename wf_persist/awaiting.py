@@ -100,6 +100,13 @@ class RunAwaiter(RunReader):
         execution_id = arguments.check_id(execution_id)
         timeout = arguments.check_timeout(timeout)
         deadline = None if timeout is None else clocks.elapsed() + timeout
+        return self._await_outcome(execution_id, deadline, timeout)
+
+    def _await_outcome(
+        self, execution_id: str, deadline: float | None, timeout: float | None
+    ) -> Outcome:
+        """:meth:`result`'s wait, until ``deadline``; ``timeout`` is what the caller asked
+        for (the error says that, not what was left of it)."""
         delay = 0.002
         self._listen()
         with self._ends.watching(execution_id):

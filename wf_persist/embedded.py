@@ -226,9 +226,7 @@ class WorkflowClient(Client):
                 known = self._known(execution_id)
                 if known is not None:
                     return known
-        if deadline is not None:
-            timeout = max(0.0, deadline - clocks.elapsed())
-        return super().result(execution_id, timeout)
+        return self._await_outcome(execution_id, deadline, timeout)
 
     def _try_drive(self, row: Row[Any], deadline: float | None) -> Outcome | bool:
         """A due run nobody holds is driven in this thread; a run whose pinned version is
