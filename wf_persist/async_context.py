@@ -17,6 +17,7 @@ import contextlib
 import contextvars
 import datetime as dt
 import functools
+import logging
 import threading
 import uuid as _uuid
 from collections.abc import Callable, Sequence
@@ -27,12 +28,18 @@ from . import bridge
 from .authoring import Call, Step, Workflow, inside_body
 from .children import ChildHandle
 from .control import Halt, Reload, Suspended
-from .errors import Cancelled, WorkflowDefinitionError
+from .errors import Cancelled
+from .logs import run_fields
 from .loops import BODY_LOOP, on_own_loop
 from .replay import Received, TimedOut
 
 if TYPE_CHECKING:
     from .context import Context
+
+log = logging.getLogger("wf_persist.runtime")
+
+#: Seconds between the log lines of a body waiting for a call it cancelled to end.
+SETTLE_NOTICE = 60.0
 
 R = TypeVar("R")
 T = TypeVar("T")
@@ -52,17 +59,26 @@ class AsyncContext:
         #: Set once a call stopped this replay (it parked, reloads, lost the run): the
         #: calls awaiting their turn (``asyncio.gather``) must not start anything after it.
         self._stopped: BaseException | None = None
-        #: The durable call under way, if one is; and every call made and not yet over.
+        #: The durable call under way, if one is.
         self._flying: _Flight | None = None
-        self._pending: list[_Flight] = []
+        #: Set once the body ended: a call made after (a task it left behind) never begins.
+        self._over = False
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         flight = _Flight(fn, args)
-        self._pending.append(flight)
         try:
+            waited = self._turn.locked()
             async with self._turn:
+                if waited:
+                    # The call before this one ended just now: a cancel on its way (a
+                    # TaskGroup's, whose task that was failed) lands before this one begins.
+                    await asyncio.sleep(0)
+                if self._over:
+                    raise asyncio.CancelledError
                 if self._stopped is not None:
                     raise self._stopped.with_traceback(None)
+                if self._sync.divergence is not None:  # a cancel before: nothing new may run
+                    raise self._sync.divergence.with_traceback(None)
                 try:
                     return await self._in_flight(flight, functools.partial(fn, *args, **kwargs))
                 except (Suspended, Reload, Halt) as stop:
@@ -72,11 +88,9 @@ class AsyncContext:
                     self._stopped = self._sync._stopped = stop
                     raise
         except asyncio.CancelledError:
-            if not flight.cancel_began():  # it never ran, but a replay's might
+            if not self._over and not flight.cancel_began():  # a replay's might begin
                 self._sync._cancelled(flight.described(), "cancelled it before it began")
             raise
-        finally:
-            self._pending.remove(flight)
 
     async def _in_flight(self, flight: _Flight, call: Callable[[], T]) -> T:
         """``call`` made by the sync machinery. A cancel of the body's await (its own
@@ -107,11 +121,23 @@ class AsyncContext:
         """Wait for a call the body cancelled, or left behind, to end (more cancels wait
         too: its records must come before anything after it), then fail the run with
         :class:`CancelledCallError`, unless the call stopped the replay itself or met the
-        run's cancellation."""
+        run's cancellation. A call that waits for the body in turn never ends: said in the
+        log every :data:`SETTLE_NOTICE` seconds."""
         started = flight.started
         while not started.done():
             with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait((started,))
+                done, _ = await asyncio.wait((started,), timeout=SETTLE_NOTICE)
+                if not done:
+                    run, workflow = self._sync.execution_id, self._sync._driver.workflow
+                    log.warning(
+                        "run %s (%s): %s: the workflow body %s; it has not ended yet, "
+                        "and the body waits for it",
+                        run,
+                        workflow,
+                        flight.described(),
+                        how,
+                        extra=run_fields(run, workflow),
+                    )
         outcome = None if started.cancelled() else started.exception()
         if isinstance(outcome, (Suspended, Reload, Halt)):
             self._stopped = self._sync._stopped = outcome
@@ -119,15 +145,12 @@ class AsyncContext:
             self._sync._cancelled(flight.described(), how)
 
     async def _ended(self) -> None:
-        """The body ended: calls it left behind (in tasks it never awaited) start nothing,
-        one under way ends before the body's outcome is taken, and either fails the run."""
-        if self._stopped is None:
-            self._stopped = WorkflowDefinitionError("a durable call after the workflow body ended")
+        """The body ended: calls it left behind (in tasks it never awaited) never begin,
+        and one under way ends before the body's outcome is taken, and fails the run."""
+        self._over = True
         flight = self._flying
         if flight is not None and flight.cancel_began():
             await self._settle(flight, "ended while it still ran")
-        elif self._pending:
-            self._sync._cancelled(self._pending[0].described(), "ended while it waited")
 
     @property
     def execution_id(self) -> str:

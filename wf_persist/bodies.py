@@ -5,7 +5,6 @@ or halts: no outcome)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from typing import Any
@@ -15,7 +14,7 @@ from .authoring import Workflow
 from .context import Context
 from .control import stops_drive
 from .driver import RunDriver
-from .errors import Cancelled, CancelledCallError, NonDeterminismError
+from .errors import Cancelled, NonDeterminismError
 from .logs import run_fields
 from .replay import Journal
 from .values import from_json, to_json
@@ -29,20 +28,6 @@ def _still_going(ctx: Context) -> None:
     compensation)."""
     if ctx._stopped is not None:
         raise ctx._stopped.with_traceback(None)
-
-
-def _failure(ctx: Context, raised: BaseException) -> BaseException:
-    """What the run fails with: a divergence, even if the workflow caught it and failed
-    otherwise; but a cancelled durable call does not hide an error the body raised after it
-    (a ``TaskGroup``'s failing task cancels its siblings)."""
-    divergence = ctx.divergence
-    if divergence is None:
-        return raised
-    if isinstance(divergence, CancelledCallError) and not isinstance(
-        raised, (NonDeterminismError, asyncio.CancelledError)
-    ):
-        return raised
-    return divergence
 
 
 def run_body(driver: RunDriver, wf: Workflow[Any, Any], payload: Any, journal: Journal) -> None:
@@ -67,7 +52,7 @@ def run_body(driver: RunDriver, wf: Workflow[Any, Any], payload: Any, journal: J
             # A body that raises before replaying every recorded call diverged too.
             with contextlib.suppress(NonDeterminismError):
                 ctx._ended(exc)
-        failure = _failure(ctx, exc)
+        failure = ctx.failure(exc)
         reason = ctx.error_document(failure)
         if isinstance(failure, Cancelled):  # a cancellation or a timeout: children go too
             driver.cancel_children(ctx.children_to_cancel(), failure.compensate)

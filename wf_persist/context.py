@@ -9,6 +9,7 @@ something new.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import random as _random
 import uuid as _uuid
@@ -27,8 +28,10 @@ from .driving import Driver
 from .error_documents import shown
 from .errors import (
     Cancelled,
+    CancelledCallError,
     CodeExecutionError,
     InvalidArgumentError,
+    NonDeterminismError,
     SignalPayloadError,
     WorkflowDefinitionError,
     WorkflowTimeoutError,
@@ -135,6 +138,20 @@ class Context:
     @property
     def divergence(self) -> Exception | None:
         return self._cursor.divergence
+
+    def failure(self, raised: BaseException) -> BaseException:
+        """What the run fails with, the body having raised ``raised``: a divergence, even if
+        the workflow caught it and failed otherwise; but a durable call an ``async def``
+        body cancelled does not hide an error the body raised after it (a ``TaskGroup``'s
+        failing task cancels its siblings)."""
+        divergence = self._cursor.divergence
+        if divergence is None:
+            return raised
+        if isinstance(divergence, CancelledCallError) and not isinstance(
+            raised, (NonDeterminismError, asyncio.CancelledError)
+        ):
+            return raised
+        return divergence
 
     def error_document(self, exc: BaseException) -> dict[str, Any]:
         """A stored error, scrubbed of every secret value resolved in this drive."""

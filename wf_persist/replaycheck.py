@@ -206,9 +206,10 @@ def replay_run(
             return _at_frontier(ctx._stopped, row, finished)
         with contextlib.suppress(NonDeterminismError):
             ctx._ended(exc)
-        if ctx.divergence is not None:
-            return str(ctx.divergence)
-        ending = ("failed", type(exc).__name__)
+        failure = ctx.failure(exc)  # a cancelled call hides no error the body raised after
+        if isinstance(failure, NonDeterminismError):
+            return str(failure)
+        ending = ("failed", type(failure).__name__)
     if not finished:
         return None  # what its next drive will do
     if ending[0] != row.status:
