@@ -67,6 +67,34 @@ async def timeout_wf(ctx: wp.AsyncContext) -> str:
         return "gave up"
 
 
+class TookTooLong(Exception):
+    pass
+
+
+@wp.workflow(name="cc_uncaught", version=1)
+async def uncaught_wf(ctx: wp.AsyncContext) -> str:
+    return await asyncio.wait_for(ctx.run(slow), 0.1)  # its TimeoutError is the cancel's
+
+
+@wp.workflow(name="cc_own_error", version=1)
+async def own_error_wf(ctx: wp.AsyncContext) -> str:
+    try:
+        return await asyncio.wait_for(ctx.run(slow), 0.1)
+    except TimeoutError:
+        raise TookTooLong from None  # made by the cancel: not a call's failure
+
+
+@wp.workflow(name="cc_self_cancel", version=1)
+async def self_cancel_wf(ctx: wp.AsyncContext, during_call: bool) -> str:
+    me = asyncio.current_task()
+    assert me is not None
+    asyncio.get_running_loop().call_later(0.1, me.cancel)
+    if during_call:
+        return await ctx.run(slow)
+    await asyncio.sleep(5)
+    return "slept"
+
+
 @wp.workflow(name="cc_task_cancel", version=1)
 async def task_cancel_wf(ctx: wp.AsyncContext) -> str:
     task = asyncio.ensure_future(ctx.run(slow))
@@ -188,6 +216,9 @@ ALL = (
     child_wf,
     parent_wf,
     cancelled_meanwhile_wf,
+    uncaught_wf,
+    own_error_wf,
+    self_cancel_wf,
 )
 
 
@@ -241,6 +272,9 @@ def test_a_body_that_cancels_its_durable_call_fails_the_run_at_once(
 CANCELS = {
     "timeout": (timeout_wf, "cc_slow", "cancelled it while it ran"),
     "task_cancel": (task_cancel_wf, "cc_slow", "cancelled it while it ran"),
+    # An error the cancel made, or led the body to raise, hides nothing.
+    "uncaught_timeout": (uncaught_wf, "cc_slow", "cancelled it while it ran"),
+    "own_error_after": (own_error_wf, "cc_slow", "cancelled it while it ran"),
     # A call cancelled while waiting for its turn never ran, nor did a later one; the run
     # fails anyway once the body goes on, since under replay the call might begin.
     "before_turn_then_end": (before_turn_wf, "cc_quick", "cancelled it before it began"),
@@ -306,10 +340,13 @@ def test_no_durable_call_after_a_cancel_not_even_a_child_result(
 
 
 @pytest.mark.parametrize("how", ["caller", "loop"])
-def test_a_cancellation_landing_while_the_cancelled_call_runs_wins(runtime: wp.Runtime, how: str) -> None:
-    """``client.cancel`` lands while the body's cancelled call runs on: that call's write
-    sees it, and the run ends cancelled (no compensation asked), not failed with
-    CancelledCallError."""
+@pytest.mark.parametrize("compensate", [True, False], ids=["compensate", "no_compensation"])
+def test_a_cancellation_landing_while_the_cancelled_call_runs_wins(
+    runtime: wp.Runtime, how: str, compensate: bool
+) -> None:
+    """``client.cancel`` lands while the body's cancelled call runs on: the run ends
+    cancelled, not failed with CancelledCallError (with compensation the drive unwinds
+    it: the call met the cancellation, and the body gets that, not a CancelledError)."""
     runtime.register(*ALL)
     if how == "loop":
         runtime.start_worker(concurrency=4, poll_interval=0.05, event_loop=True)
@@ -318,11 +355,24 @@ def test_a_cancellation_landing_while_the_cancelled_call_runs_wins(runtime: wp.R
     with ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(client.result, run, 30)
         assert STARTED.wait(20)
-        client.cancel(run, compensate=False)
+        client.cancel(run, compensate=compensate)
         out = waiting.result(timeout=40)
     assert isinstance(out, wp.Failed) and out.error["name"] == "Cancelled", out
-    assert out.error["compensate"] is False
+    assert out.error["compensate"] is compensate
     assert Counter({"slow_flagged": 1}) == CALLS
+
+
+@pytest.mark.parametrize("how", ["caller", "loop"])
+def test_a_body_that_cancels_itself_fails_its_run_with_a_typed_error(
+    runtime: wp.Runtime, how: str
+) -> None:
+    """Its own task cancelled (a CancelledError out of the body, in the main thread too):
+    the run fails, CancelledCallError if a call was under way; nothing escapes raw from
+    ``result()``."""
+    out = _outcome(runtime, how, self_cancel_wf, True)
+    _failed_with_cancelled_call(runtime, out, "cc_slow", "cancelled it while it ran", ["cc_slow"])
+    out = _outcome(runtime, how, self_cancel_wf, False)
+    assert isinstance(out, wp.Failed) and out.error["name"] == "CancelledError", out
 
 
 def test_a_body_waiting_on_a_cancelled_call_says_so_in_the_log(

@@ -478,7 +478,7 @@ def test_a_run_queued_behind_a_limit_waits_without_replaying_or_failing(
 ) -> None:
     """A run waiting for a step's slot checks now and then that it is still its own and
     not cancelled, and otherwise just waits: once the slot frees, its one attempt runs,
-    with no failed drive and no replay (one ``step.started``). Kills the ``_check_run``
+    with no failed drive and no replay (one ``step.started``). Kills the ``check_run``
     mutants that break the check's query or replay on every check."""
     runtime = make_runtime(record_start_after=0)
     client = runtime.client()
@@ -498,7 +498,7 @@ def test_a_run_cancelled_while_it_queues_stops_waiting_at_once(
 ) -> None:
     """A run cancelled without compensation while it waits for a slot stops waiting at its
     next check (every 0.2 s), not when its lease renewal next fails (a quarter of a long
-    TTL later). Kills the ``_check_run`` mutant that only notices a vanished run."""
+    TTL later). Kills the ``check_run`` mutant that only notices a vanished run."""
     runtime = make_runtime(record_start_after=0, lease_ttl=60)
     client = runtime.client()
     holder, queued = holder_and_queued(runtime)

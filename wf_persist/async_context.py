@@ -81,6 +81,9 @@ class AsyncContext:
                     raise self._sync.divergence.with_traceback(None)
                 try:
                     return await self._in_flight(flight, functools.partial(fn, *args, **kwargs))
+                except Exception as error:  # the call's own failure (a failed step's)
+                    self._sync._raised_by_calls.append(error)
+                    raise
                 except (Suspended, Reload, Halt) as stop:
                     # Before the next call's turn; and for the runtime, which stops the body's
                     # outcome too (a stop raised before the sync call began: a hand-over
@@ -112,17 +115,19 @@ class AsyncContext:
             return await asyncio.shield(started)
         except asyncio.CancelledError:
             if flight.cancel_began() and not flight.cancelled_itself():
-                await self._settle(flight, "cancelled it while it ran")
+                ended = await self._settle(flight, "cancelled it while it ran")
+                if ended is not None:  # a stop, or the run's cancellation: as if not cut
+                    raise ended.with_traceback(None) from None
             raise
         finally:
             self._flying = None
 
-    async def _settle(self, flight: _Flight, how: str) -> None:
+    async def _settle(self, flight: _Flight, how: str) -> BaseException | None:
         """Wait for a call the body cancelled, or left behind, to end (more cancels wait
         too: its records must come before anything after it), then fail the run with
         :class:`CancelledCallError`, unless the call stopped the replay itself or met the
-        run's cancellation. A call that waits for the body in turn never ends: said in the
-        log every :data:`SETTLE_NOTICE` seconds."""
+        run's cancellation (returned: the body gets it instead). A call that waits for the
+        body in turn never ends: said in the log every :data:`SETTLE_NOTICE` seconds."""
         started = flight.started
         while not started.done():
             with contextlib.suppress(asyncio.CancelledError):
@@ -139,10 +144,10 @@ class AsyncContext:
                         extra=run_fields(run, workflow),
                     )
         outcome = None if started.cancelled() else started.exception()
-        if isinstance(outcome, (Suspended, Reload, Halt)):
-            self._stopped = self._sync._stopped = outcome
-        elif not isinstance(outcome, Cancelled):
-            self._sync._cancelled(flight.described(), how)
+        if isinstance(outcome, (Suspended, Reload, Halt, Cancelled)):
+            return outcome
+        self._sync._cancelled(flight.described(), how)
+        return None
 
     async def _ended(self) -> None:
         """The body ended: calls it left behind (in tasks it never awaited) never begin,
@@ -150,7 +155,9 @@ class AsyncContext:
         self._over = True
         flight = self._flying
         if flight is not None and flight.cancel_began():
-            await self._settle(flight, "ended while it still ran")
+            ended = await self._settle(flight, "ended while it still ran")
+            if isinstance(ended, (Suspended, Reload, Halt)):
+                self._stopped = self._sync._stopped = ended  # wins over the body's end
 
     @property
     def execution_id(self) -> str:

@@ -14,7 +14,7 @@ from .authoring import Workflow
 from .context import Context
 from .control import stops_drive
 from .driver import RunDriver
-from .errors import Cancelled, NonDeterminismError
+from .errors import Cancelled, CancelledCallError, NonDeterminismError
 from .logs import run_fields
 from .replay import Journal
 from .values import from_json, to_json
@@ -48,11 +48,20 @@ def run_body(driver: RunDriver, wf: Workflow[Any, Any], payload: Any, journal: J
         if stops_drive(exc):
             raise  # the runtime's stop, a signal: not how the body ended
         _still_going(ctx)  # a stop the body caught wins over how it ended
-        if not isinstance(exc, Cancelled):
+        raised: BaseException = exc
+        if isinstance(ctx.divergence, CancelledCallError) and not isinstance(exc, Cancelled):
+            # Later calls were refused before they looked for a cancellation: one that came
+            # meanwhile still wins (read afresh: Reload), as over a value.
+            driver.check_run()
+            try:
+                ctx._before_new_call(ending=True)
+            except Cancelled as cancelled:
+                raised = cancelled
+        if not isinstance(raised, Cancelled):
             # A body that raises before replaying every recorded call diverged too.
             with contextlib.suppress(NonDeterminismError):
-                ctx._ended(exc)
-        failure = ctx.failure(exc)
+                ctx._ended(raised)
+        failure = ctx.failure(raised)
         reason = ctx.error_document(failure)
         if isinstance(failure, Cancelled):  # a cancellation or a timeout: children go too
             driver.cancel_children(ctx.children_to_cancel(), failure.compensate)

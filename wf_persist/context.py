@@ -9,7 +9,6 @@ something new.
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import random as _random
 import uuid as _uuid
@@ -31,7 +30,6 @@ from .errors import (
     CancelledCallError,
     CodeExecutionError,
     InvalidArgumentError,
-    NonDeterminismError,
     SignalPayloadError,
     WorkflowDefinitionError,
     WorkflowTimeoutError,
@@ -72,6 +70,8 @@ class Context:
         self._step_names: dict[str, Step[Any]] = {}
         #: What stopped this replay, once a durable call raised it (see ``latched``).
         self._stopped: BaseException | None = None
+        #: What an async body's durable calls raised (failed steps): see :meth:`failure`.
+        self._raised_by_calls: list[Exception] = []
 
     @property
     def execution_id(self) -> str:
@@ -142,16 +142,21 @@ class Context:
     def failure(self, raised: BaseException) -> BaseException:
         """What the run fails with, the body having raised ``raised``: a divergence, even if
         the workflow caught it and failed otherwise; but a durable call an ``async def``
-        body cancelled does not hide an error the body raised after it (a ``TaskGroup``'s
-        failing task cancels its siblings)."""
+        body cancelled does not hide the failure of another call that the body raised (a
+        ``TaskGroup``'s failing step cancels its siblings)."""
         divergence = self._cursor.divergence
         if divergence is None:
             return raised
-        if isinstance(divergence, CancelledCallError) and not isinstance(
-            raised, (NonDeterminismError, asyncio.CancelledError)
-        ):
+        if isinstance(divergence, CancelledCallError) and self._from_a_call(raised):
             return raised
         return divergence
+
+    def _from_a_call(self, raised: BaseException) -> bool:
+        """Whether ``raised`` is what a durable call raised (or a group of only such): not
+        an error the cancel itself made (``wait_for``'s ``TimeoutError``) or led to."""
+        if isinstance(raised, BaseExceptionGroup):
+            return all(self._from_a_call(e) for e in raised.exceptions)
+        return any(raised is e for e in self._raised_by_calls)
 
     def error_document(self, exc: BaseException) -> dict[str, Any]:
         """A stored error, scrubbed of every secret value resolved in this drive."""

@@ -6,6 +6,7 @@ swallow them: the body must stop where it is and the runtime decides what happen
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import threading
 from collections.abc import Callable
@@ -52,12 +53,13 @@ def interrupting(exc: BaseException) -> bool:
     in the main thread, where a signal handler may have raised it (``KeyboardInterrupt``,
     ``SystemExit``, a handler's own): the run is given back, another drive resumes it.
     Anywhere else (a worker's threads, the async worker's loop) no signal raises anything: a
-    ``KeyboardInterrupt``, ``SystemExit``, ``GeneratorExit``, ``asyncio.CancelledError`` or
-    a ``BaseException`` of the user's own is that code's failure. Given back instead, the
+    ``KeyboardInterrupt``, ``SystemExit``, ``GeneratorExit`` or a ``BaseException`` of the
+    user's own is that code's failure; so is an ``asyncio.CancelledError`` anywhere (an
+    async body that cancelled itself). Given back instead, the
     run would be driven again at once, for ever; and asyncio lets the first two out of its
     loop, which then stops."""
-    if isinstance(exc, Exception):
-        return False
+    if isinstance(exc, (Exception, asyncio.CancelledError)):
+        return False  # no signal raises a CancelledError (asyncio.run makes Ctrl-C one)
     if isinstance(exc, _STOPS):
         return True
     from .bridge import bridged

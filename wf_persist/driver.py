@@ -443,12 +443,12 @@ class RunDriver(ChildDriving):
                 if clocks.elapsed() - last_check > 0.2:
                     last_check = clocks.elapsed()
                     self.check_lease()
-                    self._check_run()
+                    self.check_run()
                 bridge.pause(delay, time.sleep)
                 delay = min(delay * 2, 0.05)
             if waited:  # a cancel since the last look must not see the step start now
                 self.check_lease()
-                self._check_run()
+                self.check_run()
             yield
         except BaseException:
             off_loop(held.__exit__, *sys.exc_info())
@@ -456,7 +456,7 @@ class RunDriver(ChildDriving):
         else:
             off_loop(held.__exit__, None, None, None)
 
-    def _check_run(self) -> None:
+    def check_run(self) -> None:
         """Is the run still ours, and not cancelled meanwhile? (A read, not a write.)"""
         off_loop(self._check_run_now)
 
@@ -501,7 +501,7 @@ class RunDriver(ChildDriving):
             # A cancellation can land between the last call and the outcome: the guard then
             # refuses a completion. Replay from the fresh history to unwind instead.
             if isinstance(halt.cause, LeaseLostError):
-                self._check_run()
+                self.check_run()
             raise
         self.finished = (ok, value)
         self.over = True
