@@ -70,8 +70,8 @@ class AsyncContext:
             waited = self._turn.locked()
             async with self._turn:
                 if waited:
-                    # The call before this one ended just now: a cancel on its way (a
-                    # TaskGroup's, whose task that was failed) lands before this one begins.
+                    # The call before this one ended just now: a cancel on its way (from a
+                    # TaskGroup whose task that call failed) lands before this one begins.
                     await asyncio.sleep(0)
                 if self._over:
                     raise asyncio.CancelledError
