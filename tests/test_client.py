@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from sqlalchemy import Table, create_engine, func, select
+from sqlalchemy import Table, create_engine, delete, event, func, select
 
 import wf_persist as wp
 from wf_persist.models import executions_table, history_table
@@ -56,6 +56,44 @@ def test_idempotency_key_returns_the_same_handle_and_records_nothing(
         client.start(w.echo_wf, 3, idempotency_key="")
     with pytest.raises(wp.InvalidArgumentError):
         client.start(w.echo_wf, 3, actor="x" * 256)
+
+
+@pytest.mark.needs("libpq")  # the keyed insert leaves the run it met unlocked: deletable
+def test_a_start_whose_keyed_run_was_purged_meanwhile_starts_a_new_one(
+    runtime: wp.Runtime, db_url: str
+) -> None:
+    """The insert met the finished run holding the key, which a purge deleted before the
+    start looked it up: the start, in a transaction of its own, tries again and creates
+    the run, instead of raising IdempotencyConflictError."""
+    runtime.register(w.echo_wf)
+    client = runtime.client()
+    first = client.start(w.echo_wf, 3, idempotency_key="k")
+    client.result(first.execution_id, timeout=30).unwrap()
+    purger = create_engine(db_url)
+    purged: list[str] = []
+
+    def purge_first(_c: object, _cur: object, statement: str, *_: object) -> None:
+        if (
+            not purged
+            and statement.lstrip().upper().startswith("SELECT")
+            and ("idempotency_key =" in statement)
+        ):
+            purged.append(statement)
+            with purger.begin() as conn:
+                conn.execute(
+                    delete(executions_table).where(executions_table.c.id == first.execution_id)
+                )
+
+    engine = runtime.backend.base_engine
+    event.listen(engine, "before_cursor_execute", purge_first)
+    try:
+        again = client.start(w.echo_wf, 4, idempotency_key="k")
+    finally:
+        event.remove(engine, "before_cursor_execute", purge_first)
+        purger.dispose()
+    assert purged, "the start never looked the key's run up"
+    assert again.created and again.execution_id != first.execution_id
+    assert client.result(again.execution_id, timeout=30).unwrap() == [1, 2, 3, 4]
 
 
 def test_idempotent_start_from_20_threads_creates_one_run(runtime: wp.Runtime, db_url: str) -> None:

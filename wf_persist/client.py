@@ -22,6 +22,7 @@ from .backends import Backend, Cataloged, Stale
 from .controls import RunControls
 from .database import Database
 from .errors import (
+    IdempotencyConflictError,
     InvalidPayloadError,
     MissingWorkflowVersionError,
     UnknownWorkflowError,
@@ -55,6 +56,11 @@ __all__ = [
     "PendingSignal",
     "WorkflowEntry",
 ]
+
+
+#: How many times a start in its own transaction tries again after the run holding its
+#: idempotency key was not to be seen (see :class:`IdempotencyConflictError`).
+UNSEEN_TRIES = 3
 
 
 class Client(RunAwaiter, RunControls):
@@ -242,6 +248,7 @@ class Client(RunAwaiter, RunControls):
         actor = arguments.check_text("actor", actor)
         limit = None if timeout is None else duration_seconds(timeout, "timeout", positive=True)
         self._writable()
+        unseen = 0  # starts that met a run with the key their transaction could not see
         while True:
             name, pinned, stored, newest = self._prepare_start(workflow, version, payload, session)
             now = self._now()
@@ -250,18 +257,27 @@ class Client(RunAwaiter, RunControls):
             execution_id = str(uuid.uuid4())
             attributes = _run_attributes(execution_id, name, pinned)
             with telemetry.operation("wf.start", attributes) as span:
-                found = self._create(
-                    execution_id,
-                    name,
-                    pinned,
-                    stored,
-                    idempotency_key,
-                    actor,
-                    now,
-                    deadline,
-                    session,
-                    newest,
-                )
+                try:
+                    found = self._create(
+                        execution_id,
+                        name,
+                        pinned,
+                        stored,
+                        idempotency_key,
+                        actor,
+                        now,
+                        deadline,
+                        session,
+                        newest,
+                    )
+                except IdempotencyConflictError:
+                    # The run holding the key was not visible to this transaction (a
+                    # snapshot older than its commit), or was purged between the insert
+                    # and the look: a transaction of this client's own tries again.
+                    unseen += 1
+                    if session is not None or unseen > UNSEEN_TRIES:
+                        raise
+                    continue
                 if isinstance(found, Stale):
                     # A newer version was cataloged since this client read the catalog:
                     # nothing was written; read it again (and validate against it).
