@@ -181,6 +181,7 @@ SAMPLES: dict[str, BaseException] = {
     "WorkflowVersionConflictError": wp.WorkflowVersionConflictError("wf", 1, "aaa", "bbb"),
     "MissingWorkflowVersionError": wp.MissingWorkflowVersionError("wf", 2),
     "NonDeterminismError": wp.NonDeterminismError("step:a#1", "step:b#1"),
+    "CancelledCallError": wp.CancelledCallError("ctx.run('charge')", "cancelled it while it ran"),
     "SchemaVersionError": wp.SchemaVersionError(None, "wf_0002", "wf-persist db upgrade"),
     "SchemaTooNewError": wp.SchemaTooNewError("wf_0099", "wf_0002"),
     "MergedSchemaVersionError": wp.MergedSchemaVersionError(
@@ -249,6 +250,10 @@ def test_the_error_hierarchy_and_documented_attributes() -> None:
     assert SAMPLES["CannotCancelError"].status == "completed"  # type: ignore[attr-defined]
     assert SAMPLES["SchemaVersionError"].head == "wf_0002"  # type: ignore[attr-defined]
     assert SAMPLES["NonDeterminismError"].actual == "step:b#1"  # type: ignore[attr-defined]
+    cancelled_call = SAMPLES["CancelledCallError"]
+    assert isinstance(cancelled_call, wp.NonDeterminismError)
+    assert cancelled_call.call == "ctx.run('charge')"  # type: ignore[attr-defined]
+    assert str(cancelled_call).startswith("ctx.run('charge'): the workflow body cancelled it")
 
 
 # authoring -----------------------------------------------------------------------------
