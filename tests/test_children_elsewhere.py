@@ -254,3 +254,46 @@ def test_a_child_from_the_catalog_needs_no_second_connection_of_its_drive(
         for run in runs:
             assert client.result(run, timeout=60).unwrap()[0] == 2
         assert [client.describe(r).drive_failures for r in runs] == [0] * 8
+
+
+@wp.workflow(name="elsewhere-kid", version=1)
+def kid_v1_edited(ctx: wp.Context, order: Order) -> str:
+    return f"edited:{order.sku}"
+
+
+#: The child definition the parent below starts: a release's own, switched by the test.
+RELEASE: dict[str, wp.Workflow[Any, Any]] = {}
+
+
+@wp.workflow(name="elsewhere-edited-parent", version=1)
+def edited_parent(ctx: wp.Context) -> str:
+    try:
+        return str(ctx.run_child(RELEASE["kid"], {"sku": "e", "qty": 1}))
+    except wp.WorkflowVersionConflictError:
+        return "caught"
+
+
+def test_a_child_whose_version_the_catalog_holds_another_body_of_is_a_failed_drive(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """A release that edited a child without a new version meets the catalog's refusal only
+    in its own processes: raised in the body, a parent that caught it went another way
+    than a replay by the release the catalog holds (and, uncaught, the run failed for
+    good). It is a failed drive instead; a process of the other release drives the run."""
+    a = _two(make_runtime, max_drive_failures=10)  # B catalogs elsewhere-kid v1 as kid_v1
+    RELEASE["kid"] = kid_v1_edited
+    a.register(edited_parent)
+    client = a.client()
+    run = client.start(edited_parent).execution_id
+    wait_until(lambda: "drive.failed" in history_types(client, run), 30, "a failed drive")
+    assert client.status(run) == "running"
+    assert "child.started" not in history_types(client, run)
+    (failed,) = [r.event for r in client.history(run) if r.event["type"] == "drive.failed"][:1]
+    assert "WorkflowVersionConflictError" in str(failed)
+    a.close()
+
+    RELEASE["kid"] = kid_v1
+    c = make_runtime()
+    c.register(edited_parent, kid_v1)
+    c.start_worker(poll_interval=0.05)
+    assert c.client().result(run, timeout=30).unwrap() == "v1:ex1"

@@ -12,10 +12,12 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import pytest
 from sqlalchemy import make_url
 
 import wf_persist as wp
 from wf_persist import migrate
+from wf_persist.testing import without_cataloging
 
 from .helpers import Finished, Processes, wait_until
 
@@ -427,3 +429,96 @@ def test_the_pasted_signal_command_names_a_signal_with_control_characters(
     assert (done.returncode, done.stdout) == (0, "delivered\n"), done.stderr
     assert runtime.drive(run_id)
     assert runtime.client().result(run_id, timeout=10).unwrap() == "heard"
+
+
+def _catalog(db_url: str) -> list[tuple[str, int, str]]:
+    with wp.Client(db_url) as client:
+        return [(e.name, e.version, e.source_hash) for e in client.workflows()]
+
+
+def test_replay_check_catalogs_nothing_and_still_refuses_a_changed_version(
+    db_url: str, procs: Processes, runtime: wp.Runtime, tmp_path: Path
+) -> None:
+    """The gate loads the next release's code, which registers versions the running fleet
+    does not serve: were they cataloged, every start by name after a gate that failed (or
+    a release never deployed) would pin its run to a version no worker drives."""
+    from .fixtures import workflows as w
+
+    runtime.register(w.determinism_wf)
+    client = runtime.client()
+    client.result(client.start(w.determinism_wf).execution_id, timeout=10)
+    before = _catalog(db_url)
+    env = {"WF_PERSIST_DATABASE_URL": db_url}
+    done = procs.cli("replay-check", "--app", "tests.fixtures.app:runtime", check=False, env=env)
+    assert done.returncode == 0, done.stderr
+    assert _catalog(db_url) == before == [("determinism", 1, w.determinism_wf.source_hash)]
+    # A start by name still pins the version the fleet serves.
+    with wp.Client(db_url) as thin:
+        assert thin.start("determinism").version == 1
+
+    # The same version with another body is still refused, and nothing is written.
+    (tmp_path / "clash_app.py").write_text(
+        "import os\n"
+        "import wf_persist as wp\n\n"
+        "@wp.workflow(name='determinism', version=1)\n"
+        "def changed(ctx: wp.Context) -> str:\n"
+        "    return 'changed'\n\n"
+        "@wp.workflow(name='clash-new', version=1)\n"
+        "def new(ctx: wp.Context) -> int:\n"
+        "    return 1\n\n"
+        "runtime = wp.Runtime(os.environ['WF_PERSIST_DATABASE_URL'])\n"
+        "runtime.register(new, changed)\n"
+    )
+    clash = procs.cli(
+        "replay-check", "--app", "clash_app:runtime", check=False, env=env, cwd=tmp_path
+    )
+    one_error_line(clash, "WorkflowVersionConflictError", "determinism")
+    assert _catalog(db_url) == before
+
+
+def test_a_runtime_built_without_cataloging_checks_and_catalogs_at_its_first_start(
+    db_url: str, runtime: wp.Runtime
+) -> None:
+    from .fixtures import workflows as w
+
+    runtime.register(w.echo_wf)
+    with without_cataloging():
+        gate = wp.Runtime(db_url)
+    try:
+        gate.register(w.determinism_wf, w.echo_wf)
+        assert [n for n, _, _ in _catalog(db_url)] == ["echo"]
+        assert gate.runnable_workflows() == [("determinism", 1), ("echo", 1)]
+        # Registered outside the block, it still catalogs nothing: the runtime was built
+        # for a gate.
+        gate.register(w.explode_wf)
+        assert [n for n, _, _ in _catalog(db_url)] == ["echo"]
+        # A start is a write the caller asked for: its version is cataloged first.
+        outcome = gate.client().execute(w.determinism_wf)
+        assert isinstance(outcome, wp.Completed)
+        assert [n for n, _, _ in _catalog(db_url)] == ["determinism", "echo"]
+    finally:
+        gate.close()
+
+
+@pytest.mark.needs("embedded")
+def test_replay_check_never_upgrades_the_fleets_database(
+    db_url: str, procs: Processes, tmp_path: Path
+) -> None:
+    """An embedded database behind head (the fleet's release is older) stays as it is: an
+    upgrade would lock that release out of its own database; a database not made yet is
+    made (it holds no run to lose)."""
+    (tmp_path / "gate_app.py").write_text(
+        "import os\n"
+        "import wf_persist as wp\n\n"
+        "runtime = wp.Runtime(os.environ['WF_PERSIST_DATABASE_URL'])\n"
+    )
+    older = "wf_0010"
+    migrate.downgrade(db_url, older)
+    gate = ("replay-check", "--app", "gate_app:runtime")
+    done = procs.cli(*gate, check=False, env={"WF_PERSIST_DATABASE_URL": db_url}, cwd=tmp_path)
+    one_error_line(done, "SchemaVersionError", "at revision wf_0010")
+    assert migrate.current(db_url) == older
+    fresh = f"sqlite:///{tmp_path / 'fresh.sqlite3'}"
+    made = procs.cli(*gate, check=False, env={"WF_PERSIST_DATABASE_URL": fresh}, cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    assert migrate.current(fresh) == migrate.SCHEMA_HEAD

@@ -20,6 +20,7 @@ from .errors import (
     MissingWorkflowVersionError,
     StaleHistoryError,
     UnknownWorkflowError,
+    WorkflowVersionConflictError,
 )
 from .events import NewEvent
 from .lending import Lender
@@ -71,7 +72,14 @@ class ChildDriving:
             assert isinstance(workflow, str)
             return self._cataloged(workflow, version, payload)
         stored = rt.validate_input(wf, payload)
-        rt.ensure_startable(workflow, wf)
+        try:
+            rt.ensure_startable(workflow, wf)
+        except WorkflowVersionConflictError as exc:
+            # Not raised in the body: only the processes running this body of the version
+            # meet it (a release that changed it without a new version), and a replay by
+            # another must meet what this drive met. A failed drive: a process of the
+            # release the catalog holds may drive the run meanwhile.
+            raise Halt(exc) from exc
         return ChildStart(wf.name, wf.version, wf, stored, wf.timeout)
 
     def start_child(

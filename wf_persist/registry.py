@@ -4,9 +4,11 @@ cataloged in the database (name, version, source hash, schemas; first registrati
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any
 
 from . import refusals
@@ -25,11 +27,36 @@ from .errors import (
 from .store import Executor, catalog
 from .values import to_json
 
+#: Whether a runtime built now writes the catalog (see :func:`without_cataloging`).
+_CATALOGING: ContextVar[bool] = ContextVar("wf_persist_cataloging", default=True)
+
+
+@contextlib.contextmanager
+def without_cataloging() -> Iterator[None]:
+    """Runtimes built inside this block catalog nothing and migrate nothing, for as long as
+    they live: a deploy gate loads the next release's code to check it, and a release that
+    is checked and then not deployed must leave no version behind (starts by name would
+    pin runs to it, which no worker serves). A definition they register is still checked
+    against the catalog (a different source under the same version is refused), and is
+    cataloged by the first start that needs it."""
+    token = _CATALOGING.set(False)
+    try:
+        yield
+    finally:
+        _CATALOGING.reset(token)
+
+
+def cataloging() -> bool:
+    """Whether a runtime built now writes the catalog."""
+    return _CATALOGING.get()
+
 
 class Registry:
     """Registered definitions by ``(name, version)``; the runtime is one."""
 
     backend: Backend
+    #: False for a runtime built :func:`without_cataloging`.
+    catalogs: bool
     clock: Callable[[], dt.datetime]
     _lock: threading.RLock
     _registry: dict[tuple[str, int], Workflow[Any, Any]]
@@ -53,6 +80,12 @@ class Registry:
         Raises:
             WorkflowVersionConflictError: (name, version) exists with a different source.
         """
+        self._register(workflows, session, write=self.catalogs)
+
+    def _register(
+        self, workflows: tuple[Workflow[Any, Any], ...], session: Executor | None, write: bool
+    ) -> None:
+        """:meth:`register`; ``write=False`` checks the catalog without writing to it."""
         self._check_open()
         for wf in workflows:
             if not isinstance(wf, Workflow):
@@ -66,22 +99,26 @@ class Registry:
                 )
         now = self.clock()
 
-        def write(conn: Executor) -> None:
+        def check(conn: Executor) -> None:
             for wf in workflows:
-                found = catalog.catalog_version(
-                    conn, self.backend, wf.name, wf.version, wf.source_hash, now, wf.schemas
-                )
+                if write:
+                    found = catalog.catalog_version(
+                        conn, self.backend, wf.name, wf.version, wf.source_hash, now, wf.schemas
+                    )
+                else:
+                    entry = catalog.entry(conn, self.backend, wf.name, wf.version)
+                    found = wf.source_hash if entry is None else str(entry.source_hash)
                 if found != wf.source_hash:
                     raise WorkflowVersionConflictError(wf.name, wf.version, found, wf.source_hash)
 
         if session is not None:
-            write(session)
+            check(session)
         else:
-            with self.backend.begin() as conn:
-                write(conn)
+            with self.backend.begin() if write else self.backend.read() as conn:
+                check(conn)
         with self._lock:
             for wf in workflows:
-                if session is None:
+                if session is None and write:
                     self._uncataloged.discard(wf.key)
                 elif wf.key not in self._registry:
                     self._uncataloged.add(wf.key)
@@ -143,7 +180,7 @@ class Registry:
         catalog row known committed (one written in a host's transaction is written again
         in the transaction of the start that needs it: the host's may have rolled back)."""
         if self._registry.get(wf.key) is not wf or wf.key in self._uncataloged:
-            self.register(wf, session=session)
+            self._register((wf,), session, write=True)
 
     def definition(self, name: str, version: int) -> Workflow[Any, Any]:
         """The exact pinned version, or :class:`MissingWorkflowVersionError`."""

@@ -38,7 +38,7 @@ from .errors import (
 )
 from .leases import LeaseKeeper
 from .notices import Notices
-from .registry import Registry
+from .registry import Registry, cataloging
 from .secrets import SecretResolver
 from .timeouts import plain_number, positive
 from .timers import Timers
@@ -125,7 +125,10 @@ class Runtime(Registry, Notices, WorkerSide):
                 f"max_drive_failures must be a positive integer, got {shown(max_drive_failures)}"
             )
         telemetry.configure()
-        self.database = Database(bind, auto_migrate=auto_migrate, schema=schema)
+        self.catalogs = cataloging()
+        self.database = Database(
+            bind, auto_migrate=auto_migrate, schema=schema, upgrade_existing=self.catalogs
+        )
         self.backend = self.database.backend
         self.backend.slots.follow_lease(lease_seconds)
         self.schema = schema

@@ -29,12 +29,20 @@ from .client import Outcome
 from .embedded import WorkflowClient
 from .errors import InvalidArgumentError, WfPersistError
 from .records import ExecutionHandle, HistoryRecord
+from .registry import without_cataloging
 from .replaycheck import ReplayReport, check_replay
 from .runtime import Runtime, utc_now
 from .secrets import SecretError
 from .timeouts import MAX_DURATION_SECONDS, duration_seconds
 
-__all__ = ["ReplayReport", "RunBlockedError", "TestClient", "TestRuntime", "check_replay"]
+__all__ = [
+    "ReplayReport",
+    "RunBlockedError",
+    "TestClient",
+    "TestRuntime",
+    "check_replay",
+    "without_cataloging",
+]
 
 #: How far the virtual clock may move ahead in all (a datetime ends at year 9999).
 _MAX_SHIFT = 4 * MAX_DURATION_SECONDS

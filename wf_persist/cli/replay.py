@@ -13,6 +13,7 @@ import typer
 from rich.table import Table
 
 from .. import backends
+from ..registry import without_cataloging
 from ..replaycheck import check_replay
 from .common import (
     EXIT_FAILED,
@@ -61,7 +62,8 @@ def replay_check(
     runtime's own database).
     """
     start = None if since is None else cutoff(since, "--since")
-    runtime = load_runtime(app_ref)
+    with without_cataloging():  # a release checked and then not deployed leaves no trace
+        runtime = load_runtime(app_ref)
     try:
         if url is None and schema is None:
             with database_errors(None):
