@@ -4,12 +4,13 @@ database's catalog (a rolling deploy; services that split parent and child workf
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from pydantic import BaseModel
-from sqlalchemy import Engine
+from sqlalchemy import Engine, event
 
 import wf_persist as wp
 from wf_persist.replaycheck import check_replay
@@ -297,3 +298,40 @@ def test_a_child_whose_version_the_catalog_holds_another_body_of_is_a_failed_dri
     c.register(edited_parent, kid_v1)
     c.start_worker(poll_interval=0.05)
     assert c.client().result(run, timeout=30).unwrap() == "v1:ex1"
+
+
+@wp.workflow(name="elsewhere-uncataloged-kid", version=1)
+def uncataloged_kid(ctx: wp.Context, n: int) -> int:
+    return n * 2
+
+
+@wp.workflow(name="elsewhere-catalog-fails", version=1)
+def catalog_fails(ctx: wp.Context) -> str:
+    try:
+        return f"child={ctx.run_child(uncataloged_kid, 4)}"
+    except Exception as exc:
+        return f"caught {type(exc).__name__}"
+
+
+def test_a_database_error_cataloging_a_child_is_a_failed_drive_not_raised_in_the_body(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """A child definition registered nowhere yet is cataloged as the parent starts it; that
+    write failing is this drive's misfortune, which a replay would not meet: raised in the
+    body, a parent that caught it went another way for good."""
+    rt = make_runtime()
+    rt.register(catalog_fails)
+    refused: list[str] = []
+
+    def refuse_once(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if re.search(r"INSERT\b.*\bwf_workflows\b", statement, re.I | re.S) and not refused:
+            refused.append(statement)
+            raise RuntimeError("the catalog write failed")
+
+    event.listen(rt.database.base_engine, "before_cursor_execute", refuse_once)
+    rt.start_worker(poll_interval=0.05)
+    client = rt.client()
+    run = client.start(catalog_fails).execution_id
+    assert client.result(run, timeout=30).unwrap() == "child=8"
+    assert refused
+    assert history_types(client, run).count("drive.failed") == 1

@@ -473,6 +473,42 @@ def test_replay_check_catalogs_nothing_and_still_refuses_a_changed_version(
         "replay-check", "--app", "clash_app:runtime", check=False, env=env, cwd=tmp_path
     )
     one_error_line(clash, "WorkflowVersionConflictError", "determinism")
+    # Also where the app's runtime has a database of its own and --url names the fleet's.
+    own = {"WF_PERSIST_DATABASE_URL": f"sqlite:///{tmp_path / 'own.sqlite3'}"}
+    elsewhere = procs.cli(
+        "replay-check",
+        "--app",
+        "clash_app:runtime",
+        "--url",
+        db_url,
+        check=False,
+        env=own,
+        cwd=tmp_path,
+    )
+    one_error_line(elsewhere, "determinism@v1 is already cataloged with different source")
+    assert _catalog(db_url) == before
+
+    # An application that builds its runtime on a thread of its own.
+    (tmp_path / "thread_app.py").write_text(
+        "import os\n"
+        "import threading\n"
+        "import wf_persist as wp\n\n"
+        "@wp.workflow(name='threaded-new', version=1)\n"
+        "def new(ctx: wp.Context) -> int:\n"
+        "    return 1\n\n"
+        "def make() -> wp.Runtime:\n"
+        "    made = []\n"
+        "    url = os.environ['WF_PERSIST_DATABASE_URL']\n"
+        "    thread = threading.Thread(target=lambda: made.append(wp.Runtime(url)))\n"
+        "    thread.start()\n"
+        "    thread.join()\n"
+        "    made[0].register(new)\n"
+        "    return made[0]\n"
+    )
+    threaded = procs.cli(
+        "replay-check", "--app", "thread_app:make", check=False, env=env, cwd=tmp_path
+    )
+    assert threaded.returncode == 0, threaded.stderr
     assert _catalog(db_url) == before
 
 
@@ -519,6 +555,10 @@ def test_replay_check_never_upgrades_the_fleets_database(
     one_error_line(done, "SchemaVersionError", "at revision wf_0010")
     assert migrate.current(db_url) == older
     fresh = f"sqlite:///{tmp_path / 'fresh.sqlite3'}"
+    # Nor does a client opened for a gate in Python (reading the fleet's runs).
+    with without_cataloging(), pytest.raises(wp.SchemaVersionError):
+        wp.Client(db_url)
+    assert migrate.current(db_url) == older
     made = procs.cli(*gate, check=False, env={"WF_PERSIST_DATABASE_URL": fresh}, cwd=tmp_path)
     assert made.returncode == 0, made.stderr
     assert migrate.current(fresh) == migrate.SCHEMA_HEAD

@@ -126,3 +126,31 @@ def test_events_appended_between_a_batch_claim_and_its_read_are_no_short_read(
     runtime.drive_claim(claim)
     assert client.result(run, timeout=20).unwrap() == "later 5"
     assert [r for r in client.history(run) if r.event["type"] == "drive.failed"] == []
+
+
+@pytest.mark.needs("libpq")
+def test_a_history_too_big_to_gather_in_one_value_is_read_row_by_row(
+    make_runtime: Callable[..., wp.Runtime], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL's claim gathers a run's history into one value, which cannot pass 1 GB
+    (program_limit_exceeded at every try: the caller's ``result()`` raised the driver's
+    error for good). Such a claim is made again with the history read row by row; here
+    the server refuses the gathered claim for a value of 1 GiB of its own making."""
+    from sqlalchemy import func
+
+    from wf_persist.backends import postgresql
+
+    rt = make_runtime()
+    rt.register(w.echo_wf)
+    client = rt.client()
+    run = client.start(w.echo_wf, 3).execution_id
+    gathered = postgresql.claim_statement
+    refused: list[bool] = []
+
+    def too_big(*args: Any) -> Any:
+        refused.append(True)
+        return gathered(*args).add_columns(func.repeat(" ", 1 << 30))
+
+    monkeypatch.setattr(postgresql, "claim_statement", too_big)
+    assert client.result(run, timeout=30).unwrap() == [1, 2, 3]
+    assert refused

@@ -10,7 +10,7 @@ from sqlalchemy import Engine
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 
-from . import backends, migrate, refusals
+from . import backends, gate, migrate, refusals
 from .errors import InvalidArgumentError, UnsupportedDatabaseError
 
 #: Why a read-only engine cannot be written through.
@@ -34,9 +34,6 @@ class Database:
             (:class:`~wf_persist.errors.SchemaVersionError` otherwise).
         schema: a PostgreSQL schema holding the wf_ tables.
         writes: whether its owner writes (a runtime): a read-only engine is then refused.
-        upgrade_existing: False: ``auto_migrate`` only creates the schema in a database
-            that holds none (a runtime built for a deploy gate: upgrading the fleet's
-            database would lock out the release still serving it).
     """
 
     def __init__(
@@ -46,7 +43,6 @@ class Database:
         auto_migrate: bool | None = None,
         schema: str | None = None,
         writes: bool = True,
-        upgrade_existing: bool = True,
     ) -> None:
         if bind is not None and not isinstance(bind, str | URL | Engine):
             raise InvalidArgumentError(f"bind must be a URL or an Engine, got {bind!r:.80}")
@@ -65,7 +61,10 @@ class Database:
             self.read_only = self.backend.read_only()
             if self.read_only and (writes or auto_migrate):
                 raise UnsupportedDatabaseError(READ_ONLY)
-            if auto_migrate and (upgrade_existing or migrate.current(self.backend.engine) is None):
+            if auto_migrate and (
+                # A deploy gate's: a fleet's database is never upgraded under it.
+                not gate.gating() or migrate.current(self.backend.engine) is None
+            ):
                 migrate.upgrade(self.backend.engine)
             else:
                 migrate.assert_at_head(self.backend.engine)

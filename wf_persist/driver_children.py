@@ -20,7 +20,6 @@ from .errors import (
     MissingWorkflowVersionError,
     StaleHistoryError,
     UnknownWorkflowError,
-    WorkflowVersionConflictError,
 )
 from .events import NewEvent
 from .lending import Lender
@@ -74,11 +73,12 @@ class ChildDriving:
         stored = rt.validate_input(wf, payload)
         try:
             rt.ensure_startable(workflow, wf)
-        except WorkflowVersionConflictError as exc:
-            # Not raised in the body: only the processes running this body of the version
-            # meet it (a release that changed it without a new version), and a replay by
-            # another must meet what this drive met. A failed drive: a process of the
-            # release the catalog holds may drive the run meanwhile.
+        except Exception as exc:
+            # Not raised in the body: the catalog's refusal meets only the processes
+            # running another body of the version (a release that changed it without a new
+            # version), a database error only this drive, and a replay by another must
+            # meet what this drive met. A failed drive: retried after a backoff, by
+            # whichever process (one of the release the catalog holds, say).
             raise Halt(exc) from exc
         return ChildStart(wf.name, wf.version, wf, stored, wf.timeout)
 

@@ -4,11 +4,9 @@ cataloged in the database (name, version, source hash, schemas; first registrati
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import threading
-from collections.abc import Callable, Iterator
-from contextvars import ContextVar
+from collections.abc import Callable
 from typing import Any
 
 from . import refusals
@@ -27,35 +25,12 @@ from .errors import (
 from .store import Executor, catalog
 from .values import to_json
 
-#: Whether a runtime built now writes the catalog (see :func:`without_cataloging`).
-_CATALOGING: ContextVar[bool] = ContextVar("wf_persist_cataloging", default=True)
-
-
-@contextlib.contextmanager
-def without_cataloging() -> Iterator[None]:
-    """Runtimes built inside this block catalog nothing and migrate nothing, for as long as
-    they live: a deploy gate loads the next release's code to check it, and a release that
-    is checked and then not deployed must leave no version behind (starts by name would
-    pin runs to it, which no worker serves). A definition they register is still checked
-    against the catalog (a different source under the same version is refused), and is
-    cataloged by the first start that needs it."""
-    token = _CATALOGING.set(False)
-    try:
-        yield
-    finally:
-        _CATALOGING.reset(token)
-
-
-def cataloging() -> bool:
-    """Whether a runtime built now writes the catalog."""
-    return _CATALOGING.get()
-
 
 class Registry:
     """Registered definitions by ``(name, version)``; the runtime is one."""
 
     backend: Backend
-    #: False for a runtime built :func:`without_cataloging`.
+    #: False for a runtime built :func:`~.gate.without_cataloging`.
     catalogs: bool
     clock: Callable[[], dt.datetime]
     _lock: threading.RLock

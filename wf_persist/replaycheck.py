@@ -33,6 +33,7 @@ from .errors import (
     NonDeterminismError,
     UnknownExecutionError,
     WfPersistError,
+    WorkflowVersionConflictError,
 )
 from .events import Activity, NewEvent
 from .replay import Journal
@@ -283,6 +284,8 @@ def check_replay(
     # One id would be read as a list of characters.
     if runs is not None and (isinstance(runs, str | bytes) or not isinstance(runs, Iterable)):
         raise InvalidArgumentError(f"runs must be a list of execution ids, got {runs!r:.80}")
+    if database is not None:
+        _check_catalog(runtime, database)
     reader = database if database is not None else runtime.client()
     ids = [check_id(r) for r in runs] if runs is not None else _runs_of(runtime, reader, since)
     reports: list[ReplayReport] = []
@@ -305,6 +308,18 @@ def check_replay(
         divergence = replay_run(wf, row, events, keys, lambda n, v: runtime._registry.get((n, v)))
         reports.append(ReplayReport(row.id, *key, row.status, divergence))
     return reports
+
+
+def _check_catalog(runtime: Runtime, database: Client) -> None:
+    """The runtime's definitions against the catalog of the database checked (its own
+    were checked as they registered): another body under a version cataloged there is
+    refused as the release would be where it deploys."""
+    cataloged = {(e.name, e.version): e.source_hash for e in database.workflows()}
+    for key in runtime.runnable_workflows():
+        wf = runtime.definition(*key)
+        found = cataloged.get(key)
+        if found is not None and found != wf.source_hash:
+            raise WorkflowVersionConflictError(wf.name, wf.version, found, wf.source_hash)
 
 
 def _runs_of(runtime: Runtime, client: Client, since: dt.datetime | None) -> list[str]:

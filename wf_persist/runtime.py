@@ -26,7 +26,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from . import clocks, drive_telemetry, drives, refusals, telemetry
+from . import clocks, drive_telemetry, drives, gate, refusals, telemetry
 from .authoring import Step
 from .backends import Claim
 from .bridge import off_loop
@@ -38,7 +38,7 @@ from .errors import (
 )
 from .leases import LeaseKeeper
 from .notices import Notices
-from .registry import Registry, cataloging
+from .registry import Registry
 from .secrets import SecretResolver
 from .timeouts import plain_number, positive
 from .timers import Timers
@@ -125,10 +125,8 @@ class Runtime(Registry, Notices, WorkerSide):
                 f"max_drive_failures must be a positive integer, got {shown(max_drive_failures)}"
             )
         telemetry.configure()
-        self.catalogs = cataloging()
-        self.database = Database(
-            bind, auto_migrate=auto_migrate, schema=schema, upgrade_existing=self.catalogs
-        )
+        self.catalogs = not gate.gating()
+        self.database = Database(bind, auto_migrate=auto_migrate, schema=schema)
         self.backend = self.database.backend
         self.backend.slots.follow_lease(lease_seconds)
         self.schema = schema

@@ -28,8 +28,8 @@ from .backends.clock import db_now, use_virtual_clock
 from .client import Outcome
 from .embedded import WorkflowClient
 from .errors import InvalidArgumentError, WfPersistError
+from .gate import without_cataloging
 from .records import ExecutionHandle, HistoryRecord
-from .registry import without_cataloging
 from .replaycheck import ReplayReport, check_replay
 from .runtime import Runtime, utc_now
 from .secrets import SecretError

@@ -86,6 +86,8 @@ _GONE = frozenset({"57P01", "57P02", "57P03"})
 #: A statement cancelled: query_canceled (statement_timeout, pg_cancel_backend) and
 #: lock_not_available (lock_timeout, NOWAIT).
 _CANCELLED = frozenset({"57014", "55P03"})
+#: program_limit_exceeded: a value past 1 GB (a history gathered into one).
+PROGRAM_LIMIT_EXCEEDED: Final = "54000"
 
 
 class PostgreSQLBackend(RawPath):
@@ -476,9 +478,18 @@ class PostgreSQLBackend(RawPath):
     def claim_to_drive(
         self, execution_id: str, owner: str, ttl: float, workflows: Sequence[tuple[str, int]]
     ) -> Claim | None:
-        """One round trip: the claim, ``workflow.started`` and the history read."""
+        """One round trip: the claim, ``workflow.started`` and the history read.
+
+        A history too big to gather into one value (past PostgreSQL's 1 GB) fails the whole
+        statement at every try: then the run is claimed and its history read row by row."""
         params = {"p_id": execution_id, "p_owner": owner, "p_ttl": ttl}
-        found = self._auto(claim_statement(tuple(workflows), False, False), params)
+        try:
+            found = self._auto(claim_statement(tuple(workflows), False, False), params)
+        except DBAPIError as exc:
+            if getattr(exc.orig, "sqlstate", None) != PROGRAM_LIMIT_EXCEEDED:
+                raise
+            log.debug("claiming with the run's history failed (%s); claiming alone", exc.orig)
+            return super().claim_to_drive(execution_id, owner, ttl, workflows)
         return found[0] if found else None
 
     def claim_batch(

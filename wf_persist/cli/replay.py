@@ -13,7 +13,7 @@ import typer
 from rich.table import Table
 
 from .. import backends
-from ..registry import without_cataloging
+from ..gate import without_cataloging
 from ..replaycheck import check_replay
 from .common import (
     EXIT_FAILED,
