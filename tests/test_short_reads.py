@@ -138,13 +138,13 @@ def test_a_history_too_big_to_gather_in_one_value_is_read_row_by_row(
     the server refuses the gathered claim for a value of 1 GiB of its own making."""
     from sqlalchemy import func
 
-    from wf_persist.backends import postgresql
+    from wf_persist.backends import pg_sql, postgresql
 
     rt = make_runtime()
     rt.register(w.echo_wf)
     client = rt.client()
     run = client.start(w.echo_wf, 3).execution_id
-    gathered = postgresql.claim_statement
+    gathered = pg_sql.claim_statement
     refused: list[bool] = []
 
     def too_big(*args: Any) -> Any:
