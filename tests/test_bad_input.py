@@ -1621,6 +1621,30 @@ def test_a_host_sqlite_engine_with_a_lower_length_limit_is_measured_by_it(
         assert rt.client().result(small, timeout=30).unwrap() == "a" * 1_000
 
 
+def test_an_input_and_a_result_each_at_sqlites_value_limit_fit_the_runs_row(
+    tmp_path: Path, make_engine: Callable[..., sa.Engine]
+) -> None:
+    """SQLite's length limit bounds a whole row, and a run's row holds its input and its
+    result: each within the limit (the limit less a margin, before), they did not fit
+    together, and every drive failed with the driver's "string or blob too big" until the
+    run failed with DriveFailedError."""
+    import sqlite3
+
+    engine = make_engine(f"sqlite:///{tmp_path / 'row.sqlite3'}")
+
+    @sa.event.listens_for(engine, "connect")
+    def _limit(raw: Any, _record: Any) -> None:
+        raw.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, 1_000_000)
+
+    migrate.upgrade(engine)
+    with wp.Runtime(engine, max_drive_failures=1) as rt:
+        rt.register(limited_text_wf)
+        text = "x" * (rt.backend.max_value_bytes - 2)  # its JSON: exactly the limit
+        assert rt.client().execute(limited_text_wf, text).unwrap() == text
+        with pytest.raises(wp.ValueTooLargeError):
+            rt.client().start(limited_text_wf, text + "x")
+
+
 @pytest.mark.needs("schemas")  # PostgreSQL
 def test_a_value_past_what_postgresqls_jsonb_parser_takes_is_refused_typed(
     runtime: wp.Runtime,

@@ -45,8 +45,16 @@ _BEGIN_WRITE: Final = "BEGIN IMMEDIATE"
 #: SQLITE_READONLY_DIRECTORY (nor its directory), SQLITE_AUTH (a host's authorizer). Not
 #: the other READONLY codes (a file moved, a hot journal): no grant would help those.
 _REFUSED: Final = frozenset({8, 8 | 6 << 8, 23})
-#: Room a history row needs besides its one value (SQLite's length limit is per row too).
+#: Room a row needs besides its values (SQLite's length limit is per row too).
 _ROW_MARGIN: Final = 64 * 1024
+
+
+def _value_limit(length_limit: int) -> int:
+    """The largest value stored under SQLite's ``length_limit``, which bounds a whole row:
+    a run's row holds its input and its result (or error) together."""
+    return (length_limit - _ROW_MARGIN) // 2
+
+
 #: Execution option: this transaction only reads (a deferred BEGIN).
 READONLY: Final = "wf_persist_readonly"
 #: Execution option of wf_persist's own connections: it sends BEGIN itself.
@@ -151,7 +159,7 @@ class SQLiteBackend(Backend):
         #: wf_persist's write transactions in this process queue here before BEGIN
         #: IMMEDIATE, see :meth:`_queued`.
         self._writers = threading.RLock()
-        self.max_value_bytes = self._length_limit() - _ROW_MARGIN
+        self.max_value_bytes = _value_limit(self._length_limit())
 
     @staticmethod
     def _length_limit() -> int:
@@ -219,7 +227,7 @@ class SQLiteBackend(Backend):
             raw: Any = conn.connection.driver_connection
             getlimit = getattr(raw, "getlimit", None)  # Python 3.11+
             if getlimit is not None:
-                limit = int(getlimit(sqlite3.SQLITE_LIMIT_LENGTH)) - _ROW_MARGIN
+                limit = _value_limit(int(getlimit(sqlite3.SQLITE_LIMIT_LENGTH)))
                 self.max_value_bytes = max(0, min(self.max_value_bytes, limit))
             if not own:
                 return  # a host's engine: its file, its journal mode
