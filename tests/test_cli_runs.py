@@ -436,6 +436,58 @@ def _catalog(db_url: str) -> list[tuple[str, int, str]]:
         return [(e.name, e.version, e.source_hash) for e in client.workflows()]
 
 
+#: A release that edited ``determinism`` v1 without a new version, and adds a workflow.
+CLASH_APP = """
+import os
+import wf_persist as wp
+
+@wp.workflow(name='determinism', version=1)
+def changed(ctx: wp.Context) -> str:
+    return 'changed'
+
+@wp.workflow(name='clash-new', version=1)
+def new(ctx: wp.Context) -> int:
+    return 1
+
+runtime = wp.Runtime(os.environ['WF_PERSIST_DATABASE_URL'])
+runtime.register(new, changed)
+"""
+#: An application that builds its runtime on a thread of its own.
+THREAD_APP = """
+import os
+import threading
+import wf_persist as wp
+
+@wp.workflow(name='threaded-new', version=1)
+def new(ctx: wp.Context) -> int:
+    return 1
+
+def make() -> wp.Runtime:
+    made = []
+    url = os.environ['WF_PERSIST_DATABASE_URL']
+    thread = threading.Thread(target=lambda: made.append(wp.Runtime(url)))
+    thread.start()
+    thread.join()
+    made[0].register(new)
+    return made[0]
+"""
+#: An application whose runtime opens the database the gate is given.
+GATE_APP = """
+import os
+import wf_persist as wp
+
+runtime = wp.Runtime(os.environ['WF_PERSIST_DATABASE_URL'])
+"""
+
+
+def _gate(
+    procs: Processes, where: Path, app: str, env: dict[str, str], source: str, *extra: str
+) -> Finished:
+    """``wf-persist replay-check --app APP`` of a module (``source``) written in ``where``."""
+    (where / f"{app.partition(':')[0]}.py").write_text(source)
+    return procs.cli("replay-check", "--app", app, *extra, check=False, env=env, cwd=where)
+
+
 def test_replay_check_catalogs_nothing_and_still_refuses_a_changed_version(
     db_url: str, procs: Processes, runtime: wp.Runtime, tmp_path: Path
 ) -> None:
@@ -457,57 +509,16 @@ def test_replay_check_catalogs_nothing_and_still_refuses_a_changed_version(
         assert thin.start("determinism").version == 1
 
     # The same version with another body is still refused, and nothing is written.
-    (tmp_path / "clash_app.py").write_text(
-        "import os\n"
-        "import wf_persist as wp\n\n"
-        "@wp.workflow(name='determinism', version=1)\n"
-        "def changed(ctx: wp.Context) -> str:\n"
-        "    return 'changed'\n\n"
-        "@wp.workflow(name='clash-new', version=1)\n"
-        "def new(ctx: wp.Context) -> int:\n"
-        "    return 1\n\n"
-        "runtime = wp.Runtime(os.environ['WF_PERSIST_DATABASE_URL'])\n"
-        "runtime.register(new, changed)\n"
-    )
-    clash = procs.cli(
-        "replay-check", "--app", "clash_app:runtime", check=False, env=env, cwd=tmp_path
-    )
+    clash = _gate(procs, tmp_path, "clash_app:runtime", env, CLASH_APP)
     one_error_line(clash, "WorkflowVersionConflictError", "determinism")
     # Also where the app's runtime has a database of its own and --url names the fleet's.
     own = {"WF_PERSIST_DATABASE_URL": f"sqlite:///{tmp_path / 'own.sqlite3'}"}
-    elsewhere = procs.cli(
-        "replay-check",
-        "--app",
-        "clash_app:runtime",
-        "--url",
-        db_url,
-        check=False,
-        env=own,
-        cwd=tmp_path,
-    )
+    elsewhere = _gate(procs, tmp_path, "clash_app:runtime", own, CLASH_APP, "--url", db_url)
     one_error_line(elsewhere, "determinism@v1 is already cataloged with different source")
     assert _catalog(db_url) == before
 
     # An application that builds its runtime on a thread of its own.
-    (tmp_path / "thread_app.py").write_text(
-        "import os\n"
-        "import threading\n"
-        "import wf_persist as wp\n\n"
-        "@wp.workflow(name='threaded-new', version=1)\n"
-        "def new(ctx: wp.Context) -> int:\n"
-        "    return 1\n\n"
-        "def make() -> wp.Runtime:\n"
-        "    made = []\n"
-        "    url = os.environ['WF_PERSIST_DATABASE_URL']\n"
-        "    thread = threading.Thread(target=lambda: made.append(wp.Runtime(url)))\n"
-        "    thread.start()\n"
-        "    thread.join()\n"
-        "    made[0].register(new)\n"
-        "    return made[0]\n"
-    )
-    threaded = procs.cli(
-        "replay-check", "--app", "thread_app:make", check=False, env=env, cwd=tmp_path
-    )
+    threaded = _gate(procs, tmp_path, "thread_app:make", env, THREAD_APP)
     assert threaded.returncode == 0, threaded.stderr
     assert _catalog(db_url) == before
 
@@ -543,22 +554,16 @@ def test_replay_check_never_upgrades_the_fleets_database(
     """An embedded database behind head (the fleet's release is older) stays as it is: an
     upgrade would lock that release out of its own database; a database not made yet is
     made (it holds no run to lose)."""
-    (tmp_path / "gate_app.py").write_text(
-        "import os\n"
-        "import wf_persist as wp\n\n"
-        "runtime = wp.Runtime(os.environ['WF_PERSIST_DATABASE_URL'])\n"
-    )
     older = "wf_0010"
     migrate.downgrade(db_url, older)
-    gate = ("replay-check", "--app", "gate_app:runtime")
-    done = procs.cli(*gate, check=False, env={"WF_PERSIST_DATABASE_URL": db_url}, cwd=tmp_path)
+    done = _gate(procs, tmp_path, "gate_app:runtime", {"WF_PERSIST_DATABASE_URL": db_url}, GATE_APP)
     one_error_line(done, "SchemaVersionError", "at revision wf_0010")
     assert migrate.current(db_url) == older
-    fresh = f"sqlite:///{tmp_path / 'fresh.sqlite3'}"
     # Nor does a client opened for a gate in Python (reading the fleet's runs).
     with without_cataloging(), pytest.raises(wp.SchemaVersionError):
         wp.Client(db_url)
     assert migrate.current(db_url) == older
-    made = procs.cli(*gate, check=False, env={"WF_PERSIST_DATABASE_URL": fresh}, cwd=tmp_path)
+    fresh = f"sqlite:///{tmp_path / 'fresh.sqlite3'}"
+    made = _gate(procs, tmp_path, "gate_app:runtime", {"WF_PERSIST_DATABASE_URL": fresh}, GATE_APP)
     assert made.returncode == 0, made.stderr
     assert migrate.current(fresh) == migrate.SCHEMA_HEAD
