@@ -86,8 +86,9 @@ _GONE = frozenset({"57P01", "57P02", "57P03"})
 #: A statement cancelled: query_canceled (statement_timeout, pg_cancel_backend) and
 #: lock_not_available (lock_timeout, NOWAIT).
 _CANCELLED = frozenset({"57014", "55P03"})
-#: program_limit_exceeded: a value past 1 GB (a history gathered into one).
-PROGRAM_LIMIT_EXCEEDED: Final = "54000"
+#: program_limit_exceeded (a value past 1 GB) and out_of_memory: a history too big to
+#: gather into one value.
+_TOO_BIG: Final = frozenset({"54000", "53200"})
 
 
 class PostgreSQLBackend(RawPath):
@@ -480,13 +481,14 @@ class PostgreSQLBackend(RawPath):
     ) -> Claim | None:
         """One round trip: the claim, ``workflow.started`` and the history read.
 
-        A history too big to gather into one value (past PostgreSQL's 1 GB) fails the whole
-        statement at every try: then the run is claimed and its history read row by row."""
+        A history too big to gather into one value (past PostgreSQL's 1 GB, or its memory)
+        fails the whole statement at every try: then the run is claimed and its history
+        read row by row."""
         params = {"p_id": execution_id, "p_owner": owner, "p_ttl": ttl}
         try:
             found = self._auto(claim_statement(tuple(workflows), False, False), params)
         except DBAPIError as exc:
-            if getattr(exc.orig, "sqlstate", None) != PROGRAM_LIMIT_EXCEEDED:
+            if getattr(exc.orig, "sqlstate", None) not in _TOO_BIG:
                 raise
             log.debug("claiming with the run's history failed (%s); claiming alone", exc.orig)
             return super().claim_to_drive(execution_id, owner, ttl, workflows)
