@@ -255,18 +255,23 @@ def test_a_main_thread_interrupt_caught_by_the_body_does_not_end_the_run(
     assert history_types(rt.client(), execution_id).count("step.failed") == 2
 
 
-@wp.workflow(name="test_user_base_checked", version=1)
-def _checked_before(ctx: wp.Context) -> str:
-    return "caught"
+#: Whether the helper below is the next release's (an edit outside the workflow's hash).
+NEXT_RELEASE = {"helper": False}
 
 
-@wp.workflow(name="test_user_base_checked", version=1)
-def _checked_after(ctx: wp.Context) -> str:
+def _checked_helper(ctx: wp.Context) -> str:
+    if not NEXT_RELEASE["helper"]:
+        return "caught"
     try:
         ctx.run(_raising, "checked", "KeyboardInterrupt")
     except BaseException:  # swallows the replay check's stop
         return "caught"
     return "ran"
+
+
+@wp.workflow(name="test_user_base_checked", version=1)
+def _checked(ctx: wp.Context) -> str:
+    return _checked_helper(ctx)
 
 
 def test_a_replay_check_sees_past_a_body_that_catches_its_stop(
@@ -275,14 +280,18 @@ def test_a_replay_check_sees_past_a_body_that_catches_its_stop(
     """A body catching everything around a new step swallowed the check's own stop and
     returned what the run had returned: the change (a step the finished run never ran)
     went unreported."""
-    runtime.register(_checked_before)
+    runtime.register(_checked)
     client = runtime.client()
-    finished = client.execute(_checked_before)
+    finished = client.execute(_checked)
     assert finished.unwrap() == "caught"
-    with (
-        wp.Runtime(f"sqlite:///{tmp_path / 'next.sqlite3'}", auto_migrate=True) as deploying,
-        wp.Client(runtime.engine) as production,
-    ):
-        deploying.register(_checked_after)
-        (report,) = check_replay(deploying, [finished.execution_id], database=production)
+    NEXT_RELEASE["helper"] = True
+    try:
+        with (
+            wp.Runtime(f"sqlite:///{tmp_path / 'next.sqlite3'}", auto_migrate=True) as deploying,
+            wp.Client(runtime.engine) as production,
+        ):
+            deploying.register(_checked)
+            (report,) = check_replay(deploying, [finished.execution_id], database=production)
+    finally:
+        NEXT_RELEASE["helper"] = False
     assert report.divergence == "would run step _raising, but the run has finished"
