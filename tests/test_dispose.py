@@ -5,6 +5,7 @@ back, not left in the replaced pool to be garbage-collected open."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import gc
 import logging
 import threading
@@ -251,3 +252,82 @@ def test_a_second_worker_loop_on_a_runtime_is_refused(db_url: str) -> None:
         rt.start_worker(poll_interval=0.05)
         with pytest.raises(wp.WfPersistError, match="worker already"):
             Worker(rt, poll_interval=0.05).run()
+
+
+@wp.workflow(name="dispose-one", version=1)
+def _one(ctx: wp.Context) -> int:
+    return 1
+
+
+_RUN = "00000000-0000-4000-8000-000000000000"
+
+#: Every public call of a client, with arguments it would take.
+_CALLS: dict[str, Callable[[Any], Any]] = {
+    "start": lambda c: c.start("dispose-one"),
+    "result": lambda c: c.result(_RUN, timeout=0.1),
+    "outcome": lambda c: c.outcome(_RUN),
+    "status": lambda c: c.status(_RUN),
+    "describe": lambda c: c.describe(_RUN),
+    "history": lambda c: c.history(_RUN),
+    "list": lambda c: c.list("dispose-one"),
+    "pending_signals": lambda c: c.pending_signals(_RUN),
+    "events": lambda c: c.events(_RUN),
+    "get_event": lambda c: c.get_event(_RUN, "e"),
+    "signal": lambda c: c.signal(_RUN, "s", 1),
+    "cancel": lambda c: c.cancel(_RUN),
+    "purge": lambda c: c.purge(older_than=datetime.timedelta(days=1)),
+    "workflows": lambda c: c.workflows(),
+}
+
+
+def _execute(client: Any) -> Any:
+    return client.execute(_one)
+
+
+def _checkouts(engine: Any) -> list[object]:
+    seen: list[object] = []
+    event.listen(engine, "checkout", lambda *a: seen.append(a[0]))
+    return seen
+
+
+def test_every_call_of_a_closed_runtimes_client_or_a_closed_client_is_closed_error(
+    db_url: str,
+) -> None:
+    """Before, a client of a closed runtime (and a closed ``wp.Client``) went on working
+    through a new pool of the disposed engine, whose connections nothing closed."""
+    rt = wp.Runtime(db_url)
+    rt.register(_one)
+    embedded = rt.client()
+    rt.close()
+    thin = wp.Client(db_url)
+    thin.close()
+    for client, what in ((embedded, "Workflow runtime"), (thin, "Client")):
+        seen = _checkouts(client.engine)
+        calls = dict(_CALLS)
+        if client is embedded:
+            calls["execute"] = _execute
+        for name, call in calls.items():
+            with pytest.raises(wp.ClosedError, match=f"^{what} has been closed$"):
+                call(client)
+            assert seen == [], name
+    with pytest.raises(wp.ClosedError):
+        rt.register(_one)
+
+
+def test_every_call_of_a_closed_async_client_is_closed_error(db_url: str) -> None:
+    """Also one closed before its first call (which made its thin client, on a new pool)."""
+
+    async def app() -> None:
+        used = wp.AsyncClient(db_url)
+        await used.workflows()
+        fresh = wp.AsyncClient(db_url)
+        for client in (used, fresh):
+            await client.close()
+            seen = _checkouts(client.engine.sync_engine)
+            for name in _CALLS:
+                with pytest.raises(wp.ClosedError, match=r"^AsyncClient has been closed$"):
+                    await _CALLS[name](client)
+                assert seen == [], name
+            await client.close()  # idempotent
+
+    asyncio.run(app())

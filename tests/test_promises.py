@@ -202,6 +202,7 @@ SAMPLES: dict[str, BaseException] = {
     "SecretError": wp.SecretError("stripe-key", "missing"),
     "ResultTimeoutError": wp.ResultTimeoutError("id-1", 1.5),
     "ForkedRuntimeError": wp.ForkedRuntimeError(),
+    "ClosedError": wp.ClosedError("Client"),
     "InvalidCursorError": wp.InvalidCursorError("zz"),
     "InvalidArgumentError": wp.InvalidArgumentError("bad"),
     "NotSerializableError": wp.NotSerializableError("result", "no"),

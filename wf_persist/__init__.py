@@ -34,6 +34,7 @@ from .errors import Cancelled as Cancelled
 from .errors import CancelledCallError as CancelledCallError
 from .errors import CannotCancelError as CannotCancelError
 from .errors import ChildWorkflowError as ChildWorkflowError
+from .errors import ClosedError as ClosedError
 from .errors import CodeExecutionError as CodeExecutionError
 from .errors import DatabaseConnectError as DatabaseConnectError
 from .errors import DatabaseUnavailableError as DatabaseUnavailableError
@@ -96,6 +97,7 @@ __all__ = [
     "ChildHandle",
     "ChildWorkflowError",
     "Client",
+    "ClosedError",
     "CodeExecutionError",
     "Completed",
     "Context",

@@ -26,6 +26,7 @@ from .backends import backend_type, describe_url, resolve_url
 from .backends.connections import retire_pool
 from .client import Client
 from .errors import (
+    ClosedError,
     EventNotSetError,
     InvalidArgumentError,
     ResultTimeoutError,
@@ -108,6 +109,7 @@ class AsyncClient:
         self._waiters: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
         self._waiters_lock = threading.Lock()
         self._wakeups: Wakeups | None = None
+        self._closed = False
 
     async def _sync(self) -> Client:
         """The thin client doing the work (made on first use: it reads the database)."""
@@ -119,6 +121,8 @@ class AsyncClient:
             raise InvalidArgumentError(
                 "an AsyncClient serves the event loop it was first used on: make one per loop"
             )
+        if self._closed:  # its engine is disposed: a call would open a pool nobody closes
+            raise ClosedError("AsyncClient")
         if self._client is None:
             opening = self._opening
             if opening is None:
@@ -144,7 +148,9 @@ class AsyncClient:
         return await _shielded(greenlet_spawn(fn, client, *args, **kwargs))
 
     async def close(self) -> None:
-        """Stop listening and dispose of the engine if this client created it."""
+        """Stop listening and dispose of the engine if this client created it. Later calls
+        raise :class:`~wf_persist.errors.ClosedError`."""
+        self._closed = True
         if self._wakeups is not None:
             await asyncio.to_thread(self._wakeups.stop)
         if self._client is not None:

@@ -22,6 +22,7 @@ from .backends import Backend, Cataloged, Stale
 from .controls import RunControls
 from .database import Database
 from .errors import (
+    ClosedError,
     IdempotencyConflictError,
     InvalidPayloadError,
     MissingWorkflowVersionError,
@@ -109,6 +110,10 @@ class Client(RunAwaiter, RunControls):
 
     def _now(self) -> dt.datetime:
         return self._clock()
+
+    def _check_open(self) -> None:
+        if self._database is None:
+            raise ClosedError("Client")
 
     def _notify(self) -> None:
         """A run changed (embedded: wake this process's worker and waiters)."""

@@ -59,6 +59,9 @@ class WorkflowClient(Client):
     def _wait(self, seconds: float) -> None:
         self.runtime.wait_for_change(seconds)
 
+    def _check_open(self) -> None:
+        self.runtime._check_open()  # the runtime's engine is the client's
+
     def _prepare_start(
         self,
         workflow: Workflow[Any, Any] | str,

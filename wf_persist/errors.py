@@ -393,6 +393,14 @@ class ForkedRuntimeError(WfPersistError):
         )
 
 
+class ClosedError(WfPersistError):
+    """A call on a runtime or client after its ``close()``: its connections are given
+    back, and a call would open a pool that nobody closes."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"{what} has been closed")
+
+
 class ResultTimeoutError(WfPersistError, TimeoutError):
     """The run did not finish within the time the caller was willing to wait."""
 

@@ -42,6 +42,10 @@ class RunReader:
     def _wait(self, seconds: float) -> None:
         time.sleep(seconds)
 
+    def _check_open(self) -> None:
+        """Raise :class:`~wf_persist.errors.ClosedError` once the client was closed."""
+        raise NotImplementedError
+
     # plumbing ---------------------------------------------------------------------------
 
     @contextmanager

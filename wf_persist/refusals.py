@@ -189,6 +189,7 @@ def typed_read(method: F) -> F:
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        self._check_open()
         try:
             return again_if_reset(self.backend, lambda: method(self, *args, **kwargs))
         except Exception as exc:
@@ -199,11 +200,13 @@ def typed_read(method: F) -> F:
 
 
 def typed(method: F) -> F:
-    """A public method (of an object with a ``backend``) whose refusals by the server, and
-    the database out of reach, raise the typed errors."""
+    """A public method (of an object with a ``backend`` and a ``_check_open``: a closed
+    one refuses every call) whose refusals by the server, and the database out of reach,
+    raise the typed errors."""
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        self._check_open()
         try:
             return method(self, *args, **kwargs)
         except Exception as exc:

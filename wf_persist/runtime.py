@@ -33,8 +33,8 @@ from .bridge import off_loop
 from .database import Database
 from .error_documents import shown
 from .errors import (
+    ClosedError,
     InvalidArgumentError,
-    WfPersistError,
 )
 from .leases import LeaseKeeper
 from .notices import Notices
@@ -440,7 +440,7 @@ class Runtime(Registry, Notices, WorkerSide):
     def _check_open(self) -> None:
         self._check_process()
         if self._closed:
-            raise WfPersistError("Workflow runtime has been closed")
+            raise ClosedError("Workflow runtime")
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop this runtime's worker, let runs in flight stop at their next step (waiting up
