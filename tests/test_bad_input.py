@@ -256,8 +256,15 @@ def misuse_wf(ctx: wp.Context, how: str) -> str:
         ctx.run(other_keep, 2)
     elif how == "same-step-twice":
         return f"{ctx.run(keep, 1)} {ctx.run(keep, 2)} {ctx.run(outer, 1)}"
+    elif how == "fail-not-an-exception":
+        ctx.fail("out of stock")  # type: ignore[arg-type]
     CALLS["after"] += 1
     return "done"
+
+
+@wp.workflow(name="bad-misuse-async", version=1)
+async def misuse_async_wf(ctx: wp.AsyncContext, how: str) -> str:
+    ctx.fail(how)  # type: ignore[arg-type]
 
 
 @wp.workflow(name="bad-size", version=1)
@@ -949,6 +956,8 @@ MISUSE = {
     "all-none": ("WorkflowDefinitionError", "ctx.all takes"),
     "direct": ("WorkflowDefinitionError", "use ctx.run(keep, ...)"),
     "two-steps-one-name": ("WorkflowDefinitionError", "two different steps are named 'keep'"),
+    # Python's own TypeError ("exceptions must derive from BaseException") failed the run.
+    "fail-not-an-exception": ("WorkflowDefinitionError", "ctx.fail() takes an exception instance"),
 }
 
 
@@ -963,6 +972,15 @@ def test_misused_ctx_fails_the_run_with_a_typed_error(
     assert outcome.error["module"] == "wf_persist.errors"
     assert CALLS["after"] == 0 and CALLS["plain"] == 0 and CALLS["other_keep"] == 0
     assert CALLS["keep"] == (1 if how == "two-steps-one-name" else 0)
+
+
+def test_an_async_bodys_ctx_fail_of_a_non_exception_is_a_definition_error(
+    client: wp.WorkflowClient, tables: Tables
+) -> None:
+    handle = client.start(misuse_async_wf, "out of stock")
+    outcome = failed_once(client, tables, handle.execution_id)
+    assert outcome.error_type == "WorkflowDefinitionError"
+    assert outcome.message == "ctx.fail() takes an exception instance, got str"
 
 
 def test_a_non_step_is_refused_at_the_call_site(client: wp.WorkflowClient) -> None:

@@ -86,8 +86,67 @@ def test_two_concurrent_cancels_record_one(rt: wp.Runtime) -> None:  # 60
         t.join()
     assert sum(r.startswith("ok:") for r in results) == 1
     (loser,) = [r for r in results if not r.startswith("ok:")]
-    assert loser == f"Cannot cancel compensating execution {execution_id}"
+    assert loser == (
+        f"Cannot cancel compensating execution {execution_id} (cancel it with "
+        "compensate=False to end it at once)"
+    )
     assert _types(client, execution_id).count("execution.cancelled") == 1
+
+
+def test_a_compensating_run_no_worker_unwinds_is_ended_by_a_cancel_without_compensation(
+    rt: wp.Runtime, db_url: str
+) -> None:
+    """A run whose version no worker serves any more (a release rolled back for good) and
+    that was cancelled with compensation stayed ``compensating`` for good: nothing could
+    unwind it, and every later cancel was refused. A cancel without compensation ends it
+    at once, from any client, its compensations never run."""
+    client = rt.client()
+    execution_id = _parked(client)
+    client.cancel(execution_id, actor="ops")  # nobody drives it here: it stays compensating
+    assert client.status(execution_id) == "compensating"
+    with wp.Client(db_url) as thin:  # a process without the workflow's code
+        thin.cancel(execution_id, compensate=False, actor="ops-2")
+        outcome = thin.result(execution_id, timeout=5)
+    assert isinstance(outcome, wp.Failed) and outcome.error_type == "Cancelled"
+    assert outcome.error["compensate"] is False and outcome.error["actor"] == "ops-2"
+    info = client.describe(execution_id)
+    assert info.status == "failed" and info.finished_at is not None
+    assert info.lease_owner is None and info.wake_at is None
+    cancels = [
+        (r.event["compensate"], r.event["actor"])
+        for r in client.history(execution_id)
+        if r.event["type"] == "execution.cancelled"
+    ]
+    assert cancels == [(True, "ops"), (False, "ops-2")]
+    again = client.result(execution_id, timeout=5)  # the embedded client drives nothing now
+    assert isinstance(again, wp.Failed) and again.error["compensate"] is False
+    assert s.CALLS["undo_first"] == 0
+    assert "compensation.started" not in _types(client, execution_id)
+    for compensate in (True, False):
+        with pytest.raises(wp.CannotCancelError, match=r"^Cannot cancel failed execution [^(]*$"):
+            client.cancel(execution_id, compensate=compensate)
+
+
+def test_a_cancel_without_compensation_stops_an_unwind_in_flight(rt: wp.Runtime) -> None:
+    """A compensation stuck in flight (a remote system that never answers): the operator
+    ends the run at once; the stuck compensation's late record is refused, and the older
+    compensations never run."""
+    client = rt.client()
+    handle = client.start(s.stuck_undo_wf)
+    drive_until_parked(client, handle.execution_id)
+    client.cancel(handle.execution_id)
+    rt.start_worker(concurrency=2, poll_interval=0.05)
+    wait_until(lambda: s.CALLS["stuck_undo"] == 1, what="the compensation is stuck")
+    assert client.status(handle.execution_id) == "compensating"
+    client.cancel(handle.execution_id, compensate=False)
+    outcome = client.result(handle.execution_id, timeout=5)
+    assert isinstance(outcome, wp.Failed) and outcome.error["compensate"] is False
+    s.GATE.set()
+    wait_until(lambda: handle.execution_id not in rt._driving, what="the stuck drive ends")
+    types = _types(client, handle.execution_id)
+    assert "compensation.completed" not in types and "workflow.failed" not in types
+    assert s.CALLS["undo_first"] == 0, "the older compensation never runs"
+    assert client.status(handle.execution_id) == "failed"
 
 
 def test_cancelling_a_finished_run_raises(rt: wp.Runtime) -> None:  # 62

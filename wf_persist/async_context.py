@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 from . import bridge
 from .authoring import Call, Step, Workflow, inside_body
 from .children import ChildHandle
-from .control import Halt, Reload, Suspended
+from .control import Halt, Reload, Suspended, fail_with
 from .errors import Cancelled
 from .logs import run_fields
 from .loops import BODY_LOOP, on_own_loop
@@ -236,7 +236,7 @@ class AsyncContext:
         return await self.child_result(handle)
 
     def fail(self, error: BaseException) -> NoReturn:
-        raise error
+        fail_with(error)
 
 
 @dataclass(eq=False)  # one per call, told apart by identity

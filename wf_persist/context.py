@@ -22,7 +22,7 @@ from .arguments import validate_signal
 from .authoring import Call, Step, Workflow, adapter_for, check_call_name, outside_body
 from .bridge import checked_in_thread, on_threads, settled_here
 from .children import ChildHandle, ChildRunner
-from .control import Reload, Suspended, latched
+from .control import Reload, Suspended, fail_with, latched
 from .driving import Driver
 from .error_documents import shown
 from .errors import (
@@ -326,7 +326,7 @@ class Context:
 
         Registered compensations run first, newest first.
         """
-        raise error
+        fail_with(error)
 
     # suspension -----------------------------------------------------------------------
 

@@ -10,9 +10,9 @@ import asyncio
 import functools
 import threading
 from collections.abc import Callable
-from typing import Concatenate, ParamSpec, Protocol, TypeVar
+from typing import Concatenate, NoReturn, ParamSpec, Protocol, TypeVar
 
-from .errors import Cancelled
+from .errors import Cancelled, WorkflowDefinitionError
 
 
 class Stop(BaseException):
@@ -105,3 +105,13 @@ def latched(method: Callable[Concatenate[L, P], T]) -> Callable[Concatenate[L, P
             raise
 
     return call
+
+
+def fail_with(error: BaseException) -> NoReturn:
+    """``ctx.fail``: raise ``error``; anything but an exception is misuse (Python's own
+    ``TypeError`` would fail the run instead, naming nothing of ``ctx.fail``)."""
+    if not isinstance(error, BaseException):
+        raise WorkflowDefinitionError(
+            f"ctx.fail() takes an exception instance, got {type(error).__name__}"
+        )
+    raise error

@@ -360,12 +360,16 @@ class WorkflowTimeoutError(Cancelled):
 
 
 class CannotCancelError(WfPersistError):
-    """Only running or suspended runs can be cancelled; nothing was recorded."""
+    """Only running or suspended runs can be cancelled (and compensating ones without
+    compensation); nothing was recorded."""
 
-    def __init__(self, execution_id: str, status: str) -> None:
+    def __init__(self, execution_id: str, status: str, without_compensation: bool = False) -> None:
         self.execution_id = execution_id
         self.status = status
-        super().__init__(f"Cannot cancel {status} execution {execution_id}")
+        hint = (
+            " (cancel it with compensate=False to end it at once)" if without_compensation else ""
+        )
+        super().__init__(f"Cannot cancel {status} execution {execution_id}{hint}")
 
 
 class WorkflowFailedError(WfPersistError):

@@ -7,7 +7,7 @@ event appended on replay that was already recorded (a dedupe drop) changes nothi
     running ──sleep.started / signal.waiting──▶ suspended
     suspended ──sleep.completed / signal.received / signal.timeout / delivery──▶ running
     running | suspended ──cancel(compensate)──▶ compensating ──▶ failed
-    running | suspended ──cancel(no compensation)──▶ failed
+    running | suspended | compensating ──cancel(no compensation)──▶ failed
     running | suspended ──workflow.completed──▶ completed
     running | suspended | compensating ──workflow.failed──▶ failed
 """
@@ -41,7 +41,8 @@ STATUSES: Final[tuple[str, ...]] = tuple(s.value for s in Status)
 TERMINAL: Final = frozenset({COMPLETED.value, FAILED.value})
 #: Statuses of a run that still needs a driver (claims look only at these).
 ACTIVE: Final = frozenset(STATUSES) - TERMINAL
-#: ``cancel`` applies only here; anything else is a :class:`CannotCancelError`.
+#: ``cancel`` applies here; anything else is a :class:`CannotCancelError` (but see
+#: :func:`cancellable`).
 CANCELLABLE: Final = frozenset({RUNNING.value, SUSPENDED.value})
 #: A signal can be delivered (or buffered) only to a run in one of these.
 SIGNALABLE: Final = frozenset({RUNNING.value, SUSPENDED.value})
@@ -91,6 +92,13 @@ def event_transition(current: str, event_type: str) -> str | None:
     if current == COMPENSATING and target != FAILED:
         return None
     return target.value if can_transition(current, target) else None
+
+
+def cancellable(status: str, compensate: bool) -> bool:
+    """Whether a run in ``status`` takes a cancellation: a run being compensated takes one
+    without compensation, which ends it at once (the way out of an unwind that no worker
+    runs: its version served nowhere any more)."""
+    return status in CANCELLABLE or (status == COMPENSATING and not compensate)
 
 
 def cancellation_status(compensate: bool) -> Status:

@@ -84,10 +84,9 @@ def duration_seconds(duration: dt.timedelta | float, what: str, *, positive: boo
         if isinstance(duration, dt.timedelta)
         else plain_number(duration)
     )
-    if seconds is None or not seconds >= 0:
-        raise InvalidArgumentError(f"{what} must be a non-negative duration, got {shown(duration)}")
-    if positive and not seconds > 0:
-        raise InvalidArgumentError(f"{what} must be a positive duration, got {shown(duration)}")
+    kind = "positive" if positive else "non-negative"
+    if seconds is None or not seconds >= 0 or (positive and not seconds > 0):
+        raise InvalidArgumentError(f"{what} must be a {kind} duration, got {shown(duration)}")
     if not seconds <= MAX_DURATION_SECONDS:
         raise InvalidArgumentError(
             f"{what} must be finite and at most {MAX_DURATION_SECONDS:.0f} seconds (1000 years), "

@@ -393,6 +393,7 @@ def cancel(
     """Cancel a running or suspended run (it ends failed, with a Cancelled error).
 
     With compensation (default) a worker unwinds the run's completed steps first.
+    --no-compensate also ends a run being compensated (one no worker unwinds) at once.
     """
     with open_client(url, schema) as client:
         client.cancel(execution_id, compensate=not no_compensate, actor=actor)

@@ -126,7 +126,7 @@ def cancel(
     refused: no further step is recorded (one it began meanwhile may have run).
 
     Raises:
-        UnknownExecutionError, CannotCancelError (status not running/suspended).
+        UnknownExecutionError, CannotCancelError (see :func:`lifecycle.cancellable`).
     """
     core = connection_of(conn)
     status = core.execute(
@@ -135,8 +135,12 @@ def cancel(
     ).scalar_one_or_none()
     if status is None:
         raise UnknownExecutionError(execution_id)
-    if status not in lifecycle.CANCELLABLE:
-        raise CannotCancelError(execution_id, str(status))
+    if not lifecycle.cancellable(str(status), compensate):
+        raise CannotCancelError(
+            execution_id,
+            str(status),
+            without_compensation=lifecycle.cancellable(str(status), False),
+        )
     target = lifecycle.cancellation_status(compensate).value
     if compensate:
         history.append(core, backend, execution_id, [cancelled], now=now, force_status=target)
