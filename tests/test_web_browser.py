@@ -126,6 +126,29 @@ def test_a_signal_sent_from_the_page_resumes_a_run_a_worker_drives(
     worker.stop()
 
 
+def test_a_run_no_worker_unwinds_is_ended_from_its_page(
+    runtime: wp.Runtime, app_client: wp.Client, page: Page
+) -> None:
+    """A run cancelled with compensation that no worker unwinds (its version served
+    nowhere) stays compensating: its page offers to end it without the compensations."""
+    run = runtime.client().start(w.approval_wf, 60.0).execution_id
+    with pytest.raises(wp.ResultTimeoutError):
+        runtime.client().result(run, timeout=1.5)  # driven here up to its signal wait
+    app = create_app(client=app_client, allow_actions=True, token="page-token")
+    with serving(app) as base:
+        page.goto(f"{base}/runs/{run}")
+        page.fill("#token", "page-token")
+        page.locator("#token").dispatch_event("change")
+        expect(page.locator("#end-now")).to_have_count(0)  # only for a compensating run
+        page.locator("#cancel").click()
+        expect(page.locator("#status")).to_have_text("compensating")
+        page.locator("#end-now").click()
+        expect(page.locator("#status")).to_have_text("failed")
+        expect(page.locator("#end-now")).to_have_count(0)
+    outcome = app_client.result(run, timeout=5)
+    assert isinstance(outcome, wp.Failed) and outcome.error["compensate"] is False
+
+
 def _labels_of(client: wp.Client, run: str) -> list[str]:
     from wf_persist.web import data
 

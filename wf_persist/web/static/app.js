@@ -177,12 +177,14 @@ for (const form of document.querySelectorAll("form.signal-form")) {
   });
 }
 
-const cancel = document.getElementById("cancel");
-if (cancel) {
-  cancel.addEventListener("click", async () => {
-    const [ok] = await act("/api/runs/" + encodeURIComponent(facts.dataset.run) + "/cancel", {});
-    if (ok) setTimeout(() => window.location.reload(), 300);
-  });
+for (const [id, body] of [["cancel", {}], ["end-now", { compensate: false }]]) {
+  const button = document.getElementById(id);
+  if (button) {
+    button.addEventListener("click", async () => {
+      const [ok] = await act("/api/runs/" + encodeURIComponent(facts.dataset.run) + "/cancel", body);
+      if (ok) setTimeout(() => window.location.reload(), 300);
+    });
+  }
 }
 const retry = document.getElementById("retry");
 if (retry) {
