@@ -258,6 +258,8 @@ def misuse_wf(ctx: wp.Context, how: str) -> str:
         return f"{ctx.run(keep, 1)} {ctx.run(keep, 2)} {ctx.run(outer, 1)}"
     elif how == "fail-not-an-exception":
         ctx.fail("out of stock")  # type: ignore[arg-type]
+    elif how == "fail-a-class":
+        ctx.fail(LookupError)
     CALLS["after"] += 1
     return "done"
 
@@ -957,7 +959,7 @@ MISUSE = {
     "direct": ("WorkflowDefinitionError", "use ctx.run(keep, ...)"),
     "two-steps-one-name": ("WorkflowDefinitionError", "two different steps are named 'keep'"),
     # Python's own TypeError ("exceptions must derive from BaseException") failed the run.
-    "fail-not-an-exception": ("WorkflowDefinitionError", "ctx.fail() takes an exception instance"),
+    "fail-not-an-exception": ("WorkflowDefinitionError", "ctx.fail() takes an exception, got str"),
 }
 
 
@@ -980,7 +982,16 @@ def test_an_async_bodys_ctx_fail_of_a_non_exception_is_a_definition_error(
     handle = client.start(misuse_async_wf, "out of stock")
     outcome = failed_once(client, tables, handle.execution_id)
     assert outcome.error_type == "WorkflowDefinitionError"
-    assert outcome.message == "ctx.fail() takes an exception instance, got str"
+    assert outcome.message == "ctx.fail() takes an exception, got str 'out of stock'"
+
+
+def test_ctx_fail_of_an_exception_class_fails_the_run_with_it(
+    client: wp.WorkflowClient, tables: Tables
+) -> None:
+    """As ``raise`` takes a class (made with no arguments): not a definition error."""
+    handle = client.start(misuse_wf, "fail-a-class")
+    outcome = failed_once(client, tables, handle.execution_id)
+    assert outcome.error_type == "LookupError" and outcome.matches(LookupError)
 
 
 def test_a_non_step_is_refused_at_the_call_site(client: wp.WorkflowClient) -> None:

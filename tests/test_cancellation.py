@@ -9,6 +9,7 @@ import pytest
 import wf_persist as wp
 
 from .fixtures import saga as s
+from .fixtures.workflows import Approval
 from .helpers import Processes, drive_until_parked, wait_until
 
 pytestmark = pytest.mark.usefixtures("saga_reset")
@@ -147,6 +148,44 @@ def test_a_cancel_without_compensation_stops_an_unwind_in_flight(rt: wp.Runtime)
     assert "compensation.completed" not in types and "workflow.failed" not in types
     assert s.CALLS["undo_first"] == 0, "the older compensation never runs"
     assert client.status(handle.execution_id) == "failed"
+
+
+@wp.workflow(name="cancel-tree-child", version=1)
+def _tree_child(ctx: wp.Context) -> str:
+    ctx.run(s.reserve, 5)
+    ctx.wait_for_signal("approval", Approval)
+    return "child"
+
+
+@wp.workflow(name="cancel-tree-parent", version=1)
+def _tree_parent(ctx: wp.Context) -> str:
+    return ctx.run_child(_tree_child, None)
+
+
+def test_a_trees_cancel_without_compensation_leaves_a_childs_own_unwind_to_run(
+    rt: wp.Runtime,
+) -> None:
+    """An operator cancelled a child with compensation (its refunds wanted); its parent's
+    cancel without compensation then reaches the tree: the child's unwind runs its course
+    (ending it at once needs a cancel of the child itself)."""
+    rt.register(_tree_parent, _tree_child)
+    client = rt.client()
+    parent = client.start(_tree_parent).execution_id
+    drive_until_parked(client, parent)
+    (child,) = [
+        r.event["childExecutionId"]
+        for r in client.history(parent)
+        if r.event["type"] == "child.started"
+    ]
+    drive_until_parked(client, child)
+    client.cancel(child, actor="ops-child")
+    client.cancel(parent, compensate=False, actor="ops-parent")
+    assert client.status(parent) == "failed" and client.status(child) == "compensating"
+    rt.start_worker(concurrency=2, poll_interval=0.05)
+    outcome = client.result(child, timeout=10)
+    assert isinstance(outcome, wp.Failed) and outcome.error["compensate"] is True
+    assert outcome.error["actor"] == "ops-child"
+    assert s.CALLS["undo_first"] == 1
 
 
 def test_cancelling_a_finished_run_raises(rt: wp.Runtime) -> None:  # 62

@@ -4,6 +4,7 @@ named schema, and the lifecycle rules every writer uses."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -248,6 +249,57 @@ def test_resolved_secrets_are_scrubbed_from_every_stored_error(
     raw = _raw_bytes(db_url, backend, tmp_path)
     assert b"card declined for key secret:stripe-key" in raw
     assert SECRET_VALUE.encode() not in raw
+
+
+#: A long key (pydantic quotes a value of more than 50 characters by its two ends) and one
+#: whose repr escapes characters (a line break, a quote, a backslash, non-ASCII).
+LONG_KEY = "sk_live_Q7x9Zr2LmN4pW8vT1kJ6hG3fD5sA0yUeBcXoIiRtYqP"
+ODD_KEY = "line1-of-pass\n'line2'\\of-pässword"
+
+
+@wp.step(retry=wp.Retry(attempts=1))
+def _returns_the_key(key: str) -> int:
+    return key  # type: ignore[return-value]  # not an int: the result's validation fails
+
+
+@wp.step(retry=wp.Retry(attempts=1))
+def _quotes_the_key(key: str) -> int:
+    raise ValueError(f"refused key {key!r} ({key.encode()!r})")
+
+
+@wp.workflow(name="regress-printed-secret", version=1)
+def _printed_secret_wf(ctx: wp.Context, how: str) -> int:
+    step = _returns_the_key if how == "result" else _quotes_the_key
+    return ctx.run(step, wp.secret("long-key" if how == "result" else "odd-key"))
+
+
+def test_a_secret_as_messages_print_it_is_scrubbed_too(
+    make_runtime: Callable[..., wp.Runtime],
+    db_url: str,
+    backend: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only the value as it was got replaced: a step result failing its validation stored
+    pydantic's ``input_value='sk_live_Q7x9Zr2LmN4pW8vT...IiRtYqP'`` (both ends of the key)
+    in the traceback, and an error quoting the key with ``!r`` stored it escaped, whole."""
+    monkeypatch.setenv("LONG_KEY", LONG_KEY)
+    monkeypatch.setenv("ODD_KEY", ODD_KEY)
+    rt = make_runtime(secret_resolver=wp.env_secret_resolver())
+    rt.register(_printed_secret_wf)
+    client = rt.client()
+    for how in ("result", "raised"):
+        outcome = client.execute(_printed_secret_wf, how)
+        assert isinstance(outcome, wp.Failed) and outcome.error_type == "StepExecutionError"
+    rt.close()
+    raw = _raw_bytes(db_url, backend, tmp_path)
+    assert b"secret:long-key...secret:long-key" in raw  # pydantic's input_value=
+    assert raw.count(b"secret:odd-key") >= 2  # the key's repr and its bytes' repr
+    for key in (LONG_KEY, ODD_KEY):
+        forms = {key, repr(key)[1:-1], repr(key.encode())[2:-1], json.dumps(key)[1:-1]}
+        for form in forms:
+            for i in range(len(form) - 11):
+                assert form[i : i + 12].encode() not in raw, (form, i)
 
 
 # host integration -----------------------------------------------------------------------

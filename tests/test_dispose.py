@@ -331,3 +331,94 @@ def test_every_call_of_a_closed_async_client_is_closed_error(db_url: str) -> Non
             await client.close()  # idempotent
 
     asyncio.run(app())
+
+
+_STEP_GATE = threading.Event()
+_STEP_IN = threading.Event()
+_CLOSING: list[wp.Runtime] = []
+
+
+@wp.workflow(name="dispose-other", version=1)
+def _other(ctx: wp.Context) -> int:
+    return 1
+
+
+@wp.step(retry=wp.Retry(attempts=1))
+def _starts_another() -> str:
+    _STEP_IN.set()
+    _STEP_GATE.wait(10)
+    return _CLOSING[0].client().start(_other, idempotency_key="other").execution_id
+
+
+@wp.workflow(name="dispose-main", version=1)
+def _main(ctx: wp.Context) -> str:
+    return ctx.run(_starts_another)
+
+
+def test_a_step_in_flight_while_its_runtime_closes_may_still_use_its_client(db_url: str) -> None:
+    """Graceful shutdown lets runs in flight stop at their next step: such a step that
+    starts a run through the runtime's client had that refused (ClosedError recorded as
+    the step's failure, the run failed for good) once the client checked for a close."""
+    _STEP_GATE.clear()
+    _STEP_IN.clear()
+    rt = wp.Runtime(db_url)
+    _CLOSING[:] = [rt]
+    rt.register(_main, _other)
+    handle = rt.client().start(_main)
+    rt.start_worker(concurrency=2, poll_interval=0.05)
+    assert _STEP_IN.wait(10)
+    closing = threading.Thread(target=rt.close, kwargs={"timeout": 10})
+    closing.start()
+    time.sleep(0.3)
+    _STEP_GATE.set()
+    closing.join()
+    with wp.Client(db_url) as thin:
+        kinds = [r.event["type"] for r in thin.history(handle.execution_id)]
+        assert "step.completed" in kinds and "step.failed" not in kinds, kinds
+        assert thin.status(handle.execution_id) == "running"  # handed over, not failed
+        assert thin.list("dispose-other").items  # the step's start went through
+
+
+def test_a_wait_in_flight_when_its_client_closes_ends_with_closed_error(db_url: str) -> None:
+    """A ``result()`` waiting in another thread went on looking through a new pool of the
+    disposed engine (a connection checked out at every look) until its timeout."""
+    rt = wp.Runtime(db_url)
+    rt.register(_main, _other)
+    run = rt.client().start(_other).execution_id  # nobody drives it
+    rt.close()
+    thin = wp.Client(db_url, poll_interval=0.02)
+    raised: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            thin.result(run, timeout=30)
+        except BaseException as exc:
+            raised.append(exc)
+
+    waiting = threading.Thread(target=wait)
+    waiting.start()
+    time.sleep(0.3)
+    thin.close()
+    seen = _checkouts(thin.engine)
+    waiting.join(10)
+    assert not waiting.is_alive()
+    assert len(raised) == 1 and isinstance(raised[0], wp.ClosedError), raised
+    assert len(seen) <= 1  # at most a look that was under way
+
+
+def test_an_async_client_closed_while_its_first_call_opens_it_keeps_no_pool(db_url: str) -> None:
+    """The first call opened the thin client on the engine the close had disposed of, and
+    went on through a new pool that nothing closed (a server session left open)."""
+
+    async def app() -> None:
+        client = wp.AsyncClient(db_url)
+        call = asyncio.ensure_future(client.workflows())
+        await asyncio.sleep(0)  # the first call is opening the thin client
+        await asyncio.sleep(0)
+        await client.close()
+        with pytest.raises(wp.ClosedError):
+            await call
+        pool = client.engine.sync_engine.pool
+        assert pool.checkedout() == 0 and pool.checkedin() == 0, pool.status()  # type: ignore[attr-defined]
+
+    asyncio.run(app())

@@ -136,7 +136,13 @@ class AsyncClient:
 
     async def _open(self) -> None:
         try:
-            self._client = await greenlet_spawn(Client, self.engine.sync_engine, **self._options)
+            client = await greenlet_spawn(Client, self.engine.sync_engine, **self._options)
+            if self._closed:  # closed while it opened: on an engine disposed of since
+                client.close()
+                if self._owned:  # a pool it may have made after the close's disposal
+                    await self.engine.dispose()
+                raise ClosedError("AsyncClient")
+            self._client = client
         finally:
             self._opening = None  # failed: the next use tries again
 

@@ -235,7 +235,7 @@ class AsyncContext:
         )
         return await self.child_result(handle)
 
-    def fail(self, error: BaseException) -> NoReturn:
+    def fail(self, error: BaseException | type[BaseException]) -> NoReturn:
         fail_with(error)
 
 

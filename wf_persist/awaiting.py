@@ -114,6 +114,7 @@ class RunAwaiter(RunReader):
             # its end is heard (or the listener reconnects, or the time is up).
             unread = self._ends.unread(execution_id)
             while True:
+                self._check_open()  # closed meanwhile: each look would take a new pool's
                 known = self._known(execution_id)
                 if known is not None:
                     return known

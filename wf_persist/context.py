@@ -321,7 +321,7 @@ class Context:
 
     # failure --------------------------------------------------------------------------
 
-    def fail(self, error: BaseException) -> NoReturn:
+    def fail(self, error: BaseException | type[BaseException]) -> NoReturn:
         """Fail the run with a typed error callers can match (``Failed.matches``).
 
         Registered compensations run first, newest first.

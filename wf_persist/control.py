@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable
 from typing import Concatenate, NoReturn, ParamSpec, Protocol, TypeVar
 
+from .error_documents import shown
 from .errors import Cancelled, WorkflowDefinitionError
 
 
@@ -107,11 +108,13 @@ def latched(method: Callable[Concatenate[L, P], T]) -> Callable[Concatenate[L, P
     return call
 
 
-def fail_with(error: BaseException) -> NoReturn:
+def fail_with(error: BaseException | type[BaseException]) -> NoReturn:
     """``ctx.fail``: raise ``error``; anything but an exception is misuse (Python's own
     ``TypeError`` would fail the run instead, naming nothing of ``ctx.fail``)."""
-    if not isinstance(error, BaseException):
+    if not isinstance(error, BaseException) and not (
+        isinstance(error, type) and issubclass(error, BaseException)
+    ):  # (a class is raised as ``raise`` raises one: made with no arguments)
         raise WorkflowDefinitionError(
-            f"ctx.fail() takes an exception instance, got {type(error).__name__}"
+            f"ctx.fail() takes an exception, got {type(error).__name__} {shown(error)}"
         )
     raise error

@@ -47,7 +47,8 @@ class RunControls(RunReader):
     def cancel(
         self, execution_id: str, *, compensate: bool = True, actor: str | None = None
     ) -> None:
-        """Cancel a running or suspended run, from any process.
+        """Cancel a running or suspended run, from any process (or, without
+        ``compensate``, a run being compensated: it ends at once).
 
         With ``compensate`` (default) the run moves to ``compensating``, wakes at its
         suspension point (or at its next step boundary if it is running), unwinds its
@@ -59,8 +60,9 @@ class RunControls(RunReader):
         turn, unless started with ``cancel_with_parent=False``: in the same transaction.
 
         Raises:
-            CannotCancelError: the run is not running or suspended ("Cannot cancel completed
-                execution ..."); of two concurrent cancels, the second.
+            CannotCancelError: the run is not running or suspended, or compensating for a
+                cancel without ``compensate`` ("Cannot cancel completed execution ..."); of
+                two concurrent cancels, the second.
             UnknownExecutionError.
         """
         actor = arguments.check_text("actor", actor)

@@ -60,7 +60,7 @@ class WorkflowClient(Client):
         self.runtime.wait_for_change(seconds)
 
     def _check_open(self) -> None:
-        self.runtime._check_open()  # the runtime's engine is the client's
+        self.runtime._check_clients_open()  # the runtime's engine is the client's
 
     def _prepare_start(
         self,

@@ -94,11 +94,12 @@ def event_transition(current: str, event_type: str) -> str | None:
     return target.value if can_transition(current, target) else None
 
 
-def cancellable(status: str, compensate: bool) -> bool:
+def cancellable(status: str, compensate: bool, unwinding_too: bool = True) -> bool:
     """Whether a run in ``status`` takes a cancellation: a run being compensated takes one
     without compensation, which ends it at once (the way out of an unwind that no worker
-    runs: its version served nowhere any more)."""
-    return status in CANCELLABLE or (status == COMPENSATING and not compensate)
+    runs: its version served nowhere any more), unless ``unwinding_too`` is off (a tree's
+    cancel reaching a child: that child's own unwind runs its course)."""
+    return status in CANCELLABLE or (unwinding_too and status == COMPENSATING and not compensate)
 
 
 def cancellation_status(compensate: bool) -> Status:

@@ -442,6 +442,13 @@ class Runtime(Registry, Notices, WorkerSide):
         if self._closed:
             raise ClosedError("Workflow runtime")
 
+    def _check_clients_open(self) -> None:
+        """For this runtime's clients: refused once its engine is let go of, not while it
+        closes (a step still running then may use them, as a run it drives does)."""
+        self._check_process()
+        if self._disposed:
+            raise ClosedError("Workflow runtime")
+
     def close(self, timeout: float = 30.0) -> None:
         """Stop this runtime's worker, let runs in flight stop at their next step (waiting up
         to ``timeout`` seconds), then release every lease still held so other workers take

@@ -8,6 +8,7 @@ again. The resolver of the process that runs the step is used.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -74,18 +75,40 @@ class Redactor:
 
     A step that raises with its API key in the message must not put the key in history or
     in ``wf_executions.error``: every error document a drive records passes through
-    :meth:`scrub` (messages, args, fields, nested documents). Values shorter than
+    :meth:`scrub` (messages, args, fields, nested documents). A value is also found as
+    ``repr``, JSON and ``bytes`` print it (escaped: a key with a quote, a backslash or a
+    line break in an error's ``{key!r}``), and so is any run of :attr:`FRAGMENT` or more of
+    its characters in such a form: a message that shortens what it quotes (pydantic's
+    ``input_value='sk_live_...yqP'``) keeps its two ends. Values shorter than
     :attr:`MIN_LENGTH` are not scrubbed (they would garble every message and hide nothing).
     """
 
     MIN_LENGTH: Final = 4
+    #: The shortest piece of a value that is scrubbed on its own.
+    FRAGMENT: Final = 12
 
     def __init__(self) -> None:
+        #: Each value's printed forms -> its reference.
         self._values: dict[str, str] = {}
+        self._pieces: re.Pattern[str] | None = None
+        #: For the pieces' pattern: each form at least FRAGMENT long -> its reference.
+        self._long: dict[str, str] = {}
 
     def add(self, reference: str, value: Any) -> None:
-        if isinstance(value, str) and len(value) >= self.MIN_LENGTH:
-            self._values[value] = reference
+        if not isinstance(value, str) or len(value) < self.MIN_LENGTH:
+            return
+        for form in _printed_forms(value):
+            self._values[form] = reference
+            if len(form) >= self.FRAGMENT:
+                self._long[form] = reference
+        if self._long:
+            pieces = {
+                form[i : i + self.FRAGMENT]
+                for form in self._long
+                for i in range(len(form) - self.FRAGMENT + 1)
+            }
+            # Longest first is moot (all one length); sorted for a stable pattern.
+            self._pieces = re.compile("|".join(re.escape(p) for p in sorted(pieces)))
 
     def __bool__(self) -> bool:
         return bool(self._values)
@@ -99,12 +122,47 @@ class Redactor:
             for secret_value in sorted(self._values, key=len, reverse=True):
                 if secret_value in value:
                     value = value.replace(secret_value, self._values[secret_value])
-            return value
+            return self._scrub_pieces(value)
         if isinstance(value, dict):
             return {self.scrub(k): self.scrub(v) for k, v in value.items()}
         if isinstance(value, list | tuple):
             return [self.scrub(v) for v in value]
         return value
+
+    def _scrub_pieces(self, text: str) -> str:
+        """``text`` with each run of a long value's characters (a printed form's piece of
+        :attr:`FRAGMENT` or more, as long as it goes on matching) replaced."""
+        if self._pieces is None:
+            return text
+        out: list[str] = []
+        at = 0
+        while (found := self._pieces.search(text, at)) is not None:
+            start, end = found.span()
+            reference = ""
+            for form, ref in self._long.items():
+                where = form.find(found.group())
+                while where >= 0:  # extend along every place the piece occurs in the form
+                    stop = end
+                    k = where + self.FRAGMENT
+                    while k < len(form) and stop < len(text) and text[stop] == form[k]:
+                        stop, k = stop + 1, k + 1
+                    if not reference or stop > end:
+                        reference, end = ref, max(end, stop)
+                    where = form.find(found.group(), where + 1)
+            out.append(text[at:start])
+            out.append(reference)
+            at = end
+        out.append(text[at:])
+        return "".join(out)
+
+
+def _printed_forms(value: str) -> set[str]:
+    """``value`` as text, and as ``repr``, JSON and its UTF-8 ``bytes`` print it (without
+    their quotes)."""
+    forms = {value, repr(value)[1:-1], json.dumps(value)[1:-1]}
+    forms.add(json.dumps(value, ensure_ascii=False)[1:-1])
+    forms.add(repr(value.encode("utf-8", "surrogatepass"))[2:-1])
+    return forms
 
 
 def env_variable_name(name: str) -> str:

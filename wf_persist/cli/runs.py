@@ -390,10 +390,11 @@ def cancel(
     url: UrlOption = None,
     schema: SchemaOption = None,
 ) -> None:
-    """Cancel a running or suspended run (it ends failed, with a Cancelled error).
+    """Cancel a running or suspended run, or end a compensating one (--no-compensate).
 
-    With compensation (default) a worker unwinds the run's completed steps first.
-    --no-compensate also ends a run being compensated (one no worker unwinds) at once.
+    It ends failed, with a Cancelled error. With compensation (default) a worker unwinds
+    the run's completed steps first. --no-compensate ends the run at once, also a run being
+    compensated (one no worker unwinds); its children's own unwinds run their course.
     """
     with open_client(url, schema) as client:
         client.cancel(execution_id, compensate=not no_compensate, actor=actor)

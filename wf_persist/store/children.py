@@ -144,6 +144,7 @@ def cancel(
             compensate=compensate,
             error=error_document(Cancelled(compensate, actor)),
             now=now,
+            unwinding_too=False,
         )
     except (CannotCancelError, UnknownExecutionError):
         return False

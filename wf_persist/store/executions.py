@@ -116,9 +116,12 @@ def cancel(
     compensate: bool,
     error: dict[str, Any],
     now: dt.datetime,
+    unwinding_too: bool = True,
 ) -> None:
     """Record a cancellation: one transaction changes the status and records
     ``execution.cancelled``, so of two concurrent cancels exactly one is recorded.
+    ``unwinding_too=False``: a run being compensated is not ended (a tree's cancel leaves a
+    child's own unwind to run its course).
 
     With ``compensate`` the run moves to ``compensating`` and is woken (a parked run now; a
     running one learns it from its next write and replays to unwind). Without, it fails at
@@ -135,11 +138,11 @@ def cancel(
     ).scalar_one_or_none()
     if status is None:
         raise UnknownExecutionError(execution_id)
-    if not lifecycle.cancellable(str(status), compensate):
+    if not lifecycle.cancellable(str(status), compensate, unwinding_too):
         raise CannotCancelError(
             execution_id,
             str(status),
-            without_compensation=lifecycle.cancellable(str(status), False),
+            without_compensation=lifecycle.cancellable(str(status), False, unwinding_too),
         )
     target = lifecycle.cancellation_status(compensate).value
     if compensate:
