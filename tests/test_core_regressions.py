@@ -224,11 +224,15 @@ def test_a_parallel_block_with_other_branches_is_a_divergence(
 # secrets --------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def dump(db_url: str, backend: str, tmp_path: Path) -> Callable[[], bytes]:
+    """The database's bytes as stored (its files, or a dump of it)."""
+    return lambda: _raw_bytes(db_url, backend, tmp_path)
+
+
 def test_resolved_secrets_are_scrubbed_from_every_stored_error(
     make_runtime: Callable[..., wp.Runtime],
-    db_url: str,
-    backend: str,
-    tmp_path: Path,
+    dump: Callable[[], bytes],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("STRIPE_KEY", SECRET_VALUE)
@@ -246,7 +250,7 @@ def test_resolved_secrets_are_scrubbed_from_every_stored_error(
     stored = [r.event for r in client.history(handle.execution_id)]
     assert SECRET_VALUE not in str(stored)
     rt.close()
-    raw = _raw_bytes(db_url, backend, tmp_path)
+    raw = dump()
     assert b"card declined for key secret:stripe-key" in raw
     assert SECRET_VALUE.encode() not in raw
 
@@ -275,9 +279,7 @@ def _printed_secret_wf(ctx: wp.Context, how: str) -> int:
 
 def test_a_secret_as_messages_print_it_is_scrubbed_too(
     make_runtime: Callable[..., wp.Runtime],
-    db_url: str,
-    backend: str,
-    tmp_path: Path,
+    dump: Callable[[], bytes],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Only the value as it was got replaced: a step result failing its validation stored
@@ -292,7 +294,7 @@ def test_a_secret_as_messages_print_it_is_scrubbed_too(
         outcome = client.execute(_printed_secret_wf, how)
         assert isinstance(outcome, wp.Failed) and outcome.error_type == "StepExecutionError"
     rt.close()
-    raw = _raw_bytes(db_url, backend, tmp_path)
+    raw = dump()
     assert b"secret:long-key...secret:long-key" in raw  # pydantic's input_value=
     assert raw.count(b"secret:odd-key") >= 2  # the key's repr and its bytes' repr
     for key in (LONG_KEY, ODD_KEY):
