@@ -5,10 +5,12 @@ named schema, and the lifecycle rules every writer uses."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import BaseModel, field_validator
@@ -302,6 +304,90 @@ def test_a_secret_as_messages_print_it_is_scrubbed_too(
         for form in forms:
             for i in range(len(form) - 11):
                 assert form[i : i + 12].encode() not in raw, (form, i)
+
+
+class _UpstreamError(Exception):
+    pass
+
+
+@wp.step(retry=wp.Retry(attempts=1))
+def _charges_with_the_key(key: str) -> str:
+    raise _UpstreamError(f"401 from https://api.example.com/v1/charges?key={key}")
+
+
+@wp.workflow(name="regress-drive-failed-secret", version=1)
+def _drive_failed_secret_wf(ctx: wp.Context) -> str:
+    return ctx.run(_charges_with_the_key, wp.secret("long-key"))
+
+
+def test_a_failed_drive_stores_no_secret_of_the_error_being_handled(
+    make_runtime: Callable[..., wp.Runtime],
+    dump: Callable[[], bytes],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The write of a step's failure itself failed (the database lost just then): the
+    ``drive.failed`` document's traceback holds the step's error it was handling, and that
+    was stored unscrubbed (the drive's failure passed through no redactor)."""
+    from sqlalchemy.exc import OperationalError
+
+    monkeypatch.setenv("LONG_KEY", LONG_KEY)
+    rt = make_runtime(secret_resolver=wp.env_secret_resolver())
+    write = rt.backend.write
+    lost: list[bool] = []
+
+    def losing(conn: Any, execution_id: str, epoch: int, evs: Any, **kwargs: Any) -> Any:
+        if not lost and any(e.event["type"] == "step.failed" for e in evs):
+            lost.append(True)
+            try:  # as a driver raises it: its own error, wrapped by SQLAlchemy
+                raise ConnectionResetError("connection lost")
+            except ConnectionResetError as err:
+                raise OperationalError("INSERT ...", {}, err) from err
+        return write(conn, execution_id, epoch, evs, **kwargs)
+
+    monkeypatch.setattr(rt.backend, "write", losing)
+    rt.register(_drive_failed_secret_wf)
+    client = rt.client()
+    run = client.start(_drive_failed_secret_wf).execution_id
+    rt.start_worker(poll_interval=0.05)
+    outcome = client.result(run, timeout=60)
+    assert isinstance(outcome, wp.Failed) and lost == [True]
+    (failure,) = [r.event for r in client.history(run) if r.event["type"] == "drive.failed"]
+    assert "key=secret:long-key" in failure["error"]["traceback"]
+    rt.close()
+    raw = dump()
+    for i in range(len(LONG_KEY) - 11):
+        assert LONG_KEY[i : i + 12].encode() not in raw, i
+
+
+def test_a_redactor_shared_by_parallel_branches_scrubs_while_another_adds() -> None:
+    """``ctx.all`` branches share the drive's redactor: a scrub while a sibling resolved a
+    secret failed with "dictionary changed size during iteration" (the run failed with it)."""
+    from wf_persist.secrets import Redactor
+
+    redactor = Redactor()
+    redactor.add("secret:first", "first-secret-value")
+    stop = threading.Event()
+
+    def adding() -> None:
+        n = 0
+        while not stop.is_set():
+            redactor.add(f"secret:k{n}", f"value-number-{n}-of-many")
+            n += 1
+
+    adder = threading.Thread(target=adding)
+    adder.start()
+    try:
+        for _ in range(300):
+            assert redactor.scrub({"m": "a first-secret-value b"}) == {"m": "a secret:first b"}
+    finally:
+        stop.set()
+        adder.join()
+    assert redactor.scrub({"pin": 1234567890123, "flag": True}) == {
+        "pin": 1234567890123,
+        "flag": True,
+    }
+    redactor.add("secret:pin", "1234567890123")
+    assert redactor.scrub([1234567890123, True, 5]) == ["secret:pin", True, 5]
 
 
 # host integration -----------------------------------------------------------------------

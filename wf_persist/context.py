@@ -37,7 +37,6 @@ from .errors import (
 from .events import Activity
 from .loops import check_can_await, settle
 from .replay import Cursor, Journal, Received, TimedOut
-from .secrets import Redactor
 from .steps import StepCall, StepRunner
 from .timeouts import MAX_DURATION_SECONDS as MAX_DURATION_SECONDS
 from .timeouts import duration_seconds, plain_number
@@ -62,7 +61,9 @@ class Context:
         self._journal = journal
         self._driver = driver
         self._cursor = Cursor(journal)
-        self._steps = StepRunner(execution_id, journal, driver, Redactor(), self._before_new_call)
+        self._steps = StepRunner(
+            execution_id, journal, driver, driver.redactor, self._before_new_call
+        )
         self._children = ChildRunner(
             execution_id, journal, self._cursor, driver, self._before_new_call
         )

@@ -45,7 +45,7 @@ from .leases import Lease
 from .lending import Lender
 from .logs import run_fields
 from .models import executions_table as ex
-from .secrets import SecretResolver
+from .secrets import Redactor, SecretResolver
 from .store import executions, history
 from .wakeups import END, NOTIFIED_POLL_INTERVAL, WAKE
 
@@ -99,8 +99,11 @@ class RunDriver(ChildDriving):
         lender: Lender,
         until: float | None = None,
         deadline: dt.datetime | None = None,
+        redactor: Redactor | None = None,
     ) -> None:
         self.runtime = runtime
+        #: One per drive (a reload makes a new driver, not a new redactor).
+        self.redactor = redactor if redactor is not None else Redactor()
         self.lender = lender
         self.backend = runtime.backend
         self.execution_id = claim.execution_id

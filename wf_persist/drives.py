@@ -30,6 +30,7 @@ from .lending import Lender
 from .logs import run_fields
 from .models import executions_table as ex
 from .replay import Journal
+from .secrets import Redactor
 from .store import executions, history
 from .timeouts import run_deadline
 from .wakeups import END
@@ -151,6 +152,7 @@ def drive(
     deadline = run_deadline(claim, wf.timeout)
     lender = Lender(runtime.backend, runtime.timers, keep=not bridge.bridged(), lease=lease)
     driver: RunDriver | None = None
+    redactor = Redactor()  # what a failed drive stores is scrubbed of the drive's secrets
     try:
         try:  # a read that fails is counted as the drive's failure, as a reload's is
             clock = _drive_clock(runtime, claim)
@@ -160,7 +162,7 @@ def drive(
             journal, seen = loaded
             cancel_known = journal.cancelled is not None
             driver = RunDriver(
-                runtime, claim, lease, clock, seen, cancel_known, lender, until, deadline
+                runtime, claim, lease, clock, seen, cancel_known, lender, until, deadline, redactor
             )
             try:
                 run_body(driver, wf, claim.input, journal)
@@ -191,14 +193,14 @@ def drive(
                     extra=run_fields(claim.execution_id, claim.workflow_name),
                 )
         else:
-            failed(runtime, claim, halt.cause)
+            failed(runtime, claim, halt.cause, redactor)
     except Exception as exc:  # a defect in replay itself: count it like any failed drive
         off_loop(lender.release)
-        failed(runtime, claim, exc)
+        failed(runtime, claim, exc, redactor)
     except BaseException as exc:
         if not interrupting(exc):  # user code's own KeyboardInterrupt, say: a failed drive
             off_loop(lender.release)
-            failed(runtime, claim, exc)
+            failed(runtime, claim, exc, redactor)
             return None
         if driver is not None:  # interrupted (shutdown): keep what finished, if we still can
             with contextlib.suppress(Exception, Halt):
@@ -218,16 +220,21 @@ def _reload(runtime: Runtime, lender: Lender, execution_id: str) -> tuple[Journa
         return load_journal(conn, execution_id)
 
 
-def failed(runtime: Runtime, claim: Claim, exc: BaseException) -> None:
+def failed(
+    runtime: Runtime, claim: Claim, exc: BaseException, redactor: Redactor | None = None
+) -> None:
     """Count a failed drive on the run; past the limit, fail the run. Fenced by the epoch
-    (a run someone else claimed meanwhile is theirs), on a fresh connection."""
+    (a run someone else claimed meanwhile is theirs), on a fresh connection. ``redactor``:
+    the drive's secrets (its traceback holds what was being handled when it failed: a
+    step's error, say)."""
     drive_telemetry.drive_outcome("drive_failed", exc)
-    off_loop(_failed, runtime, claim, exc)
+    off_loop(_failed, runtime, claim, exc, redactor or Redactor())
 
 
-def _failed(runtime: Runtime, claim: Claim, exc: BaseException) -> None:
+def _failed(runtime: Runtime, claim: Claim, exc: BaseException, redactor: Redactor) -> None:
     execution_id = claim.execution_id
-    doc = error_document(driver_error(exc))  # the driver's words, not the whole statement
+    # The driver's words, not the whole statement.
+    doc = redactor.scrub(error_document(driver_error(exc), redactor.scrub))
     counted: list[tuple[int, dict[str, Any]]] = []  # what the last try read and would write
     refusals: list[Exception] = []
     for _ in range(2):  # a passing error (a lost connection, a deadlock) gets another try

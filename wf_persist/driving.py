@@ -13,7 +13,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 from .authoring import Step, Workflow
 from .events import Activity, NewEvent
-from .secrets import SecretResolver
+from .secrets import Redactor, SecretResolver
 
 T = TypeVar("T")
 
@@ -42,6 +42,8 @@ class Driver(Protocol):
     workflow: str
     #: When the run times out (None: never); a park never outlasts it.
     deadline: dt.datetime | None
+    #: The secrets resolved in this drive, scrubbed from every error it stores.
+    redactor: Redactor
 
     def clock(self) -> dt.datetime:
         """The database's time (measured from the claim), never the worker's own clock."""

@@ -131,7 +131,9 @@ def traceback_text(exc: BaseException, redact: Callable[[str], str] | None = Non
     except Exception:  # a __str__ that raises: the frames are still worth keeping
         text = "".join(traceback.format_tb(exc.__traceback__))
     if redact is not None:
-        text = redact(text)
+        # Only the end is kept: the scrub's work is bounded by what may be kept, with room
+        # for a secret that the final cut would leave in part.
+        text = redact(text[-2 * MAX_TRACEBACK :])
     if len(text) > MAX_TRACEBACK:
         text = "...\n" + text[-MAX_TRACEBACK:]
     return text

@@ -37,7 +37,7 @@ from .errors import (
 )
 from .events import Activity, NewEvent
 from .replay import Journal
-from .secrets import SecretResolver
+from .secrets import Redactor, SecretResolver
 from .store import executions, history
 from .values import from_json, to_json
 
@@ -88,6 +88,7 @@ class _DryDriver:
         keys: set[str],
         definitions: Callable[[str, int], Workflow[Any, Any] | None] | None = None,
     ) -> None:
+        self.redactor = Redactor()
         self.workflow = workflow
         self._now = now
         self._recorded = recorded

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
@@ -79,8 +80,10 @@ class Redactor:
     ``repr``, JSON and ``bytes`` print it (escaped: a key with a quote, a backslash or a
     line break in an error's ``{key!r}``), and so is any run of :attr:`FRAGMENT` or more of
     its characters in such a form: a message that shortens what it quotes (pydantic's
-    ``input_value='sk_live_...yqP'``) keeps its two ends. Values shorter than
-    :attr:`MIN_LENGTH` are not scrubbed (they would garble every message and hide nothing).
+    ``input_value='sk_live_...yqP'``) keeps its two ends. An integer field whose digits
+    are a value is replaced too. Values shorter than :attr:`MIN_LENGTH` are not scrubbed
+    (they would garble every message and hide nothing). One per drive, shared by its
+    ``ctx.all`` branches' threads.
     """
 
     MIN_LENGTH: Final = 4
@@ -88,71 +91,92 @@ class Redactor:
     FRAGMENT: Final = 12
 
     def __init__(self) -> None:
-        #: Each value's printed forms -> its reference.
+        self._lock = threading.Lock()
+        #: Each value's printed forms -> its reference (replaced whole first).
         self._values: dict[str, str] = {}
-        self._pieces: re.Pattern[str] | None = None
-        #: For the pieces' pattern: each form at least FRAGMENT long -> its reference.
+        #: The printed forms at least FRAGMENT long -> their references, and their pieces.
         self._long: dict[str, str] = {}
+        self._pieces: frozenset[str] = frozenset()
 
     def add(self, reference: str, value: Any) -> None:
         if not isinstance(value, str) or len(value) < self.MIN_LENGTH:
             return
-        for form in _printed_forms(value):
-            self._values[form] = reference
-            if len(form) >= self.FRAGMENT:
-                self._long[form] = reference
-        if self._long:
-            pieces = {
-                form[i : i + self.FRAGMENT]
-                for form in self._long
-                for i in range(len(form) - self.FRAGMENT + 1)
-            }
-            # Longest first is moot (all one length); sorted for a stable pattern.
-            self._pieces = re.compile("|".join(re.escape(p) for p in sorted(pieces)))
+        forms = _printed_forms(value)
+        with self._lock:  # scrubs read a copy: never one changing under them
+            values = dict(self._values)
+            long = dict(self._long)
+            pieces = set(self._pieces)
+            for form in forms:
+                values[form] = reference
+                if len(form) >= self.FRAGMENT:
+                    long[form] = reference
+                    pieces.update(_pieces_of(form, self.FRAGMENT))
+            self._values, self._long, self._pieces = values, long, frozenset(pieces)
 
     def __bool__(self) -> bool:
         return bool(self._values)
 
     def scrub(self, value: Any) -> Any:
         """``value`` with every known secret value replaced by its reference."""
-        if not self._values:
+        with self._lock:
+            values, long, pieces = self._values, self._long, self._pieces
+        if not values:
             return value
+        return _Scrub(values, long, pieces, self.FRAGMENT).of(value)
+
+
+def _pieces_of(form: str, size: int) -> set[str]:
+    return {form[i : i + size] for i in range(len(form) - size + 1)}
+
+
+class _Scrub:
+    """One scrub, over a fixed set of values (see :class:`Redactor`)."""
+
+    def __init__(
+        self, values: dict[str, str], long: dict[str, str], pieces: frozenset[str], size: int
+    ) -> None:
+        self.values, self.long, self.pieces, self.size = values, long, pieces, size
+
+    def of(self, value: Any) -> Any:
         if isinstance(value, str):
             # Longest first: a secret containing another is replaced whole.
-            for secret_value in sorted(self._values, key=len, reverse=True):
+            for secret_value in sorted(self.values, key=len, reverse=True):
                 if secret_value in value:
-                    value = value.replace(secret_value, self._values[secret_value])
-            return self._scrub_pieces(value)
+                    value = value.replace(secret_value, self.values[secret_value])
+            return self._pieces_in(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return self.values.get(str(value), value)
         if isinstance(value, dict):
-            return {self.scrub(k): self.scrub(v) for k, v in value.items()}
+            return {self.of(k): self.of(v) for k, v in value.items()}
         if isinstance(value, list | tuple):
-            return [self.scrub(v) for v in value]
+            return [self.of(v) for v in value]
         return value
 
-    def _scrub_pieces(self, text: str) -> str:
-        """``text`` with each run of a long value's characters (a printed form's piece of
-        :attr:`FRAGMENT` or more, as long as it goes on matching) replaced."""
-        if self._pieces is None:
+    def _pieces_in(self, text: str) -> str:
+        """``text`` with each run of a long form's characters (a piece of ``size`` or more,
+        as far as it goes on matching the form) replaced by the form's reference."""
+        if not self.pieces:
             return text
-        out: list[str] = []
-        at = 0
-        while (found := self._pieces.search(text, at)) is not None:
-            start, end = found.span()
-            reference = ""
-            for form, ref in self._long.items():
-                where = form.find(found.group())
-                while where >= 0:  # extend along every place the piece occurs in the form
-                    stop = end
-                    k = where + self.FRAGMENT
+        size, out, kept, at = self.size, [], 0, 0
+        while at + size <= len(text):
+            piece = text[at : at + size]
+            if piece not in self.pieces:
+                at += 1
+                continue
+            reference, end = "", at + size
+            for form, ref in self.long.items():
+                where = form.find(piece)
+                while where >= 0:  # every place the piece has in the form, extended
+                    stop, k = at + size, where + size
                     while k < len(form) and stop < len(text) and text[stop] == form[k]:
                         stop, k = stop + 1, k + 1
                     if not reference or stop > end:
                         reference, end = ref, max(end, stop)
-                    where = form.find(found.group(), where + 1)
-            out.append(text[at:start])
+                    where = form.find(piece, where + 1)
+            out.append(text[kept:at])
             out.append(reference)
-            at = end
-        out.append(text[at:])
+            kept = at = end
+        out.append(text[kept:])
         return "".join(out)
 
 
