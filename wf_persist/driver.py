@@ -97,13 +97,13 @@ class RunDriver(ChildDriving):
         seen: int,
         cancel_known: bool,
         lender: Lender,
+        redactor: Redactor,
         until: float | None = None,
         deadline: dt.datetime | None = None,
-        redactor: Redactor | None = None,
     ) -> None:
         self.runtime = runtime
         #: One per drive (a reload makes a new driver, not a new redactor).
-        self.redactor = redactor if redactor is not None else Redactor()
+        self.redactor = redactor
         self.lender = lender
         self.backend = runtime.backend
         self.execution_id = claim.execution_id

@@ -162,7 +162,7 @@ def drive(
             journal, seen = loaded
             cancel_known = journal.cancelled is not None
             driver = RunDriver(
-                runtime, claim, lease, clock, seen, cancel_known, lender, until, deadline, redactor
+                runtime, claim, lease, clock, seen, cancel_known, lender, redactor, until, deadline
             )
             try:
                 run_body(driver, wf, claim.input, journal)

@@ -92,7 +92,7 @@ class Redactor:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        #: Each value's printed forms -> its reference (replaced whole first).
+        #: Each value's printed forms -> its reference (replaced whole first), longest first.
         self._values: dict[str, str] = {}
         #: The printed forms at least FRAGMENT long -> their references, and their pieces.
         self._long: dict[str, str] = {}
@@ -111,6 +111,8 @@ class Redactor:
                 if len(form) >= self.FRAGMENT:
                     long[form] = reference
                     pieces.update(_pieces_of(form, self.FRAGMENT))
+            # Longest first: a secret containing another is replaced whole.
+            values = dict(sorted(values.items(), key=lambda item: len(item[0]), reverse=True))
             self._values, self._long, self._pieces = values, long, frozenset(pieces)
 
     def __bool__(self) -> bool:
@@ -139,8 +141,7 @@ class _Scrub:
 
     def of(self, value: Any) -> Any:
         if isinstance(value, str):
-            # Longest first: a secret containing another is replaced whole.
-            for secret_value in sorted(self.values, key=len, reverse=True):
+            for secret_value in self.values:  # longest first (see Redactor.add)
                 if secret_value in value:
                     value = value.replace(secret_value, self.values[secret_value])
             return self._pieces_in(value)
