@@ -12,8 +12,8 @@ capability is tested for it::
 
 The capabilities (:data:`CAPABILITIES`) are read from the backend objects themselves:
 ``skip_locked``, ``schemas`` (``supports_schemas``), ``embedded``, ``server`` (not embedded),
-``shared_slots`` (``backend.slots.shared``: step limits that hold database-wide), ``notify``
-(``can_listen``: LISTEN/NOTIFY wake-ups), ``presence`` (presence locks) and ``idle_limit``
+``notify`` (``can_listen``: LISTEN/NOTIFY wake-ups), ``presence`` (presence locks) and
+``idle_limit``
 (the server ends a write transaction of ours whose process paused in it).
 ``tests/test_backends.py`` pins which backend has which, so a capability lost by accident
 fails there instead of quietly dropping a backend from the tests that need it. A test whose
@@ -75,7 +75,6 @@ CAPABILITY_NAMES = frozenset(
         "schemas",
         "embedded",
         "server",
-        "shared_slots",
         "sql_mode",
         "initdb",
         "notify",
@@ -98,8 +97,6 @@ def capabilities_of(backend: Backend) -> frozenset[str]:
         found.add("skip_locked")
     if kind.supports_schemas:
         found.add("schemas")
-    if backend.slots.shared:
-        found.add("shared_slots")
     if getattr(backend, "sql_mode", None) is not None:
         found.add("sql_mode")  # a session sql_mode that could truncate values (MySQL)
     if "postgresql" in kind.names:

@@ -25,14 +25,13 @@ EXPECTED_CAPABILITIES = {
         "server",
         "skip_locked",
         "schemas",
-        "shared_slots",
         "initdb",
         "notify",
         "presence",
         "idle_limit",
         "libpq",
     },
-    "mysql": {"server", "skip_locked", "shared_slots", "sql_mode"},
+    "mysql": {"server", "skip_locked", "sql_mode"},
 }
 
 

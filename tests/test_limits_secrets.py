@@ -17,7 +17,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
 import wf_persist as wp
-from wf_persist.backends.slots import SessionLockSlots
+from wf_persist.store import slots as slot_store
 
 from .fixtures import saga as s
 from .helpers import Processes, history_types, wait_status, wait_until
@@ -112,7 +112,6 @@ def test_a_run_cancelled_just_before_the_slot_frees_never_starts(
     assert "step.completed" not in history_types(client, queued.execution_id)
 
 
-@pytest.mark.needs("shared_slots")
 def test_limit_holds_across_worker_processes(
     runtime: wp.Runtime, db_url: str, tmp_path: Path, procs: Processes
 ) -> None:
@@ -246,41 +245,43 @@ def test_the_resolver_of_the_resuming_process_is_used(
     assert s.LOG == [("api_key", SECRET_VALUE)]
 
 
-@pytest.mark.needs("shared_slots")
-def test_a_slot_whose_unlock_fails_is_not_kept_by_a_pooled_connection(
-    runtime: wp.Runtime, monkeypatch: pytest.MonkeyPatch
+def test_a_slot_whose_give_back_fails_lapses_within_the_lease(
+    make_runtime: Callable[..., wp.Runtime], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """If unlocking a slot fails, its connection is closed (the server drops the lock)
-    rather than pooled still holding it: the step's outcome stands and the next run through
-    the same ``Limit(1)`` gets the slot."""
-    slots = runtime.backend.slots
-    assert isinstance(slots, SessionLockSlots)
-    failures: list[int] = []
+    """If deleting a slot's row fails, the step's outcome stands and the slot is no longer
+    renewed: it lapses one lease TTL later, and the next run through the same ``Limit(1)``
+    gets it."""
+    runtime = make_runtime(lease_ttl=1.0)
+    failures: list[str] = []
 
-    def failing_unlock(conn: Connection, k1: int, slot: int) -> None:
-        failures.append(slot)
-        raise OperationalError("SELECT unlock", {}, Exception("the unlock failed"))
+    def failing_give_back(backend: Any, conn: Connection, holder: str) -> None:
+        failures.append(holder)
+        raise OperationalError("DELETE FROM wf_slots", {}, Exception("the delete failed"))
 
-    monkeypatch.setattr(slots, "unlock", failing_unlock)
+    monkeypatch.setattr(slot_store, "give_back", failing_give_back)
     runtime.register(*s.ALL)
     runtime.start_worker(concurrency=2, poll_interval=0.02)
     client = runtime.client()
     first = client.start(s.exclusive_wf, "first")
     assert client.result(first.execution_id, timeout=30).unwrap() == "first"
-    assert failures == [0]
+    assert len(failures) == 1
     monkeypatch.undo()
+    began = time.monotonic()
     second = client.start(s.exclusive_wf, "second")
     assert client.result(second.execution_id, timeout=10).unwrap() == "second"
+    assert 0.5 < time.monotonic() - began < 5  # the lapse, not at once, not for good
     assert s.CALLS["exclusive:first"] == 1 and s.CALLS["exclusive:second"] == 1
 
 
-@pytest.mark.needs("shared_slots")
+@pytest.mark.needs("server")
 def test_two_deployments_on_one_server_have_their_own_limits(
     backend: str, db_url: str, make_engine: Callable[..., Any]
 ) -> None:
-    """A server's locks are shared by all its databases (MySQL's named locks) or all schemas
-    of one (PostgreSQL's advisory locks): a ``Limit(1)`` step of one deployment waited for
-    the slot the same-named step held in another. Within a deployment the limit holds."""
+    """A server's session locks are shared by all its databases (MySQL's named locks) or
+    all schemas of one (PostgreSQL's advisory locks): when slots were such locks, a
+    ``Limit(1)`` step of one deployment waited for the slot the same-named step held in
+    another. Slots are rows of each deployment's tables. Within a deployment the limit
+    holds."""
     from .conftest import CAPABILITIES
 
     admin = make_engine(db_url)
@@ -295,9 +296,9 @@ def test_two_deployments_on_one_server_have_their_own_limits(
             wp.Runtime(db_url) as ours,
             wp.Runtime(db_url) as ours_too,
             wp.Runtime(other_url, schema=name if by_schema else None) as theirs,
-            ours.backend.slots.slot("charge", "k", 1) as take,
-            ours_too.backend.slots.slot("charge", "k", 1) as take_too,
-            theirs.backend.slots.slot("charge", "k", 1) as take_theirs,
+            ours.slots.slot("charge", "k", 1, "run") as take,
+            ours_too.slots.slot("charge", "k", 1, "run") as take_too,
+            theirs.slots.slot("charge", "k", 1, "run") as take_theirs,
         ):
             assert take()
             assert take_theirs(), "another deployment's slot is its own"
@@ -309,7 +310,7 @@ def test_two_deployments_on_one_server_have_their_own_limits(
             )
 
 
-@pytest.mark.needs("shared_slots", "schemas")
+@pytest.mark.needs("schemas")
 def test_a_search_path_with_an_empty_schema_first_shares_the_limit(
     db_url: str, make_engine: Callable[..., Any]
 ) -> None:
@@ -325,8 +326,8 @@ def test_a_search_path_with_an_empty_schema_first_shares_the_limit(
         with (
             wp.Runtime(db_url) as one,
             wp.Runtime(own_first) as other,
-            one.backend.slots.slot("charge", "k", 1) as take,
-            other.backend.slots.slot("charge", "k", 1) as take_too,
+            one.slots.slot("charge", "k", 1, "run") as take,
+            other.slots.slot("charge", "k", 1, "run") as take_too,
         ):
             assert take()
             assert not take_too(), "one deployment, one limit"
@@ -356,12 +357,11 @@ def test_a_slot_taken_after_its_context_ended_is_given_back(runtime: wp.Runtime)
     """On the async worker a try for the slot runs on an io thread; a cancel of the step's
     call ran the slot's exit meanwhile, and the try then took the slot and kept it (and
     its heartbeat kept it) until the runtime closed: every run behind it waited."""
-    slots = runtime.backend.slots
-    context = slots.slot("heartbeat-step", "late", 1)
+    slots = runtime.slots
+    context = slots.slot("heartbeat-step", "late", 1, "run")
     acquire = context.__enter__()
     context.__exit__(None, None, None)  # the cancel's exit, before the try finished
     assert acquire() is False
-    with slots.slot("heartbeat-step", "late", 1) as again:
+    with slots.slot("heartbeat-step", "late", 1, "run") as again:
         assert again()  # not kept by the late try
-    if isinstance(slots, SessionLockSlots):
-        assert not slots._held
+    assert not slots._held

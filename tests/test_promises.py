@@ -410,7 +410,6 @@ def test_worker_cli_poll_interval_and_sigint(
     assert "stopping (SIGINT)" in worker.stderr()
 
 
-@pytest.mark.needs("shared_slots")
 def test_a_dead_workers_limit_slot_is_released(
     runtime: wp.Runtime, db_url: str, tmp_path: Path, procs: Processes
 ) -> None:
@@ -428,7 +427,7 @@ def test_a_dead_workers_limit_slot_is_released(
     wait_for_mark(marks, "first-start")
 
     def slot_free() -> bool:
-        with runtime.backend.slots.slot("hold_slot", "hold_slot", 1) as acquire:
+        with runtime.slots.slot("hold_slot", "hold_slot", 1, "probe") as acquire:
             return acquire()
 
     assert not slot_free(), "the worker holds the step's slot, database-wide"

@@ -175,26 +175,6 @@ def test_a_wait_for_a_pooled_connection_is_no_stall(
         assert CALLS.count("long") == 1, CALLS
 
 
-@pytest.mark.needs("presence")  # PostgreSQL
-def test_a_held_slots_session_has_the_servers_keepalives_and_gives_them_back(
-    runtime: wp.Runtime,
-) -> None:
-    """A worker whose host vanished without a word kept its Limit slots for hours (the
-    server's default keepalives): the slot's session now probes its client in seconds,
-    and the pooled connection gets its own settings back at release."""
-    slots = runtime.backend.slots
-    with runtime.backend.engine.connect() as conn:
-        conn = conn.execution_options(isolation_level="AUTOCOMMIT")
-        before = conn.exec_driver_sql("SHOW tcp_keepalives_idle").scalar()
-        saved = slots.stay(conn)  # type: ignore[attr-defined]
-        assert conn.exec_driver_sql("SHOW tcp_keepalives_idle").scalar() == "10"
-        assert conn.exec_driver_sql("SHOW tcp_user_timeout").scalar() == "30000"
-        # Ended by the server if it idles past the heartbeat's bound (its process frozen).
-        assert conn.exec_driver_sql("SHOW idle_session_timeout").scalar() == "1min"
-        slots.unstay(conn, saved)  # type: ignore[attr-defined]
-        assert conn.exec_driver_sql("SHOW tcp_keepalives_idle").scalar() == before
-
-
 def _probes_in_seconds(raw: Any) -> None:
     """The driver connection's socket has keepalives (10 s idle) and a 30 s user timeout."""
     pgconn = getattr(raw, "pgconn", None)

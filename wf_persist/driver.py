@@ -437,7 +437,7 @@ class RunDriver(ChildDriving):
         assert limit is not None
         last_check = clocks.elapsed()
         delay = 0.002
-        held = self.backend.slots.slot(step.name, key, limit.limit)
+        held = self.runtime.slots.slot(step.name, key, limit.limit, self.execution_id)
         acquire = off_loop(held.__enter__)
         try:
             waited = False

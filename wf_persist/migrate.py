@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 #: What migrates a merged database: the host's own Alembic, every branch at once.
 HOST_UPGRADE_COMMAND: Final = "alembic upgrade heads"
 #: The revision this version of wf_persist needs. A test checks it is the script head.
-SCHEMA_HEAD: Final = "wf_0011"
+SCHEMA_HEAD: Final = "wf_0012"
 
 Bind = Engine | Connection | str | URL
 

@@ -368,9 +368,42 @@ class HistoryEvent(Base):
     )
 
 
+class ConcurrencySlot(Base):
+    """A held slot of a step's ``Limit``: slot number ``slot`` (0 to the limit - 1) of the
+    (step, key) whose SHA-256 is ``slot_key``.
+
+    A slot is a row, not a session lock, so it outlives what a session does not: a
+    database restart, a failover, a killed session. It is held while ``expires_at`` (the
+    database's clock) is ahead: the process holding it (``owner``, a runtime's lease owner)
+    pushes it on every quarter of its lease TTL, and deletes the row when the step ends.
+    A slot whose holder died or froze lapses with its lease; the next taker overwrites it.
+    ``holder`` names one holding (a process may hold several slots of one key).
+    """
+
+    __tablename__ = "wf_slots"
+
+    slot_key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    slot: Mapped[int] = mapped_column(Integer, primary_key=True)
+    holder: Mapped[str] = mapped_column(String(32))
+    owner: Mapped[str] = mapped_column(String(255))
+    #: The run whose step holds it, and the step (for people: what holds a limit now).
+    execution_id: Mapped[str] = mapped_column(String(36))
+    step_name: Mapped[str] = mapped_column(String(KEY_WIDTH))
+    taken_at: Mapped[dt.datetime]
+    expires_at: Mapped[dt.datetime]
+
+    __table_args__ = (
+        CheckConstraint("slot >= 0", name="slot_non_negative"),
+        # Renewals and releases name their holdings.
+        Index(None, "holder", unique=True),
+        MYSQL_TABLE_OPTIONS,
+    )
+
+
 workflows_table: Final = cast(Table, WorkflowVersion.__table__)
 executions_table: Final = cast(Table, Execution.__table__)
 history_table: Final = cast(Table, HistoryEvent.__table__)
+slots_table: Final = cast(Table, ConcurrencySlot.__table__)
 
 
 @dataclass(frozen=True)
@@ -388,6 +421,7 @@ CATALOG_KEY: Final = UniqueKey("pk_wf_workflows", ("name", "version"), primary=T
 IDEMPOTENCY_KEY: Final = UniqueKey(
     "uq_wf_executions__workflow_name_idempotency_key", ("workflow_name", "idempotency_key")
 )
+SLOT_KEY: Final = UniqueKey("pk_wf_slots", ("slot_key", "slot"), primary=True)
 DEDUPE_KEY: Final = UniqueKey(
     "uq_wf_history__execution_id_dedupe_key", ("execution_id", "dedupe_key"), DEDUPE_KEY_SET
 )

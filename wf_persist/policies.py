@@ -90,10 +90,10 @@ def _seconds(value: object, what: str) -> float:
 class Limit:
     """At most ``limit`` executions of a step at once, per ``key(*args, **kwargs)`` if given.
 
-    On PostgreSQL and MySQL/MariaDB the limit holds across every worker sharing the
-    database (session advisory locks, named locks; released if a worker dies); on SQLite
-    it holds within one process. A run cancelled while it waits for a slot never starts
-    the step.
+    The limit holds across every process sharing the database: a slot is a row of
+    ``wf_slots`` (see :mod:`wf_persist.slots`), which outlives database sessions and
+    lapses a lease TTL after its holder died or froze. A run cancelled while it waits for
+    a slot never starts the step.
     """
 
     limit: int
@@ -101,7 +101,7 @@ class Limit:
 
     def __post_init__(self) -> None:
         limit = plain_number(self.limit)
-        # Below 2**31: on PostgreSQL a slot's number is half of its advisory lock's key.
+        # Below 2**31: a slot's number is a 32-bit integer column.
         if not isinstance(limit, int) or not 1 <= limit < 2**31:
             raise WorkflowDefinitionError(
                 f"concurrency limit must be an integer from 1 to 2,147,483,647, "

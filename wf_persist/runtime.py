@@ -40,6 +40,7 @@ from .leases import LeaseKeeper
 from .notices import Notices
 from .registry import Registry
 from .secrets import SecretResolver
+from .slots import Slots
 from .timeouts import plain_number, positive
 from .timers import Timers
 from .wakeups import Wakeups
@@ -128,7 +129,6 @@ class Runtime(Registry, Notices, WorkerSide):
         self.catalogs = not gate.gating()
         self.database = Database(bind, auto_migrate=auto_migrate, schema=schema)
         self.backend = self.database.backend
-        self.backend.slots.follow_lease(lease_seconds)
         self.schema = schema
         #: The engine wf_persist works through (same pool as ``bind``, our options).
         self.engine = self.database.engine
@@ -142,6 +142,8 @@ class Runtime(Registry, Notices, WorkerSide):
         #: The name this runtime's claims carry (``lease_owner``); it ends with the
         #: backend's mark once the runtime holds its presence lock (see :mod:`.wakeups`).
         self.owner = self._base_owner
+        #: The step concurrency slots (``Limit``) this runtime's drives hold.
+        self.slots = Slots(self.backend, lambda: self.owner, lease_seconds)
         self._wakeups: Wakeups | None = None
         self.timers = Timers()
         #: Set by :meth:`close`: drivers stop before their next step.

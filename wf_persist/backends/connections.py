@@ -39,7 +39,6 @@ from ..json_text import json_text
 from ..refusals import cancellation
 from . import idle
 from .migrations import Migrations
-from .slots import Slots
 
 #: Types whose JSON text is a few dozen bytes whatever the value (no size check needed).
 _BOUNDED: Final = (int, float, bool)
@@ -142,7 +141,6 @@ class Connections(Migrations):
             raise InvalidArgumentError(f"the engine's schema_translate_map: {mapped!r}: {problem}")
         if not self.embedded and (self.owned or self.engine.pool is not engine.pool):
             idle.watch(self.engine)  # never a host's pool: its engine is used as is
-        self.slots = Slots(self.engine)
         #: The largest JSON value (bytes, as sent) one stored value may have.
         self.max_value_bytes = 256 * 1024 * 1024 - 64 * 1024
         #: The pool :meth:`pool_full` last read the capacity of, and that capacity.

@@ -45,7 +45,6 @@ from . import sockets
 from .base import Backend
 from .clock import db_now
 from .connections import connect
-from .slots import NamedLockSlots
 from .sql import (
     CLAIM_COLUMNS,
     INSERT_HISTORY,
@@ -150,11 +149,8 @@ class MySQLBackend(Backend):
             autocommit = conn.dialect.detect_autocommit_setting(raw)
             self._isolation = "AUTOCOMMIT" if autocommit else conn.get_isolation_level()
         super().__init__(engine, owned=owned, schema=schema)
-        # Named locks are the server's: a limit holds within the database of our tables.
         #: The database the connections use (None: the URL names none).
         self.database: str | None = found[8]
-        tables = (self.schema_map or {}).get(None) or self.database or ""
-        self.slots = NamedLockSlots(self.engine, str(tables), cut=self.cut)
         self.sql_mode = str(mode)
         # Results in their columns' own character set (NULL) are utf8mb4 for our tables.
         results = "utf8mb4" if results_set is None else str(results_set)

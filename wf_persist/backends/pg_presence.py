@@ -76,6 +76,7 @@ BEAT_DEADLINE: Final = 10.0
 #: ends. The owners are walked in order through the partial lease-owner index, one probe
 #: each (a loose index scan): the look costs the same with ten runs in flight or fifty
 #: thousand. The statuses are spelled as that index's predicate (and the claim index's).
+#: The owners' step concurrency slots (``wf_slots``) lapse at the same time as their runs.
 REAP: Final = """
 WITH RECURSIVE owners(lease_owner) AS (
     (SELECT lease_owner FROM {table}
@@ -93,6 +94,13 @@ dead AS (
     FROM owners
     WHERE lease_owner LIKE '%%!' AND lease_owner <> %(me)s
       AND pg_try_advisory_xact_lock(hashtextextended(lease_owner, 0))
+),
+lapsed_slots AS (
+    UPDATE {slots} AS slot
+    SET expires_at = clock_timestamp() + make_interval(secs => %(grace)s)
+    FROM dead
+    WHERE slot.owner = dead.lease_owner
+      AND slot.expires_at > clock_timestamp() + make_interval(secs => %(grace)s)
 )
 UPDATE {table} AS run
 SET (lease_expires_at, wake_at) = (

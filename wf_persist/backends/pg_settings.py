@@ -57,14 +57,9 @@ SHADOWING: Final = f"""CASE WHEN {_CATALOG_AT} OPERATOR(pg_catalog.>) 1 THEN (
  AND (o.typ OR n.oid OPERATOR(pg_catalog.<>) pg_catalog.pg_my_temp_schema())
  ORDER BY pg_catalog.array_position({_PATH}, n.nspname), o.name
  LIMIT 1) END"""
-#: The schema of the runs table unqualified names find (where a search path names a schema
-#: of the role's own, empty, before the one holding the tables, current_schema() is that).
-TABLES_SCHEMA: Final = """(SELECT n.nspname FROM pg_catalog.pg_class AS c
- JOIN pg_catalog.pg_namespace AS n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace
- WHERE c.oid OPERATOR(pg_catalog.=) pg_catalog.to_regclass('wf_executions'))"""
 #: The settings, in the order :class:`~wf_persist.backends.postgresql.PostgreSQLBackend`
 #: reads them: default isolation, DateStyle, client and server encodings, current schema,
-#: search path, read-only (a setting or a standby), what is shadowed, the tables' schema.
+#: search path, read-only (a setting or a standby), what is shadowed.
 SETTINGS: Final = (
     "SELECT pg_catalog.current_setting('default_transaction_isolation'),"
     " pg_catalog.current_setting('DateStyle'),"
@@ -73,5 +68,5 @@ SETTINGS: Final = (
     " pg_catalog.current_setting('search_path'),"
     " pg_catalog.current_setting('transaction_read_only') OPERATOR(pg_catalog.=)"
     " 'on' OR pg_catalog.pg_is_in_recovery(),"
-    f" {SHADOWING}, {TABLES_SCHEMA}"
+    f" {SHADOWING}"
 )

@@ -36,6 +36,7 @@ from ..errors import LeaseLostError, UnsupportedDatabaseError
 from ..events import NewEvent
 from ..json_text import as_jsonb, json_text
 from ..models import executions_table as ex
+from ..models import slots_table
 from ..models import workflows_table as wf
 from ..wakeups import DUE, END, NOT_AVAILABLE, Hearing, Listener
 from . import pg_json, sockets
@@ -53,7 +54,6 @@ from .pg_sql import (
     start_statement,
     write_statement,
 )
-from .slots import AdvisorySlots
 from .sql import (
     STALE,
     Cataloged,
@@ -125,8 +125,6 @@ class PostgreSQLBackend(RawPath):
             #: A function, operator or type of PostgreSQL's own that a schema searched
             #: before ``pg_catalog`` has one of the same name of (None: nothing shadowed).
             self.shadowed: str | None = found[7]
-            #: The schema where unqualified names find the runs table (None: not there).
-            self.tables_schema: str | None = found[8]
             self.encodings = (str(client_encoding), str(server_encoding))
             level = conn.get_isolation_level()  # AUTOCOMMIT is a driver setting it omits
             raw: Any = conn.connection.dbapi_connection
@@ -143,11 +141,6 @@ class PostgreSQLBackend(RawPath):
         self._end_channel: str | None = None
         super().__init__(engine, owned=owned, schema=schema)
         self.max_value_bytes = MAX_JSONB_VALUE
-        # Advisory locks are the database's: a limit holds within the schema of our tables.
-        tables = (
-            (self.schema_map or {}).get(None) or self.tables_schema or self.current_schema or ""
-        )
-        self.slots = AdvisorySlots(self.engine, tables, cut=self.cut)
         self._sql: dict[WriteShape, str] = {}
         # The one-statement write runs in autocommit, at the sessions' default isolation
         # (the host's connect options or the database's setting may raise it): above READ
@@ -334,11 +327,12 @@ class PostgreSQLBackend(RawPath):
         mapped = self.schema_map.get(None) if self.schema_map else None
         quote = self.base_engine.dialect.identifier_preparer.quote_identifier
         # Quoted for psycopg's %(name)s parameters too (a % in the name doubled).
-        table = ex.name if mapped is None else f"{quote(mapped)}.{ex.name}"
-        return [
-            str(r[0])
-            for r in self._send_raw(REAP.format(table=table), {"me": owner, "grace": grace})
-        ]
+        tables = {
+            name: name if mapped is None else f"{quote(mapped)}.{name}"
+            for name in (ex.name, slots_table.name)
+        }
+        statement = REAP.format(table=tables[ex.name], slots=tables[slots_table.name])
+        return [str(r[0]) for r in self._send_raw(statement, {"me": owner, "grace": grace})]
 
     def owner_mark(self) -> str:
         return PRESENT_MARK

@@ -1,0 +1,95 @@
+"""A ``Limit`` slot held across a PostgreSQL restart and crash; a private cluster (never the
+shared server).
+
+When a slot was a session lock, a restart (or a failover, or a killed session) freed it
+while its step ran on, and a run waiting for the slot took it within a second or two:
+``Limit(1)`` had two holders. A slot is now a row its holder keeps ahead of the database's
+clock, which the restart does not touch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import wf_persist as wp
+from tests.helpers import wait_until
+
+from .pgcluster import PrivatePostgres
+
+STEP_SECONDS = 3.0
+
+
+@pytest.fixture
+def private_pg() -> Iterator[PrivatePostgres]:
+    with PrivatePostgres() as pg:
+        pg.init()
+        pg.start()
+        wp.migrate.upgrade(pg.url())
+        yield pg
+
+
+def _free(runtime: wp.Runtime) -> bool:
+    try:
+        with runtime.slots.slot("restart-step", "k", 1, "probe") as acquire:
+            return acquire()
+    except Exception:
+        return False  # the server is still coming back
+
+
+@pytest.mark.parametrize("mode", ["fast", "immediate"])
+def test_a_restart_keeps_a_held_slot(private_pg: PrivatePostgres, mode: str) -> None:
+    url = private_pg.url()
+    with wp.Runtime(url, lease_ttl=4) as holder, wp.Runtime(url) as other:
+        with holder.slots.slot("restart-step", "k", 1, "holder-run") as acquire:
+            assert acquire()
+            private_pg.restart(mode)
+            private_pg.wait_accepting()
+            until = time.monotonic() + 6  # past renewals, past the TTL
+            while time.monotonic() < until:
+                assert not _free(other), "the restart freed a held slot"
+                time.sleep(0.2)
+        wait_until(lambda: _free(other), what="the slot given back", timeout=20)
+
+
+inside = {"now": 0, "peak": 0, "done": 0}
+inside_lock = threading.Lock()
+restart_now = threading.Event()
+
+
+@wp.step(concurrency=wp.Limit(1))
+def exclusive(i: int) -> int:
+    with inside_lock:
+        inside["now"] += 1
+        inside["peak"] = max(inside["peak"], inside["now"])
+    restart_now.set()
+    time.sleep(STEP_SECONDS)
+    with inside_lock:
+        inside["now"] -= 1
+        inside["done"] += 1
+    return i
+
+
+@wp.workflow(name="restart_limited", version=1)
+def restart_limited_wf(ctx: wp.Context, i: int) -> int:
+    return ctx.run(exclusive, i)
+
+
+def test_limit_one_has_one_holder_through_a_crash(private_pg: PrivatePostgres) -> None:
+    """End to end: two runs of a ``Limit(1)`` step, the server crashing while the first is
+    inside it; the other run queues through the crash and after it."""
+    inside.update(now=0, peak=0, done=0)
+    restart_now.clear()
+    with wp.Runtime(private_pg.url(), lease_ttl=5, record_start_after=None) as rt:
+        rt.register(restart_limited_wf)
+        runs = [rt.client().start(restart_limited_wf, i).execution_id for i in range(2)]
+        rt.start_worker(concurrency=4, poll_interval=0.05)
+        assert restart_now.wait(30)
+        private_pg.restart("immediate")
+        private_pg.wait_accepting()
+        results = sorted(rt.client().result(r, timeout=90).unwrap() for r in runs)
+    assert results == [0, 1]
+    assert inside["peak"] == 1

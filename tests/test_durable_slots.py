@@ -1,0 +1,231 @@
+"""A ``Limit`` slot is a row of ``wf_slots``, held while its holder keeps it ahead of the
+database's clock: it outlives the sessions that took it (a restart, a failover, a killed
+session freed a session lock while its step ran on, and ``Limit(1)`` had two holders), and
+it lapses one lease TTL after its holder died or froze, on every backend."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
+import wf_persist as wp
+from tests.helpers import Processes, wait_until
+from wf_persist.models import slots_table
+
+IDLE = 1.0
+
+_HOLDER = """
+import sys, time
+import wf_persist as wp
+rt = wp.Runtime(sys.argv[1], lease_ttl=float(sys.argv[2]))
+with rt.slots.slot("durable-step", "k", 1, "holder-run") as acquire:
+    assert acquire()
+    print("holding", flush=True)
+    time.sleep(3600)
+"""
+
+
+@wp.step(concurrency=wp.Limit(1))
+def frozen_limited(marks: str) -> str:
+    with open(marks, "a", encoding="utf-8") as out:
+        out.write(f"{os.getpid()}\n")
+    if os.environ.get("WF_TEST_HOLD"):
+        time.sleep(3600)
+    return "done"
+
+
+@wp.workflow(name="durable_slot", version=1)
+def durable_slot_wf(ctx: wp.Context, marks: str) -> str:
+    return str(ctx.run(frozen_limited, marks))
+
+
+_WORKER = """
+import sys, time
+import wf_persist as wp
+from tests.test_durable_slots import durable_slot_wf
+rt = wp.Runtime(sys.argv[1], lease_ttl=float(sys.argv[2]))
+rt.register(durable_slot_wf)
+rt.start_worker(concurrency=1)
+time.sleep(3600)
+"""
+
+
+def _free(runtime: wp.Runtime, key: str = "k") -> bool:
+    """Whether this process can take the one slot (given back at once if so)."""
+    with runtime.slots.slot("durable-step", key, 1, "probe") as acquire:
+        return acquire()
+
+
+def test_a_slot_is_a_row_held_with_no_session_at_all(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """Every connection of the holder's pool closed (as a restart or a killed session
+    closes them): the slot stays held; SQL shows what holds it; the exit frees it."""
+    holder, other = make_runtime(), make_runtime()
+    with holder.slots.slot("durable-step", "row", 1, "the-run") as acquire:
+        assert acquire()
+        holder.backend.base_engine.dispose()
+        assert not _free(other, "row")
+        with other.engine.connect() as conn:
+            rows = conn.execute(
+                select(slots_table.c.step_name, slots_table.c.execution_id, slots_table.c.slot)
+            ).all()
+        assert [tuple(r) for r in rows] == [("durable-step", "the-run", 0)]
+    assert _free(other, "row")
+    with other.engine.connect() as conn:
+        assert conn.execute(select(slots_table.c.slot)).all() == []
+
+
+def test_a_limit_of_n_gives_n_slots_then_none(make_runtime: Callable[..., wp.Runtime]) -> None:
+    """Numbers 0 to n-1, each to one holder; a freed number is the next taker's."""
+    runtimes = [make_runtime() for _ in range(2)]
+    contexts = [runtimes[i % 2].slots.slot("durable-step", "n", 3, f"r{i}") for i in range(4)]
+    tries = [c.__enter__() for c in contexts]
+    try:
+        assert [t() for t in tries] == [True, True, True, False]
+        contexts[1].__exit__(None, None, None)
+        assert tries[3]()
+    finally:
+        for i, c in enumerate(contexts):
+            if i != 1:
+                c.__exit__(None, None, None)
+
+
+def test_a_frozen_holder_frees_its_slot_a_live_one_keeps_it(
+    runtime: wp.Runtime, db_url: str, procs: Processes
+) -> None:
+    holder = procs.python("-c", _HOLDER, db_url, str(IDLE), stdout=True)
+    assert holder.popen.stdout is not None
+    assert holder.popen.stdout.readline().strip() == "holding"
+    try:
+        for _ in range(4):  # several TTLs: the renewals keep it
+            assert not _free(runtime)
+            time.sleep(IDLE)
+        holder.send(signal.SIGSTOP)
+        began = time.monotonic()
+        wait_until(lambda: _free(runtime), what="the frozen holder's slot", timeout=20)
+        assert time.monotonic() - began < IDLE + 3  # one TTL after its last renewal
+    finally:
+        holder.send(signal.SIGCONT)
+        holder.stop()
+
+
+def test_the_renewal_ends_with_the_last_slot(make_runtime: Callable[..., wp.Runtime]) -> None:
+    """The renewing thread runs while a slot is held, and not after."""
+    runtime = make_runtime(lease_ttl=0.4)
+    slots = runtime.slots
+    with slots.slot("durable-step", "k", 1, "run") as acquire:
+        assert acquire()
+        renewer = slots._renewer
+        assert renewer is not None and renewer.is_alive()
+        time.sleep(1.0)  # a few renewals, past the TTL: still held
+        assert not _free(runtime)
+    renewer.join(timeout=5)
+    assert not renewer.is_alive() and slots._renewer is None
+
+
+def test_a_run_taken_over_from_a_frozen_worker_gets_its_slot(
+    make_runtime: Callable[..., wp.Runtime], db_url: str, procs: Processes, tmp_path: Path
+) -> None:
+    """End to end: the step holding the only slot is frozen with its worker; another
+    worker takes the run over once the lease lapses and gets the slot to run the step (at
+    least once: the step in flight runs again)."""
+    marks = tmp_path / "marks"
+    starter = make_runtime(lease_ttl=10)  # its own drive must not lapse on a busy machine
+    starter.register(durable_slot_wf)
+    worker = procs.python("-c", _WORKER, db_url, str(IDLE), env={"WF_TEST_HOLD": "1"})
+    run = starter.client().start(durable_slot_wf, str(marks)).execution_id
+    try:
+        wait_until(marks.exists, what="the step in the worker", timeout=30)
+        worker.send(signal.SIGSTOP)
+        starter.start_worker(concurrency=1)
+        assert starter.client().result(run, timeout=30).unwrap() == "done"
+        ran = marks.read_text(encoding="utf-8").split()
+        assert ran[-1] == str(os.getpid()) and len(ran) == 2
+    finally:
+        worker.send(signal.SIGCONT)
+        worker.stop()
+
+
+@pytest.mark.needs("presence")  # PostgreSQL
+def test_a_dead_workers_slot_lapses_with_its_runs_not_its_lease(
+    make_runtime: Callable[..., wp.Runtime], db_url: str, procs: Processes, tmp_path: Path
+) -> None:
+    """A worker killed inside the step: its presence lock frees at once, and the reaper
+    that makes its runs due makes its slots lapse with them, not a 30 s lease later."""
+    marks = tmp_path / "marks"
+    starter = make_runtime()
+    starter.register(durable_slot_wf)
+    worker = procs.python("-c", _WORKER, db_url, "30", env={"WF_TEST_HOLD": "1"})
+    run = starter.client().start(durable_slot_wf, str(marks)).execution_id
+    wait_until(marks.exists, what="the step in the worker", timeout=30)
+    worker.stop(signal.SIGKILL)
+    began = time.monotonic()
+    starter.start_worker(concurrency=1)  # its reaper finds the dead worker's lock free
+    assert starter.client().result(run, timeout=20).unwrap() == "done"
+    assert time.monotonic() - began < 10
+
+
+def _hog_the_gil(seconds: float) -> None:
+    """Keep the GIL for about ``seconds`` in one C call (no other thread runs)."""
+    began = time.perf_counter()
+    sum(range(1_000_000))
+    n = int(1_000_000 * seconds / max(time.perf_counter() - began, 1e-6))
+    sum(range(n))
+
+
+def test_a_step_that_keeps_the_gil_for_stretches_keeps_its_slot(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """The renewal needs a few turns of the GIL every quarter of the TTL; a step keeping it
+    for stretches (one long C call after another) must not lose its slot while its run's
+    lease holds."""
+    runtime = make_runtime(lease_ttl=2.0)  # a renewal every 0.5 s
+    other = make_runtime()
+    with runtime.slots.slot("durable-step", "k", 1, "run") as acquire:
+        assert acquire()
+        until = time.monotonic() + 6
+        while time.monotonic() < until:
+            _hog_the_gil(0.3)
+        assert not _free(other)
+
+
+def test_racing_takers_of_one_lapsed_slot_get_it_once(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """A lapsed slot is taken by a compare-and-set: of many threads trying at once, one
+    gets it."""
+    stale = make_runtime(lease_ttl=0.2)
+    context = stale.slots.slot("durable-step", "race", 1, "stale")
+    assert context.__enter__()()
+    with stale.slots._lock:
+        stale.slots._held.clear()  # no renewal: it lapses
+    time.sleep(0.5)
+    takers = [make_runtime() for _ in range(3)]
+    got: list[bool] = []
+    barrier = threading.Barrier(6)
+    exits: list[Callable[[], None]] = []
+
+    def take(rt: wp.Runtime) -> None:
+        slot = rt.slots.slot("durable-step", "race", 1, "taker")
+        acquire = slot.__enter__()
+        exits.append(lambda: None if slot.__exit__(None, None, None) else None)
+        barrier.wait()
+        got.append(acquire())
+
+    threads = [threading.Thread(target=take, args=(takers[i % 3],)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(got) == [False] * 5 + [True]
+    for done in exits:
+        done()
+    context.__exit__(None, None, None)

@@ -1,0 +1,175 @@
+"""Step concurrency slots: ``Limit(n, key=...)`` on a step, held in the database.
+
+A slot is a row of ``wf_slots`` (see :class:`~wf_persist.models.ConcurrencySlot`), so a
+limit holds across every process sharing the database, on every backend, and outlives what
+a session lock did not: a database restart, a failover, a killed session. The row is held
+while its expiry is ahead of the database's clock; this process pushes the expiry of all
+its slots in one statement every quarter of its lease TTL while it holds any, and deletes
+a slot's row when its step ends. A worker that dies or freezes stops pushing: its slots
+lapse one lease TTL later, as its runs' leases do, and the next taker overwrites them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from .store import slots as store
+
+if TYPE_CHECKING:
+    from .backends import Backend
+
+log = logging.getLogger("wf_persist.worker")
+
+#: ``acquire()`` tries once, without blocking; True once a slot is held.
+Acquire = Callable[[], bool]
+
+
+def slot_key(step_name: str, key: str) -> str:
+    """The (step, key) of a limit as a fixed-width column value (a key is any string)."""
+    # surrogatepass: a key with a lone surrogate (any str) is a key like another.
+    text = f"{step_name}\0{key}"
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+class Slots:
+    """One runtime's slots: takes them, keeps them ahead of their expiry, gives them back."""
+
+    def __init__(self, backend: Backend, owner: Callable[[], str], ttl: float) -> None:
+        self.backend = backend
+        self._owner = owner
+        #: Seconds a slot outlives its holder's last renewal (the runtime's lease TTL).
+        self.ttl = ttl
+        self._lock = threading.Lock()
+        #: The holdings of this process now (their ``holder`` values).
+        self._held: set[str] = set()
+        self._renewer: threading.Thread | None = None
+
+    @contextmanager
+    def slot(self, step_name: str, key: str, limit: int, execution_id: str) -> Iterator[Acquire]:
+        """Yields ``acquire()``; the slot (if taken) is given back on exit."""
+        row = {
+            "slot_key": slot_key(step_name, key),
+            "holder": uuid.uuid4().hex,
+            "owner": self._owner(),
+            "execution_id": execution_id,
+            "step_name": step_name,
+        }
+        held = False
+        ending = _Exit()
+
+        def hold() -> None:
+            nonlocal held
+            held = True
+            with self._lock:
+                self._held.add(row["holder"])
+                self._keep_renewing()
+
+        def acquire() -> bool:
+            if held:
+                return True
+            if not self._take(row, limit):
+                return False
+            if not ending.keep(hold):
+                self._give_back(row["holder"])
+                return False
+            return True
+
+        try:
+            yield acquire
+        finally:
+            ending.exit()
+            if held:
+                with self._lock:
+                    self._held.discard(row["holder"])
+                self._give_back(row["holder"])
+
+    def _take(self, row: dict[str, str], limit: int) -> bool:
+        """One try: the lowest free slot, if any, taken by one compare-and-set."""
+        backend = self.backend
+        try:
+            with backend.read() as conn:
+                free = store.free_slot(backend, conn, row["slot_key"], limit)
+            if free is None:
+                return False
+            with backend.begin() as conn:
+                return store.take(backend, conn, {**row, "slot": free}, self.ttl)
+        except Exception as exc:
+            if backend.contention(exc):  # a racer was in the way: try again later
+                return False
+            raise
+
+    def _give_back(self, holder: str) -> None:
+        """Delete the slot's row. If that fails, the slot lapses one TTL later (it is no
+        longer renewed); the step's outcome stands either way."""
+        try:
+            with self.backend.begin() as conn:
+                store.give_back(self.backend, conn, holder)
+        except Exception as exc:
+            log.warning(
+                "giving back a step's concurrency slot failed; it lapses within %.0f s: %s",
+                self.ttl,
+                exc,
+            )
+
+    def _keep_renewing(self) -> None:
+        """Start the renewing thread unless it runs (under ``_lock``)."""
+        if self._renewer is None or not self._renewer.is_alive():  # or forked
+            self._renewer = threading.Thread(
+                target=self._renew, name="wf-persist-slot-renewal", daemon=True
+            )
+            self._renewer.start()
+
+    def _renew(self) -> None:
+        """Every quarter of the TTL, push every held slot's expiry, until none is held. A
+        slot that lapsed meanwhile (this process kept from running, the database out of
+        reach longer than the TTL) and was taken is said: its step runs on."""
+        while True:
+            time.sleep(self.ttl / 4)
+            with self._lock:
+                if not self._held:
+                    self._renewer = None
+                    return
+                held = set(self._held)
+            try:
+                with self.backend.begin() as conn:
+                    kept = store.renew(self.backend, conn, held, self.ttl)
+            except Exception as exc:  # the next turn tries again
+                log.warning("renewing held concurrency slots failed: %s", exc)
+                continue
+            with self._lock:
+                still = len(held & self._held)
+            if kept < still:
+                log.warning(
+                    "%d held concurrency slot(s) lapsed and were taken by another run",
+                    still - kept,
+                )
+
+
+class _Exit:
+    """A slot's exit and a late ``acquire()`` take turns: on the async worker a try runs
+    on an io thread, and a cancel of the step's call runs the exit meanwhile; a slot that
+    try takes afterwards must be given back at once, never kept."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._exited = False
+
+    def keep(self, hold: Callable[[], None]) -> bool:
+        """``hold()`` (recording the slot taken) unless the exit came first; whether it
+        did not."""
+        with self._lock:
+            if self._exited:
+                return False
+            hold()
+            return True
+
+    def exit(self) -> None:
+        with self._lock:
+            self._exited = True
