@@ -287,13 +287,13 @@ class Client(RunAwaiter, RunControls):
                     # A newer version was cataloged since this client read the catalog:
                     # nothing was written; read it again (and validate against it).
                     if span is not None:
-                        span.set_attribute("wf.start.created", False)
-                        span.set_attribute("wf.start.stale_catalog", True)
+                        attributes = {"wf.start.created": False, "wf.start.stale_catalog": True}
+                        telemetry.quietly("set attributes", span.set_attributes, attributes)
                     self._newest.pop(name, None)
                     continue
                 if span is not None and not found.created:  # the run an earlier start made
-                    span.set_attribute("wf.execution.id", found.execution_id)
-                    span.set_attribute("wf.start.created", False)
+                    attributes = {"wf.execution.id": found.execution_id, "wf.start.created": False}
+                    telemetry.quietly("set attributes", span.set_attributes, attributes)
             break
         if found.created:
             telemetry.run_started(name, found.version)

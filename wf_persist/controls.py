@@ -192,7 +192,10 @@ class RunControls(RunReader):
                     conn, self.backend, execution_id, name, validate, actor, now, buffer=buffer
                 )
             if span is not None:
-                span.set_attribute("wf.signal.outcome", "buffered" if buffered else "delivered")
+                outcome = "buffered" if buffered else "delivered"
+                telemetry.quietly(
+                    "set an attribute", span.set_attribute, "wf.signal.outcome", outcome
+                )
         self._notify()
         return "buffered" if buffered else "delivered"
 

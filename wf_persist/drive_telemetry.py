@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextvars
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from .telemetry import (
@@ -19,6 +19,7 @@ from .telemetry import (
     current_instruments,
     current_tracer,
     quietly,
+    record_error,
     set_error,
 )
 
@@ -81,9 +82,9 @@ class DriveTrace:
         if span is None:  # a tracer that raises: this drive goes untraced
             span = api.trace.INVALID_SPAN
         if takeover:
-            span.add_event("wf.takeover")
+            quietly("add a span event", span.add_event, "wf.takeover")
         self._span = span
-        token = api.context.attach(api.trace.set_span_in_context(span))
+        token = quietly("attach a span", api.context.attach, api.trace.set_span_in_context(span))
         self._tokens = (token, RUN.set(run))
 
     def finished(self, outcome: tuple[bool, Any] | None) -> None:
@@ -91,10 +92,11 @@ class DriveTrace:
         if outcome is None or self._span is None:
             return
         ok, value = outcome
-        self._span.set_attribute("wf.drive.outcome", "completed" if ok else "failed")
+        span = self._span
+        quietly("set an attribute", span.set_attribute, "wf.drive.outcome", _ENDED[ok])
         if not ok:
             doc = value if isinstance(value, Mapping) else {}
-            set_error(self._span, f"{doc.get('name')}: {doc.get('message')}")
+            quietly("set a status", set_error, span, f"{doc.get('name')}: {doc.get('message')}")
 
     def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
         if self._span is None:
@@ -102,13 +104,16 @@ class DriveTrace:
         span = self._span
         assert span is not None
         if exc is not None:
-            span.record_exception(exc)
-            set_error(span, type(exc).__name__)
+            record_error(span, exc, type(exc).__name__)
         if self._tokens is not None:
             token, run = self._tokens
             RUN.reset(run)
-            STATE.api.context.detach(token)  # type: ignore[union-attr]
+            if token is not None:
+                quietly("detach a span", STATE.api.context.detach, token)  # type: ignore[union-attr]
         quietly("end a span", span.end)
+
+
+_ENDED: Final = {True: "completed", False: "failed"}
 
 
 class NoDrive:
@@ -138,27 +143,30 @@ def drive(claim: Claim) -> DriveTrace | NoDrive:
         found = current_instruments()
         if found is not None:
             waited = max(0.0, (claim.db_now - claim.created_at).total_seconds())
-            found.claim_latency.record(waited, {"wf.workflow.name": claim.workflow_name})
+            attributes = {"wf.workflow.name": claim.workflow_name}
+            quietly("record a metric", found.claim_latency.record, waited, attributes)
     tracer = current_tracer()
     return NO_DRIVE if tracer is None else DriveTrace(tracer, claim)
 
 
-def drive_outcome(outcome: str, exc: BaseException | None = None) -> None:
+def drive_outcome(
+    outcome: str, exc: BaseException | None = None, redact: Callable[[str], Any] | None = None
+) -> None:
     """How the current drive ended when it did not finish the run (``suspended``,
-    ``lease_lost``, ``handed_over``, ``drive_failed``: then ``exc`` is why)."""
+    ``lease_lost``, ``handed_over``, ``drive_failed``: then ``exc`` is why, its text passed
+    through ``redact``)."""
     if current_tracer() is None:
         return
     span = STATE.api.trace.get_current_span()  # type: ignore[union-attr]
-    span.set_attribute("wf.drive.outcome", outcome)
+    quietly("set an attribute", span.set_attribute, "wf.drive.outcome", outcome)
     if exc is not None:
-        span.record_exception(exc)
-        set_error(span, type(exc).__name__)
+        record_error(span, exc, type(exc).__name__, redact)
 
 
 def took_over(workflow: str) -> None:
     found = current_instruments()
     if found is not None:
-        found.takeovers.add(1, {"wf.workflow.name": workflow})
+        quietly("count a metric", found.takeovers.add, 1, {"wf.workflow.name": workflow})
 
 
 def parked(evs: Sequence[NewEvent], wake_at: Any) -> None:
@@ -174,8 +182,8 @@ def parked(evs: Sequence[NewEvent], wake_at: Any) -> None:
     if wake_at is not None:
         attributes["wf.wake_at"] = wake_at.isoformat()
     span = STATE.api.trace.get_current_span()  # type: ignore[union-attr]
-    span.add_event("wf.park", attributes)
-    span.set_attribute("wf.drive.outcome", "suspended")
+    quietly("add a span event", span.add_event, "wf.park", attributes)
+    quietly("set an attribute", span.set_attribute, "wf.drive.outcome", "suspended")
 
 
 _PARK_REASONS: Final = (
@@ -214,20 +222,27 @@ class StepTrace:
                 "start a span", tracer.start_span, "wf.step", attributes=attributes
             )
             if self._span is not None:
-                self._token = api.context.attach(api.trace.set_span_in_context(self._span))
+                in_context = api.trace.set_span_in_context(self._span)
+                self._token = quietly("attach a span", api.context.attach, in_context)
         self._t0 = time.perf_counter()
 
-    def end(self, outcome: str, exc: BaseException | None = None) -> None:
+    def end(
+        self,
+        outcome: str,
+        exc: BaseException | None = None,
+        redact: Callable[[str], Any] | None = None,
+    ) -> None:
         """``completed``, ``retrying`` (failed, tried again), ``failed`` (not retried) or
-        ``interrupted`` (the drive stopped)."""
+        ``interrupted`` (the drive stopped); ``exc``'s text passed through ``redact`` (the
+        drive's secrets)."""
         elapsed = time.perf_counter() - self._t0
         span = self._span
         if span is not None:
-            span.set_attribute("wf.step.outcome", outcome)
+            quietly("set an attribute", span.set_attribute, "wf.step.outcome", outcome)
             if exc is not None:
-                span.record_exception(exc)
-                set_error(span, type(exc).__name__)
-            STATE.api.context.detach(self._token)  # type: ignore[union-attr]
+                record_error(span, exc, type(exc).__name__, redact)
+            if self._token is not None:
+                quietly("detach a span", STATE.api.context.detach, self._token)  # type: ignore[union-attr]
             quietly("end a span", span.end)
         if self._instruments is not None:
             self._metric["wf.step.outcome"] = outcome

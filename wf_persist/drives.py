@@ -227,8 +227,9 @@ def failed(
     (a run someone else claimed meanwhile is theirs), on a fresh connection. ``redactor``:
     the drive's secrets (its traceback holds what was being handled when it failed: a
     step's error, say)."""
-    drive_telemetry.drive_outcome("drive_failed", exc)
-    off_loop(_failed, runtime, claim, exc, redactor or Redactor())
+    redactor = redactor or Redactor()
+    drive_telemetry.drive_outcome("drive_failed", exc, redactor.scrub)
+    off_loop(_failed, runtime, claim, exc, redactor)
 
 
 def _failed(runtime: Runtime, claim: Claim, exc: BaseException, redactor: Redactor) -> None:

@@ -220,7 +220,7 @@ class StepRunner:
                 terminal = step.is_terminal(exc)
                 final = terminal or failures + 1 >= step.retry.attempts
                 if traced is not None:
-                    traced.end("failed" if final else "retrying", exc)
+                    traced.end("failed" if final else "retrying", exc, self.redactor.scrub)
                 pending = watch.finish()
                 cause = self.error_document(exc)
                 retry_at = None

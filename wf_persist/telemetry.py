@@ -295,26 +295,27 @@ def _operation(tracer: Tracer, name: str, attributes: dict[str, Any]) -> Iterato
     try:
         yield span
     except BaseException as exc:
-        quietly("record an exception", span.record_exception, exc)
-        quietly("set a status", set_error, span, f"{type(exc).__name__}: {exc}")
+        record_error(span, exc, f"{type(exc).__name__}: {exc}")
         raise
     finally:
         if token is not None:
-            api.context.detach(token)
+            quietly("detach a span", api.context.detach, token)
         quietly("end a span", span.end)
 
 
 def run_started(workflow: str, version: int) -> None:
     found = current_instruments()
     if found is not None:
-        found.started.add(1, {"wf.workflow.name": workflow, "wf.workflow.version": version})
+        attributes = {"wf.workflow.name": workflow, "wf.workflow.version": version}
+        quietly("count a metric", found.started.add, 1, attributes)
 
 
 def run_ended(workflow: str, version: int, ok: bool) -> None:
     found = current_instruments()
     if found is not None:
         counter = found.completed if ok else found.failed
-        counter.add(1, {"wf.workflow.name": workflow, "wf.workflow.version": version})
+        attributes = {"wf.workflow.name": workflow, "wf.workflow.version": version}
+        quietly("count a metric", counter.add, 1, attributes)
 
 
 # the due backlog ------------------------------------------------------------------------
@@ -346,6 +347,32 @@ def _due_backlog(options: Any) -> Iterable[Observation]:
         except Exception as exc:  # an outage: no figure this time
             log.debug("counting due runs failed: %s", exc)
     return found
+
+
+def record_error(
+    span: Span, exc: BaseException, description: str, redact: Callable[[str], Any] | None = None
+) -> None:
+    """Record ``exc`` on ``span`` and mark the span failed, quietly. ``redact``: a drive's
+    secrets, scrubbed from the message and the stack trace as from what the drive stores
+    (spans leave the process for a collector)."""
+    quietly("record an exception", _record, span, exc, redact)
+    quietly("set a status", set_error, span, description)
+
+
+def _record(span: Span, exc: BaseException, redact: Callable[[str], Any] | None) -> None:
+    from .error_documents import traceback_text
+
+    attributes = None
+    if redact is not None:
+        try:
+            message = str(exc)
+        except Exception:  # a __str__ that raises
+            message = type(exc).__name__
+        attributes = {"exception.message": str(redact(message))}
+        stack = traceback_text(exc, lambda text: str(redact(text)))
+        if stack is not None:
+            attributes["exception.stacktrace"] = stack
+    span.record_exception(exc, attributes)
 
 
 def set_error(span: Span, description: str) -> None:
