@@ -10,7 +10,9 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import select
@@ -211,12 +213,12 @@ def test_racing_takers_of_one_lapsed_slot_get_it_once(
     takers = [make_runtime() for _ in range(3)]
     got: list[bool] = []
     barrier = threading.Barrier(6)
-    exits: list[Callable[[], None]] = []
+    exits: list[AbstractContextManager[Any]] = []
 
     def take(rt: wp.Runtime) -> None:
         slot = rt.slots.slot("durable-step", "race", 1, "taker")
         acquire = slot.__enter__()
-        exits.append(lambda: None if slot.__exit__(None, None, None) else None)
+        exits.append(slot)
         barrier.wait()
         got.append(acquire())
 
@@ -227,5 +229,5 @@ def test_racing_takers_of_one_lapsed_slot_get_it_once(
         t.join(30)
     assert sorted(got) == [False] * 5 + [True]
     for done in exits:
-        done()
+        done.__exit__(None, None, None)
     context.__exit__(None, None, None)

@@ -113,3 +113,24 @@ def test_a_recorded_dict_is_seen_by_its_run_as_its_replays_read_it(runtime: wp.R
     assert sorted(seen) == ["a", "bb", "ccc"]  # each key handled once
     assert seen == SEEN, "a step ran with another key than its run had recorded"
     assert zero_then == zero_again  # the same value before and after a replay
+
+
+@wp.workflow(name="whole-floats", version=1)
+def whole_floats_wf(ctx: wp.Context, x: float) -> float:
+    assert type(x) is float, type(x)
+    return x * 1.0
+
+
+def test_a_whole_number_float_input_and_result_stay_floats(runtime: wp.Runtime) -> None:
+    """A run's input or result that is a whole-number float itself (not inside a list or
+    an object) was stored by SQLite's NUMERIC affinity as an INTEGER: the run got ``1``
+    for ``1.0``, and a client other than the one that saw the run finish read ``1``."""
+    runtime.register(whole_floats_wf)
+    client = runtime.client()
+    for value in (1.0, 1e16, -0.0, 2.5, 1e300):
+        run = client.start(whole_floats_wf, value).execution_id
+        runtime.drive(run)
+        with wp.Client(runtime.engine) as fresh:
+            found = fresh.result(run, timeout=10).unwrap()
+            assert (type(found), found) == (float, value), value
+            assert type(fresh.describe(run).input) is float, value

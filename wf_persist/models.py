@@ -122,6 +122,15 @@ class ExactJSONB(TypeDecorator[Any]):
         return process
 
 
+def sqlite_json(value: Any) -> str | bytes:
+    """A JSON column's value on SQLite, whose JSON columns have NUMERIC affinity: a text
+    that is a whole number (``1.0``, ``1e16``'s digits and ``.0``, ``-0.0``) is stored as an
+    INTEGER there and read back an int. Such a float, the whole document, is bound as a
+    BLOB of its text, which no affinity converts (read back as that text)."""
+    text = json_text(value)
+    return text.encode() if isinstance(value, float) and value.is_integer() else text
+
+
 class OwnJSON(TypeDecorator[Any]):
     """JSON written by :func:`~wf_persist.json_text.json_text` and read by ``json.loads``,
     whatever ``json_serializer``/``json_deserializer`` a host gave its engine: one that
@@ -132,8 +141,10 @@ class OwnJSON(TypeDecorator[Any]):
     cache_ok = True
 
     def bind_processor(self, dialect: Dialect) -> Any:
+        write = sqlite_json if dialect.name == "sqlite" else json_text
+
         def process(value: Any) -> Any:
-            return None if value is None else json_text(value)
+            return None if value is None else write(value)
 
         return process
 

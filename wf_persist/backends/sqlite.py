@@ -32,6 +32,7 @@ from ..errors import LeaseLostError, UnsupportedDatabaseError
 from ..events import NewEvent
 from ..json_text import json_text
 from ..models import executions_table as ex
+from ..models import sqlite_json
 from . import sqlite_files as files
 from . import sqlite_waits as waits
 from .base import Backend, Changes
@@ -477,7 +478,7 @@ class SQLiteBackend(Backend):
         params: dict[str, Any] = {"p_eid": execution_id, "p_epoch": epoch, "p_now": _ts(now)}
         for column, value in (values or {}).items():
             params[f"v_{column}"] = (
-                json_text(value)
+                sqlite_json(value)
                 if column in _JSON_COLUMNS and value is not None
                 else _ts(value)
                 if column in _TIME_COLUMNS
