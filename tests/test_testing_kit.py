@@ -8,6 +8,7 @@ import datetime as dt
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,39 @@ def test_fail_step_once_and_injected_failures_follow_the_retry_rules(
     wf_runtime.fail_step_once(w.echo, ValueError("no echo today"))
     outcome = wf_runtime.result(wf_runtime.start(w.echo_wf, 2))
     assert isinstance(outcome, wp.Failed) and "no echo today" in outcome.message
+
+
+def test_fail_step_once_takes_an_exception_or_its_class(wf_runtime: TestRuntime) -> None:
+    """A text (not an exception) was taken, and failed the run later with Python's
+    "exceptions must derive from BaseException"; an exception class works as ``raise``."""
+    wf_runtime.register(w.echo_wf)
+    for bad in ("not an exception", 3, object()):
+        with pytest.raises(wp.InvalidArgumentError, match="takes an exception"):
+            wf_runtime.fail_step_once(w.echo, bad)  # type: ignore[arg-type]
+    wf_runtime.fail_step_once(w.echo, KeyError)
+    outcome = wf_runtime.result(wf_runtime.start(w.echo_wf, 2))
+    assert isinstance(outcome, wp.Failed) and outcome.error_type == "StepExecutionError"
+    assert "KeyError" in str(outcome.error)
+
+
+def test_a_closed_test_runtime_refuses_every_call() -> None:
+    """``now()`` after ``close()`` raised a raw driver error; ``advance()`` was taken."""
+    runtime = TestRuntime()
+    runtime.register(w.echo_wf)
+    runtime.close()
+    calls: dict[str, Callable[[], object]] = {
+        "now": runtime.now,
+        "advance": lambda: runtime.advance(1),
+        "mock_step": lambda: runtime.mock_step(w.echo, lambda x: x),
+        "fail_step_once": lambda: runtime.fail_step_once(w.echo),
+        "set_secret": lambda: runtime.set_secret("k", "v"),
+        "start": lambda: runtime.start(w.echo_wf, 1),
+        "status": lambda: runtime.status("x"),
+    }
+    for name, call in calls.items():
+        with pytest.raises(wp.ClosedError):
+            call()
+            pytest.fail(f"{name} after close()")
 
 
 def test_compensations_are_recorded_in_unwind_order(wf_runtime: TestRuntime) -> None:

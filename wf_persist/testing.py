@@ -27,6 +27,7 @@ from .awaiting import _AGAIN, _WAIT
 from .backends.clock import db_now, use_virtual_clock
 from .client import Outcome
 from .embedded import WorkflowClient
+from .error_documents import shown
 from .errors import InvalidArgumentError, WfPersistError
 from .gate import without_cataloging
 from .records import ExecutionHandle, HistoryRecord
@@ -162,6 +163,7 @@ class TestRuntime(Runtime):
     def advance(self, duration: dt.timedelta | float) -> None:
         """Move the database's clock ahead by ``duration``: timers that fall due wake their
         runs (driven by the next :meth:`result`, or a worker)."""
+        self._check_open()
         seconds = duration_seconds(duration, "advance")
         with self._lock:
             if self._shift + seconds > _MAX_SHIFT:
@@ -175,6 +177,7 @@ class TestRuntime(Runtime):
 
     def now(self) -> dt.datetime:
         """The database's (virtual) current time."""
+        self._check_open()
         with self.backend.read() as conn:
             value: dt.datetime = conn.execute(select(db_now())).scalar_one()
         return value
@@ -184,6 +187,7 @@ class TestRuntime(Runtime):
     def mock_step(self, step: Step[Any], fn: Callable[..., Any]) -> None:
         """Call ``fn`` (same arguments) instead of ``step``'s function from now on; its
         exceptions follow the step's retry and ``errors=`` rules, as the real one's would."""
+        self._check_open()
         if not isinstance(step, Step) or not callable(fn):
             raise InvalidArgumentError("mock_step takes a @wp.step and a callable")
         self.step_overrides[step] = fn
@@ -191,11 +195,20 @@ class TestRuntime(Runtime):
     def unmock_step(self, step: Step[Any]) -> None:
         self.step_overrides.pop(step, None)
 
-    def fail_step_once(self, step: Step[Any], error: Exception | None = None) -> None:
-        """Make the next attempt of ``step`` raise ``error`` (default: ``RuntimeError("Injected
-        failure for step <name>")``); later attempts call the function again."""
+    def fail_step_once(
+        self, step: Step[Any], error: BaseException | type[BaseException] | None = None
+    ) -> None:
+        """Make the next attempt of ``step`` raise ``error``, an exception or an exception
+        class (default: ``RuntimeError("Injected failure for step <name>")``); later
+        attempts call the function again."""
+        self._check_open()
         if not isinstance(step, Step):
             raise InvalidArgumentError("fail_step_once takes a @wp.step")
+        if error is not None and not (
+            isinstance(error, BaseException)
+            or (isinstance(error, type) and issubclass(error, BaseException))
+        ):
+            raise InvalidArgumentError(f"fail_step_once takes an exception, got {shown(error)}")
         current = self.step_overrides.get(step, step.fn)
         failed = threading.Event()
 
@@ -209,6 +222,7 @@ class TestRuntime(Runtime):
 
     def set_secret(self, name: str, value: str) -> None:
         """The value ``secret(name)`` resolves to inside steps."""
+        self._check_open()
         self._secrets[name] = value
 
     def _resolve_secret(self, name: str) -> str:
