@@ -855,3 +855,23 @@ def test_migrating_into_a_named_schema_is_refused_typed_where_the_backend_has_no
     finally:
         engine.dispose()
     assert migrate.current(blank_db_url) is None
+
+
+@pytest.mark.parametrize("command", ["upgrade", "downgrade"])
+def test_an_unknown_revision_is_refused_before_the_database_is_touched(
+    blank_db_url: str, command: str
+) -> None:
+    """``db upgrade wf_9999`` was refused, but only after connecting had made a SQLite file
+    (in WAL mode) and Alembic an empty version table on MySQL/MariaDB."""
+    with pytest.raises(wp.InvalidArgumentError, match="wf_9999"):
+        getattr(migrate, command)(blank_db_url, "wf_9999")
+    url = make_url(blank_db_url)
+    if url.get_backend_name() == "sqlite":
+        assert not Path(str(url.database)).exists()
+        return
+    engine = create_engine(blank_db_url)
+    try:
+        with engine.connect() as conn:
+            assert inspect(conn).get_table_names() == []
+    finally:
+        engine.dispose()

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import io
+import re
 import shlex
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -285,6 +286,7 @@ def upgrade(
             buf = io.StringIO()
             command.upgrade(_config(None, _url_of(bind), buf, schema), revision, sql=True)
             return buf.getvalue()
+        _known(revision)
         with _connection(bind) as conn:
             found = _read_state(conn, schema)
             to_head = revision in ("head", "heads", "wf_persist@head", SCHEMA_HEAD)
@@ -314,11 +316,21 @@ def downgrade(
             rng = revision if ":" in revision else f"{SCHEMA_HEAD}:{revision}"
             command.downgrade(_config(None, _url_of(bind), buf, schema), rng, sql=True)
             return buf.getvalue()
+        _known(revision)
         with _connection(bind) as conn:
             target = "wf_persist@base" if revision == "base" else revision
             _refuse_foreign(_read_state(conn, schema), f"alembic downgrade {target}")
             command.downgrade(_config(conn, None, None, schema), revision)
     return None
+
+
+def _known(revision: str) -> None:
+    """Refuse a revision no script names before the database is touched: connecting made
+    a SQLite file, and Alembic an empty version table, before it looked the revision up.
+    (A relative one, ``head-1`` or ``+2``, is Alembic's to judge against the database.)"""
+    if ":" in revision or re.search(r"[+-]\d", revision):
+        return
+    _script().get_revisions(revision)
 
 
 def _script() -> ScriptDirectory:
