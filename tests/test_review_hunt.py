@@ -472,6 +472,11 @@ def test_a_sqlite_file_opened_read_only_by_its_uri_is_refused_by_a_runtime(
             assert client.list().items == []
             with pytest.raises(wp.UnsupportedDatabaseError, match="read-only"):
                 client.purge(older_than=dt.timedelta(0))
+        # By its URL too: a client's open looked to migrate the file, and was refused.
+        with wp.Client(url) as client:
+            assert client.list().items == []
+        with pytest.raises(wp.UnsupportedDatabaseError, match="read-only"):
+            wp.Client(url, auto_migrate=True)
 
 
 @pytest.mark.needs("libpq")

@@ -55,12 +55,13 @@ class Database:
         try:
             self.backend = backends.open_backend(engine, owned=self.owns_engine, schema=schema)
             self.backend.check()
-            if auto_migrate is None:
-                auto_migrate = self.owns_engine and self.backend.embedded
             #: Whether the engine's connections may not write (a client then only reads).
             self.read_only = self.backend.read_only()
             if self.read_only and (writes or auto_migrate):
                 raise UnsupportedDatabaseError(READ_ONLY)
+            if auto_migrate is None:
+                # Not a read-only one (a mode=ro SQLite URI, say): a client there only reads.
+                auto_migrate = self.owns_engine and self.backend.embedded and not self.read_only
             if auto_migrate and (
                 # A deploy gate's: a fleet's database is never upgraded under it.
                 not gate.gating() or migrate.current(self.backend.engine) is None
