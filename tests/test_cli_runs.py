@@ -567,3 +567,28 @@ def test_replay_check_never_upgrades_the_fleets_database(
     made = _gate(procs, tmp_path, "gate_app:runtime", {"WF_PERSIST_DATABASE_URL": fresh}, GATE_APP)
     assert made.returncode == 0, made.stderr
     assert migrate.current(fresh) == migrate.SCHEMA_HEAD
+
+
+@pytest.mark.needs("embedded")
+def test_an_error_while_waiting_says_the_run_was_started(
+    runtime: wp.Runtime, db_url: str, procs: Processes
+) -> None:
+    """``runs start --wait`` whose wait failed (the database unusable meanwhile) exited 1,
+    which the exit status table read as "nothing written": a script would start the run
+    again. The error now says the run was started, and how to wait for it again."""
+    from .fixtures import workflows as w
+
+    runtime.register(w.napper_wf)
+    start = ["runs", "start", "napper", "--input", "3600", "--wait"]
+    waiting = procs.spawn(
+        [sys.executable, "-m", "wf_persist.cli", *start], env={"WF_PERSIST_DATABASE_URL": db_url}
+    )
+    waiting.wait_for_stderr("started napper v1 run")
+    run = waiting.stderr().split()[-1]
+    with runtime.engine.begin() as conn:  # the table gone from under the wait
+        conn.exec_driver_sql("ALTER TABLE wf_executions RENAME TO wf_executions_gone")
+    assert waiting.popen.wait(timeout=60) == 1
+    said = " ".join(waiting.stderr().split())
+    assert f"run {run} was started and goes on" in said, said
+    assert f"wf-persist runs result {run}" in said
+    assert said.count("error:") == 1

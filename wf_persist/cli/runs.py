@@ -14,7 +14,7 @@ import typer
 
 from .. import arguments, clocks, lifecycle
 from ..client import Client
-from ..errors import InvalidArgumentError, ResultTimeoutError
+from ..errors import InvalidArgumentError, ResultTimeoutError, WfPersistError
 from ..records import HistoryRecord
 from .common import (
     EXIT_EPILOG,
@@ -332,13 +332,24 @@ def start(
             f"{found} {handle.workflow_name} v{handle.version} run {handle.execution_id}",
             markup=False,
         )
-        if follow:
-            if not _follow(client, handle.execution_id, _streamer(json_), timeout):
-                _timed_out(client, handle.execution_id, timeout, json_, lines=True)
-            _print_outcome(client.result(handle.execution_id), json_, lines=True)
-        elif wait:
-            _finish(client, handle.execution_id, timeout, json_)
-        elif json_:
+        try:
+            if follow:
+                if not _follow(client, handle.execution_id, _streamer(json_), timeout):
+                    _timed_out(client, handle.execution_id, timeout, json_, lines=True)
+                _print_outcome(client.result(handle.execution_id), json_, lines=True)
+            elif wait:
+                _finish(client, handle.execution_id, timeout, json_)
+        except WfPersistError:
+            # Written already: a script must not take the error for "nothing happened".
+            err.print(
+                f"run {handle.execution_id} was started and goes on; waiting for it failed "
+                f"(`wf-persist runs result {handle.execution_id}` waits again)",
+                markup=False,
+            )
+            raise
+        if follow or wait:
+            return
+        if json_:
             emit_json(handle)
         else:
             typer.echo(handle.execution_id)
