@@ -761,7 +761,7 @@ def test_upgrade_to_the_lease_owner_index_keeps_runs_and_reaps_through_it(
     holder.execute(text("SELECT pg_advisory_lock(hashtextextended('alive:2:bbbb!', 0))"))
     holder.commit()
     try:
-        sql = REAP.format(table="wf_executions", slots="wf_slots")
+        sql = REAP.format(table="wf_executions")
         with engine.connect() as conn:
             # 2,000 more runs in flight, all the live owner's: the look walks the owners (a
             # few index entries read), never every run in flight. (Taking a dead owner's runs

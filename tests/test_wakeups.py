@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, create_engine, select, text
+from sqlalchemy import Engine, create_engine, event, select, text
 from sqlalchemy.exc import OperationalError
 
 import wf_persist as wp
@@ -1163,3 +1163,39 @@ def test_an_end_heard_wakes_only_its_waiter_and_a_reconnection_wakes_every_waite
         ends.wait("a", ends.mark("a"), 5.0)
         assert time.monotonic() - began < 2.0
     assert not ends._watched and not ends._ended
+
+
+@pytest.mark.needs("embedded")
+def test_a_look_at_sqlite_while_a_writer_commits_under_a_rollback_journal(
+    tmp_path: Path,
+) -> None:
+    """A host engine in a rollback journal with a busy timeout of 0: the worker's look
+    (``PRAGMA data_version``) failed at once with "database is locked" while another
+    connection committed, and the worker logged an outage and backed off, every time. A
+    look that finds the file locked says something changes."""
+    path = tmp_path / "journal.sqlite3"
+    engine = create_engine(f"sqlite:///{path}")
+
+    @event.listens_for(engine, "connect")
+    def _host_settings(dbapi: Any, record: Any) -> None:
+        cursor = dbapi.cursor()
+        cursor.execute("PRAGMA journal_mode=DELETE")
+        cursor.execute("PRAGMA busy_timeout=0")
+        cursor.close()
+
+    wp.migrate.upgrade(engine)
+    with wp.Runtime(engine) as rt:
+        changes = rt.backend.changes()
+        assert changes is not None
+        changes.changed()
+        writer = sqlite3.connect(path, isolation_level=None)
+        try:
+            writer.execute("BEGIN EXCLUSIVE")  # as a commit holds it, readers shut out
+            assert changes.changed() is True
+            writer.execute("COMMIT")
+            changes.changed()
+            assert changes.changed() is False
+        finally:
+            writer.close()
+            changes.close()
+    engine.dispose()

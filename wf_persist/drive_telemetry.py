@@ -103,8 +103,9 @@ class DriveTrace:
             self.open(None, False)
         span = self._span
         assert span is not None
-        if exc is not None:
-            record_error(span, exc, type(exc).__name__)
+        if exc is not None:  # an interruption (a shutdown): its chain may hold a step's
+            # error, with a secret the drive resolved: its type only.
+            quietly("set a status", set_error, span, type(exc).__name__)
         if self._tokens is not None:
             token, run = self._tokens
             RUN.reset(run)

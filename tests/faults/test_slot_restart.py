@@ -93,3 +93,48 @@ def test_limit_one_has_one_holder_through_a_crash(private_pg: PrivatePostgres) -
         results = sorted(rt.client().result(r, timeout=90).unwrap() for r in runs)
     assert results == [0, 1]
     assert inside["peak"] == 1
+
+
+held_inside = threading.Event()
+
+
+@wp.step(concurrency=wp.Limit(1, key=lambda i: "k"))
+def held_long(i: int) -> int:
+    held_inside.set()
+    time.sleep(STEP_SECONDS)
+    return i
+
+
+@wp.workflow(name="restart_reaped", version=1)
+def restart_reaped_wf(ctx: wp.Context, i: int) -> int:
+    return ctx.run(held_long, i)
+
+
+def test_another_workers_reaper_leaves_a_live_holders_slot_alone(
+    private_pg: PrivatePostgres,
+) -> None:
+    """A restart frees every presence lock: a live worker's looks free until its listener
+    takes it again. The reaper of another worker made the live worker's slots lapse with
+    its runs (0.2 s), and a second run entered ``Limit(1)`` while the first was inside."""
+    held_inside.clear()
+    url = private_pg.url()
+    with wp.Runtime(url, lease_ttl=30) as holder, wp.Runtime(url, lease_ttl=30) as other:
+        holder.register(restart_reaped_wf)
+        run = holder.client().start(restart_reaped_wf, 1).execution_id
+        holder.start_worker(concurrency=2, poll_interval=0.05)
+        other.wakeups()
+        assert held_inside.wait(30)
+        private_pg.restart("fast")
+        private_pg.wait_accepting()
+        reaped: list[str] = []
+        until = time.monotonic() + 3
+        while time.monotonic() < until and not reaped:
+            try:
+                reaped = other.reap()
+            except Exception:
+                time.sleep(0.01)
+        assert reaped == [run], "the live worker's lock looked free: its run was reaped"
+        time.sleep(0.5)  # past the reaper's grace
+        with other.slots.slot(held_long.name, "k", 1, "probe") as acquire:
+            assert not acquire(), "a second holder while the first step runs"
+        assert holder.client().result(run, timeout=60).unwrap() == 1

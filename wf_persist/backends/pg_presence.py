@@ -76,7 +76,10 @@ BEAT_DEADLINE: Final = 10.0
 #: ends. The owners are walked in order through the partial lease-owner index, one probe
 #: each (a loose index scan): the look costs the same with ten runs in flight or fifty
 #: thousand. The statuses are spelled as that index's predicate (and the claim index's).
-#: The owners' step concurrency slots (``wf_slots``) lapse at the same time as their runs.
+#: Their step concurrency slots (``wf_slots``) are left to lapse with their TTL: a live
+#: process's lock is free too while its listener reconnects (after a database restart,
+#: say), and a run taken over replays (a step in flight may run twice), where a slot taken
+#: from a step still running lets a second run into a limit.
 REAP: Final = """
 WITH RECURSIVE owners(lease_owner) AS (
     (SELECT lease_owner FROM {table}
@@ -94,13 +97,7 @@ dead AS (
     FROM owners
     WHERE lease_owner LIKE '%%!' AND lease_owner <> %(me)s
       AND pg_try_advisory_xact_lock(hashtextextended(lease_owner, 0))
-),
-lapsed_slots AS (
-    UPDATE {slots} AS slot
-    SET expires_at = clock_timestamp() + make_interval(secs => %(grace)s)
-    FROM dead
-    WHERE slot.owner = dead.lease_owner
-      AND slot.expires_at > clock_timestamp() + make_interval(secs => %(grace)s)
+
 )
 UPDATE {table} AS run
 SET (lease_expires_at, wake_at) = (

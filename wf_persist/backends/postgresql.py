@@ -36,7 +36,6 @@ from ..errors import LeaseLostError, UnsupportedDatabaseError
 from ..events import NewEvent
 from ..json_text import as_jsonb, json_text
 from ..models import executions_table as ex
-from ..models import slots_table
 from ..models import workflows_table as wf
 from ..wakeups import DUE, END, NOT_AVAILABLE, Hearing, Listener
 from . import pg_json, sockets
@@ -327,12 +326,11 @@ class PostgreSQLBackend(RawPath):
         mapped = self.schema_map.get(None) if self.schema_map else None
         quote = self.base_engine.dialect.identifier_preparer.quote_identifier
         # Quoted for psycopg's %(name)s parameters too (a % in the name doubled).
-        tables = {
-            name: name if mapped is None else f"{quote(mapped)}.{name}"
-            for name in (ex.name, slots_table.name)
-        }
-        statement = REAP.format(table=tables[ex.name], slots=tables[slots_table.name])
-        return [str(r[0]) for r in self._send_raw(statement, {"me": owner, "grace": grace})]
+        table = ex.name if mapped is None else f"{quote(mapped)}.{ex.name}"
+        return [
+            str(r[0])
+            for r in self._send_raw(REAP.format(table=table), {"me": owner, "grace": grace})
+        ]
 
     def owner_mark(self) -> str:
         return PRESENT_MARK

@@ -127,6 +127,13 @@ class DataVersion(Changes):
             self._raw = raw
         try:
             version = int(self._raw.execute("PRAGMA data_version").fetchone()[0])
+        except sqlite3.OperationalError as exc:
+            if "locked" in str(exc):
+                # A writer commits under a rollback journal, and a host's busy timeout of
+                # 0 failed the read at once: something changes, look.
+                return True
+            self.close()
+            raise
         except Exception:
             self.close()
             raise
