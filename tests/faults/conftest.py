@@ -11,7 +11,17 @@ from typing import Any
 
 import pytest
 
+from .pgcluster import PrivatePostgres
 from .procs import Child, Processes
+
+
+@pytest.fixture
+def private_pg() -> Iterator[PrivatePostgres]:
+    """A PostgreSQL cluster of the test's own (never the shared server's), started."""
+    with PrivatePostgres() as pg:
+        pg.init()
+        pg.start()
+        yield pg
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,14 +40,6 @@ HOLD = 3.0
 #: Lines a worker may print in the steady part of an outage (one logged failure with its
 #: traceback fits; a record per poll does not).
 STEADY_LINES = 30
-
-
-@pytest.fixture
-def private_pg() -> Iterator[PrivatePostgres]:
-    with PrivatePostgres() as pg:
-        pg.init()
-        pg.start()
-        yield pg
 
 
 @dataclass

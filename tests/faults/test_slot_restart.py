@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -24,12 +23,9 @@ STEP_SECONDS = 3.0
 
 
 @pytest.fixture
-def private_pg() -> Iterator[PrivatePostgres]:
-    with PrivatePostgres() as pg:
-        pg.init()
-        pg.start()
-        wp.migrate.upgrade(pg.url())
-        yield pg
+def migrated_pg(private_pg: PrivatePostgres) -> PrivatePostgres:
+    wp.migrate.upgrade(private_pg.url())
+    return private_pg
 
 
 def _free(runtime: wp.Runtime) -> bool:
@@ -41,13 +37,13 @@ def _free(runtime: wp.Runtime) -> bool:
 
 
 @pytest.mark.parametrize("mode", ["fast", "immediate"])
-def test_a_restart_keeps_a_held_slot(private_pg: PrivatePostgres, mode: str) -> None:
-    url = private_pg.url()
+def test_a_restart_keeps_a_held_slot(migrated_pg: PrivatePostgres, mode: str) -> None:
+    url = migrated_pg.url()
     with wp.Runtime(url, lease_ttl=4) as holder, wp.Runtime(url) as other:
         with holder.slots.slot("restart-step", "k", 1, "holder-run") as acquire:
             assert acquire()
-            private_pg.restart(mode)
-            private_pg.wait_accepting()
+            migrated_pg.restart(mode)
+            migrated_pg.wait_accepting()
             until = time.monotonic() + 6  # past renewals, past the TTL
             while time.monotonic() < until:
                 assert not _free(other), "the restart freed a held slot"
@@ -78,18 +74,18 @@ def restart_limited_wf(ctx: wp.Context, i: int) -> int:
     return ctx.run(exclusive, i)
 
 
-def test_limit_one_has_one_holder_through_a_crash(private_pg: PrivatePostgres) -> None:
+def test_limit_one_has_one_holder_through_a_crash(migrated_pg: PrivatePostgres) -> None:
     """End to end: two runs of a ``Limit(1)`` step, the server crashing while the first is
     inside it; the other run queues through the crash and after it."""
     inside.update(now=0, peak=0, done=0)
     restart_now.clear()
-    with wp.Runtime(private_pg.url(), lease_ttl=5, record_start_after=None) as rt:
+    with wp.Runtime(migrated_pg.url(), lease_ttl=5, record_start_after=None) as rt:
         rt.register(restart_limited_wf)
         runs = [rt.client().start(restart_limited_wf, i).execution_id for i in range(2)]
         rt.start_worker(concurrency=4, poll_interval=0.05)
         assert restart_now.wait(30)
-        private_pg.restart("immediate")
-        private_pg.wait_accepting()
+        migrated_pg.restart("immediate")
+        migrated_pg.wait_accepting()
         results = sorted(rt.client().result(r, timeout=90).unwrap() for r in runs)
     assert results == [0, 1]
     assert inside["peak"] == 1
@@ -111,21 +107,21 @@ def restart_reaped_wf(ctx: wp.Context, i: int) -> int:
 
 
 def test_another_workers_reaper_leaves_a_live_holders_slot_alone(
-    private_pg: PrivatePostgres,
+    migrated_pg: PrivatePostgres,
 ) -> None:
     """A restart frees every presence lock: a live worker's looks free until its listener
     takes it again. The reaper of another worker made the live worker's slots lapse with
     its runs (0.2 s), and a second run entered ``Limit(1)`` while the first was inside."""
     held_inside.clear()
-    url = private_pg.url()
+    url = migrated_pg.url()
     with wp.Runtime(url, lease_ttl=30) as holder, wp.Runtime(url, lease_ttl=30) as other:
         holder.register(restart_reaped_wf)
         run = holder.client().start(restart_reaped_wf, 1).execution_id
         holder.start_worker(concurrency=2, poll_interval=0.05)
         other.wakeups()
         assert held_inside.wait(30)
-        private_pg.restart("fast")
-        private_pg.wait_accepting()
+        migrated_pg.restart("fast")
+        migrated_pg.wait_accepting()
         reaped: list[str] = []
         until = time.monotonic() + 3
         while time.monotonic() < until and not reaped:
