@@ -1033,6 +1033,16 @@ def test_generator_functions_are_refused_at_decoration(
         wp.step(compensate=fn)(plain)
 
 
+def test_a_step_as_a_compensation_is_refused_at_decoration() -> None:
+    """A ``@wp.step`` given as ``compensate=`` was called as a plain function during the
+    unwind: its limit (and retries, timeout) silently did not apply, and four unwinds ran
+    a ``Limit(1)`` undo at once."""
+    limited = wp.step(concurrency=wp.Limit(1), name="limited_undo")(plain)
+    with pytest.raises(wp.WorkflowDefinitionError, match=r"limited_undo\.fn"):
+        wp.step(compensate=limited, name="does")(plain)
+    assert wp.step(compensate=limited.fn, name="does")(plain).compensate is plain
+
+
 @pytest.mark.parametrize(
     "name,says",
     [

@@ -19,6 +19,7 @@ from sqlalchemy import select
 import wf_persist as wp
 from tests.helpers import Processes, wait_until
 from wf_persist.models import slots_table
+from wf_persist.policies import key_text
 
 IDLE = 1.0
 
@@ -230,3 +231,28 @@ def test_racing_takers_of_one_lapsed_slot_get_it_once(
     for done in exits:
         done.__exit__(None, None, None)
     context.__exit__(None, None, None)
+
+
+_KEYS = """
+import sys
+from wf_persist.policies import key_text
+print(key_text(frozenset({"alpha", "beta", "gamma", "delta"})))
+print(key_text({"b": {2, 1, 3}, "a": ("x", frozenset({"p", "q"}))}))
+"""
+
+
+def test_a_limits_key_is_the_same_text_in_every_process(procs: Processes) -> None:
+    """A key was compared by its ``str()``: a set's depends on the process's string
+    hashing, so two workers held one key's ``Limit(1)`` slots apart and ran it twice at
+    once. Other values are compared by their JSON: ``1``, ``1.0``, ``True`` and ``"1"``
+    are four keys."""
+    seen = set()
+    for seed in ("1", "2", "3"):
+        child = procs.python("-c", _KEYS, env={"PYTHONHASHSEED": seed}, stdout=True)
+        assert child.popen.stdout is not None
+        seen.add(child.popen.stdout.read())
+        assert child.popen.wait(timeout=60) == 0
+    assert len(seen) == 1, seen
+    texts = [key_text(k) for k in (1, 1.0, True, "1", None, "None", (1, 2), [1, 2])]
+    assert len(set(texts[:6])) == 6 and texts[6] == texts[7]
+    assert key_text(object) == key_text(object)  # not JSON: by its str()

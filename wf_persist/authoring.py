@@ -396,6 +396,13 @@ def _make_step(
     )
     if compensate is not None and not callable(compensate):
         raise WorkflowDefinitionError(f"compensate must be callable, got {shown(compensate)}")
+    if isinstance(compensate, Step):
+        # Called as a function: its retries, timeout and concurrency limit would not apply.
+        raise WorkflowDefinitionError(
+            f"compensate must be a plain function, got the step {compensate.name!r} (a "
+            f"compensation runs without a step's retries, timeout or limit); pass its "
+            f"function, {compensate.name}.fn"
+        )
     if compensate is not None:
         _check_plain(compensate, "compensation")
     if not isinstance(errors, tuple | list) or not all(

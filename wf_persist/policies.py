@@ -4,6 +4,7 @@ fails at import, not in the first run that needs it."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Literal
@@ -113,3 +114,30 @@ class Limit:
                 f"got {shown(self.key)}"
             )
         object.__setattr__(self, "limit", limit)
+
+
+def key_text(key: Any) -> str:
+    """The text a limit's key is compared by, the same in every process: a ``str`` as it
+    is; anything else as its JSON, a set's items in order (``str()`` of a set depends on
+    its process's string hashing, and two workers held one key's slots apart). So ``1``,
+    ``1.0`` and ``True`` are three keys, and the int ``1`` is not the str ``"1"``. A value
+    JSON cannot write is compared by its ``str()``."""
+    if isinstance(key, str):
+        return key
+    try:
+        return "\0json:" + json.dumps(_canonical(key), sort_keys=True, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError):
+        return "\0str:" + str(key)
+
+
+def _canonical(value: Any) -> Any:
+    """``value`` with its sets as sorted lists and its tuples as lists (raises TypeError
+    for what JSON cannot write)."""
+    if isinstance(value, set | frozenset):
+        items = [_canonical(v) for v in value]
+        return sorted(items, key=lambda v: json.dumps(v, sort_keys=True, ensure_ascii=False))
+    if isinstance(value, list | tuple):
+        return [_canonical(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _canonical(v) for k, v in value.items()}
+    return value

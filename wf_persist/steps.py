@@ -32,6 +32,7 @@ from .errors import InvalidPayloadError, StepExecutionError
 from .events import Activity, NewEvent
 from .logs import run_fields
 from .loops import check_can_await, settle
+from .policies import key_text
 from .replay import Journal
 from .secrets import Redactor, contains_reference, resolve_references
 from .timeouts import call_within
@@ -290,7 +291,7 @@ class StepRunner:
                 self.driver.check_lease()
                 result = self._call(step, values)
             else:
-                key = step.name if limit.key is None else str(limit.key(**values))
+                key = step.name if limit.key is None else key_text(limit.key(**values))
                 with contextlib.ExitStack() as slot:
                     slot.enter_context(self.driver.concurrency_slot(step, key))
                     self.driver.check_lease()
