@@ -150,6 +150,7 @@ def test_parallel_branches_keep_no_connection_idle_while_a_sibling_runs(
         assert "drive.failed" not in history_types(rt.client(), run)
 
 
+@pytest.mark.needs("server")
 def test_a_limit_holds_when_the_server_ends_idle_sessions(idle_ending: str | Engine) -> None:
     """A slot is a session lock on a connection that sits idle while its step runs: the
     server ended that session and its lock, and a second run entered the ``Limit(1)``."""
