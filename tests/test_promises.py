@@ -413,8 +413,8 @@ def test_worker_cli_poll_interval_and_sigint(
 def test_a_dead_workers_limit_slot_is_released(
     runtime: wp.Runtime, db_url: str, tmp_path: Path, procs: Processes
 ) -> None:
-    """A worker killed inside a ``Limit(1)`` step held the slot database-wide; its session
-    ends with it, so the other worker gets the slot."""
+    """A worker killed inside a ``Limit(1)`` step held the slot database-wide; it lapses a
+    lease TTL later, so the other worker, which took the run over, gets the slot."""
     runtime.register(*w.ALL)
     client = runtime.client()
     workers = [procs.worker(db_url, lease_ttl=1.0) for _ in range(2)]
@@ -435,7 +435,11 @@ def test_a_dead_workers_limit_slot_is_released(
     (doomed,) = [worker for worker in workers if worker.pid == holder_pid]
     (survivor,) = [worker for worker in workers if worker is not doomed]
     doomed.stop(signal.SIGKILL)
-    wait_until(slot_free, 30, "the dead worker's slot is released")
+    # The survivor takes the run over once its lease lapses, and gets the slot once the
+    # dead worker's lapses (a lease TTL after its last renewal): the step starts again.
+    wait_until(
+        lambda: marks.read_text().count("first-start") == 2, 30, "the dead worker's slot lapses"
+    )
     hang.unlink()
     second = client.start(w.hold_slot_wf, {**job, "label": "second"})
     wait_status(client, second.execution_id, "completed")
