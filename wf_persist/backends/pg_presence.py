@@ -97,7 +97,6 @@ dead AS (
     FROM owners
     WHERE lease_owner LIKE '%%!' AND lease_owner <> %(me)s
       AND pg_try_advisory_xact_lock(hashtextextended(lease_owner, 0))
-
 )
 UPDATE {table} AS run
 SET (lease_expires_at, wake_at) = (
