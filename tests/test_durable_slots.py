@@ -256,3 +256,27 @@ def test_a_limits_key_is_the_same_text_in_every_process(procs: Processes) -> Non
     texts = [key_text(k) for k in (1, 1.0, True, "1", None, "None", (1, 2), [1, 2])]
     assert len(set(texts[:6])) == 6 and texts[6] == texts[7]
     assert key_text(object) == key_text(object)  # not JSON: by its str()
+
+
+def test_a_held_slot_is_renewed_while_the_runs_pool_is_exhausted(
+    db_url: str, make_engine: Callable[..., Any], make_runtime: Callable[..., wp.Runtime]
+) -> None:
+    """Renewals went through the runs' pool: with every connection of it out (busy runs),
+    a renewal waited for one past the slot's TTL, and another worker took the slot while
+    its step ran. They go through the lease keeper's own pool."""
+    engine = make_engine(db_url, pool_size=2, max_overflow=0, pool_timeout=30)
+    holder = wp.Runtime(engine, lease_ttl=0.4)
+    other = make_runtime()
+    try:
+        with holder.slots.slot("durable-step", "starved", 1, "run") as acquire:
+            assert acquire()
+            busy = [engine.connect() for _ in range(2)]  # the runs' pool, all out
+            try:
+                time.sleep(1.5)  # several renewals, past the TTL
+                assert not _free(other, "starved"), "the slot lapsed: its renewals starved"
+            finally:
+                for conn in busy:
+                    conn.close()
+        assert _free(other, "starved")
+    finally:
+        holder.close()

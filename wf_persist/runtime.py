@@ -143,7 +143,9 @@ class Runtime(Registry, Notices, WorkerSide):
         #: backend's mark once the runtime holds its presence lock (see :mod:`.wakeups`).
         self.owner = self._base_owner
         #: The step concurrency slots (``Limit``) this runtime's drives hold.
-        self.slots = Slots(self.backend, lambda: self.owner, lease_seconds)
+        self.slots = Slots(
+            self.backend, lambda: self.owner, lease_seconds, lambda: self.keeper().engine()
+        )
         self._wakeups: Wakeups | None = None
         self.timers = Timers()
         #: Set by :meth:`close`: drivers stop before their next step.

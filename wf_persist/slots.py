@@ -4,9 +4,10 @@ A slot is a row of ``wf_slots`` (see :class:`~wf_persist.models.ConcurrencySlot`
 limit holds across every process sharing the database, on every backend, and outlives what
 a session lock did not: a database restart, a failover, a killed session. The row is held
 while its expiry is ahead of the database's clock; this process pushes the expiry of all
-its slots in one statement every quarter of its lease TTL while it holds any, and deletes
-a slot's row when its step ends. A worker that dies or freezes stops pushing: its slots
-lapse one lease TTL later, as its runs' leases do, and the next taker overwrites them.
+its slots in one statement every quarter of its lease TTL while it holds any (on the lease
+keeper's connections, which busy runs cannot starve), and deletes a slot's row when its
+step ends. A worker that dies or freezes stops pushing: its slots lapse one lease TTL
+later, as its runs' leases do, and the next taker overwrites them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+from sqlalchemy import Connection, Engine
+
+from .errors import WfPersistError
 from .store import slots as store
 
 if TYPE_CHECKING:
@@ -41,9 +45,18 @@ def slot_key(step_name: str, key: str) -> str:
 class Slots:
     """One runtime's slots: takes them, keeps them ahead of their expiry, gives them back."""
 
-    def __init__(self, backend: Backend, owner: Callable[[], str], ttl: float) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        owner: Callable[[], str],
+        ttl: float,
+        renewals: Callable[[], Engine] | None = None,
+    ) -> None:
         self.backend = backend
         self._owner = owner
+        #: The engine renewals go through (the lease keeper's: a pool of its own, which
+        #: busy runs cannot starve); the runs' pool without one, or once it has stopped.
+        self._renewals = renewals
         #: Seconds a slot outlives its holder's last renewal (the runtime's lease TTL).
         self.ttl = ttl
         self._lock = threading.Lock()
@@ -138,7 +151,7 @@ class Slots:
                     return
                 held = set(self._held)
             try:
-                with self.backend.begin() as conn:
+                with self._renewal() as conn:
                     kept = store.renew(self.backend, conn, held, self.ttl)
             except Exception as exc:  # the next turn tries again
                 log.warning("renewing held concurrency slots failed: %s", exc)
@@ -150,6 +163,22 @@ class Slots:
                     "%d held concurrency slot(s) lapsed and were taken by another run",
                     still - kept,
                 )
+
+    @contextmanager
+    def _renewal(self) -> Iterator[Connection]:
+        """A transaction on the renewals' engine (see :attr:`_renewals`)."""
+        engine = None
+        if self._renewals is not None:
+            try:
+                engine = self._renewals()
+            except WfPersistError:  # its runtime closes: the slots still held are renewed
+                engine = None
+        if engine is None:
+            with self.backend.begin() as conn:
+                yield conn
+            return
+        with engine.connect() as own, self.backend.begin(own) as conn:
+            yield conn
 
 
 class _Exit:
