@@ -108,12 +108,18 @@ def latched(method: Callable[Concatenate[L, P], T]) -> Callable[Concatenate[L, P
     return call
 
 
+def raisable(value: object) -> bool:
+    """Whether ``raise value`` raises it: an exception, or an exception class (made with
+    no arguments)."""
+    return isinstance(value, BaseException) or (
+        isinstance(value, type) and issubclass(value, BaseException)
+    )
+
+
 def fail_with(error: BaseException | type[BaseException]) -> NoReturn:
     """``ctx.fail``: raise ``error``; anything but an exception is misuse (Python's own
     ``TypeError`` would fail the run instead, naming nothing of ``ctx.fail``)."""
-    if not isinstance(error, BaseException) and not (
-        isinstance(error, type) and issubclass(error, BaseException)
-    ):  # (a class is raised as ``raise`` raises one: made with no arguments)
+    if not raisable(error):
         raise WorkflowDefinitionError(
             f"ctx.fail() takes an exception, got {type(error).__name__} {shown(error)}"
         )

@@ -26,6 +26,7 @@ from .authoring import Step, Workflow
 from .awaiting import _AGAIN, _WAIT
 from .backends.clock import db_now, use_virtual_clock
 from .client import Outcome
+from .control import raisable
 from .embedded import WorkflowClient
 from .error_documents import shown
 from .errors import InvalidArgumentError, WfPersistError
@@ -204,10 +205,7 @@ class TestRuntime(Runtime):
         self._check_open()
         if not isinstance(step, Step):
             raise InvalidArgumentError("fail_step_once takes a @wp.step")
-        if error is not None and not (
-            isinstance(error, BaseException)
-            or (isinstance(error, type) and issubclass(error, BaseException))
-        ):
+        if error is not None and not raisable(error):
             raise InvalidArgumentError(f"fail_step_once takes an exception, got {shown(error)}")
         current = self.step_overrides.get(step, step.fn)
         failed = threading.Event()
