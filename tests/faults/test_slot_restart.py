@@ -9,6 +9,7 @@ clock, which the restart does not touch.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -16,6 +17,7 @@ import pytest
 
 import wf_persist as wp
 from tests.helpers import wait_until
+from wf_persist.leases import Outage
 
 from .pgcluster import PrivatePostgres
 
@@ -118,12 +120,17 @@ def test_another_workers_reaper_leaves_a_live_holders_slot_alone(
         holder.register(restart_reaped_wf)
         run = holder.client().start(restart_reaped_wf, 1).execution_id
         holder.start_worker(concurrency=2, poll_interval=0.05)
+        wakeups = holder.wakeups()
+        # The holder's listener reconnects 4 s after it fails, not 0.1 s: the window in which
+        # its lock looks free outlasts a loaded machine's slowness (CI once saw it retaken
+        # before the other reaper's connection came back, and nothing reaped).
+        wakeups._outage = Outage(logging.getLogger(__name__), "listening for wake-ups", 4.0)
         other.wakeups()
         assert held_inside.wait(30)
         migrated_pg.restart("fast")
         migrated_pg.wait_accepting()
         reaped: list[str] = []
-        until = time.monotonic() + 3
+        until = time.monotonic() + 4
         while time.monotonic() < until and not reaped:
             try:
                 reaped = other.reap()
