@@ -5,6 +5,7 @@ it lapses one lease TTL after its holder died or froze, on every backend."""
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import signal
 import threading
@@ -280,3 +281,31 @@ def test_a_held_slot_is_renewed_while_the_runs_pool_is_exhausted(
         assert _free(other, "starved")
     finally:
         holder.close()
+
+
+def _slot_keys(runtime: wp.Runtime) -> set[str]:
+    with runtime.engine.connect() as conn:
+        return set(conn.execute(select(slots_table.c.execution_id)).scalars())
+
+
+def test_purge_sweeps_the_slots_of_dead_holders_that_lapsed_before_its_cutoff(
+    make_runtime: Callable[..., wp.Runtime], db_url: str, procs: Processes
+) -> None:
+    """A holder killed inside its step leaves its row (a step that ends deletes its own);
+    with many keys and many crashes the table would only grow. A purge deletes the rows
+    that lapsed before its cutoff, never a held one, nor one that lapsed after it."""
+    live = make_runtime()
+    holder = procs.python("-c", _HOLDER, db_url, "0.5", stdout=True)
+    assert holder.popen.stdout is not None
+    assert holder.popen.stdout.readline().strip() == "holding"
+    holder.stop(signal.SIGKILL)
+    with live.slots.slot("durable-step", "live", 1, "live-run") as acquire:
+        assert acquire()
+        time.sleep(1.5)  # the dead holder's row lapses (TTL 0.5 s)
+        client = live.client()
+        assert client.purge(older_than=dt.timedelta(hours=1)) == 0
+        assert _slot_keys(live) == {"holder-run", "live-run"}, "lapsed after the cutoff"
+        assert client.purge(older_than=dt.timedelta(0), batch_size=1) == 0
+        assert _slot_keys(live) == {"live-run"}, "the dead holder's row only"
+        assert not _free(make_runtime(), "live")
+    assert _slot_keys(live) == set()

@@ -372,7 +372,11 @@ def test_documented_queries_run_on_every_backend(
     rt.start_worker(concurrency=2, poll_interval=0.05)  # drives the children
     client.result(parent, timeout=30)
     params = {"execution_id": signalled, "actor": "checkout", "parent_id": parent}
-    with db_engine.connect() as conn:
+    with (
+        rt.slots.slot("limited-step", "k", 1, parent) as acquire,  # a held Limit slot
+        db_engine.connect() as conn,
+    ):
+        assert acquire()
         for sql in _doc_queries():
             names = set(re.findall(r"(?<!:):(\w+)", sql))
             rows = conn.execute(text(sql.strip().rstrip(";")), {k: params[k] for k in names}).all()

@@ -18,10 +18,12 @@ from .error_documents import error_document
 from .errors import Cancelled, InvalidArgumentError, UnsupportedDatabaseError
 from .models import CALL_NAME_WIDTH
 from .reading import RunReader
-from .store import children, executions, signals
+from .store import children, executions, signals, slots
 
 #: Tries of a cancellation that met a concurrent transaction (a deadlock with a child ending).
 CANCEL_ATTEMPTS: Final = 5
+#: Most ``Limit`` slot rows a purge deletes per transaction (two bound values each).
+SLOT_SWEEP_BATCH: Final = 1000
 
 
 class RunControls(RunReader):
@@ -212,6 +214,7 @@ class RunControls(RunReader):
 
         Works in batches of ``batch_size`` runs, one short transaction each, so it never
         holds locks for long. Running, suspended and compensating runs are never touched.
+        ``Limit`` slots left by workers that died and lapsed before the cutoff go too.
 
         Args:
             older_than: an age (a ``timedelta``, not negative) or an aware cutoff time (not
@@ -263,4 +266,11 @@ class RunControls(RunReader):
             if on_batch is not None:
                 on_batch(deleted)
             if deleted < batch_size:
-                return total
+                break
+        # Slots of Limit steps whose holders died lapse but stay (a step that ends deletes
+        # its own): those that lapsed before the cutoff go too, in the same short batches.
+        sweep = min(batch_size, SLOT_SWEEP_BATCH)
+        while True:
+            with self.backend.begin() as conn:
+                if slots.sweep(self.backend, conn, cutoff, sweep) < sweep:
+                    return total

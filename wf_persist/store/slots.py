@@ -8,10 +8,11 @@ own WHERE that it has lapsed (a racer's take, or its holder's late renewal, make
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, case, delete, select, update
+from sqlalchemy import Connection, case, delete, select, tuple_, update
 
 from ..backends.clock import db_later, db_now
 from ..models import SLOT_KEY
@@ -76,3 +77,23 @@ def give_back(backend: Backend, conn: Connection, holder: str) -> None:
     conn.execute(
         delete(sl).where(sl.c.holder == holder), execution_options=backend.statement_options
     )
+
+
+def sweep(backend: Backend, conn: Connection, lapsed_before: dt.datetime, limit: int) -> int:
+    """Delete up to ``limit`` slot rows that lapsed before ``lapsed_before`` (left by
+    holders that died: a step that ends deletes its own); how many. Each row's lapse is
+    checked again by the DELETE itself, so a row a racer took meanwhile stays."""
+    keys = conn.execute(
+        select(sl.c.slot_key, sl.c.slot).where(sl.c.expires_at < lapsed_before).limit(limit),
+        execution_options=backend.statement_options,
+    ).all()
+    if not keys:
+        return 0
+    conn.execute(
+        delete(sl).where(
+            tuple_(sl.c.slot_key, sl.c.slot).in_([tuple(k) for k in keys]),
+            sl.c.expires_at < lapsed_before,
+        ),
+        execution_options=backend.statement_options,
+    )
+    return len(keys)
