@@ -143,9 +143,11 @@ def test_abandoned_and_retried_attempts_are_still_told_apart(
     ]
 
 
+@pytest.mark.parametrize("listen", ["127.0.0.1", "::1", "127.0.0.2"])
 def test_the_cli_on_this_machine_answers_only_this_machines_names(
-    runtime: wp.Runtime, db_url: str, procs: Processes
+    runtime: wp.Runtime, db_url: str, procs: Processes, listen: str
 ) -> None:
+    """On any loopback address (``--host ::1`` answered every ``Host``)."""
     from .webserver import _free_port
 
     runtime.register(*w.ALL)
@@ -153,9 +155,19 @@ def test_the_cli_on_this_machine_answers_only_this_machines_names(
     runtime.client().result(run, timeout=30)
     port = _free_port()
     served = procs.python(
-        "-m", "wf_persist.cli", "web", "--url", db_url, "--port", str(port), name="web"
+        "-m",
+        "wf_persist.cli",
+        "web",
+        "--url",
+        db_url,
+        "--host",
+        listen,
+        "--port",
+        str(port),
+        name="web",
     )
-    base = f"http://127.0.0.1:{port}"
+    literal = f"[{listen}]" if ":" in listen else listen
+    base = f"http://{literal}:{port}"
 
     def up() -> bool:
         try:
@@ -164,12 +176,36 @@ def test_the_cli_on_this_machine_answers_only_this_machines_names(
             return False
 
     wait_until(up, what="wf-persist web", timeout=30)
-    for host in (f"127.0.0.1:{port}", f"localhost:{port}"):
-        assert httpx.get(base + "/api/runs", headers={"Host": host}).status_code == 200
-    rebound = httpx.get(base + f"/api/runs/{run}", headers={"Host": f"evil.example:{port}"})
-    assert rebound.status_code == 400
-    assert "secret-owner" not in rebound.text
+    names = (f"{literal}:{port}", literal, f"127.0.0.1:{port}", f"LocalHost:{port}", "[::1]")
+    for host in names:
+        assert httpx.get(base + "/api/runs", headers={"Host": host}).status_code == 200, host
+    for host in (f"evil.example:{port}", "evil.example", "[::1", "[::2]:80", f"{literal}.evil"):
+        rebound = httpx.get(base + f"/api/runs/{run}", headers={"Host": host})
+        assert rebound.status_code == 400, host
+        assert "secret-owner" not in rebound.text
     served.stop()
+
+
+@pytest.mark.parametrize(
+    ("header", "name"),
+    [
+        ("127.0.0.1:4787", "127.0.0.1"),
+        ("LOCALHOST", "localhost"),
+        ("[::1]:4787", "::1"),
+        ("[::1]", "::1"),
+        ("[::1", ""),
+        ("::1", "::1"),  # no brackets: no port either
+        ("evil.example:80", "evil.example"),
+        ("", ""),
+        ("[::1].evil", ""),
+        ("a b:80", ""),
+        ("host:80:90", ""),
+    ],
+)
+def test_a_host_header_names_its_host_without_port_brackets_or_case(header: str, name: str) -> None:
+    from wf_persist.web.app import host_name
+
+    assert host_name(header) == name
 
 
 # OpenTelemetry ----------------------------------------------------------------------------

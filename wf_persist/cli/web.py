@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import socket
 from typing import Annotated
 
@@ -10,6 +11,20 @@ import typer
 
 from ..errors import InvalidArgumentError, WfPersistError
 from .common import SchemaOption, err
+
+
+#: The names a browser on this machine reaches a loopback listener by.
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def _loopback(host: str) -> bool:
+    """Whether ``host`` is this machine only (``localhost``, 127.0.0.0/8, ``::1``)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _check_listen(host: str, port: int) -> None:
@@ -70,9 +85,8 @@ def web(
             f"the web view needs its extra: pip install 'wf-persist[web]' ({exc})"
         ) from exc
     # On this machine only, only this machine's names: another site's page whose name
-    # rebinds to 127.0.0.1 (DNS rebinding) would otherwise read every run's data.
-    local = host in ("127.0.0.1", "localhost")
-    allowed = ["127.0.0.1", "localhost"] if local else None
+    # rebinds to a loopback address (DNS rebinding) would otherwise read every run's data.
+    allowed = [*LOOPBACK_NAMES, host] if _loopback(host) else None
     _check_listen(host, port)
     app = create_app(
         url, allow_actions=allow_actions, token=token, allowed_hosts=allowed, schema=schema
