@@ -12,7 +12,6 @@ import typer
 from ..errors import InvalidArgumentError, WfPersistError
 from .common import SchemaOption, err
 
-
 #: The names a browser on this machine reaches a loopback listener by.
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
