@@ -216,3 +216,36 @@ def test_an_unexpected_error_answers_500_with_the_same_headers(
     assert "frame-ancestors 'none'" in answer.headers["content-security-policy"]
     assert answer.headers["x-frame-options"] == "DENY"
     assert "unexpected" not in answer.text
+
+
+def test_the_runs_pages_next_link_keeps_every_filter(
+    served: tuple[wp.Runtime, httpx.Client],
+) -> None:
+    """The "Next page" link dropped ``after`` and ``before``: page 2 listed runs created
+    outside the range the first page was filtered by."""
+    import html
+    import re
+
+    rt, http = served
+    client = rt.client()
+    runs = [client.start(w.echo_wf, i, actor="bob").execution_id for i in range(4)]
+    created = {i.execution_id: i.created_at for i in client.list(limit=10).items}
+    runs.sort(key=lambda r: created[r])
+    before = created[runs[2]].isoformat()  # the first two only
+    after = (created[runs[0]] - dt.timedelta(seconds=1)).isoformat()
+    query = {"workflow": "echo", "actor": "bob", "after": after, "before": before, "limit": 1}
+    shown: list[str] = []
+    path = "/?" + str(httpx.QueryParams(query))
+    while path:
+        page = http.get(path).text
+        shown += [r for r in runs if f'data-id="{r}"' in page]
+        link = re.search(r'id="next" href="([^"]+)"', page)
+        path = "/" + html.unescape(link.group(1)) if link else ""
+        if link:
+            kept = httpx.QueryParams(html.unescape(link.group(1))[1:])
+            assert {k: kept[k] for k in ("workflow", "actor", "limit")} == {
+                "workflow": "echo",
+                "actor": "bob",
+                "limit": "1",
+            }
+    assert shown == runs[:2]

@@ -92,6 +92,19 @@ class RunFilter:
             cursor=text("cursor"),
         )
 
+    def query(self, cursor: str) -> dict[str, str]:
+        """The query string of the page after this one (``cursor``): every filter kept."""
+        moments = {"after": self.created_after, "before": self.created_before}
+        return {
+            "workflow": self.workflow or "",
+            "status": self.status or "",
+            "version": "" if self.version is None else str(self.version),
+            "actor": self.actor or "",
+            **{key: "" if at is None else at.isoformat() for key, at in moments.items()},
+            "limit": str(self.limit),
+            "cursor": cursor,
+        }
+
 
 def run_row(info: ExecutionInfo) -> dict[str, Any]:
     """One run as the list shows it."""
