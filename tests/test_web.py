@@ -233,7 +233,7 @@ def test_the_runs_pages_next_link_keeps_every_filter(
     runs.sort(key=lambda r: created[r])
     before = created[runs[2]].isoformat()  # the first two only
     after = (created[runs[0]] - dt.timedelta(seconds=1)).isoformat()
-    query = {"workflow": "echo", "actor": "bob", "after": after, "before": before, "limit": 1}
+    query = {"workflow": "echo", "actor": "bob", "after": after, "before": before, "limit": "1"}
     shown: list[str] = []
     path = "/?" + str(httpx.QueryParams(query))
     while path:
