@@ -463,6 +463,38 @@ def test_in_memory_sqlite_urls_work_end_to_end(url: str) -> None:
 
 # -- 2. unsupported databases -------------------------------------------------------------
 
+#: URLs of a supported database that no engine can be made for: an unknown driver (SQLAlchemy's
+#: NoSuchModuleError), a MySQL charset PyMySQL does not know (an AttributeError at connect)
+#: or one narrower than utf8mb4. Each printed a whole traceback from every command.
+UNUSABLE = [
+    ("postgresql+nodriver://user:pw@127.0.0.1/db", "no SQLAlchemy driver"),
+    ("mysql+pymysql://root@127.0.0.1:3306/test?charset=bogus", "utf8mb4"),
+    ("mysql+pymysql://root@127.0.0.1:3306/test?charset=latin1", "utf8mb4"),
+]
+
+
+@pytest.mark.parametrize(("url", "said"), UNUSABLE)
+@pytest.mark.parametrize("command", [["runs", "list"], ["workflows"], ["db", "upgrade"]])
+def test_cli_refuses_an_unusable_url_in_one_line(
+    url: str,
+    said: str,
+    command: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("COLUMNS", "40")
+    monkeypatch.setattr(sys, "argv", ["wf-persist", *command, "--url", url])
+    with pytest.raises(SystemExit) as info:
+        cli.main()
+    assert info.value.code == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and said in lines[0], lines
+    assert "pw" not in lines[0]
+    for open_it in (wp.Runtime, wp.Client, wp.create_engine):
+        with pytest.raises(wp.UnsupportedDatabaseError, match=said):
+            open_it(url)
+
+
 UNSUPPORTED = ["oracle://x", "foo://", "not a url", "mssql+pyodbc://user@host/db?driver=x"]
 
 

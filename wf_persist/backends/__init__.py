@@ -10,6 +10,7 @@ import weakref
 from typing import Any, Final
 
 from sqlalchemy import Engine, make_url
+from sqlalchemy import exc as sa_exc
 from sqlalchemy import create_engine as sa_create_engine
 from sqlalchemy.engine import URL
 
@@ -130,6 +131,10 @@ def create_engine(url: str | URL | None = None, **kwargs: Any) -> Engine:
         )
         raise UnsupportedDatabaseError(
             f"the driver for {describe_url(resolved)} is not installed ({exc}){hint}"
+        ) from exc
+    except sa_exc.NoSuchModuleError as exc:  # mysql+nodriver://: no such dialect plugin
+        raise UnsupportedDatabaseError(
+            f"no SQLAlchemy driver {resolved.drivername!r:.60} for {describe_url(resolved)}"
         ) from exc
     except TypeError as exc:  # an argument this pool or dialect does not take
         raise UnsupportedDatabaseError(

@@ -186,6 +186,15 @@ class MySQLBackend(Backend):
         # be a round trip each time (PyMySQL always sends it). Our own engines roll back
         # only a connection the server says is inside a transaction (see on_own_engine).
         kwargs.setdefault("pool_reset_on_return", None)
+        charset = url.query.get("charset")
+        named = charset if isinstance(charset, str) else None
+        if charset is not None and (named is None or named.strip().lower() != "utf8mb4"):
+            # Any other is refused once connected (see check_session); an unknown one
+            # fails inside the driver first with an AttributeError.
+            raise UnsupportedDatabaseError(
+                f"the URL's charset={charset!r:.40} cannot hold every character (or is "
+                "unknown); connect with utf8mb4, e.g. mysql+pymysql://user@host/db?charset=utf8mb4"
+            )
         return url, kwargs
 
     def view_options(self) -> dict[str, Any]:
