@@ -10,8 +10,8 @@ import weakref
 from typing import Any, Final
 
 from sqlalchemy import Engine, make_url
-from sqlalchemy import exc as sa_exc
 from sqlalchemy import create_engine as sa_create_engine
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL
 
 from ..errors import UnsupportedDatabaseError
