@@ -328,7 +328,7 @@ def test_the_web_view_on_a_user_not_granted_its_views_answers_with_the_refusal(
     restricted: Restricted, make_runtime: Callable[..., wp.Runtime]
 ) -> None:
     """The run page reads the waits view: a user granted the tables only got a raw error
-    (a 500); it is the refusal, as any typed error is (400)."""
+    (a 500); it is the refusal, the server's trouble, not the request's (503)."""
     import httpx
 
     from wf_persist.web import create_app
@@ -346,7 +346,7 @@ def test_the_web_view_on_a_user_not_granted_its_views_answers_with_the_refusal(
         app = create_app(client=client)
         with serving(app) as base, httpx.Client(base_url=base, timeout=30) as http:
             answer = http.get(f"/api/runs/{run}")
-    assert answer.status_code == 400, answer.text
+    assert answer.status_code == 503, answer.text
     assert REFUSED in answer.json()["error"]
 
 

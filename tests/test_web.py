@@ -249,3 +249,27 @@ def test_the_runs_pages_next_link_keeps_every_filter(
                 "limit": "1",
             }
     assert shown == runs[:2]
+
+
+def test_a_schema_taken_down_under_a_running_view_is_a_503_naming_the_upgrade(
+    blank_db_url: str,
+) -> None:
+    """An operator rolling a release's migration back under a running view: every request
+    was a 500 (a raw "no such column" in the log); the library raises the typed refusal,
+    and the view answers it as the server's trouble."""
+    from wf_persist import migrate
+
+    migrate.upgrade(blank_db_url)
+    with (
+        wp.Client(blank_db_url) as client,
+        serving(create_app(client=client)) as base,
+        httpx.Client(base_url=base, timeout=30) as http,
+    ):
+        assert http.get("/api/runs").status_code == 200
+        migrate.downgrade(blank_db_url, "wf_0005")  # before run deadlines (a column)
+        for path in ("/api/runs", "/"):
+            answer = http.get(path)
+            assert answer.status_code == 503, answer.text
+            assert "wf-persist db upgrade" in answer.text
+        with pytest.raises(wp.UnsupportedDatabaseError, match="column"):
+            client.list()

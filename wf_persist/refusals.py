@@ -49,7 +49,7 @@ class _Refuses(Protocol):
 
     def aborted(self, exc: BaseException) -> bool: ...
 
-    def missing_table(self, exc: BaseException) -> bool: ...
+    def missing_schema(self, exc: BaseException) -> bool: ...
 
     def serialization_failure(self, exc: BaseException) -> bool: ...
 
@@ -127,11 +127,13 @@ def translate(backend: _Refuses, exc: BaseException) -> None:
             "; the transaction it was part of (at REPEATABLE READ or stricter) met a "
             "concurrent change: retry it in a new transaction",
         ) from exc
-    if backend.missing_table(exc):
+    if backend.missing_schema(exc):
         raise UnsupportedDatabaseError(
-            f"a table of wf_persist's is not where this connection looks: {_said(exc)[1]} "
-            "(a session or connection given without the schema, search_path or "
-            "schema_translate_map of the runtime's engine? tables dropped?)"
+            f"a table or column of wf_persist's is not where this connection looks: "
+            f"{_said(exc)[1]} (a session or connection given without the schema, "
+            "search_path or schema_translate_map of the runtime's engine? tables dropped? "
+            "the schema taken down below this version's? wf-persist db upgrade brings it "
+            "to head)"
         ) from exc
     if backend.aborted(exc):  # an application's session, after a statement of its own failed
         raise InvalidArgumentError(

@@ -333,9 +333,10 @@ class Connections(Migrations):
         return False
 
     @classmethod
-    def missing_table(cls, exc: BaseException) -> bool:
-        """Whether ``exc`` says a table the statement names is not there (not where the
-        connection looks: another schema or database, or dropped)."""
+    def missing_schema(cls, exc: BaseException) -> bool:
+        """Whether ``exc`` says a table or column the statement names is not there (not
+        where the connection looks: another schema or database, dropped, or the schema
+        taken down below this version's revision)."""
         return False
 
     @classmethod

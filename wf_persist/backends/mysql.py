@@ -79,6 +79,7 @@ _STATEMENT_MARGIN: Final = 16 * 1024
 _STRICT = ("STRICT_TRANS_TABLES", "STRICT_ALL_TABLES")
 _DUPLICATE_KEY: Final = 1062
 _NO_SUCH_TABLE: Final = 1146
+_NO_SUCH_COLUMN: Final = 1054
 _DEADLOCK: Final = 1213
 _LOCK_WAIT_TIMEOUT: Final = 1205
 #: ``sql_select_limit`` at DEFAULT: no limit.
@@ -242,8 +243,8 @@ class MySQLBackend(Backend):
         return bool(_code(exc) == _DEADLOCK)
 
     @classmethod
-    def missing_table(cls, exc: BaseException) -> bool:
-        return bool(_code(exc) == _NO_SUCH_TABLE)
+    def missing_schema(cls, exc: BaseException) -> bool:
+        return _code(exc) in (_NO_SUCH_TABLE, _NO_SUCH_COLUMN)
 
     @classmethod
     def refused(cls, exc: BaseException) -> bool:

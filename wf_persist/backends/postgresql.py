@@ -207,8 +207,8 @@ class PostgreSQLBackend(RawPath):
         return sqlstate(exc) in _CANCELLED
 
     @classmethod
-    def missing_table(cls, exc: BaseException) -> bool:
-        return sqlstate(exc) == "42P01"
+    def missing_schema(cls, exc: BaseException) -> bool:
+        return sqlstate(exc) in ("42P01", "42703")  # undefined table, undefined column
 
     @classmethod
     def aborted(cls, exc: BaseException) -> bool:

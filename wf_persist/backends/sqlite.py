@@ -419,9 +419,12 @@ class SQLiteBackend(Backend):
         raw.interrupt()  # a lock wait or a statement: SQLITE_INTERRUPT where it runs
 
     @classmethod
-    def missing_table(cls, exc: BaseException) -> bool:
+    def missing_schema(cls, exc: BaseException) -> bool:
         orig = getattr(exc, "orig", exc)
-        return isinstance(orig, sqlite3.OperationalError) and "no such table" in str(orig)
+        said = str(orig)
+        return isinstance(orig, sqlite3.OperationalError) and (
+            "no such table" in said or "no such column" in said
+        )
 
     @classmethod
     def refused(cls, exc: BaseException) -> bool:

@@ -34,6 +34,7 @@ from ..errors import (
     InvalidArgumentError,
     StatementCancelledError,
     UnknownExecutionError,
+    UnsupportedDatabaseError,
     WfPersistError,
 )
 from . import data
@@ -135,8 +136,8 @@ class WebView:
 
 
 def _errors(view: WebView, api: bool) -> Callable[[Handler], Handler]:
-    """Typed errors as 404 (an unknown run), 503 (the database out of reach, or a statement
-    of the request cancelled by its timeout) or 400, in
+    """Typed errors as 404 (an unknown run), 503 (the database out of reach or not usable
+    here, or a statement of the request cancelled by its timeout) or 400, in
     JSON or as a page; nothing else of the library's raw errors leaves the server."""
 
     def wrap(handler: Handler) -> Handler:
@@ -148,9 +149,13 @@ def _errors(view: WebView, api: bool) -> Callable[[Handler], Handler]:
                     return JSONResponse({"error": "Run not found"}, status_code=404)
                 return view.page("error.html", 404, message="Run not found")
             except WfPersistError as exc:
-                # The database out of reach or busy is the server's trouble (503: try
-                # again), not the request's (400: do not).
-                busy = isinstance(exc, DatabaseUnavailableError | StatementCancelledError)
+                # The database out of reach, busy or not usable by this server (tables
+                # dropped, a schema taken down, a grant revoked) is the server's trouble
+                # (503), not the request's (400: do not send it again).
+                busy = isinstance(
+                    exc,
+                    DatabaseUnavailableError | StatementCancelledError | UnsupportedDatabaseError,
+                )
                 status = 503 if busy else 400
                 if api:
                     return JSONResponse({"error": str(exc)}, status_code=status)
