@@ -108,6 +108,16 @@ def later(ctx: wp.Context) -> list[Any]:
     return [ctx.run(noted, "slept"), ctx.child_result(handle)]
 
 
+@wp.workflow(name="elsewhere-by-object", version=1)
+def by_object(ctx: wp.Context, pin: int) -> list[Any]:
+    """The child named by its (v1) definition, a version pinned that another process has."""
+    try:
+        kid: wp.ChildHandle[Any] = ctx.start_child(kid_v1, Order(sku="o", qty=3), version=pin)
+    except wp.MissingWorkflowVersionError:
+        return ["caught in the body"]
+    return [kid.version, ctx.child_result(kid)]
+
+
 def _two(
     make_runtime: Callable[..., wp.Runtime], *local: wp.Workflow[Any, Any], **options: Any
 ) -> wp.Runtime:
@@ -117,7 +127,7 @@ def _two(
     b.register(kid_v1, kid_v2, kid_v3)
     b.start_worker(concurrency=4, poll_interval=0.05)
     a = make_runtime(**options)
-    a.register(parent, bad_input, missing, resumed, caught, later, *local)
+    a.register(parent, bad_input, missing, resumed, caught, later, by_object, *local)
     a.start_worker(concurrency=4, poll_interval=0.05)
     return a
 
@@ -335,3 +345,18 @@ def test_a_database_error_cataloging_a_child_is_a_failed_drive_not_raised_in_the
     assert client.result(run, timeout=30).unwrap() == "child=8"
     assert refused
     assert history_types(client, run).count("drive.failed") == 1
+
+
+def test_a_child_named_by_its_definition_with_a_version_served_elsewhere_starts_from_the_catalog(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """``start_child(kid_v1, ..., version=2)`` in a process that has only v1 raised
+    ``MissingWorkflowVersionError`` in the body, where the name (``"elsewhere-kid"``)
+    started v2 from the catalog: which process drove the parent decided the body's path,
+    and a replay by a process that has v2 diverged from it."""
+    a = _two(make_runtime, kid_v1)
+    client = a.client()
+    run = client.start(by_object, 2).execution_id
+    assert client.result(run, timeout=30).unwrap() == [2, {"v": 2, "sku": "o", "qty": 3}]
+    (report,) = check_replay(a, [run])
+    assert report.divergence is None

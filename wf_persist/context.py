@@ -478,9 +478,10 @@ class Context:
         cancel_with_parent: bool = True,
     ) -> ChildHandle[Out]:
         """Start a child run of ``workflow`` (a definition, or a name) and return its
-        handle at once; ``version`` pins one. A name this runtime does not serve (at that
-        version) starts the version cataloged in the database, input checked against its
-        recorded JSON Schema: a worker elsewhere drives it, its result comes back as JSON.
+        handle at once; ``version`` pins one. A workflow this runtime does not serve at
+        that version starts the version cataloged in the database, input checked against
+        its recorded JSON Schema: a worker elsewhere drives it, its result comes back as
+        JSON.
 
         The input is validated like a start's. The child's id derives from this run's id
         and the call, so a replay returns the recorded handle and never starts a second

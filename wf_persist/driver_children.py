@@ -67,9 +67,9 @@ class ChildDriving:
     ) -> ChildStart:
         rt = self.runtime
         wf = self._registered(workflow, version)
-        if wf is None:  # by name, served elsewhere: as a thin client starts it
-            assert isinstance(workflow, str)
-            return self._cataloged(workflow, version, payload)
+        if wf is None:  # served elsewhere: as a thin client starts it
+            name = workflow.name if isinstance(workflow, Workflow) else workflow
+            return self._cataloged(name, version, payload)
         stored = rt.validate_input(wf, payload)
         try:
             rt.ensure_startable(workflow, wf)
@@ -158,10 +158,15 @@ class ChildDriving:
         self, workflow: Workflow[Any, Any] | str, version: int | None
     ) -> Workflow[Any, Any] | None:
         """The definition a child start runs where this runtime has it; None for a name
-        (and version) registered only in other processes."""
+        (and version) registered only in other processes. A workflow passed in counts as
+        registered, but a version of it pinned that this process lacks is served elsewhere
+        too (a rolling deploy's new version): which process drives the parent must not
+        decide whether the body sees an error."""
         try:
             return self.runtime.choose(workflow, version)
-        except (UnknownWorkflowError, MissingWorkflowVersionError):
+        except MissingWorkflowVersionError:
+            return None
+        except UnknownWorkflowError:
             if isinstance(workflow, Workflow):
                 raise
             return None
