@@ -19,6 +19,7 @@ from wf_persist.backends import backend_type, normalize_url
 
 from .fixtures import messaging
 from .fixtures import workflows as w
+from .helpers import wait_until
 
 
 def _async_url(db_url: str) -> str:
@@ -211,6 +212,41 @@ def test_waits_cancelled_at_any_moment_end_and_give_their_connections_back(
             return sorted(set(outcomes)), int(pool.checkedout())
 
     assert asyncio.run(app()) == (["CancelledError"], 0)
+
+
+def test_a_close_racing_the_first_results_listener_closes_everything(
+    runtime: wp.Runtime, db_url: str
+) -> None:
+    """``close()`` while the first ``result()`` starts listening (on PostgreSQL): the
+    listener's thread was made but not started, ``close()`` raised a bare ``RuntimeError``
+    joining it, and left the engine's connections and the listening thread behind."""
+    runtime.register(*w.ALL)
+    handle = runtime.client().start(w.approval_wf, None)  # no worker: never ends
+
+    async def attempt(turns: int) -> tuple[str, Any]:
+        client = wp.AsyncClient(db_url)
+        await client.workflows()
+        waiting = asyncio.ensure_future(client.result(handle.execution_id, timeout=5))
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        await client.close()  # raises nothing
+        (ended,) = await asyncio.gather(waiting, return_exceptions=True)
+        return type(ended).__name__, client.engine.sync_engine.pool
+
+    async def app() -> list[tuple[str, Any]]:
+        return [await attempt(turns) for turns in range(12)]
+
+    before = set(threading.enumerate())
+    ended = asyncio.run(app())
+    assert {name for name, _ in ended} == {"ClosedError"}
+    assert all(pool.checkedout() == 0 for _, pool in ended)
+
+    def quiet() -> bool:
+        return not [
+            t for t in set(threading.enumerate()) - before if t.name == "wf-persist-wakeups"
+        ]
+
+    wait_until(quiet, what="every listening thread ended", timeout=15)
 
 
 def test_every_call_cancelled_mid_way_gives_its_connection_back(

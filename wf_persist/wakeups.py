@@ -146,11 +146,12 @@ class Wakeups:
         """Start listening (once) and wait up to ``wait`` seconds for the first connection;
         returns whether notifications (and presence, if asked for) are in place."""
         with self._lock:
-            if self._thread is None and self.backend.can_listen:
-                self._thread = threading.Thread(
-                    target=self._run, name="wf-persist-wakeups", daemon=True
-                )
-                self._thread.start()
+            if self._thread is None and self.backend.can_listen and not self._stop.is_set():
+                started = threading.Thread(target=self._run, name="wf-persist-wakeups", daemon=True)
+                started.start()
+                # Seen by stop() only once started (it joins it, and may run meanwhile:
+                # an AsyncClient closed while its first result() starts listening).
+                self._thread = started
             thread = self._thread
         if thread is None:
             return False
