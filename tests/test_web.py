@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import datetime as dt
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -273,3 +275,52 @@ def test_a_schema_taken_down_under_a_running_view_is_a_503_naming_the_upgrade(
             assert "wf-persist db upgrade" in answer.text
         with pytest.raises(wp.UnsupportedDatabaseError, match="column"):
             client.list()
+
+
+def _holding(db_url: str, backend: str, run: str) -> tuple[Any, list[str]]:
+    """A session of another application holding the run's row (and, on a server, the
+    runs table) locked: the paths that then wait for it."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(db_url)
+    conn = engine.connect()
+    if backend == "sqlite":  # one writer at a time: a write waits for it
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        return (engine, conn), [f"/api/runs/{run}/cancel"]
+    conn.begin()
+    if backend == "postgresql":
+        conn.execute(text("LOCK TABLE wf_executions IN ACCESS EXCLUSIVE MODE"))
+    else:
+        conn.execute(text("LOCK TABLES wf_executions WRITE"))
+    return (engine, conn), ["/api/runs", f"/api/runs/{run}", f"/api/runs/{run}/cancel"]
+
+
+def test_a_request_behind_another_sessions_lock_is_a_503_after_the_lock_timeout(
+    runtime: wp.Runtime, db_url: str, backend: str
+) -> None:
+    """A migration's or an operator's lock held for minutes held every request (and the
+    server's threads) as long: the view's own engine waits at most ``lock_timeout``."""
+    runtime.register(*w.ALL)
+    run = runtime.client().start(w.approval_wf, None).execution_id
+    status = runtime.client().status(run)
+    app = create_app(db_url, allow_actions=True, token="t", lock_timeout=1.0)
+    with serving(app) as base, httpx.Client(base_url=base, timeout=60) as http:
+        (engine, conn), paths = _holding(db_url, backend, run)
+        try:
+            for path in paths:
+                began = time.monotonic()
+                if path.endswith("/cancel"):
+                    answer = http.post(path, json={}, headers={"Authorization": "Bearer t"})
+                else:
+                    answer = http.get(path)
+                took = time.monotonic() - began
+                assert answer.status_code == 503, (path, answer.text)
+                assert 0.8 < took < 8, (path, took)
+        finally:
+            if backend == "mysql":
+                conn.exec_driver_sql("UNLOCK TABLES")
+            conn.close()
+            engine.dispose()
+        assert http.get(f"/api/runs/{run}").json()["run"]["status"] == status
+    with pytest.raises(wp.ClosedError):  # the client it made ended with it
+        app.state.view.client.status(run)

@@ -24,7 +24,7 @@ def serving(app: Any) -> Iterator[str]:
     """Serve ``app`` until the block ends; yields its base URL."""
     port = _free_port()
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
     )
     thread = threading.Thread(target=server.run, name="web-view", daemon=True)
     thread.start()

@@ -62,6 +62,11 @@ def plain_number(value: object) -> int | float | None:
     return None
 
 
+#: How long (seconds) a web view's statement waits for a lock another session holds before
+#: its request answers 503 (``create_app``'s and ``wf-persist web``'s default).
+WEB_LOCK_TIMEOUT: Final = 10.0
+
+
 def positive(value: object, what: str) -> float:
     """An interval setting in seconds, checked: a real number, not a bool, above 0 and at
     most :data:`MAX_INTERVAL_SECONDS`; returned as a plain ``float``."""

@@ -175,6 +175,31 @@ class Connections(Migrations):
         """Settings an engine of ours writes into a database once it is known to hold
         our schema at head (none here); a host's engine is never changed."""
 
+    def lock_wait_statements(self, seconds: float) -> list[str]:
+        """What a new connection sends so that a statement waits at most ``seconds`` for
+        a lock another session holds (then the database cancels it)."""
+        return []
+
+    def bound_lock_waits(self, seconds: float) -> None:
+        """Make every connection of this engine of ours (never a host's) wait at most
+        ``seconds`` for a lock: a web view behind a migration's or an operator's lock
+        answers that the database is busy rather than hang its requests."""
+        if not self.owned:
+            raise InvalidArgumentError("only an engine wf_persist made bounds its lock waits")
+        statements = self.lock_wait_statements(seconds)
+
+        @event.listens_for(self.base_engine, "connect")
+        def _bound(dbapi_connection: Any, _record: Any) -> None:
+            cursor = dbapi_connection.cursor()
+            try:
+                for statement in statements:
+                    cursor.execute(statement)
+            finally:
+                cursor.close()
+            dbapi_connection.commit()  # a session setting, outside any transaction of ours
+
+        self.base_engine.dispose()  # the connections made before it
+
     def view_options(self) -> dict[str, Any]:
         """Execution options of every connection wf_persist takes (a named schema)."""
         return dict(self.statement_options)

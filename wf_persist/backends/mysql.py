@@ -15,6 +15,7 @@ import contextlib
 import datetime as dt
 import functools
 import json
+import math
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Final
@@ -197,6 +198,12 @@ class MySQLBackend(Backend):
                 "unknown); connect with utf8mb4, e.g. mysql+pymysql://user@host/db?charset=utf8mb4"
             )
         return url, kwargs
+
+    def lock_wait_statements(self, seconds: float) -> list[str]:
+        # Row locks (InnoDB's) and table and metadata locks (LOCK TABLES, a migration's
+        # ALTER): whole seconds, at least one.
+        whole = min(max(1, math.ceil(seconds)), 365 * 24 * 3600)  # lock_wait_timeout's most
+        return [f"SET SESSION innodb_lock_wait_timeout = {whole}, lock_wait_timeout = {whole}"]
 
     def view_options(self) -> dict[str, Any]:
         # Claims and appends lock rows; at REPEATABLE READ (MySQL's default) gap locks make

@@ -183,6 +183,9 @@ class PostgreSQLBackend(RawPath):
             kwargs["connect_args"] = {**sockets.LIBPQ, **kwargs.get("connect_args", {})}
         return url, kwargs
 
+    def lock_wait_statements(self, seconds: float) -> list[str]:
+        return [f"SET lock_timeout = {min(max(1, round(seconds * 1000)), 2**31 - 1)}"]
+
     def view_options(self) -> dict[str, Any]:
         options = super().view_options()
         if not self._pool_level_ours:

@@ -226,6 +226,9 @@ class SQLiteBackend(Backend):
             if not options.get(MANUAL_BEGIN):
                 conn.exec_driver_sql("BEGIN" if options.get(READONLY) else "BEGIN IMMEDIATE")
 
+    def lock_wait_statements(self, seconds: float) -> list[str]:
+        return [f"PRAGMA busy_timeout = {min(max(1, round(seconds * 1000)), 2**31 - 1)}"]
+
     def settle(self) -> None:
         """An engine of ours puts a database that holds our schema in WAL (readers never
         wait for the writer): one migrated by a script, say, or made before by a host.

@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from ..errors import InvalidArgumentError, WfPersistError
+from ..timeouts import WEB_LOCK_TIMEOUT
 from .common import SchemaOption, err
 
 #: The names a browser on this machine reaches a loopback listener by.
@@ -70,6 +71,13 @@ def web(
         ),
     ] = None,
     schema: SchemaOption = None,
+    lock_timeout: Annotated[
+        float,
+        typer.Option(
+            help="Seconds a request waits for a lock another session holds (a migration's, "
+            "say) before it answers 503.",
+        ),
+    ] = WEB_LOCK_TIMEOUT,
 ) -> None:
     """Serve the web view of runs: the runs, each run's timeline, the catalog, a JSON API.
 
@@ -88,7 +96,12 @@ def web(
     allowed = [*LOOPBACK_NAMES, host] if _loopback(host) else None
     _check_listen(host, port)
     app = create_app(
-        url, allow_actions=allow_actions, token=token, allowed_hosts=allowed, schema=schema
+        url,
+        allow_actions=allow_actions,
+        token=token,
+        allowed_hosts=allowed,
+        schema=schema,
+        lock_timeout=lock_timeout,
     )
     view = app.state.view
     mode = "actions allowed" if allow_actions else "read-only"

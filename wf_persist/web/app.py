@@ -10,15 +10,17 @@ another site cannot make a visitor's browser act. The server never runs workflow
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import re
 import secrets
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
+from sqlalchemy import Engine
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
@@ -37,6 +39,7 @@ from ..errors import (
     UnsupportedDatabaseError,
     WfPersistError,
 )
+from ..timeouts import WEB_LOCK_TIMEOUT, positive
 from . import data
 
 _HERE = Path(__file__).parent
@@ -174,24 +177,31 @@ def create_app(
     client: Client | None = None,
     allowed_hosts: Sequence[str] | None = None,
     schema: str | None = None,
+    lock_timeout: float | None = WEB_LOCK_TIMEOUT,
 ) -> Starlette:
     """The web view's ASGI app over ``database`` (a URL or an engine; default
     ``$WF_PERSIST_DATABASE_URL``; ``schema``: the PostgreSQL schema of the wf_ tables), or
     over ``client``. With ``allow_actions`` the pages and
     the API can signal, cancel and retry runs given the ``token`` (made up if not given:
     ``app.state.view.token``). ``allowed_hosts``: the only ``Host`` headers answered (a
-    page of another site that rebinds its name to this address reads nothing)."""
+    page of another site that rebinds its name to this address reads nothing).
+    ``lock_timeout``: with a URL, the longest a request's statement waits for a lock
+    another session holds (a migration's, an operator's) before the request is a 503;
+    None leaves it to the database (an engine or client given is used as it is)."""
     if client is not None and (database is not None or schema is not None):
         raise InvalidArgumentError(
             "create_app: give a client, or a database (and its schema), not both"
         )
-    view = WebView(
+    if lock_timeout is not None:
+        lock_timeout = positive(lock_timeout, "lock_timeout")
+    owned = client is None
+    if client is None:
         # A viewer never migrates (nor creates an embedded file): a database behind is
         # refused with the command that brings it to head.
-        client if client is not None else Client(database, schema=schema, auto_migrate=False),
-        allow_actions=allow_actions,
-        token=token,
-    )
+        client = Client(database, schema=schema, auto_migrate=False)
+        if lock_timeout is not None and not isinstance(database, Engine):
+            client.backend.bound_lock_waits(lock_timeout)
+    view = WebView(client, allow_actions=allow_actions, token=token)
     c = view.client
     page_errors, api_errors = _errors(view, api=False), _errors(view, api=True)
 
@@ -288,7 +298,16 @@ def create_app(
     if allowed_hosts is not None:
         middleware.append(Middleware(AllowedHosts, hosts=allowed_hosts))
     handlers = {404: _not_found, 500: _server_error}
-    app = Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+        yield
+        if owned:  # the client made here, and its engine's connections, end with the app
+            await run_in_threadpool(c.close)
+
+    app = Starlette(
+        routes=routes, middleware=middleware, exception_handlers=handlers, lifespan=lifespan
+    )
     app.state.view = view
     return app
 
