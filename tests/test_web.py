@@ -113,7 +113,10 @@ def test_unknown_runs_and_bad_filters_are_clear_errors(
         assert answer.status_code == 404 and answer.json() == {"error": "Run not found"}
     answer = http.post("/api/runs/a%2Fb/cancel", json={})  # no run has a "/" in its id
     assert answer.status_code == 404 and answer.json() == {"error": "Run not found"}
-    assert http.get("/api/runs/nope/cancel").status_code == 405  # a route, another method
+    not_allowed = http.get("/api/runs/nope/cancel")  # a route, another method: JSON too
+    assert not_allowed.status_code == 405 and set(not_allowed.json()) == {"error"}
+    assert not_allowed.headers["allow"] == "POST"
+    assert http.post("/workflows").status_code == 405
     assert http.get("/api/runs/", follow_redirects=False).status_code in (307, 308)
     assert http.get("/runs/nope").status_code == 404
     assert http.get("/api/runs", params={"limit": "200"}).status_code == 200  # the README's

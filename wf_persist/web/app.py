@@ -297,7 +297,7 @@ def create_app(
     middleware = [Middleware(SecurityHeaders)]
     if allowed_hosts is not None:
         middleware.append(Middleware(AllowedHosts, hosts=allowed_hosts))
-    handlers = {404: _not_found, 500: _server_error}
+    handlers = {404: _not_found, 405: _not_allowed, 500: _server_error}
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
@@ -318,6 +318,14 @@ async def _not_found(request: Request, exc: Exception) -> Response:
     if request.url.path.startswith("/api/runs/"):
         return JSONResponse({"error": "Run not found"}, status_code=404)
     return PlainTextResponse("Not Found", status_code=404)
+
+
+async def _not_allowed(request: Request, exc: Exception) -> Response:
+    """A method a route does not take: JSON under ``/api/`` (a client there reads JSON)."""
+    headers = getattr(exc, "headers", None)
+    if request.url.path.startswith("/api/"):
+        return JSONResponse({"error": "Method Not Allowed"}, status_code=405, headers=headers)
+    return PlainTextResponse("Method Not Allowed", status_code=405, headers=headers)
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
