@@ -126,6 +126,13 @@ def test_unknown_runs_and_bad_filters_are_clear_errors(
         assert answer.status_code == 400, params
         assert set(answer.json()) == {"error"}
         assert http.get("/", params=params).status_code == 400
+    # Past UTC's range: named as the query string names it (not created_after).
+    for key, moment in (
+        ("after", "0001-01-01T00:00:00+05:00"),
+        ("before", "9999-12-31T23:59-05:00"),
+    ):
+        answer = http.get("/api/runs", params={key: moment})
+        assert answer.status_code == 400 and answer.json()["error"].startswith(f"{key} is out")
 
 
 def test_pages_render(served: tuple[wp.Runtime, httpx.Client]) -> None:

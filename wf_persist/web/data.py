@@ -75,7 +75,11 @@ class RunFilter:
                 raise InvalidArgumentError(
                     f"{key} must be an ISO-8601 time, got {value!r}"
                 ) from None
-            return found if found.tzinfo is not None else found.replace(tzinfo=dt.UTC)
+            found = found if found.tzinfo is not None else found.replace(tzinfo=dt.UTC)
+            try:  # named as the query string names it, not as the client's argument
+                return found.astimezone(dt.UTC)
+            except OverflowError:
+                raise InvalidArgumentError(f"{key} is out of range: {value!r:.60}") from None
 
         limit = number("limit")
         limit = DEFAULT_LIMIT if limit is None else limit
