@@ -307,5 +307,11 @@ def test_purge_sweeps_the_slots_of_dead_holders_that_lapsed_before_its_cutoff(
         assert _slot_keys(live) == {"holder-run", "live-run"}, "lapsed after the cutoff"
         assert client.purge(older_than=dt.timedelta(0), batch_size=1) == 0
         assert _slot_keys(live) == {"live-run"}, "the dead holder's row only"
+        # A client whose clock runs ahead of the database's: still never a held slot.
+        with wp.Client(
+            db_url, clock=lambda: dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)
+        ) as ahead:
+            assert ahead.purge(older_than=dt.timedelta(0)) == 0
+        assert _slot_keys(live) == {"live-run"}, "a held slot swept"
         assert not _free(make_runtime(), "live")
     assert _slot_keys(live) == set()

@@ -224,6 +224,41 @@ def test_a_purging_user_granted_select_and_delete_only_purges(
     assert _counts(db_url)[1:] == (0, 0)
 
 
+def test_a_purging_user_not_granted_wf_slots_still_purges_runs_and_says_so(
+    db_url: str,
+    restricted: Restricted,
+    make_runtime: Callable[..., wp.Runtime],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A retention role granted what the README asked before ``wf_slots`` existed: its
+    purges failed once a dead worker's slot had lapsed (the runs deleted, the count
+    lost). The runs are purged and counted; the slot waits, and a warning names the grant."""
+    from sqlalchemy import insert
+
+    from wf_persist.models import slots_table
+
+    writer = make_runtime()
+    writer.register(w.echo_wf)
+    done = writer.client().start(w.echo_wf, 2).execution_id
+    assert writer.client().result(done, timeout=20).unwrap() == [1, 2]
+    past = dt.datetime.now(dt.UTC) - dt.timedelta(hours=1)
+    with writer.engine.begin() as conn:
+        conn.execute(
+            insert(slots_table).values(
+                slot_key="k" * 64, slot=0, holder=uuid.uuid4().hex, owner="dead!",
+                execution_id="gone", step_name="s", taken_at=past, expires_at=past,
+            )
+        )  # fmt: skip
+    restricted.deny("INSERT", "UPDATE")
+    restricted.denied.add(("DELETE", "wf_slots"))  # on a server: never granted
+    with wp.Client(restricted.engine()) as janitor:
+        assert janitor.purge(older_than=dt.timedelta(0)) == 1
+    assert _counts(db_url)[1:] == (0, 0)
+    assert "grant SELECT and DELETE on wf_slots" in caplog.text
+    with writer.engine.connect() as conn:
+        assert conn.execute(text("SELECT COUNT(*) FROM wf_slots")).scalar_one() == 1
+
+
 def test_an_append_only_history_grant_runs_every_kind_of_workflow(
     db_url: str, restricted: Restricted
 ) -> None:

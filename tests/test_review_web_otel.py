@@ -332,3 +332,23 @@ def test_a_signal_delivered_is_not_reported_failed_by_a_raising_tracer(
     Recorded(Raising("wf.signal", "end"))
     assert client.signal(run, "approval", {"approved": True}) == "delivered"
     assert client.result(run, timeout=30).unwrap() == "approved"
+
+
+@pytest.mark.parametrize(
+    ("host", "local"),
+    [
+        ("127.0.0.1", True),
+        ("127.1", True),  # 127.0.0.1 spelt short: answered every Host
+        ("2130706433", True),
+        ("localhost", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("name.invalid", False),
+    ],
+)
+def test_the_cli_knows_a_loopback_address_however_it_is_spelt(host: str, local: bool) -> None:
+    from wf_persist.cli.web import _loopback
+
+    assert _loopback(host) is local

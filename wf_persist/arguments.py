@@ -51,7 +51,8 @@ def raised(exc: Exception) -> dict[str, Any]:
 
 def signal_document(execution_id: str, name: str, wait: Mapping[str, Any], payload: Any) -> Any:
     tp = resolve_type_reference(wait.get("payloadType"))
-    if tp is not None and isinstance(payload, tp):
+    # A bool is an int to isinstance, but not to the wait (JSON ``true`` is not a number).
+    if tp is not None and isinstance(payload, tp) and not _bool_for_other(payload, tp):
         adapter = adapter_for(tp)
         try:
             dumped, problem = json_form(adapter, payload)
@@ -60,7 +61,10 @@ def signal_document(execution_id: str, name: str, wait: Mapping[str, Any], paylo
             raise SignalPayloadError(execution_id, name, [{"loc": (), "msg": str(exc)}]) from exc
         if problem is not None:
             raise SignalPayloadError(execution_id, name, [{"loc": (), "msg": problem}])
-        return dumped
+        # Judged as its document, as any payload is below: an instance made without
+        # validation (``model_construct``), or ``True`` for an ``int``, must fit the type as
+        # the wait will read it, else it was "delivered" and then failed the run.
+        payload = dumped
     try:
         text = json.dumps(payload, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
@@ -85,6 +89,10 @@ def signal_document(execution_id: str, name: str, wait: Mapping[str, Any], paylo
         if errors:
             raise SignalPayloadError(execution_id, name, errors)
     return doc
+
+
+def _bool_for_other(payload: Any, tp: type) -> bool:
+    return isinstance(payload, bool) and not issubclass(tp, bool)
 
 
 def utc(value: object, what: str) -> dt.datetime:

@@ -235,7 +235,9 @@ def _revision_errors(bind: Bind) -> Iterator[None]:
     except DBAPIError as exc:
         if isinstance(exc, WfPersistError):  # typed already (a connection refused, say)
             raise
-        refusals.translate(backends.backend_type(_url_of(bind).get_backend_name()), exc)
+        backend = backends.backend_type(_url_of(bind).get_backend_name())
+        if not backend.missing_schema(exc):  # a migration's own: the tables changed by hand
+            refusals.translate(backend, exc)
         raise UnsupportedDatabaseError(_failed(exc)) from exc
 
 

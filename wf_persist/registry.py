@@ -23,7 +23,7 @@ from .errors import (
     WorkflowVersionConflictError,
 )
 from .store import Executor, catalog
-from .values import to_json
+from .values import from_json, to_json
 
 
 class Registry:
@@ -171,6 +171,9 @@ class Registry:
             raise InvalidPayloadError(what, [{"loc": (), "msg": "this workflow takes no input"}])
         try:
             stored = to_json(wf.input_adapter, payload, what)
+            # Read back as the run will read it: an instance made without validation
+            # (``model_construct``) was stored, and the run then failed on its input.
+            from_json(wf.input_adapter, stored, what)
         except WfPersistError:
             raise
         except Exception as exc:  # a validator of the caller's own raising what it likes

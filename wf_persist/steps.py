@@ -55,12 +55,16 @@ class StepCall:
     arguments: dict[str, Any]
     activity: str
     invocation: int
+    #: The arguments as stored, when already made (and their size checked).
+    stored: dict[str, Any] | None = None
 
     def who(self, execution_id: str) -> Activity:
         return Activity(execution_id, self.step.name, self.invocation, self.activity, step=True)
 
     def inputs(self) -> dict[str, Any]:
         """The arguments as stored (validated JSON, secret references kept)."""
+        if self.stored is not None:
+            return self.stored
         step = self.step
         return {
             param: to_json(
@@ -168,6 +172,12 @@ class StepRunner:
                 f"arguments of step {step.name}", [{"loc": (), "msg": str(exc)}]
             ) from exc
 
+    def stored_inputs(self, step: Step[Any], arguments: dict[str, Any]) -> dict[str, Any]:
+        """A call's arguments as they would be stored, checked (type, JSON, size)."""
+        inputs = StepCall(step, arguments, "", 0).inputs()
+        self.driver.check_size(f"arguments of step {step.name}", inputs)
+        return inputs
+
     # running -----------------------------------------------------------------------
 
     def run(self, call: StepCall, *, inline: bool) -> Any:
@@ -197,8 +207,10 @@ class StepRunner:
         if step.is_async(fn):
             check_can_await(fn, f"step {step.name}")
         who = call.who(self.execution_id)
+        checked = call.stored is not None
         inputs = call.inputs()
-        self.driver.check_size(f"arguments of step {step.name}", inputs)
+        if not checked:
+            self.driver.check_size(f"arguments of step {step.name}", inputs)
         record = self.journal.steps.get(call.activity)
         attempt = 1 if record is None else record.last_attempt + 1
         failures = 0 if record is None else record.failures

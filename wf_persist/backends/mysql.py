@@ -190,7 +190,7 @@ class MySQLBackend(Backend):
         kwargs.setdefault("pool_reset_on_return", None)
         charset = url.query.get("charset")
         named = charset if isinstance(charset, str) else None
-        if charset is not None and (named is None or named.strip().lower() != "utf8mb4"):
+        if charset is not None and (named is None or named.lower() != "utf8mb4"):
             # Any other is refused once connected (see check_session); an unknown one
             # fails inside the driver first with an AttributeError.
             raise UnsupportedDatabaseError(

@@ -18,13 +18,14 @@ LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
 def _loopback(host: str) -> bool:
-    """Whether ``host`` is this machine only (``localhost``, 127.0.0.0/8, ``::1``)."""
-    if host.lower() == "localhost":
-        return True
+    """Whether ``host`` is this machine only: every address it resolves to is a loopback
+    one (``localhost``, 127.0.0.0/8 however spelt, ``127.1`` say, ``::1``)."""
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
+        infos = socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)
+        found = {ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos}
+    except (OSError, ValueError):
         return False
+    return bool(found) and all(address.is_loopback for address in found)
 
 
 def _check_listen(host: str, port: int) -> None:

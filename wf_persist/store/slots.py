@@ -12,7 +12,7 @@ import datetime as dt
 from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, case, delete, select, tuple_, update
+from sqlalchemy import Connection, case, delete, select, update
 
 from ..backends.clock import db_later, db_now
 from ..models import SLOT_KEY
@@ -81,19 +81,19 @@ def give_back(backend: Backend, conn: Connection, holder: str) -> None:
 
 def sweep(backend: Backend, conn: Connection, lapsed_before: dt.datetime, limit: int) -> int:
     """Delete up to ``limit`` slot rows that lapsed before ``lapsed_before`` (left by
-    holders that died: a step that ends deletes its own); how many. Each row's lapse is
-    checked again by the DELETE itself, so a row a racer took meanwhile stays."""
-    keys = conn.execute(
-        select(sl.c.slot_key, sl.c.slot).where(sl.c.expires_at < lapsed_before).limit(limit),
-        execution_options=backend.statement_options,
-    ).all()
-    if not keys:
-        return 0
-    conn.execute(
-        delete(sl).where(
-            tuple_(sl.c.slot_key, sl.c.slot).in_([tuple(k) for k in keys]),
-            sl.c.expires_at < lapsed_before,
-        ),
-        execution_options=backend.statement_options,
+    holders that died: a step that ends deletes its own); how many. Lapsed is also asked
+    of the database's clock (the cutoff is the caller's, which may run ahead of it), and
+    the DELETE asks both again itself, so a row a racer took meanwhile stays."""
+    lapsed = (sl.c.expires_at < lapsed_before, sl.c.expires_at <= db_now())
+    holders = list(
+        conn.execute(
+            select(sl.c.holder).where(*lapsed).limit(limit),
+            execution_options=backend.statement_options,
+        ).scalars()
     )
-    return len(keys)
+    if holders:
+        conn.execute(
+            delete(sl).where(sl.c.holder.in_(holders), *lapsed),
+            execution_options=backend.statement_options,
+        )
+    return len(holders)

@@ -32,6 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..client import Client
 from ..errors import (
+    ClosedError,
     DatabaseUnavailableError,
     InvalidArgumentError,
     StatementCancelledError,
@@ -102,12 +103,19 @@ class AllowedHosts:
 
     def __init__(self, app: ASGIApp, hosts: Sequence[str]) -> None:
         self.app = app
-        self.hosts = frozenset(host_name(h) for h in hosts)
+        #: As Starlette's TrustedHostMiddleware took them: ``*`` any, ``*.example.com``
+        #: any name under it, else the name itself.
+        self.any = "*" in hosts
+        self.under = tuple(h[1:].lower() for h in hosts if h.startswith("*."))
+        self.hosts = frozenset(host_name(h) for h in hosts if not h.startswith("*"))
+
+    def allowed(self, name: str) -> bool:
+        return self.any or name in self.hosts or bool(name and name.endswith(self.under))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket"):
             raw = dict(scope.get("headers", [])).get(b"host", b"")
-            if host_name(raw.decode("latin-1")) not in self.hosts:
+            if not self.allowed(host_name(raw.decode("latin-1"))):
                 await PlainTextResponse("Invalid host header", status_code=400)(
                     scope, receive, send
                 )
@@ -120,6 +128,8 @@ class WebView:
 
     def __init__(self, client: Client, *, allow_actions: bool, token: str | None) -> None:
         self.client = client
+        #: Whether the app's own client was closed at its last shutdown.
+        self.closed = False
         self.allow_actions = allow_actions
         self.token = token if token else (secrets.token_urlsafe(24) if allow_actions else None)
         self.templates = Environment(
@@ -157,7 +167,10 @@ def _errors(view: WebView, api: bool) -> Callable[[Handler], Handler]:
                 # (503), not the request's (400: do not send it again).
                 busy = isinstance(
                     exc,
-                    DatabaseUnavailableError | StatementCancelledError | UnsupportedDatabaseError,
+                    DatabaseUnavailableError
+                    | StatementCancelledError
+                    | UnsupportedDatabaseError
+                    | ClosedError,
                 )
                 status = 503 if busy else 400
                 if api:
@@ -194,52 +207,57 @@ def create_app(
         )
     if lock_timeout is not None:
         lock_timeout = positive(lock_timeout, "lock_timeout")
-    owned = client is None
-    if client is None:
+
+    def made() -> Client:
         # A viewer never migrates (nor creates an embedded file): a database behind is
         # refused with the command that brings it to head.
-        client = Client(database, schema=schema, auto_migrate=False)
+        own = Client(database, schema=schema, auto_migrate=False)
         if lock_timeout is not None and not isinstance(database, Engine):
-            client.backend.bound_lock_waits(lock_timeout)
-    view = WebView(client, allow_actions=allow_actions, token=token)
-    c = view.client
+            own.backend.bound_lock_waits(lock_timeout)
+        return own
+
+    owned = client is None
+    view = WebView(
+        client if client is not None else made(), allow_actions=allow_actions, token=token
+    )
     page_errors, api_errors = _errors(view, api=False), _errors(view, api=True)
 
     async def call(fn: Callable[..., Any], *args: Any) -> Any:
-        return await run_in_threadpool(fn, *args)
+        """``fn(client, *args)`` off the event loop (the client of the app's life now)."""
+        return await run_in_threadpool(fn, view.client, *args)
 
     @page_errors
     async def runs_page(request: Request) -> Response:
         where = data.RunFilter.parse(request.query_params)
-        found = await call(data.runs, c, where)
-        names = sorted({w["name"] for w in await call(data.workflows, c)})
+        found = await call(data.runs, where)
+        names = sorted({w["name"] for w in await call(data.workflows)})
         return view.page("runs.html", where=where, page=found, names=names)
 
     @page_errors
     async def run_page(request: Request) -> Response:
-        found = await call(data.run, c, request.path_params["run_id"])
+        found = await call(data.run, request.path_params["run_id"])
         return view.page("run.html", found=found)
 
     @page_errors
     async def workflows_page(request: Request) -> Response:
-        return view.page("workflows.html", workflows=await call(data.workflows, c))
+        return view.page("workflows.html", workflows=await call(data.workflows))
 
     @api_errors
     async def api_workflows(request: Request) -> Response:
-        return JSONResponse(await call(data.workflows, c))
+        return JSONResponse(await call(data.workflows))
 
     @api_errors
     async def api_runs(request: Request) -> Response:
         where = data.RunFilter.parse(request.query_params)
-        return JSONResponse(await call(data.runs, c, where))
+        return JSONResponse(await call(data.runs, where))
 
     @api_errors
     async def api_run(request: Request) -> Response:
-        return JSONResponse(await call(data.run, c, request.path_params["run_id"]))
+        return JSONResponse(await call(data.run, request.path_params["run_id"]))
 
     @api_errors
     async def api_events(request: Request) -> Response:
-        return JSONResponse(await call(data.events, c, request.path_params["run_id"]))
+        return JSONResponse(await call(data.events, request.path_params["run_id"]))
 
     def action(fn: Callable[[str, dict[str, Any]], Any]) -> Handler:
         @api_errors
@@ -256,7 +274,7 @@ def create_app(
                 raise InvalidArgumentError("the request body is nested too deeply") from None
             if not isinstance(body, dict):
                 raise InvalidArgumentError("the request body must be a JSON object")
-            result = await call(fn, request.path_params["run_id"], body)
+            result = await run_in_threadpool(fn, request.path_params["run_id"], body)
             return JSONResponse(result)
 
         return act
@@ -265,18 +283,19 @@ def create_app(
         name = body.get("name")
         if not isinstance(name, str) or not name:
             raise InvalidArgumentError("a signal needs a name")
-        c.signal(run_id, name, body.get("payload"), actor=_actor(body))
+        view.client.signal(run_id, name, body.get("payload"), actor=_actor(body))
         return {"ok": True}
 
     def cancel(run_id: str, body: dict[str, Any]) -> dict[str, Any]:
         compensate = body.get("compensate", True)
         if not isinstance(compensate, bool):
             raise InvalidArgumentError("compensate must be true or false")
-        c.cancel(run_id, compensate=compensate, actor=_actor(body))
+        view.client.cancel(run_id, compensate=compensate, actor=_actor(body))
         return {"ok": True}
 
     def retry(run_id: str, body: dict[str, Any]) -> dict[str, Any]:
         """A new run of the same workflow version with the same input."""
+        c = view.client
         info = c.describe(run_id)
         handle = c.start(info.workflow_name, info.input, version=info.version, actor=_actor(body))
         return {"ok": True, "id": handle.execution_id}
@@ -301,9 +320,13 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+        if owned and view.closed:  # served again (a second server, a test client)
+            view.client = await run_in_threadpool(made)
+            view.closed = False
         yield
         if owned:  # the client made here, and its engine's connections, end with the app
-            await run_in_threadpool(c.close)
+            view.closed = True
+            await run_in_threadpool(view.client.close)
 
     app = Starlette(
         routes=routes, middleware=middleware, exception_handlers=handlers, lifespan=lifespan
@@ -312,10 +335,18 @@ def create_app(
     return app
 
 
+def _route_path(request: Request) -> str:
+    """The request's path within the app (mounted at ``/wf``, say, ``/wf/api/runs`` is
+    ``/api/runs``)."""
+    path: str = request.scope["path"]
+    root: str = request.scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
 async def _not_found(request: Request, exc: Exception) -> Response:
     """No route: under ``/api/runs/`` an id with a "/" (no run has one) gets the JSON 404 of
     an unknown run, as every other id does."""
-    if request.url.path.startswith("/api/runs/"):
+    if _route_path(request).startswith("/api/runs/"):
         return JSONResponse({"error": "Run not found"}, status_code=404)
     return PlainTextResponse("Not Found", status_code=404)
 
@@ -323,7 +354,7 @@ async def _not_found(request: Request, exc: Exception) -> Response:
 async def _not_allowed(request: Request, exc: Exception) -> Response:
     """A method a route does not take: JSON under ``/api/`` (a client there reads JSON)."""
     headers = getattr(exc, "headers", None)
-    if request.url.path.startswith("/api/"):
+    if _route_path(request).startswith("/api/"):
         return JSONResponse({"error": "Method Not Allowed"}, status_code=405, headers=headers)
     return PlainTextResponse("Method Not Allowed", status_code=405, headers=headers)
 
