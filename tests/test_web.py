@@ -392,3 +392,11 @@ def test_a_mounted_app_answers_its_api_in_json_and_its_allowed_hosts_take_patter
         anyone = create_app(client=client, allowed_hosts=["*"])
         with serving(anyone) as base, httpx.Client(base_url=base, timeout=30) as http:
             assert http.get("/api/runs", headers={"Host": "whatever.test"}).status_code == 200
+
+
+@pytest.mark.parametrize("hosts", ["*.example.com", ["*example.com"], [""], [1]])
+def test_allowed_hosts_are_checked_when_the_app_is_made(db_url: str, hosts: Any) -> None:
+    """A ``str`` allowed any host (``"*"`` in it anywhere); a pattern other than ``*`` or
+    ``*.name`` was ignored; both only showed at the first request."""
+    with wp.Client(db_url) as client, pytest.raises(wp.InvalidArgumentError, match="allowed_hosts"):
+        create_app(client=client, allowed_hosts=hosts)

@@ -8,7 +8,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 from pydantic_core import PydanticSerializationError
 
 from .authoring import Workflow, adapter_for
@@ -61,10 +61,9 @@ def signal_document(execution_id: str, name: str, wait: Mapping[str, Any], paylo
             raise SignalPayloadError(execution_id, name, [{"loc": (), "msg": str(exc)}]) from exc
         if problem is not None:
             raise SignalPayloadError(execution_id, name, [{"loc": (), "msg": problem}])
-        # Judged as its document, as any payload is below: an instance made without
-        # validation (``model_construct``), or ``True`` for an ``int``, must fit the type as
-        # the wait will read it, else it was "delivered" and then failed the run.
-        payload = dumped
+        # Read back as the wait will read it: an instance made without validation
+        # (``model_construct``) was "delivered" and then failed the run.
+        return _readable(execution_id, name, adapter, dumped)
     try:
         text = json.dumps(payload, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
@@ -79,15 +78,28 @@ def signal_document(execution_id: str, name: str, wait: Mapping[str, Any], paylo
         # not a boolean), as the recorded JSON Schema would judge it.
         adapter = adapter_for(tp)
         try:
-            return adapter.dump_python(adapter.validate_json(text, strict=True), mode="json")
+            doc = adapter.dump_python(adapter.validate_json(text, strict=True), mode="json")
         except ValidationError as exc:
             errors = [dict(e) for e in exc.errors(include_url=False)]
             raise SignalPayloadError(execution_id, name, errors) from exc
+        # A type whose dump it cannot read back (an alias it does not populate by name, an
+        # excluded field) would be delivered and then fail the run.
+        return _readable(execution_id, name, adapter, doc)
     schema = wait.get("payloadSchema")
     if schema:
         errors = schema_errors(schema, doc)
         if errors:
             raise SignalPayloadError(execution_id, name, errors)
+    return doc
+
+
+def _readable(execution_id: str, name: str, adapter: TypeAdapter[Any], doc: Any) -> Any:
+    """``doc`` if the wait can read it (as ``values.from_json`` will), else refused."""
+    try:
+        adapter.validate_python(doc)
+    except ValidationError as exc:
+        errors = [dict(e) for e in exc.errors(include_url=False)]
+        raise SignalPayloadError(execution_id, name, errors) from exc
     return doc
 
 

@@ -218,6 +218,12 @@ class Context:
                 raise WorkflowDefinitionError(f"ctx.all takes wp.call(step, ...) items, got {c!r}")
             self._check_step(c.step, "ctx.all")
         prepared = [(c, self._steps.bind(c.step, c.args, c.kwargs)) for c in calls]
+        stored: list[dict[str, Any] | None] = [None] * len(prepared)
+        if self._cursor.upcoming("all", name) is None:
+            # As for ctx.run: a branch's arguments refused before the block takes a place
+            # (a refused branch never recorded an outcome, and each replay then met it as a
+            # new call in the middle of the history).
+            stored = [self._steps.stored_inputs(c.step, args) for c, args in prepared]
         activity, invocation = self._cursor.enter("all", name)
         branch_names = [self._cursor.next_name(c.step.name) for c, _ in prepared]
         self._cursor.check_branches(activity, [a for a, _ in branch_names])
@@ -236,7 +242,7 @@ class Context:
         def branch(i: int) -> Any:
             call, arguments = prepared[i]
             act, inv = branch_names[i]
-            return self._steps.run(StepCall(call.step, arguments, act, inv), inline=True)
+            return self._steps.run(StepCall(call.step, arguments, act, inv, stored[i]), inline=True)
 
         if all(a in self._journal.outcomes for a, _ in branch_names):
             # Every branch recorded (a replay): each returns its outcome without running,

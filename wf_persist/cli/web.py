@@ -17,22 +17,13 @@ from .common import SchemaOption, err
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
-def _loopback(host: str) -> bool:
-    """Whether ``host`` is this machine only: every address it resolves to is a loopback
-    one (``localhost``, 127.0.0.0/8 however spelt, ``127.1`` say, ``::1``)."""
-    try:
-        infos = socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)
-        found = {ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos}
-    except (OSError, ValueError):
-        return False
-    return bool(found) and all(address.is_loopback for address in found)
-
-
-def _check_listen(host: str, port: int) -> None:
+def _check_listen(host: str, port: int) -> bool:
     """Refuse an address this process cannot listen on (a name that does not resolve, a
     port in use or not allowed) in one line, before the server's own traceback would. Every
     address the name resolves to is bound at once, as the server binds them (asyncio's: an
-    IPv6 socket for IPv6 only)."""
+    IPv6 socket for IPv6 only). Returns whether they are all loopback addresses (this
+    machine only: ``localhost``, 127.0.0.0/8 however spelt, ``127.1`` say, ``::1``), from
+    the same lookup the listener makes."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         with contextlib.ExitStack() as held:
@@ -46,6 +37,8 @@ def _check_listen(host: str, port: int) -> None:
         raise InvalidArgumentError(
             f"cannot listen on {host}:{port}: {exc.strerror or exc}"
         ) from exc
+    found = {ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos}
+    return bool(found) and all(address.is_loopback for address in found)
 
 
 def web(
@@ -94,8 +87,7 @@ def web(
         ) from exc
     # On this machine only, only this machine's names: another site's page whose name
     # rebinds to a loopback address (DNS rebinding) would otherwise read every run's data.
-    allowed = [*LOOPBACK_NAMES, host] if _loopback(host) else None
-    _check_listen(host, port)
+    allowed = [*LOOPBACK_NAMES, host] if _check_listen(host, port) else None
     app = create_app(
         url,
         allow_actions=allow_actions,

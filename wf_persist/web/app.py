@@ -123,6 +123,21 @@ class AllowedHosts:
         await self.app(scope, receive, send)
 
 
+def host_patterns(hosts: object) -> list[str]:
+    """``allowed_hosts`` checked when the app is made (Starlette makes middleware at the
+    first request): names, ``*`` or ``*.name``; a ``str`` (its every letter a name, and
+    ``"*"`` in it anywhere allowing any host) is refused."""
+    if isinstance(hosts, str | bytes) or not isinstance(hosts, Sequence):
+        raise InvalidArgumentError(f"allowed_hosts must be a list of names, got {hosts!r:.80}")
+    names = list(hosts)
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise InvalidArgumentError(f"allowed_hosts: not a name: {name!r:.80}")
+        if name.startswith("*") and name != "*" and not name.startswith("*."):
+            raise InvalidArgumentError(f"allowed_hosts: a pattern is * or *.name, got {name!r}")
+    return names
+
+
 class WebView:
     """The app's state: the client it reads through, and whether actions are allowed."""
 
@@ -205,6 +220,7 @@ def create_app(
         raise InvalidArgumentError(
             "create_app: give a client, or a database (and its schema), not both"
         )
+    hosts = None if allowed_hosts is None else host_patterns(allowed_hosts)
     if lock_timeout is not None:
         lock_timeout = positive(lock_timeout, "lock_timeout")
 
@@ -314,8 +330,8 @@ def create_app(
         Mount("/static", StaticFiles(directory=_HERE / "static"), name="static"),
     ]
     middleware = [Middleware(SecurityHeaders)]
-    if allowed_hosts is not None:
-        middleware.append(Middleware(AllowedHosts, hosts=allowed_hosts))
+    if hosts is not None:
+        middleware.append(Middleware(AllowedHosts, hosts=hosts))
     handlers = {404: _not_found, 405: _not_allowed, 500: _server_error}
 
     @contextlib.asynccontextmanager
