@@ -45,8 +45,8 @@ SCENE: dict[str, Any] = {}
 
 
 def _before_the_steps_check(tag: str) -> str:
-    """Validating step b's argument in the first driver, right before the step's own lease
-    check: the keeper's last word is forgotten (as after a pause), so that check asks the
+    """Validating step b's argument in the first driver, before the lease checks of the
+    call: the keeper's last word is forgotten (as after a pause), so the checks ask the
     database, and its answers are played from here on."""
     if tag == "b" and threading.current_thread().name == FIRST and not SCENE.get("calm"):
         first: wp.Runtime = SCENE["first"]
@@ -199,7 +199,9 @@ def test_a_slow_confirmation_of_a_lease_still_held_is_asked_again_and_the_drive_
     client = SCENE["first"].client()
     assert client.result(execution_id, timeout=10).unwrap() == ["a", "b"]
     assert RAN == [("a", FIRST), ("b", FIRST)]
-    assert SCENE["asks_before"]["b"] == 2, "step b ran on the late answer"
+    # The late first answer is asked again (the drive's check before the call and the
+    # step's own may each ask: the arguments are validated before both).
+    assert SCENE["asks_before"]["b"] >= 2, "step b ran on the late answer"
     assert "drive.failed" not in history_types(client, execution_id)
 
 
