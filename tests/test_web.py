@@ -400,3 +400,16 @@ def test_allowed_hosts_are_checked_when_the_app_is_made(db_url: str, hosts: Any)
     ``*.name`` was ignored; both only showed at the first request."""
     with wp.Client(db_url) as client, pytest.raises(wp.InvalidArgumentError, match="allowed_hosts"):
         create_app(client=client, allowed_hosts=hosts)
+
+
+@pytest.mark.parametrize("seconds", [0, -1, float("nan"), float("inf"), "10", True])
+def test_a_bad_lock_timeout_is_refused_before_anything_is_opened(
+    blank_db_url: str, seconds: Any
+) -> None:
+    """Checked before the app makes its client: a blank database is neither migrated nor
+    created (an embedded file stays absent)."""
+    from wf_persist import migrate
+
+    with pytest.raises(wp.InvalidArgumentError, match="lock_timeout"):
+        create_app(blank_db_url, lock_timeout=seconds)
+    assert migrate.current(blank_db_url) is None

@@ -543,26 +543,18 @@ class Context:
         later call with the same key replaces it. Recorded once: a replay publishes nothing
         again."""
         key = check_call_name(key, "event key")
-        recorded = self._cursor.upcoming("event", key) is not None
-        if not recorded and not self._cursor.replaying():
+        if self._cursor.upcoming("event", key) is not None:
+            self._cursor.enter("event", key)  # recorded: an event's place is its event.set
+            return
+        if not self._cursor.replaying():
             self._before_new_call()
         # Checked before the call takes a place: a refusal the body catches must not move
         # the calls after it (a replay meets the refusal again here).
-        stored = None if recorded else self._event_value(key, value)
-        activity, invocation = self._cursor.enter("event", key)
-        if self._journal.outcomes.get(activity) is not None:
-            return
-        if recorded:  # a place without an outcome (not written so): as a new call
-            self._before_new_call()
-            stored = self._event_value(key, value)
-        who = self._who(key, invocation, activity)
-        self._steps.record([events.event_set(who, key, stored, self._driver.clock())])
-
-    def _event_value(self, key: str, value: Any) -> Any:
-        """An event's value as stored, checked (JSON, size)."""
         stored = to_json(adapter_for(Any), value, f"value of event {key}")
         self._driver.check_size(f"value of event {key}", stored)
-        return stored
+        activity, invocation = self._cursor.enter("event", key)
+        who = self._who(key, invocation, activity)
+        self._steps.record([events.event_set(who, key, stored, self._driver.clock())])
 
 
 #: The longest message a ``signal.rejected`` error keeps.
