@@ -67,7 +67,7 @@ ADMIN_URLS = {
         "WF_PERSIST_TEST_MYSQL_URL", "mysql+pymysql://root@127.0.0.1:3306/test"
     ),
 }
-TABLES = ("wf_history", "wf_executions", "wf_workflows")
+TABLES = ("wf_history", "wf_executions", "wf_workflows", "wf_slots")
 #: The capabilities a ``needs``/``lacks`` marker may name.
 CAPABILITY_NAMES = frozenset(
     {

@@ -469,3 +469,57 @@ def test_a_workflow_with_the_longest_name_runs_as_a_child(runtime: wp.Runtime) -
     assert client.result(run, timeout=30).unwrap() == 5
     activities = {r.event.get("activityName") for r in client.history(run)}
     assert f"child:{'c' * 200}#1" in activities
+
+
+class _Version(int):
+    """A version type of the caller's own whose equality refuses plain ints."""
+
+    def __eq__(self, other: object) -> bool:
+        raise TypeError("compare versions with .same()")
+
+    __hash__ = int.__hash__
+
+
+class _NoRepr:
+    def __repr__(self) -> str:
+        raise KeyError("repr")
+
+
+@wp.workflow(name="odd_child_calls", version=1)
+def odd_child_calls_wf(ctx: wp.Context) -> list[str]:
+    refused = []
+    calls: tuple[Callable[[], object], ...] = (
+        lambda: ctx.start_child(_NoRepr(), None),  # type: ignore[arg-type]
+        lambda: ctx.start_child("echo", 1, cancel_with_parent=_NoRepr()),  # type: ignore[arg-type]
+        lambda: ctx.child_result(_NoRepr()),  # type: ignore[arg-type]
+    )
+    for call in calls:
+        try:
+            call()
+        except wp.InvalidArgumentError as exc:
+            refused.append(type(exc).__name__)
+    handle = ctx.start_child(w.echo_wf, 5, version=_Version(w.echo_wf.version))
+    return [*refused, str(ctx.child_result(handle))]
+
+
+def test_odd_values_given_to_child_calls_are_refused_or_taken_as_plain_ints(
+    runtime: wp.Runtime,
+) -> None:
+    """A version given as an int subclass started its child, then failed the parent's
+    replay (its own equality ran against the recorded version); arguments whose repr
+    raises gave the body a raw KeyError in place of ``InvalidArgumentError``."""
+    runtime.register(odd_child_calls_wf, w.echo_wf)
+    runtime.start_worker(concurrency=2, poll_interval=0.05)
+    handle = runtime.client().start(odd_child_calls_wf)
+    outcome = runtime.client().result(handle.execution_id, timeout=30)
+    assert isinstance(outcome, wp.Completed), outcome
+    assert outcome.value[:3] == ["InvalidArgumentError"] * 3
+    assert len(outcome.value) == 4
+
+
+def test_a_divergence_at_a_child_call_names_it_once() -> None:
+    """It read "expected child:child:kid#1": the kind said twice."""
+    from wf_persist.replay import describe
+
+    assert describe("child", "child:kid#1") == "child:kid#1"
+    assert describe("step", "charge#1") == "step:charge#1"

@@ -315,3 +315,91 @@ def test_purge_sweeps_the_slots_of_dead_holders_that_lapsed_before_its_cutoff(
         assert _slot_keys(live) == {"live-run"}, "a held slot swept"
         assert not _free(make_runtime(), "live")
     assert _slot_keys(live) == set()
+
+
+@wp.step(concurrency=wp.Limit(1))
+def queued_charge(marks: str) -> str:
+    with open(marks, "a", encoding="utf-8") as out:
+        out.write("charged\n")
+    return "charged"
+
+
+@wp.workflow(name="slot_deadline", version=1)
+def slot_deadline_wf(ctx: wp.Context, marks: str) -> str:
+    return str(ctx.run(queued_charge, marks))
+
+
+def test_a_step_queued_for_a_slot_past_its_runs_deadline_never_starts(
+    runtime: wp.Runtime, tmp_path: Path
+) -> None:
+    """The queue checked the lease and a cancel, not the run's deadline: the step's
+    function ran (its side effect done) seconds after the run's deadline, then the run
+    timed out and compensated."""
+    marks = tmp_path / "marks"
+    runtime.register(slot_deadline_wf)
+    client = runtime.client()
+    name = queued_charge.name
+    with runtime.slots.slot(name, name, 1, "another-run") as acquire:
+        assert acquire()
+        handle = client.start(slot_deadline_wf, str(marks), timeout=1.0)
+        runtime.start_worker(concurrency=2, poll_interval=0.05)
+        outcome = client.result(handle.execution_id, timeout=30)
+        assert isinstance(outcome, wp.Failed) and outcome.error_type == "WorkflowTimeoutError"
+    assert not marks.exists()
+    kinds = [r.event["type"] for r in client.history(handle.execution_id)]
+    assert "step.completed" not in kinds and "workflow.timed_out" in kinds, kinds
+
+
+MARKS: list[tuple[str, float]] = []
+
+
+@wp.step(concurrency=wp.Limit(1))
+def limited_mark(label: str) -> str:
+    MARKS.append((label, time.monotonic()))
+    return label
+
+
+@wp.workflow(name="slot_lapsed_before_call", version=1)
+def slot_lapsed_wf(ctx: wp.Context) -> str:
+    return str(ctx.run(limited_mark, "ours"))
+
+
+def test_a_step_whose_slot_lapsed_before_its_call_queues_again(
+    make_runtime: Callable[..., wp.Runtime], monkeypatch: Any
+) -> None:
+    """A process kept from running past its lease TTL (its renewals late, a thread long
+    to be had) between taking a slot and calling the step found the slot lapsed and taken by
+    another run, and called the step all the same: ``Limit(1)`` had two holders at once. The
+    slot is now vouched for right before the call; a lost one is queued for again."""
+    from wf_persist.slots import Slots
+    from wf_persist.steps import StepRunner
+
+    MARKS.clear()
+    ours, other = make_runtime(lease_ttl=1.0), make_runtime(lease_ttl=1.0)
+    ours.register(slot_lapsed_wf)
+    monkeypatch.setattr(Slots, "_keep_renewing", lambda self: None)  # renewals never come
+    name = limited_mark.name
+    released: list[float] = []
+    original = StepRunner._call
+    stalled = [False]
+
+    def stall_then_call(self: StepRunner, step: Any, *args: Any, **kwargs: Any) -> Any:
+        if step.name == name and not stalled[0]:
+            stalled[0] = True
+            time.sleep(1.3)  # past the TTL: the slot lapsed
+            intruder = other.slots.slot(name, name, 1, "another-run")
+            assert intruder.__enter__()(), "the lapsed slot is free to take"
+
+            def release() -> None:
+                time.sleep(1.0)
+                released.append(time.monotonic())
+                intruder.__exit__(None, None, None)
+
+            threading.Thread(target=release, daemon=True).start()
+        return original(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(StepRunner, "_call", stall_then_call)
+    outcome = ours.client().execute(slot_lapsed_wf)
+    assert outcome.unwrap() == "ours"
+    assert len(MARKS) == 1 and released, (MARKS, released)
+    assert MARKS[0][1] >= released[0], "the step ran while another run held the only slot"

@@ -4,6 +4,11 @@
   failed runs whose steps never ran, or stored the tracer's error in place of a step's.
 - A meter whose counters raise made ``start()`` raise a bare ``RuntimeError`` for a run it
   had written (a caller would start it again).
+- A provider whose ``get_tracer`` or ``get_meter`` raises made every start raise a bare
+  error (after writing its run), a worker's drives fail in a busy loop without ever counting
+  (the run stuck ``running``), and a worker thread die watching the backlog.
+- A provider named in ``OTEL_PYTHON_TRACER_PROVIDER`` that does not load made the first
+  runtime of the process raise ``StopIteration``.
 - A failed step's span recorded its exception's message and stack trace as they were: a
   resolved secret in the message went to the trace collector, while the database, the
   logs and the run's error held only ``secret:<name>``.
@@ -11,7 +16,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import opentelemetry.context
@@ -137,6 +146,60 @@ class _RaisingMeterProvider:
 def test_a_meter_that_raises_changes_nothing(runtime: wp.Runtime) -> None:
     telemetry.instrument(meter_provider=_RaisingMeterProvider())  # type: ignore[arg-type]
     _both_outcomes(runtime)  # start() returns the run it made; both end as untraced
+
+
+class _NoTracers(TracerProvider):
+    def get_tracer(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("tracer provider broken")
+
+
+class _NoMeters(MeterProvider):
+    def get_meter(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("meter provider broken")
+
+
+@pytest.mark.parametrize("kind", ["tracer", "meter"])
+def test_a_provider_that_cannot_make_a_tracer_or_meter_leaves_telemetry_off(
+    runtime: wp.Runtime, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    if kind == "tracer":
+        telemetry.instrument(tracer_provider=_NoTracers())
+    else:
+        telemetry.instrument(meter_provider=_NoMeters())
+    _both_outcomes(runtime)  # starts return their runs; the worker drives both to the end
+    said = [r for r in caplog.records if "OpenTelemetry failed to make" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]  # once, not per call
+
+
+def test_a_named_provider_that_does_not_load_leaves_telemetry_off(
+    tmp_path: Path,
+) -> None:
+    """In a process of its own: which provider the OTel API holds is set once per process."""
+    script = (
+        "import wf_persist as wp\n"
+        f"rt = wp.Runtime('sqlite:///{tmp_path}/named.db')\n"
+        "@wp.workflow(name='named', version=1)\n"
+        "def named(ctx: wp.Context) -> int:\n"
+        "    return 7\n"
+        "rt.register(named)\n"
+        "print(rt.client().execute(named).unwrap())\n"
+        "rt.close()\n"
+    )
+    program = tmp_path / "named.py"  # a workflow's source is read from its file
+    program.write_text(script)
+    for disabled in ("true", "false"):
+        env = {
+            **os.environ,
+            "OTEL_PYTHON_TRACER_PROVIDER": "no-such-provider",
+            "OTEL_PYTHON_METER_PROVIDER": "no-such-provider",
+            "OTEL_SDK_DISABLED": disabled,
+        }
+        done = subprocess.run(
+            [sys.executable, str(program)], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.strip().splitlines()[-1] == "7"
+        (tmp_path / "named.db").unlink()
 
 
 def test_a_failed_steps_span_carries_no_secret(

@@ -144,3 +144,40 @@ def test_an_unknown_run_id_given_is_an_error_not_a_pass(
     known = rt.client().start(w.echo_wf, 1).execution_id
     with pytest.raises(wp.UnknownExecutionError):
         check_replay(rt, [known, "00000000-0000-4000-8000-000000000000"])
+
+
+@wp.workflow(name="replay_tags", version=1)
+def tags_wf(ctx: wp.Context, names: list[str]) -> set[str]:
+    return set(names)
+
+
+@wp.workflow(name="replay_names", version=1)
+def names_wf(ctx: wp.Context, names: list[str]) -> list[str]:
+    return list(names)
+
+
+def test_a_set_returned_in_another_processs_order_is_the_same_output(
+    make_runtime: Callable[..., wp.Runtime],
+) -> None:
+    """A set is stored in the order its process's hash seed gave; a check run in another
+    process (another seed) reported the run diverged and failed a deploy, now and then.
+    A list in another order still diverges."""
+    from sqlalchemy import select, update
+
+    from wf_persist.models import executions_table as ex
+
+    rt = make_runtime()
+    rt.register(tags_wf, names_wf)
+    client = rt.client()
+    names = ["alpha", "beta", "gamma", "delta", "epsilon"]
+    as_set = client.execute(tags_wf, names).execution_id
+    as_list = client.execute(names_wf, names).execution_id
+    with rt.engine.begin() as conn:
+        for run in (as_set, as_list):
+            stored = list(conn.execute(select(ex.c.result).where(ex.c.id == run)).scalar_one())
+            other_order = sorted(stored, reverse=stored == sorted(stored))
+            assert other_order != stored
+            conn.execute(update(ex).where(ex.c.id == run).values(result=other_order))
+    reports = {r.execution_id: r for r in check_replay(rt, [as_set, as_list])}
+    assert reports[as_set].ok, reports[as_set]
+    assert not reports[as_list].ok and "would return" in str(reports[as_list].divergence)

@@ -290,3 +290,41 @@ def _console_spans(out: str) -> list[str]:
             if depth == 0:
                 found.append(out[begun : i + 1])
     return found
+
+
+@wp.workflow(name="metered_sleeper", version=1)
+def metered_sleeper(ctx: wp.Context) -> int:
+    ctx.sleep(3600)
+    return 1
+
+
+@wp.workflow(name="metered_parent", version=1)
+def metered_parent(ctx: wp.Context) -> int:
+    return ctx.run_child(metered_sleeper)
+
+
+def test_runs_a_cancel_ends_are_counted_failed_once(runtime: wp.Runtime, otel: Recorded) -> None:
+    """A cancel without compensation ends the run (and its children) with no drive, and
+    nothing counted them: started minus completed minus failed crept up."""
+    runtime.register(metered_sleeper, metered_parent)
+    client = runtime.client()
+    parent = client.start(metered_parent).execution_id
+    alone = client.start(metered_sleeper).execution_id
+    unwound = client.start(metered_sleeper).execution_id
+    for run in (parent, alone, unwound):
+        assert runtime.drive(run)
+    child = next(
+        r.execution_id
+        for r in client.list("metered_sleeper").items
+        if r.execution_id not in (alone, unwound)
+    )
+    assert runtime.drive(child)
+    client.cancel(parent, compensate=False)  # the parent and its child
+    client.cancel(alone, compensate=False)
+    client.cancel(unwound, compensate=True)  # ended by the drive that unwinds it
+    assert runtime.drive(unwound)
+    for run in (parent, child, alone, unwound):
+        assert client.status(run) == "failed"
+    points = otel.metrics()
+    assert sum(p.value for p in points["wf.runs.started"]) == 4
+    assert sum(p.value for p in points["wf.runs.failed"]) == 4

@@ -10,6 +10,8 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 from pydantic_core import PydanticSerializationError
+from sqlalchemy import Connection
+from sqlalchemy.orm import Session, scoped_session
 
 from .authoring import Workflow, adapter_for
 from .error_documents import shown
@@ -184,3 +186,15 @@ def check_timeout(timeout: object) -> float | None:
         return float(number)  # deadlines are monotonic floats: 10**400 seconds is not one
     except OverflowError:
         raise InvalidArgumentError(f"timeout is out of range: {shown(timeout)}") from None
+
+
+def check_session(session: object) -> None:
+    """A host's ``session=``: a synchronous ``Session`` (or a ``scoped_session``, as
+    Flask-SQLAlchemy's ``db.session``) or ``Connection``, or ``None`` (an
+    engine, an async session or a URL failed deep inside, an async one leaking its
+    coroutine)."""
+    if session is not None and not isinstance(session, Session | Connection | scoped_session):
+        raise InvalidArgumentError(
+            f"session must be a SQLAlchemy Session or Connection (in the transaction to "
+            f"write in), got {shown(session)}"
+        )

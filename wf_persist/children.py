@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from . import events
+from .arguments import check_version
 from .authoring import Workflow, child_call_name
 from .control import Suspended
 from .driving import Driver
+from .error_documents import shown
 from .errors import ChildWorkflowError, InvalidArgumentError
 from .events import Activity
 from .replay import Cursor, Journal
@@ -77,12 +79,15 @@ class ChildRunner:
     ) -> ChildHandle[Out]:
         if not isinstance(workflow, Workflow | str):
             raise InvalidArgumentError(
-                f"start_child needs a workflow or its name, got {workflow!r}"
+                f"start_child needs a workflow or its name, got {shown(workflow)}"
             )
         if not isinstance(cancel_with_parent, bool):
             raise InvalidArgumentError(
-                f"cancel_with_parent must be a bool, got {cancel_with_parent!r}"
+                f"cancel_with_parent must be a bool, got {shown(cancel_with_parent)}"
             )
+        # A plain int from here on: a subclass's own equality ran when a replay compared it
+        # with the recorded version (and may raise, or answer otherwise than at the start).
+        version = check_version(version)
         name = workflow if isinstance(workflow, str) else workflow.name
         base = child_call_name(name)
         child = None
@@ -135,7 +140,7 @@ class ChildRunner:
 
     def result(self, handle: ChildHandle[Out]) -> Out:
         if not isinstance(handle, ChildHandle):
-            raise InvalidArgumentError(f"child_result needs a ChildHandle, got {handle!r}")
+            raise InvalidArgumentError(f"child_result needs a ChildHandle, got {shown(handle)}")
         activity = handle.activity_name
         recorded = self._journal.children.get(activity)
         if recorded is None or recorded.get("childExecutionId") != handle.execution_id:

@@ -11,9 +11,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Row
+from sqlalchemy import Engine, Row
 from sqlalchemy.engine import URL
-from sqlalchemy.orm import Session
 
 from . import arguments, clocks, events, refusals, telemetry
 from .authoring import Workflow
@@ -134,7 +133,8 @@ class Client(RunAwaiter, RunControls):
         # The newest version read before, where the start itself checks it still is (a
         # cataloged version never changes; only a newer one can appear).
         remembered: Cataloged | None = None
-        entry = self._newest.get(name) if version is None and self.backend.checks_newest else None
+        cached = version is None and session is None and self.backend.checks_newest
+        entry = self._newest.get(name) if cached else None
         if entry is not None:
             try:
                 stored = cataloged_document(what, payload, entry.input_schema)
@@ -145,13 +145,18 @@ class Client(RunAwaiter, RunControls):
             else:
                 remembered = Cataloged(str(entry.source_hash), entry.registered_at)
         if entry is None:
-            with self._reading() as conn:
-                entry = catalog.entry(conn, self.backend, name, version)
+            if session is not None:
+                # In the host's transaction: no second connection from a pool its requests
+                # may all hold, and the entry its snapshot sees (the run's row refers to it).
+                entry = catalog.entry_seen(session, self.backend, name, version)
+            else:
+                with self._reading() as conn:
+                    entry = catalog.entry(conn, self.backend, name, version)
             if entry is None:
                 if version is None:
                     raise UnknownWorkflowError(name, cataloged=True)
                 raise MissingWorkflowVersionError(name, version, cataloged=True)
-            if version is None and self.backend.checks_newest and entry.input_schema is not None:
+            if cached and entry.input_schema is not None:
                 # (A version cataloged without schemas gets them at its next registration:
                 # such an entry is read again each time.)
                 self._newest[name] = entry
@@ -224,7 +229,7 @@ class Client(RunAwaiter, RunControls):
         idempotency_key: str | None = None,
         actor: str | None = None,
         version: int | None = None,
-        session: Session | Connection | None = None,
+        session: Executor | None = None,
         timeout: dt.timedelta | float | None = None,
     ) -> ExecutionHandle:
         """Start a run (durably) and return its handle.
@@ -249,6 +254,7 @@ class Client(RunAwaiter, RunControls):
             UnknownWorkflowError, MissingWorkflowVersionError, InvalidPayloadError,
             NotSerializableError, ValueTooLargeError, IdempotencyConflictError.
         """
+        arguments.check_session(session)
         idempotency_key = arguments.check_text("idempotency_key", idempotency_key)
         actor = arguments.check_text("actor", actor)
         limit = None if timeout is None else duration_seconds(timeout, "timeout", positive=True)
@@ -309,7 +315,7 @@ class Client(RunAwaiter, RunControls):
         actor: str | None,
         now: dt.datetime,
         deadline: dt.datetime | None,
-        session: Session | Connection | None,
+        session: Executor | None,
         newest: Cataloged | None = None,
     ) -> executions.Created | Stale:
         """Write the run (in ``session``, else in a transaction of its own) with the

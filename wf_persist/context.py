@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime as dt
 import random as _random
 import uuid as _uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn, TypeVar, overload
 
 from pydantic import TypeAdapter, ValidationError
@@ -30,6 +30,7 @@ from .errors import (
     CancelledCallError,
     CodeExecutionError,
     InvalidArgumentError,
+    InvalidPayloadError,
     SignalPayloadError,
     WorkflowDefinitionError,
     WorkflowTimeoutError,
@@ -412,6 +413,22 @@ class Context:
         who = self._who(name, invocation, activity)
         rejected: list[events.NewEvent] = []
         schema = adapter.json_schema()
+        if activity in self._journal.delivered:
+            payload = self._journal.delivered[activity]
+            try:
+                value = from_json(adapter, payload, f"payload of signal {name}")
+            except InvalidPayloadError as exc:
+                # The sender judged it by the wait's JSON Schema alone (it lacks the type, or
+                # the type is no class): refused here and recorded, and the wait goes on,
+                # rather than a misfit sent from outside failing the run.
+                at = self._driver.clock()
+                rejected.append(events.delivery_rejected(who, _brief_errors(exc.errors), at))
+                del self._journal.delivered[activity]
+            else:
+                self._driver.record_checked(
+                    [events.signal_received(who, payload, self._driver.clock())]
+                )
+                return Received(value)
         if activity not in self._journal.delivered:
             self._before_new_call()
             taken = self._take_buffered(who, payload_type, adapter, schema, rejected)
@@ -426,18 +443,15 @@ class Context:
             )
             self._driver.suspend([*rejected, event], deadline)
             raise Suspended
-        if activity in self._journal.delivered:
-            payload = self._journal.delivered[activity]
-            self._driver.record_checked(
-                [events.signal_received(who, payload, self._driver.clock())]
-            )
-            return Received(from_json(adapter, payload, f"payload of signal {name}"))
         deadline_text = waiting.get("deadline")
         deadline = None if deadline_text is None else dt.datetime.fromisoformat(deadline_text)
         if deadline is not None and self._driver.clock() >= deadline:
             # Checked: a signal delivered since the history was read wins over the timeout.
             self._driver.record_checked(
-                [events.signal_timeout(who, waiting.get("timeout"), self._driver.clock())]
+                [
+                    *rejected,
+                    events.signal_timeout(who, waiting.get("timeout"), self._driver.clock()),
+                ]
             )
             return TimedOut()
         self._driver.suspend(rejected, deadline)
@@ -468,10 +482,7 @@ class Context:
                 adapter.validate_python(stored)
             except (SignalPayloadError, ValidationError) as exc:
                 found = exc.errors if isinstance(exc, SignalPayloadError) else exc.errors()
-                errors = [
-                    {"loc": list(e.get("loc", ())), "msg": _brief(e.get("msg"))} for e in found
-                ]
-                rejected.append(events.signal_rejected(who, signal_id, errors, now))
+                rejected.append(events.signal_rejected(who, signal_id, _brief_errors(found), now))
                 continue
             taken = events.signal_taken(who, signal_id, stored, schema, type_ref, now)
             self._driver.record_checked([*rejected, taken])
@@ -568,3 +579,8 @@ def _brief(msg: object) -> str:
     if len(text) <= MAX_REJECTION_MESSAGE:
         return text
     return text[:MAX_REJECTION_MESSAGE] + "..."
+
+
+def _brief_errors(found: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Validation errors as a rejection records them: where, and a message cut short."""
+    return [{"loc": list(e.get("loc", ())), "msg": _brief(e.get("msg"))} for e in found]

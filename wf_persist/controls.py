@@ -78,11 +78,13 @@ class RunControls(RunReader):
             self._row(conn, execution_id)
         self._writable()
         now = self._now()
+        ended: list[tuple[str, int]] = []  # runs the cancel ended (no drive counts them)
         for attempt in range(CANCEL_ATTEMPTS):
+            ended.clear()
             try:
                 with self.backend.begin() as conn:
                     children.lock_tree(conn, execution_id)
-                    self._cancel_run(conn, execution_id, compensate, actor, now)
+                    self._cancel_run(conn, execution_id, compensate, actor, now, ended)
                     # Its children (theirs in turn) in the same transaction: a cancel cut off
                     # after its commit would leave them running, and once the run has ended
                     # no cancel could reach them. (A run unwinding with compensation cancels
@@ -94,6 +96,7 @@ class RunControls(RunReader):
                         compensate=compensate,
                         actor=actor,
                         now=now,
+                        ended=ended,
                     )
                 break
             except Exception as exc:
@@ -107,10 +110,13 @@ class RunControls(RunReader):
                 if self.backend.cancelled(exc) or attempt + 1 >= CANCEL_ATTEMPTS:
                     # Each in a transaction of its own, top down (as before the one
                     # transaction): never a lock cycle, but a crash midway leaves the rest.
-                    self._cancel_one_by_one(execution_id, compensate, actor, now)
+                    ended.clear()
+                    self._cancel_one_by_one(execution_id, compensate, actor, now, ended)
                     break
                 time.sleep(0.05 * 2**attempt)
         self._notify()
+        for name, version in ended:
+            telemetry.run_ended(name, version, ok=False)
 
     def _cancel_run(
         self,
@@ -119,9 +125,10 @@ class RunControls(RunReader):
         compensate: bool,
         actor: str | None,
         now: dt.datetime,
+        ended: list[tuple[str, int]],
     ) -> None:
         """The run's own cancellation (``execution.cancelled`` and its status), in ``conn``."""
-        executions.cancel(
+        finished = executions.cancel(
             conn,
             self.backend,
             execution_id,
@@ -130,13 +137,20 @@ class RunControls(RunReader):
             error=error_document(Cancelled(compensate, actor)),
             now=now,
         )
+        if finished is not None:
+            ended.append(finished)
 
     def _cancel_one_by_one(
-        self, execution_id: str, compensate: bool, actor: str | None, now: dt.datetime
+        self,
+        execution_id: str,
+        compensate: bool,
+        actor: str | None,
+        now: dt.datetime,
+        ended: list[tuple[str, int]],
     ) -> None:
         """The run's cancellation, then each child's (theirs in turn) in its own transaction."""
         with self.backend.begin() as conn:
-            self._cancel_run(conn, execution_id, compensate, actor, now)
+            self._cancel_run(conn, execution_id, compensate, actor, now, ended)
         pending = [execution_id]
         while pending:
             with self._reading() as conn:
@@ -144,7 +158,13 @@ class RunControls(RunReader):
             for child_id in below:
                 with self.backend.begin() as conn:
                     if children.cancel(
-                        conn, self.backend, child_id, compensate=compensate, actor=actor, now=now
+                        conn,
+                        self.backend,
+                        child_id,
+                        compensate=compensate,
+                        actor=actor,
+                        now=now,
+                        ended=ended,
                     ):
                         pending.append(child_id)
 

@@ -426,13 +426,14 @@ class RunDriver(ChildDriving):
         return fn
 
     @contextmanager
-    def concurrency_slot(self, step: Step[Any], key: str) -> Iterator[None]:
+    def concurrency_slot(self, step: Step[Any], key: str) -> Iterator[Callable[[], None]]:
         """Hold one of ``step``'s slots for ``key``, checking meanwhile that the run is
         still ours (a run cancelled while it queues never starts the step). When bridged,
         each try and the slot's taking and giving back are short calls on an ``io`` thread
         and the pauses between tries are on the loop: a queued run holds no thread (runs
         queueing by the hundred would otherwise take every thread, the holder's release
-        among them)."""
+        among them). Yields the check to make right before the step's own code (the slot
+        still this run's)."""
         limit = step.concurrency
         assert limit is not None
         last_check = clocks.elapsed()
@@ -445,19 +446,38 @@ class RunDriver(ChildDriving):
                 waited = True
                 if clocks.elapsed() - last_check > 0.2:
                     last_check = clocks.elapsed()
-                    self.check_lease()
-                    self.check_run()
+                    self._check_queued()
                 bridge.pause(delay, time.sleep)
                 delay = min(delay * 2, 0.05)
             if waited:  # a cancel since the last look must not see the step start now
-                self.check_lease()
-                self.check_run()
-            yield
+                self._check_queued()
+
+            def still_held() -> None:
+                # Right before the step's own code: a slot that lapsed while this process
+                # was kept from running (a thread to be had, renewals late) may be another
+                # run's now; this one queues again (read again, it starts the step anew).
+                try:
+                    fresh = off_loop(acquire.fresh)
+                except Exception as exc:
+                    raise Halt(exc) from exc
+                if not fresh:
+                    raise Reload
+
+            yield still_held
         except BaseException:
             off_loop(held.__exit__, *sys.exc_info())
             raise
         else:
             off_loop(held.__exit__, None, None, None)
+
+    def _check_queued(self) -> None:
+        """While a step queues for a slot: the run still ours, not cancelled, and its
+        deadline not passed (then the run is read again: its replay times out before the
+        step, which never starts)."""
+        self.check_lease()
+        self.check_run()
+        if self.deadline is not None and self.clock() >= self.deadline:
+            raise Reload
 
     def check_run(self) -> None:
         """Is the run still ours, and not cancelled meanwhile? (A read, not a write.)"""

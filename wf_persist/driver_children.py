@@ -213,8 +213,10 @@ class ChildDriving:
 
     def _cancel_children_now(self, ids: Sequence[str], compensate: bool) -> None:
         for child_id in ids:
+            ended: list[tuple[str, int]] = []  # the child, if this ended it (no drive counts it)
 
-            def cancel(child_id: str = child_id) -> None:
+            def cancel(child_id: str = child_id, ended: list[tuple[str, int]] = ended) -> None:
+                ended.clear()
                 with self.lender.connection() as own, self.backend.begin(own) as conn:
                     children.cancel(
                         conn,
@@ -223,9 +225,12 @@ class ChildDriving:
                         compensate=compensate,
                         actor=None,
                         now=self.clock(),
+                        ended=ended,
                     )
 
             try:
                 refusals.again_if_deadlocked(self.backend, cancel)
             except Exception as exc:
                 raise Halt(exc) from exc
+            for name, version in ended:
+                telemetry.run_ended(name, version, ok=False)

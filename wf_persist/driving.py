@@ -76,8 +76,11 @@ class Driver(Protocol):
     def secret_resolver(self) -> SecretResolver | None:
         """The resolver of the process running the step."""
 
-    def concurrency_slot(self, step: Step[Any], key: str) -> AbstractContextManager[None]:
-        """Hold one of the step's concurrency slots while it runs."""
+    def concurrency_slot(
+        self, step: Step[Any], key: str
+    ) -> AbstractContextManager[Callable[[], None]]:
+        """Hold one of the step's concurrency slots while it runs; yields the check to make
+        right before the step's own code (it raises if the slot is no longer this run's)."""
 
     def prepare_child(
         self, workflow: Workflow[Any, Any] | str, version: int | None, payload: Any

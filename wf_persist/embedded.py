@@ -79,7 +79,10 @@ class WorkflowClient(Client):
         return wf.name, wf.version, stored, None
 
     def _workflow_timeout(self, name: str, version: int) -> float | None:
-        return self.runtime.definition(name, version).timeout
+        # The definition this start just registered: no catalog read (the host's transaction
+        # may hold the pool's last connection).
+        found = self.runtime.registered(name, version)
+        return None if found is None else found.timeout
 
     def _outcome(self, row: Row[Any]) -> Outcome:
         outcome = super()._outcome(row)

@@ -400,6 +400,14 @@ def signal_rejected(
     return NewEvent(event, at, f"signal.rejected:{signal_id}")
 
 
+def delivery_rejected(who: Activity, errors: list[dict[str, Any]], at: dt.datetime) -> NewEvent:
+    """A wait refused the payload a client delivered to it (judged where it was sent by the
+    wait's JSON Schema alone, which the type asks more of): it waits on, and the next signal
+    sent to it is buffered for it (one at a time)."""
+    event = {"type": "signal.rejected", **who.base(), "delivery": True, "errors": errors}
+    return NewEvent(event, at, f"signal.rejected:{who.activity}")
+
+
 def event_set(who: Activity, key: str, value: Any, at: dt.datetime) -> NewEvent:
     """``ctx.set_event``: a value any client can read by key (the latest one wins)."""
     return _keyed("event.set", who, at, key=key, value=value)

@@ -4,7 +4,7 @@ Every writer asks this module; nothing else spells a status or a guard. The rule
 section 3's: terminal states are final, ``compensating`` only ever ends ``failed``, and an
 event appended on replay that was already recorded (a dedupe drop) changes nothing.
 
-    running ──sleep.started / signal.waiting──▶ suspended
+    running ──sleep.started / signal.waiting / signal.rejected──▶ suspended
     suspended ──sleep.completed / signal.received / signal.timeout / delivery──▶ running
     running | suspended ──cancel(compensate)──▶ compensating ──▶ failed
     running | suspended | compensating ──cancel(no compensation)──▶ failed
@@ -64,6 +64,9 @@ TRANSITIONS: Final[Mapping[str, frozenset[str]]] = {
 EVENT_STATUS: Final[Mapping[str, Status]] = {
     "sleep.started": SUSPENDED,
     "signal.waiting": SUSPENDED,
+    # A wait refused a signal (buffered, or delivered): it waits on, unless a signal.received
+    # or signal.timeout written after it in the same write moves it on.
+    "signal.rejected": SUSPENDED,
     "child.waiting": SUSPENDED,
     "sleep.completed": RUNNING,
     "signal.received": RUNNING,

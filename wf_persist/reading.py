@@ -124,14 +124,28 @@ class RunReader:
         return self._events_of(execution_id)[1]
 
     def _event_of(self, execution_id: str, key: str) -> tuple[Row[Any], tuple[bool, Any]]:
-        """The run's row and whether it set ``key`` (with the value), in one read."""
+        """The run's row and whether it set ``key`` (with the value)."""
         with self._reading() as conn:
-            return self._row(conn, execution_id), history.event_set(conn, execution_id, key)
+            row = self._row(conn, execution_id)
+            found = history.event_set(conn, execution_id, key)
+            if not found[0]:
+                self._still_there(conn, row)
+            return row, found
 
     def _events_of(self, execution_id: str) -> tuple[Row[Any], dict[str, Any]]:
-        """The run's row and the events it set, in one read."""
+        """The run's row and the events it set."""
         with self._reading() as conn:
-            return self._row(conn, execution_id), history.events_set(conn, execution_id)
+            row = self._row(conn, execution_id)
+            found = history.events_set(conn, execution_id)
+            self._still_there(conn, row)
+            return row, found
+
+    def _still_there(self, conn: Connection, row: Row[Any]) -> None:
+        """After reading a finished run's history: the run not purged meanwhile (two reads
+        are two snapshots where reads autocommit; a purge between them left a history
+        without the events the run had set)."""
+        if row.status in lifecycle.TERMINAL:
+            self._row(conn, row.id)
 
     @refusals.typed_read
     def workflows(self, name: str | None = None) -> list[WorkflowEntry]:

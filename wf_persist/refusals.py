@@ -117,6 +117,15 @@ def translate(backend: _Refuses, exc: BaseException) -> None:
         raise refusal(exc) from exc
     if backend.unreachable(exc):
         raise unavailable(exc) from exc
+    if backend.deadlocked(exc):  # in an application's transaction (ours are sent again)
+        raise _failure(
+            StatementCancelledError,
+            exc,
+            "the database cancelled a statement",
+            "; it broke a deadlock by rolling back the transaction it was part of (which "
+            "waited for rows another held while holding rows that one waited for): retry "
+            "it in a new transaction",
+        ) from exc
     if backend.cancelled(exc):
         raise cancellation(exc) from exc
     if backend.serialization_failure(exc):  # in an application's transaction

@@ -5,12 +5,13 @@ cataloged in the database (name, version, source hash, schemas; first registrati
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from . import refusals
-from .arguments import check_version, raised
+from .arguments import check_session, check_version, raised
 from .authoring import Workflow
 from .backends import Backend
 from .error_documents import shown
@@ -24,6 +25,8 @@ from .errors import (
 )
 from .store import Executor, catalog
 from .values import from_json, to_json
+
+log = logging.getLogger("wf_persist")
 
 
 class Registry:
@@ -40,6 +43,9 @@ class Registry:
     #: roll back: cataloged again (in the next start's transaction) until one of our own
     #: transactions has written them.
     _uncataloged: set[tuple[str, int]]
+    #: Of those, versions the catalog holds with another source: another release's runs,
+    #: never driven here with this code (the hash the catalog holds, by version).
+    _overruled: dict[tuple[str, int], str]
 
     def _check_open(self) -> None:
         raise NotImplementedError
@@ -55,6 +61,7 @@ class Registry:
         Raises:
             WorkflowVersionConflictError: (name, version) exists with a different source.
         """
+        check_session(session)
         self._register(workflows, session, write=self.catalogs)
 
     def _register(
@@ -74,25 +81,39 @@ class Registry:
                 )
         now = self.clock()
 
+        # In one order everywhere: two processes registering the same new versions in
+        # opposite orders each held the row the other waited for (a deadlock).
+        ordered = sorted(workflows, key=lambda wf: wf.key)
+
         def check(conn: Executor) -> None:
-            for wf in workflows:
-                if write:
-                    found = catalog.catalog_version(
-                        conn, self.backend, wf.name, wf.version, wf.source_hash, now, wf.schemas
+            # Read first where nothing is written, and in a host's transaction (which we
+            # cannot roll back): a conflict is found before the first row is written.
+            read = catalog.entry if session is None else catalog.entry_seen
+            for wf in ordered if session is not None or not write else ():
+                entry = read(conn, self.backend, wf.name, wf.version)
+                if entry is not None and str(entry.source_hash) != wf.source_hash:
+                    raise WorkflowVersionConflictError(
+                        wf.name, wf.version, str(entry.source_hash), wf.source_hash
                     )
-                else:
-                    entry = catalog.entry(conn, self.backend, wf.name, wf.version)
-                    found = wf.source_hash if entry is None else str(entry.source_hash)
+            for wf in ordered if write else ():
+                found = catalog.catalog_version(
+                    conn, self.backend, wf.name, wf.version, wf.source_hash, now, wf.schemas
+                )
                 if found != wf.source_hash:
                     raise WorkflowVersionConflictError(wf.name, wf.version, found, wf.source_hash)
 
         if session is not None:
             check(session)
         else:
-            with self.backend.begin() if write else self.backend.read() as conn:
-                check(conn)
+
+            def own() -> None:
+                with self.backend.begin() if write else self.backend.read() as conn:
+                    check(conn)
+
+            refusals.again_if_deadlocked(self.backend, own)
         with self._lock:
             for wf in workflows:
+                self._overruled.pop(wf.key, None)
                 if session is None and write:
                     self._uncataloged.discard(wf.key)
                 elif wf.key not in self._registry:
@@ -157,11 +178,24 @@ class Registry:
         if self._registry.get(wf.key) is not wf or wf.key in self._uncataloged:
             self._register((wf,), session, write=True)
 
+    def registered(self, name: str, version: int) -> Workflow[Any, Any] | None:
+        """The definition registered here, cataloged or not (nothing read)."""
+        return self._registry.get((name, version))
+
     def definition(self, name: str, version: int) -> Workflow[Any, Any]:
-        """The exact pinned version, or :class:`MissingWorkflowVersionError`."""
-        found = self._registry.get((name, version))
+        """The exact pinned version, to drive a run of it: :class:`MissingWorkflowVersionError`
+        if none is registered here, :class:`WorkflowVersionConflictError` if the catalog
+        holds another source under it (registered here only in a transaction that rolled
+        back, or by a gating runtime, while another release cataloged its own)."""
+        key = (name, version)
+        found = self._registry.get(key)
         if found is None:
             raise MissingWorkflowVersionError(name, version)
+        if key in self._uncataloged and key not in self._overruled:
+            self._confirm_cataloged()
+        overruled = self._overruled.get(key)
+        if overruled is not None:
+            raise WorkflowVersionConflictError(name, version, overruled, found.source_hash)
         return found
 
     def validate_input(self, wf: Workflow[Any, Any], payload: Any) -> Any:
@@ -182,6 +216,48 @@ class Registry:
         return stored
 
     def runnable_workflows(self) -> list[tuple[str, int]]:
-        """The (name, version)s this runtime can drive."""
+        """The (name, version)s this runtime can drive: a version not known cataloged by a
+        transaction of ours is driven once the catalog is seen holding this very source
+        (until then no run of it is claimed: another release may catalog other code
+        under it, and its runs are not this code's to run)."""
+        if self._uncataloged.difference(self._overruled):
+            self._confirm_cataloged()
+        with self._lock:
+            return sorted(k for k in self._registry if k not in self._uncataloged)
+
+    def registered_workflows(self) -> list[tuple[str, int]]:
+        """Every (name, version) registered here, cataloged or not (what a replay check
+        holds the runs against)."""
         with self._lock:
             return sorted(self._registry)
+
+    def _confirm_cataloged(self) -> None:
+        """Read the catalog rows of the versions registered here but not known cataloged:
+        one holding this source is known written for good; one holding another source
+        overrules this registration (logged once)."""
+        with self._lock:
+            unsure = [
+                self._registry[k] for k in sorted(self._uncataloged) if k not in self._overruled
+            ]
+        held: dict[tuple[str, int], str] = {}
+        with self.backend.read() as conn:
+            for wf in unsure:
+                entry = catalog.entry(conn, self.backend, wf.name, wf.version)
+                if entry is not None:
+                    held[wf.key] = str(entry.source_hash)
+        with self._lock:
+            for wf in unsure:
+                found = held.get(wf.key)
+                if found is None or self._registry.get(wf.key) is not wf:
+                    continue  # not written (yet), or registered again meanwhile
+                if found == wf.source_hash:
+                    self._uncataloged.discard(wf.key)
+                elif wf.key not in self._overruled:
+                    self._overruled[wf.key] = found
+                    log.error(
+                        "workflow %s@v%d is cataloged with another source than this "
+                        "process registered (its registration was not committed): its runs "
+                        "are not driven here",
+                        wf.name,
+                        wf.version,
+                    )

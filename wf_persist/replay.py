@@ -195,6 +195,8 @@ class Journal:
             stopped = stopped or etype in ("execution.cancelled", "workflow.timed_out")
             if etype == "signal.delivered" and ev["activityName"] in journal.waiting:
                 journal.delivered[ev["activityName"]] = ev.get("payload")
+            elif etype == "signal.rejected" and ev.get("delivery") is True:
+                journal.delivered.pop(str(ev.get("activityName")), None)  # the wait goes on
             elif etype in ("signal.received", "signal.rejected") and ev.get("signalId"):
                 taken.add(str(ev["signalId"]))
             elif etype == "child.finished" and ev.get("childExecutionId") in child_activity:
@@ -225,7 +227,8 @@ class Journal:
 
 
 def describe(kind: str, activity: str) -> str:
-    return f"{kind}:{activity}"
+    """A call as a divergence names it (a child's activity names its kind already)."""
+    return activity if kind == "child" else f"{kind}:{activity}"
 
 
 class Cursor:

@@ -153,6 +153,7 @@ class Runtime(Registry, Notices, WorkerSide):
         self._registry = {}
         self._latest = {}
         self._uncataloged = set()
+        self._overruled = {}
         self._lock = threading.RLock()  # close() may come from a signal handler in a locked section
         #: Runs driven in this process now.
         self._driving: set[str] = set()

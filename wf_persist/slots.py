@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import Connection, Engine
 
+from . import clocks
 from .errors import WfPersistError
 from .store import slots as store
 
@@ -31,8 +32,22 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("wf_persist.worker")
 
-#: ``acquire()`` tries once, without blocking; True once a slot is held.
-Acquire = Callable[[], bool]
+#: How many times :meth:`Holding.fresh` asks the database before it gives up on a slot
+#: whose confirmations keep coming back too late to vouch for it.
+FRESH_TRIES = 3
+
+
+class Holding:
+    """What :meth:`Slots.slot` yields: ``acquire()`` tries once, without blocking (True
+    once a slot is held); ``fresh()``, right before the step's own code, whether the slot
+    is still this holding's for a while yet."""
+
+    def __init__(self, acquire: Callable[[], bool], fresh: Callable[[], bool]) -> None:
+        self._acquire = acquire
+        self.fresh = fresh
+
+    def __call__(self) -> bool:
+        return self._acquire()
 
 
 def slot_key(step_name: str, key: str) -> str:
@@ -62,10 +77,13 @@ class Slots:
         self._lock = threading.Lock()
         #: The holdings of this process now (their ``holder`` values).
         self._held: set[str] = set()
+        #: When each holding was last known held (monotonic, asked before its take or a
+        #: renewal that kept every holding): it is held for a TTL from then, at least.
+        self._confirmed: dict[str, float] = {}
         self._renewer: threading.Thread | None = None
 
     @contextmanager
-    def slot(self, step_name: str, key: str, limit: int, execution_id: str) -> Iterator[Acquire]:
+    def slot(self, step_name: str, key: str, limit: int, execution_id: str) -> Iterator[Holding]:
         """Yields ``acquire()``; the slot (if taken) is given back on exit."""
         row = {
             "slot_key": slot_key(step_name, key),
@@ -76,32 +94,55 @@ class Slots:
         }
         held = False
         ending = _Exit()
+        holder = row["holder"]
 
-        def hold() -> None:
+        def hold(asked: float) -> None:
             nonlocal held
             held = True
             with self._lock:
-                self._held.add(row["holder"])
+                self._held.add(holder)
+                self._confirmed[holder] = asked
                 self._keep_renewing()
 
         def acquire() -> bool:
             if held:
                 return True
+            asked = clocks.elapsed()
             if not self._take(row, limit):
                 return False
-            if not ending.keep(hold):
-                self._give_back(row["holder"])
+            if not ending.keep(lambda: hold(asked)):
+                self._give_back(holder)
                 return False
             return True
 
         try:
-            yield acquire
+            yield Holding(acquire, lambda: held and self._fresh(holder))
         finally:
             ending.exit()
             if held:
                 with self._lock:
-                    self._held.discard(row["holder"])
-                self._give_back(row["holder"])
+                    self._held.discard(holder)
+                    self._confirmed.pop(holder, None)
+                self._give_back(holder)
+
+    def _fresh(self, holder: str) -> bool:
+        """Whether ``holder`` holds its slot for at least half a TTL more: known held since
+        recently, else renewed now (a process kept from running longer than the TTL, its
+        renewals late, may find its slot lapsed and taken: its step must not start)."""
+        half = self.ttl / 2
+        for _ in range(FRESH_TRIES):
+            with self._lock:
+                confirmed = self._confirmed.get(holder)
+            if confirmed is not None and clocks.elapsed() - confirmed <= half:
+                return True
+            asked = clocks.elapsed()
+            with self._renewal() as conn:
+                if not store.renew(self.backend, conn, {holder}, self.ttl):
+                    return False  # lapsed and taken (or given back)
+            with self._lock:
+                if holder in self._held:
+                    self._confirmed[holder] = max(self._confirmed.get(holder, asked), asked)
+        return False
 
     def _take(self, row: dict[str, str], limit: int) -> bool:
         """One try: the lowest free slot, if any, taken by one compare-and-set."""
@@ -150,6 +191,7 @@ class Slots:
                     self._renewer = None
                     return
                 held = set(self._held)
+            asked = clocks.elapsed()
             try:
                 with self._renewal() as conn:
                     kept = store.renew(self.backend, conn, held, self.ttl)
@@ -158,6 +200,9 @@ class Slots:
                 continue
             with self._lock:
                 still = len(held & self._held)
+                if kept == len(held):  # every one: each is held a TTL from ``asked`` on
+                    for holder in held & self._held:
+                        self._confirmed[holder] = max(self._confirmed[holder], asked)
             if kept < still:
                 log.warning(
                     "%d held concurrency slot(s) lapsed and were taken by another run",

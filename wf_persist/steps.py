@@ -305,10 +305,10 @@ class StepRunner:
             else:
                 key = step.name if limit.key is None else key_text(limit.key(**values))
                 with contextlib.ExitStack() as slot:
-                    slot.enter_context(self.driver.concurrency_slot(step, key))
+                    still_held = slot.enter_context(self.driver.concurrency_slot(step, key))
                     self.driver.check_lease()
                     # An attempt given up at its timeout runs on: it keeps the slot.
-                    result = self._call(step, values, lambda: slot.pop_all().close)
+                    result = self._call(step, values, lambda: slot.pop_all().close, still_held)
         what = f"result of step {step.name}"
         stored = self.driver.as_stored(to_json(step.output_adapter, result, what))
         self.driver.check_size(what, stored)
@@ -319,17 +319,29 @@ class StepRunner:
         step: Step[Any],
         values: dict[str, Any],
         keep: Callable[[], Callable[[], None]] | None = None,
+        still_held: Callable[[], None] | None = None,
     ) -> Any:
         fn = self.driver.step_function(step)
         if step.is_async(fn):  # awaited on the async body's loop, cancelled at its timeout
+            if still_held is not None:
+                still_held()
             return settle(fn(**values), step.timeout, step.name)
         # In the async worker a synchronous step runs on a thread (off_loop), after a wait
-        # for one if all are busy: the lease is checked again there, right before the call
-        # (the check on the loop may be long past, and the run another worker's meanwhile).
-        # Checked before a timeout's clock starts: a slow check is not the step's time.
+        # for one if all are busy: the lease (and a Limit's slot) is checked again there,
+        # right before the call (the check on the loop may be long past, and the run another
+        # worker's meanwhile). Checked before a timeout's clock starts: a slow check is not
+        # the step's time.
         call: Callable[..., Any] = fn if step.timeout is None else call_within
         if bridged():
-            call = checked_first(self.driver.check_lease, call)
+
+            def check() -> None:
+                self.driver.check_lease()
+                if still_held is not None:
+                    still_held()
+
+            call = checked_first(check, call)
+        elif still_held is not None:
+            still_held()
         if step.timeout is None:
             return in_thread(call, **values)
         return in_thread(call, fn, values, step.timeout, step.name, keep)

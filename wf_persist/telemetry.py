@@ -105,6 +105,8 @@ class _State:
         self.instruments: Instruments | None = None
         self.lock = threading.Lock()
         self.configured = False
+        #: Providers that raised when asked for (logged once each).
+        self.refused: set[str] = set()
         #: Runtimes whose due backlog the gauge reports (their workers run here).
         self.watched: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -127,12 +129,20 @@ def current_tracer() -> Tracer | None:
     api = STATE.api if STATE.api is not None else _api()
     if api is None:
         return None
-    provider = STATE.tracer_provider or api.global_tracer_provider()
+    try:
+        provider = STATE.tracer_provider or api.global_tracer_provider()
+    except Exception as exc:  # a provider named in OTEL_* that does not load, say
+        _off_once("tracer provider", exc)
+        return None
     if provider is not STATE.tracer_of:
+        # A provider whose get_tracer raises leaves tracing off (said once), not every
+        # start and drive failing with its error.
         STATE.tracer = (
             None
             if provider is None or isinstance(provider, api.noop_tracers)
-            else provider.get_tracer(SCOPE, _version())
+            else quietly(
+                "make a tracer (tracing stays off)", provider.get_tracer, SCOPE, _version()
+            )
         )
         STATE.tracer_of = provider
     return STATE.tracer
@@ -143,17 +153,32 @@ def current_instruments() -> Instruments | None:
     api = STATE.api if STATE.api is not None else _api()
     if api is None:
         return None
-    provider = STATE.meter_provider or api.global_meter_provider()
+    try:
+        provider = STATE.meter_provider or api.global_meter_provider()
+    except Exception as exc:
+        _off_once("meter provider", exc)
+        return None
     if provider is not STATE.meters_of:
         with STATE.lock:
             if provider is not STATE.meters_of:
                 STATE.instruments = (
                     None
                     if provider is None or isinstance(provider, api.noop_meters)
-                    else _make_instruments(provider)
+                    else quietly(
+                        "make its instruments (metrics stay off)", _make_instruments, provider
+                    )
                 )
                 STATE.meters_of = provider
     return STATE.instruments
+
+
+def _off_once(what: str, exc: Exception) -> None:
+    """Log, once per process and kind, that a provider could not be had (telemetry off)."""
+    with STATE.lock:
+        if what in STATE.refused:
+            return
+        STATE.refused.add(what)
+    log.warning("OpenTelemetry's %s could not be had (%s): off for wf_persist", what, exc)
 
 
 def _make_instruments(provider: MeterProvider) -> Instruments:
@@ -219,8 +244,9 @@ def configure() -> None:
     named = ("OTEL_PYTHON_TRACER_PROVIDER", "OTEL_PYTHON_METER_PROVIDER")
     api = _api() if any(n in os.environ for n in named) else None
     if api is not None:  # a provider named so loads on the first ask for it
-        api.trace.get_tracer_provider()
-        api.metrics.get_meter_provider()
+        # A name that does not load is a refused setting: telemetry off, not a failure.
+        quietly("load OTEL_PYTHON_TRACER_PROVIDER", api.trace.get_tracer_provider)
+        quietly("load OTEL_PYTHON_METER_PROVIDER", api.metrics.get_meter_provider)
 
 
 # the trace context stored with a run ----------------------------------------------------

@@ -19,11 +19,12 @@ exception by design: the driver's hot path commits its own single statement.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from sqlalchemy import Connection, func, select, tuple_, update
+from sqlalchemy import Connection, delete, func, select, tuple_, update
 
 from .. import clocks, events
 from ..errors import LeaseLostError, UnsupportedDatabaseError
@@ -65,8 +66,12 @@ def complete(execution_id: str, found: Sequence[Any], next_seq: int) -> tuple[tu
     steps again, so the drive fails instead."""
     history = tuple((int(r[0]), r[1]) for r in found)
     sequences = [s for s, _ in history]
+    # A start through a host's engine in AUTOCOMMIT is two commits on SQLite and MySQL: a
+    # process that died between them left the run without its ``execution.started`` (the
+    # run row holds all it says); a read cut short loses the end, never the start.
+    first = 2 if sequences[:1] == [2] else 1
     if next_seq > 2 and (
-        len(sequences) < next_seq - 1 or sequences != list(range(1, len(sequences) + 1))
+        len(sequences) < next_seq - first or sequences != list(range(first, first + len(sequences)))
     ):
         raise UnsupportedDatabaseError(
             f"run {execution_id}: reading its history gave {len(history)} of "
@@ -99,6 +104,10 @@ class Backend(Connections):
     #: a thin client may then start from a catalog entry it read before instead of reading
     #: it again.
     checks_newest: ClassVar[bool] = False
+    #: Whether a locking read in a host's transaction reads what is committed, where a
+    #: plain read keeps the transaction's snapshot (InnoDB at REPEATABLE READ); elsewhere
+    #: a locking read sees no more (PostgreSQL) or nothing stale was ever read (SQLite).
+    locking_reads_see_committed: ClassVar[bool] = False
 
     # wake-ups and presence (see :mod:`wf_persist.wakeups`) ------------------------------
 
@@ -180,7 +189,25 @@ class Backend(Connections):
             conn.execute(CREATE_RUN, dict(row), execution_options=options)
         elif not self.insert_once(conn, ex, row, IDEMPOTENCY_KEY, {"wake_at": db_now()}):
             return False
-        conn.execute(INSERT_HISTORY, history_row(row["id"], 1, started), execution_options=options)
+        try:
+            conn.execute(
+                INSERT_HISTORY, history_row(row["id"], 1, started), execution_options=options
+            )
+        except Exception:
+            # MySQL undoes a failed statement only (a lock wait timeout, say) and a host's
+            # transaction may go on to commit: the run must not stay without its first event.
+            # (In a transaction the failure aborted, this fails as well: nothing to undo.)
+            # Only while nobody took it: on a host's engine in AUTOCOMMIT the run committed
+            # on its own and a worker may have claimed or driven it already.
+            untouched = delete(ex).where(
+                ex.c.id == row["id"],
+                ex.c.claim_epoch == 0,
+                ex.c.next_seq == row["next_seq"],
+                ex.c.lease_owner.is_(None),
+            )
+            with contextlib.suppress(Exception):
+                conn.execute(untouched, execution_options=options)
+            raise
         if lease is None:
             self.announce(conn, DUE)
             return True

@@ -126,6 +126,7 @@ class MySQLBackend(Backend):
     json_growth: ClassVar[int] = 7
     char_bytes: ClassVar[int] = 14
     transactional_ddl: ClassVar[bool] = False
+    locking_reads_see_committed: ClassVar[bool] = True
 
     def __init__(self, engine: Engine, *, owned: bool, schema: str | None = None) -> None:
         with connect(engine) as conn:  # a failure to connect: DatabaseConnectError

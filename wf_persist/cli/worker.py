@@ -116,7 +116,7 @@ def worker(
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     err.print(
-        f"worker {runtime.owner}: serving {len(runtime.runnable_workflows())} workflow "
+        f"worker {runtime.owner}: serving {len(runtime.registered_workflows())} workflow "
         f"version(s), concurrency {concurrency}{' on an event loop' if event_loop else ''}"
     )
     try:

@@ -10,10 +10,11 @@ from __future__ import annotations
 from typing import Any, cast
 
 from sqlalchemy import Connection, CursorResult, Result
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, scoped_session
 
-#: What the data functions accept: a host's ORM session or a Core connection.
-Executor = Session | Connection
+#: What the data functions accept: a host's ORM session (or a ``scoped_session`` of one,
+#: Flask-SQLAlchemy's ``db.session``) or a Core connection.
+Executor = Session | Connection | scoped_session[Session]
 
 
 def rowcount(result: Result[Any]) -> int:

@@ -43,12 +43,15 @@ def catalog_version(
         "output_schema": schemas[1],
     }
     backend.insert_once(core, wf, row, CATALOG_KEY)
-    found = core.execute(
-        select(wf.c.source_hash, wf.c.input_schema, wf.c.output_schema).where(
-            wf.c.name == name, wf.c.version == version
-        ),
-        execution_options=options,
-    ).one()
+    query = select(wf.c.source_hash, wf.c.input_schema, wf.c.output_schema).where(
+        wf.c.name == name, wf.c.version == version
+    )
+    found = core.execute(query, execution_options=options).one_or_none()
+    if found is None:
+        # A host's transaction whose snapshot predates another process's registration
+        # (MySQL/MariaDB at REPEATABLE READ): the insert met the committed row, a plain
+        # read still does not see it; a locking read does.
+        found = core.execute(query.with_for_update(read=True), execution_options=options).one()
     if found.source_hash == source_hash:
         # Only what is missing (versions cataloged before schemas were recorded): a process
         # that could not make a schema never erases the one another process recorded.
@@ -84,5 +87,27 @@ def entry(conn: Executor, backend: Backend, name: str, version: int | None) -> R
             select(wf).where(wf.c.name == name, wf.c.version == wanted),
             execution_options=backend.statement_options,
         )
+        .one_or_none()
+    )
+
+
+def entry_seen(conn: Executor, backend: Backend, name: str, version: int | None) -> Row[Any] | None:
+    """:func:`entry` in a host's transaction, whose snapshot may predate the version's
+    cataloging (MySQL/MariaDB at REPEATABLE READ): a row a plain read misses is looked for
+    again with a locking read, where that reads what is committed. (PostgreSQL's locking
+    read keeps the snapshot's rows: a version cataloged since stays unseen there, as the
+    run's row, written in that snapshot, could not refer to it.)"""
+    found = entry(conn, backend, name, version)
+    if found is not None or not backend.locking_reads_see_committed:
+        return found
+    query = select(wf).where(wf.c.name == name)
+    query = (
+        query.order_by(wf.c.version.desc()).limit(1)
+        if version is None
+        else query.where(wf.c.version == version)
+    )
+    return (
+        connection_of(conn)
+        .execute(query.with_for_update(read=True), execution_options=backend.statement_options)
         .one_or_none()
     )

@@ -111,6 +111,7 @@ def cancel_descendants(
     compensate: bool,
     actor: str | None,
     now: dt.datetime,
+    ended: list[tuple[str, int]] | None = None,
 ) -> int:
     """Cancel the unfinished children ``parent_id`` started to be cancelled with it, and
     theirs in turn, in the caller's transaction (:func:`cancel` each); how many."""
@@ -118,7 +119,9 @@ def cancel_descendants(
     pending = [parent_id]
     while pending:
         for child_id in cancelled_with(conn, pending.pop()):
-            if cancel(conn, backend, child_id, compensate=compensate, actor=actor, now=now):
+            if cancel(
+                conn, backend, child_id, compensate=compensate, actor=actor, now=now, ended=ended
+            ):
                 count += 1
                 pending.append(child_id)
     return count
@@ -132,11 +135,13 @@ def cancel(
     compensate: bool,
     actor: str | None,
     now: dt.datetime,
+    ended: list[tuple[str, int]] | None = None,
 ) -> bool:
     """Cancel one child as its parent was (same ``compensate``), in the caller's
-    transaction; False if it had ended already (or is gone)."""
+    transaction; False if it had ended already (or is gone). ``ended`` gets its (workflow
+    name, version) if it ended now."""
     try:
-        executions.cancel(
+        finished = executions.cancel(
             conn,
             backend,
             child_id,
@@ -148,4 +153,6 @@ def cancel(
         )
     except (CannotCancelError, UnknownExecutionError):
         return False
+    if finished is not None and ended is not None:
+        ended.append(finished)
     return True

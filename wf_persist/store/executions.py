@@ -117,7 +117,7 @@ def cancel(
     error: dict[str, Any],
     now: dt.datetime,
     unwinding_too: bool = True,
-) -> None:
+) -> tuple[str, int] | None:
     """Record a cancellation: one transaction changes the status and records
     ``execution.cancelled``, so of two concurrent cancels exactly one is recorded.
     ``unwinding_too=False``: a run being compensated is not ended (a tree's cancel leaves a
@@ -128,16 +128,23 @@ def cancel(
     once with ``error`` and its fencing token is bumped, so its driver's next write is
     refused: no further step is recorded (one it began meanwhile may have run).
 
+    Returns:
+        The run's (workflow name, version) if it ended now (without compensation: no drive
+        ends it, so the caller counts it), else ``None``.
+
     Raises:
         UnknownExecutionError, CannotCancelError (see :func:`lifecycle.cancellable`).
     """
     core = connection_of(conn)
-    status = core.execute(
-        select(ex.c.status).where(ex.c.id == execution_id).with_for_update(),
+    found = core.execute(
+        select(ex.c.status, ex.c.workflow_name, ex.c.workflow_version)
+        .where(ex.c.id == execution_id)
+        .with_for_update(),
         execution_options=backend.statement_options,
-    ).scalar_one_or_none()
-    if status is None:
+    ).one_or_none()
+    if found is None:
         raise UnknownExecutionError(execution_id)
+    status = found.status
     if not lifecycle.cancellable(str(status), compensate, unwinding_too):
         raise CannotCancelError(
             execution_id,
@@ -148,7 +155,7 @@ def cancel(
     if compensate:
         history.append(core, backend, execution_id, [cancelled], now=now, force_status=target)
         wake(core, backend, execution_id)
-        return
+        return None
     history.append(
         core,
         backend,
@@ -167,6 +174,7 @@ def cancel(
     )
     # It ended without a drive: tell the callers waiting for it, as a drive's end would.
     backend.announce(core, END + execution_id)
+    return str(found.workflow_name), int(found.workflow_version)
 
 
 def get(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
@@ -22,37 +23,69 @@ if TYPE_CHECKING:
 Validator = Callable[[Mapping[str, Any]], Any]
 
 
-def _waits(
-    conn: Executor, execution_id: str
-) -> tuple[dict[str, Mapping[str, Any]], dict[str, str], dict[str, Mapping[str, Any]]]:
-    """Pending waits by activity (history order), how settled ones were settled, and the
-    latest wait of each signal name (pending or not: its schema judges a buffered signal)."""
+#: What the waits' states are read from: what settles a wait, and what reopens one (a
+#: delivery its wait refused) and is buffered for it meanwhile.
+_WAIT_EVENTS = (*SIGNAL_EVENT_TYPES, "signal.rejected", "signal.buffered")
+
+
+@dataclass
+class _Waits:
+    """The run's signal waits as its history tells them."""
+
+    #: Pending waits by activity (history order).
+    pending: dict[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: How settled ones were settled (by event type).
+    settled: dict[str, str] = field(default_factory=dict)
+    #: The latest wait of each signal name, pending or not (its schema judges a buffered one).
+    latest: dict[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: Pending waits that refused the payload delivered to them: the next signal sent to
+    #: one is buffered for it (its delivery is taken).
+    reopened: set[str] = field(default_factory=set)
+    #: Signal names with a buffered signal no wait has taken or refused yet.
+    queued: set[str] = field(default_factory=set)
+
+
+def _waits(conn: Executor, execution_id: str) -> _Waits:
     rows = (
         connection_of(conn)
         .execute(
             select(hist.c.type, hist.c.activity_name, hist.c.event)
-            .where(hist.c.execution_id == execution_id, hist.c.type.in_(SIGNAL_EVENT_TYPES))
+            .where(hist.c.execution_id == execution_id, hist.c.type.in_(_WAIT_EVENTS))
             .order_by(hist.c.sequence)
         )
         .all()
     )
-    pending: dict[str, Mapping[str, Any]] = {}
-    settled: dict[str, str] = {}
-    latest: dict[str, Mapping[str, Any]] = {}
+    found = _Waits()
+    waits: dict[str, Mapping[str, Any]] = {}
+    buffered: dict[str, str] = {}  # signal id -> name, until taken or refused
     for row in rows:
-        if row.type == "signal.waiting" or "payloadSchema" in row.event:  # a wait's schema
-            latest[str(row.event.get("name"))] = row.event
+        event, activity = row.event, row.activity_name
+        if row.type == "signal.waiting" or "payloadSchema" in event:  # a wait's schema
+            found.latest[str(event.get("name"))] = event
+        if row.type == "signal.buffered":
+            buffered[str(event.get("signalId"))] = str(event.get("name"))
+        elif row.type == "signal.rejected" or (
+            row.type == "signal.received" and "signalId" in event
+        ):
+            buffered.pop(str(event.get("signalId")), None)
         if row.type == "signal.waiting":
-            pending[row.activity_name] = row.event
-        elif row.activity_name in pending:
-            settled[row.activity_name] = row.type
-            del pending[row.activity_name]
-    return pending, settled, latest
+            waits[activity] = found.pending[activity] = event
+        elif row.type == "signal.rejected":
+            if event.get("delivery") is True and activity in waits:
+                found.pending[activity] = waits[activity]
+                found.reopened.add(activity)
+                found.settled.pop(activity, None)
+        elif row.type != "signal.buffered" and activity in found.pending:
+            found.settled[activity] = row.type
+            del found.pending[activity]
+            found.reopened.discard(activity)
+    found.queued = set(buffered.values())
+    return found
 
 
 def pending(conn: Executor, execution_id: str) -> list[Mapping[str, Any]]:
     """``signal.waiting`` events with no delivery, receipt or timeout yet, in history order."""
-    return list(_waits(conn, execution_id)[0].values())
+    return list(_waits(conn, execution_id).pending.values())
 
 
 def deliver(
@@ -91,20 +124,32 @@ def deliver(
         raise UnknownExecutionError(execution_id)
     if str(locked.status) not in lifecycle.SIGNALABLE:
         raise SignalNotWaitingError(execution_id, name, status=str(locked.status))
-    waits, settled, latest = _waits(core, execution_id)
-    named = [w for w in waits.values() if w.get("name") == name]
+    found = _waits(core, execution_id)
+    named = [w for w in found.pending.values() if w.get("name") == name]
     if not named and buffer:
-        stored = validate(dict(latest.get(name) or {}))
+        stored = validate(dict(found.latest.get(name) or {}))
         signal_id = str(uuid.uuid4())
         buffered = events.signal_buffered(execution_id, name, signal_id, stored, actor, now)
         history.append(core, backend, execution_id, [buffered], now=now)
         return True
     if not named:
+        settled = found.settled
         last = next((a for a in reversed(list(settled)) if a.rsplit("#", 1)[0] == name), None)
         if last is not None and settled[last] in ("signal.delivered", "signal.received"):
             raise SignalAlreadyDeliveredError(execution_id, name)
         raise SignalNotWaitingError(execution_id, name)
     wait = dict(named[-1])
+    if str(wait["activityName"]) in found.reopened:
+        # Its delivery was refused by the wait (the type asks more than the JSON Schema
+        # judged here): this one is buffered for it, one at a time as a delivery is.
+        if name in found.queued:
+            raise SignalAlreadyDeliveredError(execution_id, name)
+        stored = validate(wait)
+        signal_id = str(uuid.uuid4())
+        buffered = events.signal_buffered(execution_id, name, signal_id, stored, actor, now)
+        history.append(core, backend, execution_id, [buffered], now=now)
+        executions.wake(core, backend, execution_id)
+        return False
     stored = validate(wait)
     appended = history.append(
         core, backend, execution_id, [events.signal_delivered(wait, stored, actor, now)], now=now
