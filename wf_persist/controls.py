@@ -197,7 +197,8 @@ class RunControls(RunReader):
             SignalNotWaitingError: no pending wait on ``name`` and no ``buffer``, or the run
                 has finished (``.status``); nothing is recorded.
             SignalPayloadError: the payload does not fit; nothing is recorded.
-            SignalAlreadyDeliveredError: a concurrent delivery to the same wait won.
+            SignalAlreadyDeliveredError: a concurrent delivery to the same wait won (or,
+                to a wait that refused its delivery, the one signal sent on for it is in).
         """
         actor = arguments.check_text("actor", actor)
         # No wait takes a longer name (``ctx.wait_for_signal`` refuses it): none is buffered.

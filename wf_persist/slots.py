@@ -130,6 +130,7 @@ class Slots:
         recently, else renewed now (a process kept from running longer than the TTL, its
         renewals late, may find its slot lapsed and taken: its step must not start)."""
         half = self.ttl / 2
+        asked = None
         for _ in range(FRESH_TRIES):
             with self._lock:
                 confirmed = self._confirmed.get(holder)
@@ -142,7 +143,9 @@ class Slots:
             with self._lock:
                 if holder in self._held:
                     self._confirmed[holder] = max(self._confirmed.get(holder, asked), asked)
-        return False
+        # Every answer came late (a slow database): the last still holds it a while, and
+        # giving it up to queue again would meet the same latency.
+        return asked is not None and clocks.elapsed() - asked < self.ttl
 
     def _take(self, row: dict[str, str], limit: int) -> bool:
         """One try: the lowest free slot, if any, taken by one compare-and-set."""

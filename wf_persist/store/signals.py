@@ -38,8 +38,8 @@ class _Waits:
     settled: dict[str, str] = field(default_factory=dict)
     #: The latest wait of each signal name, pending or not (its schema judges a buffered one).
     latest: dict[str, Mapping[str, Any]] = field(default_factory=dict)
-    #: Pending waits that refused the payload delivered to them: the next signal sent to
-    #: one is buffered for it (its delivery is taken).
+    #: Waits that refused the payload delivered to them: the next signal sent to one is
+    #: buffered for it (its delivery is taken); pending until that one is sent.
     reopened: set[str] = field(default_factory=set)
     #: Signal names with a buffered signal no wait has taken or refused yet.
     queued: set[str] = field(default_factory=set)
@@ -80,6 +80,13 @@ def _waits(conn: Executor, execution_id: str) -> _Waits:
             del found.pending[activity]
             found.reopened.discard(activity)
     found.queued = set(buffered.values())
+    for activity in list(found.reopened):
+        wait = found.pending.get(activity)
+        if wait is not None and str(wait.get("name")) in found.queued:
+            # Its one signal is in: as a wait whose delivery is, it takes no other (a
+            # buffered one waits for the next wait on the name).
+            del found.pending[activity]
+            found.settled[activity] = "signal.delivered"
     return found
 
 
@@ -142,8 +149,6 @@ def deliver(
     if str(wait["activityName"]) in found.reopened:
         # Its delivery was refused by the wait (the type asks more than the JSON Schema
         # judged here): this one is buffered for it, one at a time as a delivery is.
-        if name in found.queued:
-            raise SignalAlreadyDeliveredError(execution_id, name)
         stored = validate(wait)
         signal_id = str(uuid.uuid4())
         buffered = events.signal_buffered(execution_id, name, signal_id, stored, actor, now)
