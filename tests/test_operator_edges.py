@@ -184,7 +184,11 @@ def test_a_wait_rides_out_a_connection_the_server_ended(
     waiting = procs.spawn([*cli, "runs", "result", run, "--url", db_url])
     following = procs.spawn([*cli, "runs", "history", run, "--follow", "--url", db_url])
     admin = make_engine(db_url)
-    time.sleep(2.0)
+    # Both waiting before the first kill: one that ends a command's connection while it is
+    # still opening its client fails the command (a loaded machine took over 2 s to start
+    # them). The follower prints the events so far once it waits; the other started with it.
+    wait_until(lambda: "signal.waiting" in following.stdout(), what="the follower waiting")
+    time.sleep(1.0)
     for _ in range(2):
         wait_until(lambda: _end_connections(backend, admin) > 0, what="their connections")
         time.sleep(1.0)
