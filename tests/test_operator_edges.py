@@ -186,9 +186,10 @@ def test_a_wait_rides_out_a_connection_the_server_ended(
     admin = make_engine(db_url)
     # Both waiting before the first kill: one that ends a command's connection while it is
     # still opening its client fails the command (a loaded machine took over 2 s to start
-    # them). The follower prints the events so far once it waits; the other started with it.
+    # them). The follower prints the events so far once it waits; the other started with it
+    # and does the same work first.
     wait_until(lambda: "signal.waiting" in following.stdout(), what="the follower waiting")
-    time.sleep(1.0)
+    time.sleep(2.0)
     for _ in range(2):
         wait_until(lambda: _end_connections(backend, admin) > 0, what="their connections")
         time.sleep(1.0)
