@@ -43,15 +43,11 @@ def catalog_version(
         "output_schema": schemas[1],
     }
     backend.insert_once(core, wf, row, CATALOG_KEY)
-    query = select(wf.c.source_hash, wf.c.input_schema, wf.c.output_schema).where(
-        wf.c.name == name, wf.c.version == version
-    )
-    found = core.execute(query, execution_options=options).one_or_none()
+    # Where a host's snapshot predates another process's registration, the insert met a
+    # committed row a plain read does not see (see entry_seen).
+    found = entry_seen(core, backend, name, version)
     if found is None:
-        # A host's transaction whose snapshot predates another process's registration
-        # (MySQL/MariaDB at REPEATABLE READ): the insert met the committed row, a plain
-        # read still does not see it; a locking read does.
-        found = core.execute(query.with_for_update(read=True), execution_options=options).one()
+        raise LookupError(f"workflow {name}@v{version}: cataloged, yet no read finds it")
     if found.source_hash == source_hash:
         # Only what is missing (versions cataloged before schemas were recorded): a process
         # that could not make a schema never erases the one another process recorded.
@@ -76,17 +72,24 @@ def entries(conn: Executor, backend: Backend, name: str | None = None) -> list[R
     )
 
 
-def entry(conn: Executor, backend: Backend, name: str, version: int | None) -> Row[Any] | None:
-    """One cataloged version: ``version``, or the highest when ``None``."""
-    wanted: Any = version
-    if version is None:
-        wanted = select(func.max(wf.c.version)).where(wf.c.name == name).scalar_subquery()
+def entry(
+    conn: Executor, backend: Backend, name: str, version: int | None, *, locking: bool = False
+) -> Row[Any] | None:
+    """One cataloged version: ``version``, or the highest when ``None``; with ``locking``
+    read by a locking read (without a subquery: MySQL reads one from the snapshot)."""
+    query = select(wf).where(wf.c.name == name)
+    if version is not None:
+        query = query.where(wf.c.version == version)
+    elif locking:
+        query = query.order_by(wf.c.version.desc()).limit(1)
+    else:
+        highest = select(func.max(wf.c.version)).where(wf.c.name == name).scalar_subquery()
+        query = query.where(wf.c.version == highest)
+    if locking:
+        query = query.with_for_update(read=True)
     return (
         connection_of(conn)
-        .execute(
-            select(wf).where(wf.c.name == name, wf.c.version == wanted),
-            execution_options=backend.statement_options,
-        )
+        .execute(query, execution_options=backend.statement_options)
         .one_or_none()
     )
 
@@ -100,14 +103,4 @@ def entry_seen(conn: Executor, backend: Backend, name: str, version: int | None)
     found = entry(conn, backend, name, version)
     if found is not None or not backend.locking_reads_see_committed:
         return found
-    query = select(wf).where(wf.c.name == name)
-    query = (
-        query.order_by(wf.c.version.desc()).limit(1)
-        if version is None
-        else query.where(wf.c.version == version)
-    )
-    return (
-        connection_of(conn)
-        .execute(query.with_for_update(read=True), execution_options=backend.statement_options)
-        .one_or_none()
-    )
+    return entry(conn, backend, name, version, locking=True)
