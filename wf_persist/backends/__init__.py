@@ -16,8 +16,9 @@ from sqlalchemy.engine import URL
 
 from ..errors import UnsupportedDatabaseError
 from .base import Backend
-from .connections import connect, describe_url, dispose_pool
+from .connections import dispose_pool
 from .mysql import MySQLBackend
+from .opening import connect, describe_url
 from .postgresql import PostgreSQLBackend
 from .sql import STALE, Cataloged, Claim, Fenced, Stale
 from .sqlite import SQLiteBackend

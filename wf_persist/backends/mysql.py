@@ -45,7 +45,7 @@ from ..models import executions_table as ex
 from . import sockets
 from .base import Backend
 from .clock import db_now
-from .connections import connect
+from .opening import connect
 from .sql import (
     CLAIM_COLUMNS,
     INSERT_HISTORY,

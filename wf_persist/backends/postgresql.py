@@ -39,7 +39,8 @@ from ..models import executions_table as ex
 from ..models import workflows_table as wf
 from ..wakeups import DUE, END, NOT_AVAILABLE, Hearing, Listener
 from . import pg_json, sockets
-from .connections import connect, sqlstate
+from .connections import sqlstate
+from .opening import connect
 from .pg_presence import PRESENT_MARK, REAP, UNSUPPORTED, PGListener, advisory_locks_work
 from .pg_raw import RawPath, as_created
 from .pg_settings import SETTINGS

@@ -36,7 +36,8 @@ from ..models import sqlite_json
 from . import sqlite_files as files
 from . import sqlite_waits as waits
 from .base import Backend, Changes
-from .connections import connect, dispose_pool
+from .connections import dispose_pool
+from .opening import connect
 from .sql import HOT_COLUMNS, INSERT_HISTORY, Fenced, WriteShape, bump
 
 #: How long a SQLite writer waits for the lock before failing (milliseconds).
