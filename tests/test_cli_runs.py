@@ -250,6 +250,9 @@ def test_version_help_arguments_and_connection_failures(procs: Processes, tmp_pa
         (("runs", "start", "echo@1", "--version", "2"), "two versions"),
         (("runs", "list", "--since", "yesterday"), "--since"),
         (("runs", "signal", "id", "approval", f"@{tmp_path / 'nope.json'}"), "cannot read"),
+        # A device that never ends is read up to the largest value a database stores.
+        (("runs", "signal", "id", "approval", "@/dev/zero"), "larger than any value"),
+        (("runs", "start", "echo", "--input", "@/dev/zero"), "larger than any value"),
     ]
     for words, says in refused:
         one_error_line(procs.cli(*words, "--url", f"sqlite:///{missing}", check=False), says)

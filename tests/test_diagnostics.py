@@ -164,3 +164,36 @@ def test_a_secret_where_the_traceback_is_cut_leaves_no_part_of_it(
     for text in (json.dumps(outcome.error), stored):
         assert secret[len(secret) // 2 :] not in text
         assert "secret:stripe-key" in text
+
+
+def test_the_text_log_format_shows_user_values_inert(
+    runtime: wp.Runtime, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A step's exception echoes a run's input: in the worker's text log, what a terminal
+    would act on (ESC retitling the window and clearing the screen, BEL, a right-to-left
+    override, a line break forging a record) is shown as its escape, traceback included."""
+    from wf_persist import logs
+
+    hostile = "ref\x1b]0;PWNED\x07\x1b[2J\u202eevil\n2026-01-01 INFO wf_persist.runtime: forged"
+    runtime.register(w.explode_wf)
+    logs.configure("text")
+    try:
+        client = runtime.client()
+        exploded = client.start(w.explode_wf, hostile).execution_id
+        assert isinstance(client.result(exploded, timeout=20), wp.Failed)
+        logging.getLogger("wf_persist.steps").error(
+            "step failed: %s", hostile, exc_info=(RuntimeError, RuntimeError(hostile), None)
+        )
+        err = capsys.readouterr().err
+    finally:
+        root = logging.getLogger("wf_persist")
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        root.propagate = True
+        root.setLevel(logging.NOTSET)
+    assert exploded in err and "\\u001b]0;PWNED\\u0007" in err and "\\u202eevil" in err
+    for raw in ("\x1b", "\x07", "\u202e"):
+        assert raw not in err
+    # A message stays on its record's line: the input forges no record there (a traceback
+    # keeps its lines, the exception's message among them).
+    assert "evil\\n2026-01-01 INFO wf_persist.runtime: forged" in err

@@ -144,6 +144,24 @@ def test_the_pasted_signal_command_of_a_name_like_an_option(
     assert client.result(handle.execution_id, timeout=30).unwrap() is None
 
 
+@pytest.mark.needs("schemas")  # PostgreSQL: trust, so a password in the URL is taken
+def test_the_pasted_signal_command_leaves_out_a_url_with_its_password_in_the_query(
+    runtime: wp.Runtime, db_url: str, procs: Processes
+) -> None:
+    runtime.register(dashed_wf)
+    client = runtime.client()
+    handle = client.start(dashed_wf)
+    runtime.drive(handle.execution_id)
+    wait_status(client, handle.execution_id, "suspended")
+    for secret in ("password=s3cretPW", "sslpassword=s3cretPW"):
+        url = f"{db_url}{'&' if '?' in db_url else '?'}{secret}"
+        for json_out in ((), ("--json",)):
+            shown = procs.cli("runs", "show", handle.execution_id, "--url", url, *json_out)
+            assert "wf-persist runs signal" in shown.stdout
+            assert "s3cretPW" not in shown.stdout + shown.stderr
+            assert "--url" not in shown.stdout.split("wf-persist runs signal", 1)[1]
+
+
 def _end_connections(backend: str, engine: Engine) -> int:
     """End every other connection to this database (an operator's kill), as the server does
     while it stays up; how many."""

@@ -58,7 +58,9 @@ def test_a_schema_name_with_quotes_is_a_name_not_sql(blank_db_url: str, schema: 
 
 
 @pytest.mark.needs("schemas")
-@pytest.mark.parametrize("schema", ["", "pg_catalog", "pg_temp", "s" * 64, "a\x00b"], ids=repr)
+@pytest.mark.parametrize(
+    "schema", ["", "pg_catalog", "pg_temp", "s" * 64, "a\x00b", "tenant[1]", "a]b"], ids=repr
+)
 def test_a_schema_name_postgresql_cannot_keep_is_refused_before_anything_is_sent(
     blank_db_url: str, make_engine: Callable[..., Engine], schema: str
 ) -> None:

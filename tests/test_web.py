@@ -183,6 +183,12 @@ def test_actions_need_the_flag_and_the_token(
             assert client.describe(again["id"]).actor == "web"
             wait_until(lambda: client.status(again["id"]) in ("running", "suspended"))
             assert http.post(f"/api/runs/{run}/cancel", json={}, headers=token).status_code == 400
+            # A run still going is not retried (the page offers it for ended runs only): it
+            # would run twice at once.
+            listed = len(client.list(limit=100).items)
+            going = http.post(f"/api/runs/{again['id']}/retry", json={}, headers=token)
+            assert going.status_code == 400 and "ended" in going.json()["error"]
+            assert len(client.list(limit=100).items) == listed
 
 
 def test_every_answer_forbids_framing_and_foreign_scripts(

@@ -8,10 +8,11 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
+from pydantic import BaseModel
 
 import wf_persist as wp
 from wf_persist.web import create_app
@@ -154,3 +155,43 @@ def _labels_of(client: wp.Client, run: str) -> list[str]:
 
     found: dict[str, Any] = data.run(client, run)
     return [str(t["label"]) for t in found["timeline"]]
+
+
+class Verdict(BaseModel):
+    kind: Literal["verdict"] = "verdict"
+    approved: bool
+    note: str = "none"
+    level: int = 3
+
+
+@wp.workflow(name="verdict", version=1)
+def verdict_wf(ctx: wp.Context) -> str:
+    got = ctx.wait_for_signal("verdict", Verdict).value
+    return f"{got.kind} {got.approved} {got.note} {got.level}"
+
+
+def test_a_signal_form_starts_at_the_defaults_and_leaves_an_emptied_one_to_the_type(
+    runtime: wp.Runtime, app_client: wp.Client, page: Page
+) -> None:
+    """A constant field (``Literal`` with its default) came as an empty box that sent ""
+    and was refused: the form could not send a valid payload without the operator typing
+    the constant by hand."""
+    runtime.register(verdict_wf)
+    run = runtime.client().start(verdict_wf).execution_id
+    runtime.drive(run)
+    wait_status(app_client, run, "suspended")
+    app = create_app(client=app_client, allow_actions=True, token="page-token")
+    with serving(app) as base:
+        page.goto(f"{base}/runs/{run}")
+        page.fill("#token", "page-token")
+        page.locator("#token").dispatch_event("change")
+        form = page.locator("form.signal-form[data-name='verdict']")
+        expect(form.locator("input[name=kind]")).to_have_value("verdict")
+        expect(form.locator("input[name=note]")).to_have_value("none")
+        form.locator("input[name=approved]").check()
+        form.locator("input[name=note]").fill("")  # emptied: the type's default applies
+        form.locator("input[name=level]").fill("7")
+        form.locator("button[type=submit]").click()
+        wait_status(app_client, run, "running")
+    runtime.drive(run)
+    assert app_client.result(run, timeout=10).unwrap() == "verdict True none 7"

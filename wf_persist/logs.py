@@ -18,11 +18,26 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import re
 import sys
 from typing import Any, Final, Literal
 
 #: The record attributes this library sets, as they appear in JSON output.
 RUN_FIELDS: Final = ("execution_id", "workflow", "step", "attempt")
+
+#: Characters a terminal may act on rather than show: C0 and C1 controls (ESC starts the
+#: sequences that retitle a window, clear a screen or rewrite what was printed), DEL, and the
+#: bidirectional overrides and isolates that reorder what follows them on screen.
+ACTING: Final = re.compile(
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]"
+)
+
+
+def visible(text: str) -> str:
+    """``text`` with every character a terminal would act on shown as its escape
+    (``\x1b``, ``\u202e``): stored values are data, never instructions to the terminal.
+    Within a JSON string the escape reads back as the same character."""
+    return ACTING.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 def run_fields(
@@ -57,6 +72,29 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(doc, default=str)
 
 
+class TextFormatter(logging.Formatter):
+    """One record per line for a terminal: a message carries user values (a step's
+    exception, a run's input in it), so what a terminal would act on, line breaks
+    included, is shown as its escape; a traceback keeps its lines, its text made inert."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        message = record.message
+        record.message = visible(message).replace("\n", "\\n")
+        try:
+            return super().formatMessage(record)
+        finally:
+            record.message = message
+
+    def formatException(self, ei: Any) -> str:
+        return visible(super().formatException(ei))
+
+    def formatStack(self, stack_info: str) -> str:
+        return visible(super().formatStack(stack_info))
+
+
 def configure(fmt: Literal["text", "json"] = "text", level: int = logging.INFO) -> None:
     """Send ``wf_persist`` records to stderr as text or JSON lines (for ``wf-persist
     worker``; an application configures logging its own way)."""
@@ -64,7 +102,7 @@ def configure(fmt: Literal["text", "json"] = "text", level: int = logging.INFO) 
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(TextFormatter())
     root = logging.getLogger("wf_persist")
     for old in list(root.handlers):
         root.removeHandler(old)

@@ -13,8 +13,9 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from ..errors import DatabaseConnectError, UnsupportedDatabaseError
 from ..refusals import cancellation
 
-#: Query parameters of a URL that carry a password (libpq's, PyMySQL's).
-_PASSWORD_PARAMETERS: Final = frozenset({"password", "passwd"})
+#: Query parameters of a URL that carry a password (libpq's, PyMySQL's, and the passphrase
+#: of libpq's client key).
+_PASSWORD_PARAMETERS: Final = frozenset({"password", "passwd", "sslpassword"})
 #: Shorter passwords are not looked for in a driver's message (every such run of letters
 #: would be masked, the message unreadable, the password's letters hinted at).
 _MASKED_FROM: Final = 4

@@ -240,6 +240,8 @@ class PostgreSQLBackend(RawPath):
             return "longer than 63 bytes: PostgreSQL would cut it"
         if schema.startswith("pg_"):  # as the server reserves it: "PG_x" is a name
             return "names starting with pg_ are PostgreSQL's own schemas"
+        if "[" in schema or "]" in schema:  # SQLAlchemy's schema translation refuses them
+            return "square brackets cannot be in a schema name wf_persist's statements use"
         return None
 
     def requirement_problem(self, version: tuple[int, ...] | None) -> str | None:

@@ -15,9 +15,9 @@ import typer
 from sqlalchemy.exc import DBAPIError
 
 from ..errors import WfPersistError
+from ..logs import visible
 from . import catalog, db, replay, runs, web
 from .common import EXIT_EPILOG, EXIT_ERROR, SERVE_EPILOG, parse_age
-from .output import visible
 from .worker import load_runtime, worker
 
 __all__ = ["app", "load_runtime", "main", "parse_age"]

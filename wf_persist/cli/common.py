@@ -12,7 +12,7 @@ import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Final
 
 import typer
 from rich.console import Console
@@ -100,6 +100,10 @@ def open_client(url: str | None, schema: str | None) -> Iterator[Client]:
         yield client
 
 
+#: The most of a ``@file`` argument read: a JSONB value holds at most 256 MiB.
+MAX_FILE_BYTES: Final = 256 * 2**20
+
+
 def read_json(text: str, what: str) -> Any:
     """A JSON argument, or with ``@path`` the JSON in that file (whose text errors do not
     quote: it may be anything the user can read). A key given twice is refused."""
@@ -109,9 +113,17 @@ def read_json(text: str, what: str) -> Any:
         path = Path(text[1:])
         source = f"{what} file {path}"
         try:
-            text = path.read_text(encoding="utf-8")
+            with path.open("rb") as file:  # a device or a pipe may never end
+                data = file.read(MAX_FILE_BYTES + 1)
         except OSError as exc:
             raise InvalidArgumentError(f"cannot read {source}: {exc.strerror or exc}") from None
+        if len(data) > MAX_FILE_BYTES:
+            raise InvalidArgumentError(
+                f"{source} is larger than any value a database stores "
+                f"({MAX_FILE_BYTES // 2**20} MiB)"
+            )
+        try:
+            text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise InvalidArgumentError(f"{source} is not UTF-8 text: {exc}") from None
     quoted = f": {text!r:.80}" if shown else ""

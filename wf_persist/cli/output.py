@@ -10,11 +10,10 @@ import dataclasses
 import datetime as dt
 import json
 import os
-import re
 import shlex
 import sys
 from collections.abc import Iterable, Mapping
-from typing import Any, Final
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -22,6 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import backends
+from ..logs import ACTING, visible
 from ..records import ExecutionInfo, HistoryRecord, Outcome, PendingSignal, WorkflowEntry
 
 
@@ -45,21 +45,6 @@ def plain(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [plain(v) for v in value]
     return value
-
-
-#: Characters a terminal may act on rather than show: C0 and C1 controls (ESC starts the
-#: sequences that retitle a window, clear a screen or rewrite what was printed), DEL, and the
-#: bidirectional overrides and isolates that reorder what follows them on screen.
-_ACTING: Final = re.compile(
-    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]"
-)
-
-
-def visible(text: str) -> str:
-    """``text`` with every character a terminal would act on shown as its escape
-    (``\x1b``, ``\u202e``): stored values are data, never instructions to the terminal.
-    Within a JSON string the escape reads back as the same character."""
-    return _ACTING.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 def emit_json(document: Any, *, indent: int | None = 2) -> None:
@@ -307,8 +292,9 @@ def signal_command(
     options: list[str] = []
     if url is not None and url != os.environ.get(backends.DATABASE_URL_ENV):
         resolved = backends.resolve_url(url)
-        if resolved.password is None:
-            options += ["--url", resolved.render_as_string(hide_password=False)]
+        whole = resolved.render_as_string(hide_password=False)
+        if backends.describe_url(resolved) == whole:  # nothing hidden: no password in it
+            options += ["--url", whole]
     if schema is not None:
         options += ["--schema", schema]
     if any(word.startswith("-") for word in arguments):  # a name like -x: not an option
@@ -322,10 +308,10 @@ def shell_word(word: str) -> str:
     """``word`` quoted for a POSIX shell. A word with characters a terminal would act on is
     ANSI-C quoted (``$'\\u202e'``, bash, zsh and ksh93): printed it stays inert, and pasted
     it names the same characters again (a plain quoted escape would name others)."""
-    if not _ACTING.search(word):
+    if not ACTING.search(word):
         return shlex.quote(word)
     inner = word.replace("\\", "\\\\").replace("'", "\\'")
-    return "$'" + _ACTING.sub(lambda m: f"\\u{ord(m.group()):04x}", inner) + "'"
+    return "$'" + ACTING.sub(lambda m: f"\\u{ord(m.group()):04x}", inner) + "'"
 
 
 def pending_table(waits: Iterable[PendingSignal]) -> Table:

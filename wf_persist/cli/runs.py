@@ -15,6 +15,7 @@ import typer
 from .. import arguments, clocks, lifecycle
 from ..client import Client
 from ..errors import InvalidArgumentError, ResultTimeoutError, WfPersistError
+from ..logs import visible
 from ..records import HistoryRecord
 from .common import (
     EXIT_EPILOG,
@@ -44,7 +45,6 @@ from .output import (
     run_table,
     runs_table,
     signal_command,
-    visible,
 )
 
 app = typer.Typer(

@@ -30,6 +30,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .. import lifecycle
 from ..client import Client
 from ..errors import (
     ClosedError,
@@ -310,9 +311,14 @@ def create_app(
         return {"ok": True}
 
     def retry(run_id: str, body: dict[str, Any]) -> dict[str, Any]:
-        """A new run of the same workflow version with the same input."""
+        """A new run of the same workflow version with the same input, of a run that has
+        ended (as the page offers it): one still going would be run twice at once."""
         c = view.client
         info = c.describe(run_id)
+        if not lifecycle.is_terminal(info.status):
+            raise InvalidArgumentError(
+                f"only a run that has ended is retried; this one is {info.status}"
+            )
         handle = c.start(info.workflow_name, info.input, version=info.version, actor=_actor(body))
         return {"ok": True, "id": handle.execution_id}
 

@@ -134,6 +134,15 @@ function field(container, name, schema) {
   }
   input.name = name;
   input.dataset.kind = type || "json";
+  // A field with a default (a constant's too) starts at it; left empty, it is not sent and
+  // the type's own default applies.
+  const preset = schema && ("default" in schema ? schema.default : schema.const);
+  if (preset !== undefined) {
+    if (type === "boolean") input.checked = preset === true;
+    else if (type === "integer" || type === "number" || type === "string") input.value = String(preset);
+    else input.value = JSON.stringify(preset);
+  }
+  if (schema && "default" in schema) input.dataset.optional = "1";
   label.appendChild(input);
   container.appendChild(label);
 }
@@ -161,7 +170,10 @@ for (const form of document.querySelectorAll("form.signal-form")) {
     try {
       if (object) {
         payload = {};
-        for (const input of fields.querySelectorAll("input, textarea")) payload[input.name] = read(input);
+        for (const input of fields.querySelectorAll("input, textarea")) {
+          if (input.dataset.optional && input.type !== "checkbox" && input.value.trim() === "") continue;
+          payload[input.name] = read(input);
+        }
       } else {
         payload = read(fields.querySelector("input, textarea"));
       }
