@@ -166,8 +166,10 @@ class Verdict(BaseModel):
 
 @wp.workflow(name="verdict", version=1)
 def verdict_wf(ctx: wp.Context) -> str:
-    got = ctx.wait_for_signal("verdict", Verdict).value
-    return f"{got.kind} {got.approved} {got.note} {got.level}"
+    got = ctx.wait_for_signal("verdict", Verdict)
+    assert not isinstance(got, wp.TimedOut)  # no timeout given
+    v = got.value
+    return f"{v.kind} {v.approved} {v.note} {v.level}"
 
 
 def test_a_signal_form_starts_at_the_defaults_and_leaves_an_emptied_one_to_the_type(
