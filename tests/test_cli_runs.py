@@ -331,6 +331,7 @@ def test_hostile_arguments_are_one_line_errors_that_write_nothing(
         (("runs", "list", "--limit", str(2**64)), "limit"),
         (("runs", "list", "--cursor", forged), "cursor"),
         (("purge", "--older-than", "1d", "--batch-size", str(2**64)), "batch_size"),
+        (("purge", "--older-than", "\u0663d"), "an age like 30d"),  # an Arabic-Indic 3
         (("db", "upgrade", "nonsense"), "nonsense"),
         (("db", "downgrade", "nonsense"), "nonsense"),
     ]

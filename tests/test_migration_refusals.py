@@ -418,3 +418,26 @@ def test_a_revision_meeting_a_column_dropped_by_hand_says_so(
         assert "db upgrade" not in str(exc)
     else:
         assert backend != "postgresql"
+
+
+def test_a_schema_taken_down_under_an_open_client_fails_its_calls_typed(
+    blank_db_url: str,
+) -> None:
+    """An operator's downgrade under a live client: every call says the tables are not
+    where it looks. On SQLite an INSERT naming a column the table lacks ("table ... has no
+    column named ...") raised the driver's raw error from ``start``."""
+    migrate.upgrade(blank_db_url)
+    with wp.Runtime(blank_db_url) as rt:
+        rt.register(w.echo_wf)
+        run = rt.client().start(w.echo_wf, 1).execution_id
+    with wp.Client(blank_db_url) as client:
+        assert client.status(run) == "running"
+        migrate.downgrade(blank_db_url, "wf_0006")
+        calls: tuple[Callable[[], object], ...] = (
+            lambda: client.status(run),
+            lambda: client.start("echo", 2),
+            lambda: client.start("echo", 3, idempotency_key="k"),
+        )
+        for call in calls:
+            with pytest.raises(wp.UnsupportedDatabaseError, match="not where"):
+                call()

@@ -426,8 +426,9 @@ class SQLiteBackend(Backend):
     def missing_schema(cls, exc: BaseException) -> bool:
         orig = getattr(exc, "orig", exc)
         said = str(orig)
+        # An INSERT naming a column the table lacks says "table t has no column named c".
         return isinstance(orig, sqlite3.OperationalError) and (
-            "no such table" in said or "no such column" in said
+            "no such table" in said or "no such column" in said or "has no column named" in said
         )
 
     @classmethod

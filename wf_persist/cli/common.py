@@ -161,7 +161,8 @@ def parse_age(text: str, option: str = "--older-than") -> dt.timedelta | dt.date
     units = {"d": "days", "h": "hours", "m": "minutes", "s": "seconds"}
     when: dt.timedelta | dt.datetime | None
     try:
-        if text[-1:] in units and text[:-1].replace(".", "", 1).isdigit():
+        number = text[:-1].replace(".", "", 1)
+        if text[-1:] in units and number.isascii() and number.isdigit():  # not "٣d"
             return dt.timedelta(**{units[text[-1]]: float(text[:-1])})
         when = dt.datetime.fromisoformat(text)
     except (ValueError, OverflowError):  # not a time, or an age beyond any date
