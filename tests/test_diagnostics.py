@@ -194,6 +194,17 @@ def test_the_text_log_format_shows_user_values_inert(
     assert exploded in err and "\\u001b]0;PWNED\\u0007" in err and "\\u202eevil" in err
     for raw in ("\x1b", "\x07", "\u202e"):
         assert raw not in err
+    # A traceback another handler's formatter cached on the record raw is made inert too,
+    # and the record is left as it was for the others.
+    record = logging.LogRecord(
+        "wf_persist.steps", logging.ERROR, __file__, 1, "failed: %s", (hostile,),
+        (RuntimeError, RuntimeError(hostile), None),
+    )  # fmt: skip
+    raw = logging.Formatter().format(record)
+    assert "\x1b" in raw and "\x1b" in (record.exc_text or "")
+    shown = logs.TextFormatter().format(record)
+    assert not [c for c in ("\x1b", "\x07", "\u202e") if c in shown]
+    assert record.getMessage() == f"failed: {hostile}" and "\x1b" in (record.exc_text or "")
     # A message stays on its record's line: the input forges no record there (a traceback
     # keeps its lines, the exception's message among them).
     assert "evil\\n2026-01-01 INFO wf_persist.runtime: forged" in err

@@ -15,6 +15,7 @@ pipeline indexes them without parsing text. The loggers, all under ``wf_persist`
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
 import json
 import logging
@@ -80,13 +81,13 @@ class TextFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    def formatMessage(self, record: logging.LogRecord) -> str:
-        message = record.message
-        record.message = visible(message).replace("\n", "\\n")
-        try:
-            return super().formatMessage(record)
-        finally:
-            record.message = message
+    def format(self, record: logging.LogRecord) -> str:
+        # A copy: the record is shared with any other handler, and a traceback another
+        # formatter cached on it (``exc_text``) is formatted again here, made inert.
+        shown = copy.copy(record)
+        shown.msg, shown.args = visible(record.getMessage()).replace("\n", "\\n"), None
+        shown.exc_text = None if record.exc_info else visible(record.exc_text or "") or None
+        return super().format(shown)
 
     def formatException(self, ei: Any) -> str:
         return visible(super().formatException(ei))
