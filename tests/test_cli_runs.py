@@ -240,6 +240,17 @@ def test_version_help_arguments_and_connection_failures(procs: Processes, tmp_pa
         done = procs.cli(*args, "--url", url, check=False)
         line = one_error_line(done, "postgresql+psycopg://postgres:***@127.0.0.1:1/x")
         assert "secret" not in done.stderr + done.stdout and "refused" in line.lower()
+    # A password in the query (libpq's, a key's passphrase, PyMySQL's) is hidden too; a
+    # password too short to look for leaves the driver's words whole.
+    for url in (
+        "postgresql://app@127.0.0.1:1/x?password=s3cretPW",
+        "postgresql://app@127.0.0.1:1/x?sslpassword=s3cretPW",
+        "mysql+pymysql://app@127.0.0.1:1/x?ssl_key_password=s3cretPW",
+    ):
+        done = procs.cli("runs", "list", "--url", url, check=False)
+        assert "s3cretPW" not in done.stderr + done.stdout and "%2A%2A%2A" in done.stderr
+    done = procs.cli("runs", "list", "--url", "postgresql://app:a@127.0.0.1:1/x", check=False)
+    assert "port 1 failed" in one_error_line(done, "app:***@127.0.0.1:1/x")
 
     missing = tmp_path / "missing.sqlite3"
     refused: list[tuple[tuple[str, ...], str]] = [

@@ -131,6 +131,11 @@ def test_merged_database_is_read_and_left_to_the_host(blank_db_url: str) -> None
     down = wf_cli("db", "downgrade", "base", "--url", blank_db_url)
     assert down.returncode == 1
     assert "alembic downgrade wf_persist@base" in down.stderr
+    # A revision is named by our branch, as the README says; at head, nothing is "needed".
+    down = wf_cli("db", "downgrade", below_head(), "--url", blank_db_url)
+    assert down.returncode == 1
+    assert f"alembic downgrade wf_persist@{below_head()}" in down.stderr
+    assert "needs" not in down.stderr
     assert migrate.VERSION_TABLE not in _tables(blank_db_url), "no second record was started"
     assert _tables(blank_db_url) >= {"orders", "wf_executions"}
     # An empty table of ours (what a failed upgrade leaves on MariaDB) hides nothing.
@@ -170,6 +175,41 @@ def test_a_hosts_version_table_named_otherwise_is_read(blank_db_url: str) -> Non
         wp.Runtime(blank_db_url, auto_migrate=False)
     assert info.value.version_table == "app_versions"
     assert migrate.VERSION_TABLE not in _tables(blank_db_url)
+
+
+@pytest.mark.needs("schemas")  # PostgreSQL
+def test_a_hosts_version_table_in_another_schema_is_read(blank_db_url: str) -> None:
+    """A host's env.py may set ``version_table_schema``: the merged record kept in that
+    schema was not looked for, and our tables at head were refused as another
+    application's. A schema holding tables of ours keeps its own record: not read."""
+    command.upgrade(_host_config(blank_db_url, merged=True), "heads")
+    _execute(
+        blank_db_url,
+        'CREATE SCHEMA "App Meta"',
+        'ALTER TABLE alembic_version SET SCHEMA "App Meta"',
+        # Another deployment's tables and record, in a schema of their own.
+        "CREATE SCHEMA tenant",
+        "CREATE TABLE tenant.wf_executions (id VARCHAR(36) PRIMARY KEY)",
+        "CREATE TABLE tenant.alembic_version (version_num VARCHAR(32) PRIMARY KEY)",
+        "INSERT INTO tenant.alembic_version VALUES (:old)",
+        old=below_head(),
+    )
+    found = migrate.state(blank_db_url)
+    assert (found.mode, found.revision, found.host_table) == (
+        "merged",
+        migrate.SCHEMA_HEAD,
+        '"App Meta".alembic_version',
+    )
+    wp.Runtime(blank_db_url, auto_migrate=False).close()
+    _execute(
+        blank_db_url,
+        'UPDATE "App Meta".alembic_version SET version_num = :old WHERE version_num = :new',
+        old=below_head(),
+        new=migrate.SCHEMA_HEAD,
+    )
+    with pytest.raises(wp.MergedSchemaVersionError) as info:
+        wp.Runtime(blank_db_url, auto_migrate=False)
+    assert info.value.version_table == '"App Meta".alembic_version'
 
 
 def test_only_one_text_version_table_is_read_as_the_hosts(blank_db_url: str) -> None:

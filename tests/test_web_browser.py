@@ -162,6 +162,8 @@ class Verdict(BaseModel):
     approved: bool
     note: str = "none"
     level: int = 3
+    lines: str = "a\nb"
+    maybe: str = None  # type: ignore[assignment]  # {"type": "string", "default": null}
 
 
 @wp.workflow(name="verdict", version=1)
@@ -169,15 +171,16 @@ def verdict_wf(ctx: wp.Context) -> str:
     got = ctx.wait_for_signal("verdict", Verdict)
     assert not isinstance(got, wp.TimedOut)  # no timeout given
     v = got.value
-    return f"{v.kind} {v.approved} {v.note} {v.level}"
+    return f"{v.kind} {v.approved} {v.note!r} {v.level} {v.lines!r} {v.maybe!r}"
 
 
-def test_a_signal_form_starts_at_the_defaults_and_leaves_an_emptied_one_to_the_type(
+def test_a_signal_form_starts_at_the_defaults(
     runtime: wp.Runtime, app_client: wp.Client, page: Page
 ) -> None:
     """A constant field (``Literal`` with its default) came as an empty box that sent ""
     and was refused: the form could not send a valid payload without the operator typing
-    the constant by hand."""
+    the constant by hand. Each field starts at its default (line breaks kept); an emptied
+    text field sends "" (one whose default is null starts empty, not as the text "null")."""
     runtime.register(verdict_wf)
     run = runtime.client().start(verdict_wf).execution_id
     runtime.drive(run)
@@ -190,10 +193,12 @@ def test_a_signal_form_starts_at_the_defaults_and_leaves_an_emptied_one_to_the_t
         form = page.locator("form.signal-form[data-name='verdict']")
         expect(form.locator("input[name=kind]")).to_have_value("verdict")
         expect(form.locator("input[name=note]")).to_have_value("none")
+        expect(form.locator("textarea[name=lines]")).to_have_value("a\nb")
+        expect(form.locator("input[name=maybe]")).to_have_value("")
         form.locator("input[name=approved]").check()
-        form.locator("input[name=note]").fill("")  # emptied: the type's default applies
+        form.locator("input[name=note]").fill("")
         form.locator("input[name=level]").fill("7")
         form.locator("button[type=submit]").click()
         wait_status(app_client, run, "running")
     runtime.drive(run)
-    assert app_client.result(run, timeout=10).unwrap() == "verdict True none 7"
+    assert app_client.result(run, timeout=10).unwrap() == "verdict True '' 7 'a\\nb' ''"

@@ -513,10 +513,12 @@ class MergedSchemaVersionError(SchemaVersionError):
     def __init__(self, current: str, head: str, command: str, version_table: str) -> None:
         super().__init__(current, head, command)
         self.version_table = version_table
+        # At head (a downgrade refused): nothing this version needs is missing.
+        needs = "" if current == head else f"; this version needs {head}"
         self.args = (
             f"The wf_persist schema is at revision {current}, recorded in your application's "
-            f"{version_table} (merged mode); this version needs {head}. wf-persist db does not "
-            f"migrate a merged database; run your application's Alembic: {command}",
+            f"{version_table} (merged mode){needs}. wf-persist db does not migrate a merged "
+            f"database; run your application's Alembic: {command}",
         )
 
 

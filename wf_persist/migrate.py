@@ -320,7 +320,8 @@ def downgrade(
             return buf.getvalue()
         _known(revision)
         with _connection(bind) as conn:
-            target = "wf_persist@base" if revision == "base" else revision
+            # As the README says: by our branch, whatever the host's heads are.
+            target = revision if "@" in revision else f"wf_persist@{revision}"
             _refuse_foreign(_read_state(conn, schema), f"alembic downgrade {target}")
             command.downgrade(_config(conn, None, None, schema), revision)
     return None

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 VERSION_TABLE: Final = "wf_persist_alembic_version"
 #: The version table of a host that merged our revisions into its own chain.
 HOST_VERSION_TABLE: Final = "alembic_version"
+#: The table whose presence in a schema says our tables live there.
+RUNS_TABLE: Final = "wf_executions"
 #: The tables of our first revision, with the columns it gives them (CREATE TABLE is atomic:
 #: one an interrupted first revision left on MySQL has exactly these).
 FIRST_TABLES: Final = {
@@ -125,28 +127,50 @@ def _renamed_host_versions(
     conn: Connection, backend: type[Backend], schema: str | None
 ) -> tuple[str, tuple[str, ...]]:
     """A host's Alembic environment may name its version table otherwise (``env.py``'s
-    ``version_table``): the one table of a single text column ``version_num`` holding
+    ``version_table``), or keep it in another schema (``version_table_schema``, where a
+    database has schemas): the one table of a single text column ``version_num`` holding
     ``wf_`` revisions is the one that merged ours. Read only where our names are taken and
     nothing is recorded (the database was refused as holding another application's
     tables), on a transaction of this read's own. Two such tables (a copy kept by hand),
     or one this user may not read, leave the record unknown: refused as before."""
     inspector = inspect(conn)
+    quote = conn.dialect.identifier_preparer.quote
     found: list[tuple[str, tuple[str, ...]]] = []
-    for (_, name), columns in sorted(inspector.get_multi_columns(schema).items()):
-        if name == VERSION_TABLE or [c["name"] for c in columns] != ["version_num"]:
-            continue
-        if not isinstance(columns[0]["type"], String):
-            continue
-        try:
-            rows = _versions(conn, True, name, schema)
-        except DBAPIError as exc:
-            if not backend.refused(exc):
-                raise
-            return HOST_VERSION_TABLE, ()  # (PostgreSQL's transaction has failed: stop)
-        ours = tuple(sorted(r for r in rows if isinstance(r, str) and r.startswith("wf_")))
-        if ours:
-            found.append((name, ours))
+    for where in _host_schemas(inspector, backend, schema):
+        for (_, name), columns in sorted(inspector.get_multi_columns(where).items()):
+            if name == VERSION_TABLE or [c["name"] for c in columns] != ["version_num"]:
+                continue
+            if not isinstance(columns[0]["type"], String):
+                continue
+            try:
+                rows = _versions(conn, True, name, where)
+            except DBAPIError as exc:
+                if not backend.refused(exc):
+                    raise
+                return HOST_VERSION_TABLE, ()  # (PostgreSQL's transaction has failed: stop)
+            ours = tuple(sorted(r for r in rows if isinstance(r, str) and r.startswith("wf_")))
+            if ours:
+                shown = name if where == schema else f"{quote(where or '')}.{quote(name)}"
+                found.append((shown, ours))
     return found[0] if len(found) == 1 else (HOST_VERSION_TABLE, ())
+
+
+def _host_schemas(inspector: Any, backend: type[Backend], schema: str | None) -> list[str | None]:
+    """Where a host's version table may be: our tables' schema first, then (where a
+    database has schemas) every other one but the server's own and those holding tables
+    of ours (a version table there records those)."""
+    if not backend.supports_schemas:
+        return [schema]
+    ours = schema if schema is not None else inspector.default_schema_name
+    others = [
+        name
+        for name in inspector.get_schema_names()
+        if name != ours
+        and name != "information_schema"
+        and not name.startswith("pg_")
+        and not inspector.has_table(RUNS_TABLE, name)
+    ]
+    return [schema, *sorted(others)]
 
 
 def _versions(conn: Connection, exists: bool, name: str, schema: str | None) -> tuple[str, ...]:

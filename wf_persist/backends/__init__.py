@@ -18,7 +18,7 @@ from ..errors import UnsupportedDatabaseError
 from .base import Backend
 from .connections import dispose_pool
 from .mysql import MySQLBackend
-from .opening import connect, describe_url
+from .opening import connect, describe_url, reason
 from .postgresql import PostgreSQLBackend
 from .sql import STALE, Cataloged, Claim, Fenced, Stale
 from .sqlite import SQLiteBackend
@@ -35,6 +35,7 @@ __all__ = [
     "describe_url",
     "dispose_engine",
     "open_backend",
+    "reason",
     "resolve_url",
 ]
 

@@ -13,9 +13,9 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from ..errors import DatabaseConnectError, UnsupportedDatabaseError
 from ..refusals import cancellation
 
-#: Query parameters of a URL that carry a password (libpq's, PyMySQL's, and the passphrase
-#: of libpq's client key).
-_PASSWORD_PARAMETERS: Final = frozenset({"password", "passwd", "sslpassword"})
+#: Query parameters of a URL that carry a password (libpq's, PyMySQL's, and the passphrases
+#: of their client keys).
+_PASSWORD_PARAMETERS: Final = frozenset({"password", "passwd", "sslpassword", "ssl_key_password"})
 #: Shorter passwords are not looked for in a driver's message (every such run of letters
 #: would be masked, the message unreadable, the password's letters hinted at).
 _MASKED_FROM: Final = 4
@@ -58,7 +58,7 @@ def connect(engine: Engine) -> Connection:
             raise cancellation(exc) from exc
         raise DatabaseConnectError(
             f"cannot connect to the database at {describe_url(engine.url)}: "
-            f"{_reason(engine.url, exc)}",
+            f"{reason(engine.url, exc)}",
             exc.orig,
         ) from exc
     except (TypeError, UnicodeError, DBAPIError) as exc:
@@ -66,7 +66,7 @@ def connect(engine: Engine) -> Connection:
         if where == "connect":
             raise UnsupportedDatabaseError(
                 f"the driver refused the connection arguments for the database at "
-                f"{describe_url(engine.url)}: {_reason(engine.url, exc)}"
+                f"{describe_url(engine.url)}: {reason(engine.url, exc)}"
             ) from exc
         if where == "initialize" and not isinstance(exc, DBAPIError):
             # The dialect's first reading of the server's answers (its version, its
@@ -82,14 +82,14 @@ def connect(engine: Engine) -> Connection:
         raise
 
 
-def _reason(url: URL, exc: BaseException) -> str:
+def reason(url: URL, exc: BaseException) -> str:
     """The driver's words for ``exc`` on one line, the URL's passwords hidden."""
     orig = getattr(exc, "orig", None)
-    reason = " ".join(str(orig if orig is not None else exc).split())
+    said = " ".join(str(orig if orig is not None else exc).split())
     for password in _passwords(url):
         if len(password) >= _MASKED_FROM:
-            reason = reason.replace(password, "***")
-    return reason
+            said = said.replace(password, "***")
+    return said
 
 
 def _in_dialect(exc: BaseException, dialect: Dialect) -> str | None:

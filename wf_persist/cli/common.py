@@ -71,9 +71,7 @@ class DatabaseUnusable(WfPersistError):
     """The database at a URL could not be used (refused, wrong password, gone away)."""
 
     def __init__(self, url: URL, exc: DBAPIError) -> None:
-        cause = " ".join(str(exc.orig if exc.orig is not None else exc).split())
-        if url.password:
-            cause = cause.replace(str(url.password), "***")
+        cause = backends.reason(url, exc)  # passwords hidden, also one in the query
         super().__init__(f"cannot use the database at {backends.describe_url(url)}: {cause}")
 
 

@@ -113,36 +113,36 @@ async function act(path, body) {
 }
 
 // One input per property of an object schema (text, number, checkbox), else one JSON box.
-function field(container, name, schema) {
+// A field starts at its default (a constant's value), so a form left as it is sends them.
+function field(container, name, given) {
+  // A schema may be true or false (anything, nothing): no type, no default to go by.
+  const schema = given !== null && typeof given === "object" ? given : {};
   const label = document.createElement("label");
   label.textContent = name + " ";
+  const type = schema.type;
+  const preset = "default" in schema ? schema.default : schema.const;
   let input;
-  const type = schema && schema.type;
   if (type === "boolean") {
     input = document.createElement("input");
     input.type = "checkbox";
+    input.checked = preset === true;
   } else if (type === "integer" || type === "number") {
     input = document.createElement("input");
     input.type = "number";
     if (type === "number") input.step = "any";
+    if (typeof preset === "number") input.value = String(preset);
   } else if (type === "string") {
-    input = document.createElement("input");
-    input.type = "text";
+    const lines = typeof preset === "string" && /[\r\n]/.test(preset);
+    input = document.createElement(lines ? "textarea" : "input"); // a text box drops line breaks
+    if (!lines) input.type = "text";
+    if (typeof preset === "string") input.value = preset;
   } else {
     input = document.createElement("textarea");
     input.placeholder = "JSON";
+    if (preset !== undefined) input.value = JSON.stringify(preset);
   }
   input.name = name;
-  input.dataset.kind = type || "json";
-  // A field with a default (a constant's too) starts at it; left empty, it is not sent and
-  // the type's own default applies.
-  const preset = schema && ("default" in schema ? schema.default : schema.const);
-  if (preset !== undefined) {
-    if (type === "boolean") input.checked = preset === true;
-    else if (type === "integer" || type === "number" || type === "string") input.value = String(preset);
-    else input.value = JSON.stringify(preset);
-  }
-  if (schema && "default" in schema) input.dataset.optional = "1";
+  input.dataset.kind = type === "boolean" || type === "integer" || type === "number" || type === "string" ? type : "json";
   label.appendChild(input);
   container.appendChild(label);
 }
@@ -170,10 +170,7 @@ for (const form of document.querySelectorAll("form.signal-form")) {
     try {
       if (object) {
         payload = {};
-        for (const input of fields.querySelectorAll("input, textarea")) {
-          if (input.dataset.optional && input.type !== "checkbox" && input.value.trim() === "") continue;
-          payload[input.name] = read(input);
-        }
+        for (const input of fields.querySelectorAll("input, textarea")) payload[input.name] = read(input);
       } else {
         payload = read(fields.querySelector("input, textarea"));
       }
