@@ -174,7 +174,9 @@ def test_the_text_log_format_shows_user_values_inert(
     override, a line break forging a record) is shown as its escape, traceback included."""
     from wf_persist import logs
 
-    hostile = "ref\x1b]0;PWNED\x07\x1b[2J\u202eevil\n2026-01-01 INFO wf_persist.runtime: forged"
+    hostile = (
+        "ref\x1b]0;PWNED\x07\x1b[2J\u202eevil\u2028\n2026-01-01 INFO wf_persist.runtime: forged"
+    )
     runtime.register(w.explode_wf)
     logs.configure("text")
     try:
@@ -192,7 +194,7 @@ def test_the_text_log_format_shows_user_values_inert(
         root.propagate = True
         root.setLevel(logging.NOTSET)
     assert exploded in err and "\\u001b]0;PWNED\\u0007" in err and "\\u202eevil" in err
-    for raw in ("\x1b", "\x07", "\u202e"):
+    for raw in ("\x1b", "\x07", "\u202e", "\u2028"):
         assert raw not in err
     # A traceback another handler's formatter cached on the record raw is made inert too,
     # and the record is left as it was for the others.
@@ -207,4 +209,4 @@ def test_the_text_log_format_shows_user_values_inert(
     assert record.getMessage() == f"failed: {hostile}" and "\x1b" in (record.exc_text or "")
     # A message stays on its record's line: the input forges no record there (a traceback
     # keeps its lines, the exception's message among them).
-    assert "evil\\n2026-01-01 INFO wf_persist.runtime: forged" in err
+    assert "evil\\u2028\\n2026-01-01 INFO wf_persist.runtime: forged" in err

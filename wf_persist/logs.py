@@ -28,9 +28,10 @@ RUN_FIELDS: Final = ("execution_id", "workflow", "step", "attempt")
 
 #: Characters a terminal may act on rather than show: C0 and C1 controls (ESC starts the
 #: sequences that retitle a window, clear a screen or rewrite what was printed), DEL, and the
-#: bidirectional overrides and isolates that reorder what follows them on screen.
+#: bidirectional overrides and isolates that reorder what follows them on screen, and the
+#: line and paragraph separators that viewers break lines at.
 ACTING: Final = re.compile(
-    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]"
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]"
 )
 
 
