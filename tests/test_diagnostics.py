@@ -2,19 +2,36 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Literal
 
 import pytest
 
 import wf_persist as wp
+from wf_persist import logs
 from wf_persist.error_documents import MAX_TRACEBACK, error_document
 from wf_persist.logs import JsonFormatter
 
 from .fixtures import fencing as f
 from .fixtures import saga as s
 from .fixtures import workflows as w
+
+
+@contextlib.contextmanager
+def _configured(fmt: Literal["text", "json"]) -> Iterator[None]:
+    """``logs.configure(fmt)`` for one test: the ``wf_persist`` logger is put back after."""
+    logs.configure(fmt)
+    try:
+        yield
+    finally:
+        root = logging.getLogger("wf_persist")
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        root.propagate = True
+        root.setLevel(logging.NOTSET)
 
 
 def _records(caplog: pytest.LogCaptureFixture, execution_id: str) -> list[logging.LogRecord]:
@@ -115,22 +132,13 @@ def test_a_run_resumed_after_its_driver_died_is_logged(
 
 
 def test_the_json_log_format_is_one_object_per_line(capsys: pytest.CaptureFixture[str]) -> None:
-    from wf_persist import logs
-
-    logs.configure("json")
-    try:
+    with _configured("json"):
         logger = logging.getLogger("wf_persist.steps")
         try:
             raise RuntimeError("boom")
         except RuntimeError:
             logger.error("step failed", exc_info=True, extra=logs.run_fields("id-1", "wf", "s", 2))
         line: dict[str, Any] = json.loads(capsys.readouterr().err.strip())
-    finally:
-        root = logging.getLogger("wf_persist")
-        for handler in list(root.handlers):
-            root.removeHandler(handler)
-        root.propagate = True
-        root.setLevel(logging.NOTSET)
     assert {
         k: line[k]
         for k in ("level", "logger", "message", "execution_id", "workflow", "step", "attempt")
@@ -172,14 +180,11 @@ def test_the_text_log_format_shows_user_values_inert(
     """A step's exception echoes a run's input: in the worker's text log, what a terminal
     would act on (ESC retitling the window and clearing the screen, BEL, a right-to-left
     override, a line break forging a record) is shown as its escape, traceback included."""
-    from wf_persist import logs
-
     hostile = (
         "ref\x1b]0;PWNED\x07\x1b[2J\u202eevil\u2028\n2026-01-01 INFO wf_persist.runtime: forged"
     )
     runtime.register(w.explode_wf)
-    logs.configure("text")
-    try:
+    with _configured("text"):
         client = runtime.client()
         exploded = client.start(w.explode_wf, hostile).execution_id
         assert isinstance(client.result(exploded, timeout=20), wp.Failed)
@@ -187,12 +192,6 @@ def test_the_text_log_format_shows_user_values_inert(
             "step failed: %s", hostile, exc_info=(RuntimeError, RuntimeError(hostile), None)
         )
         err = capsys.readouterr().err
-    finally:
-        root = logging.getLogger("wf_persist")
-        for handler in list(root.handlers):
-            root.removeHandler(handler)
-        root.propagate = True
-        root.setLevel(logging.NOTSET)
     assert exploded in err and "\\u001b]0;PWNED\\u0007" in err and "\\u202eevil" in err
     for raw in ("\x1b", "\x07", "\u202e", "\u2028"):
         assert raw not in err

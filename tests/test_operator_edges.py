@@ -127,36 +127,38 @@ def test_an_address_the_web_view_cannot_listen_on(db_url: str, procs: Processes)
     assert "cannot listen on no such host" in _one_error_line(out)
 
 
+def _waiting_dashed(runtime: wp.Runtime) -> tuple[wp.WorkflowClient, str]:
+    """A run parked on its wait of a name like an option: its client and id."""
+    runtime.register(dashed_wf)
+    client = runtime.client()
+    run = client.start(dashed_wf).execution_id
+    runtime.drive(run)
+    wait_status(client, run, "suspended")
+    return client, run
+
+
 def test_the_pasted_signal_command_of_a_name_like_an_option(
     runtime: wp.Runtime, db_url: str, procs: Processes
 ) -> None:
-    runtime.register(dashed_wf)
-    client = runtime.client()
-    handle = client.start(dashed_wf)
-    runtime.drive(handle.execution_id)
-    wait_status(client, handle.execution_id, "suspended")
-    shown = procs.cli("runs", "show", handle.execution_id, "--url", db_url).stdout
+    client, run = _waiting_dashed(runtime)
+    shown = procs.cli("runs", "show", run, "--url", db_url).stdout
     (line,) = [ln.strip() for ln in shown.splitlines() if "wf-persist runs signal" in ln]
     words = shlex.split(line)
     assert words[:4] == ["wf-persist", "runs", "signal", "--url"] and "--" in words
     procs.cli(*words[1:])
-    runtime.drive(handle.execution_id)
-    assert client.result(handle.execution_id, timeout=30).unwrap() is None
+    runtime.drive(run)
+    assert client.result(run, timeout=30).unwrap() is None
 
 
 @pytest.mark.needs("schemas")  # PostgreSQL: trust, so a password in the URL is taken
 def test_the_pasted_signal_command_leaves_out_a_url_with_its_password_in_the_query(
     runtime: wp.Runtime, db_url: str, procs: Processes
 ) -> None:
-    runtime.register(dashed_wf)
-    client = runtime.client()
-    handle = client.start(dashed_wf)
-    runtime.drive(handle.execution_id)
-    wait_status(client, handle.execution_id, "suspended")
+    _, run = _waiting_dashed(runtime)
     for secret in ("password=s3cretPW", "sslpassword=s3cretPW"):
         url = f"{db_url}{'&' if '?' in db_url else '?'}{secret}"
         for json_out in ((), ("--json",)):
-            shown = procs.cli("runs", "show", handle.execution_id, "--url", url, *json_out)
+            shown = procs.cli("runs", "show", run, "--url", url, *json_out)
             assert "wf-persist runs signal" in shown.stdout
             assert "s3cretPW" not in shown.stdout + shown.stderr
             assert "--url" not in shown.stdout.split("wf-persist runs signal", 1)[1]
