@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, Final
 
-from sqlalchemy import Connection, String, column, inspect, select, table
+from sqlalchemy import Connection, String, column, func, inspect, select, table
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 
@@ -135,42 +135,61 @@ def _renamed_host_versions(
     or one this user may not read, leave the record unknown: refused as before."""
     inspector = inspect(conn)
     quote = conn.dialect.identifier_preparer.quote
+    candidates: list[tuple[str | None, str]] = [
+        (schema, name)
+        for (_, name), columns in sorted(inspector.get_multi_columns(schema).items())
+        if name != VERSION_TABLE
+        and [c["name"] for c in columns] == ["version_num"]
+        and isinstance(columns[0]["type"], String)
+    ]
+    if backend.supports_schemas:
+        candidates += _elsewhere(conn, schema or str(inspector.default_schema_name))
     found: list[tuple[str, tuple[str, ...]]] = []
-    for where in _host_schemas(inspector, backend, schema):
-        for (_, name), columns in sorted(inspector.get_multi_columns(where).items()):
-            if name == VERSION_TABLE or [c["name"] for c in columns] != ["version_num"]:
-                continue
-            if not isinstance(columns[0]["type"], String):
-                continue
-            try:
-                rows = _versions(conn, True, name, where)
-            except DBAPIError as exc:
-                if not backend.refused(exc):
-                    raise
-                return HOST_VERSION_TABLE, ()  # (PostgreSQL's transaction has failed: stop)
-            ours = tuple(sorted(r for r in rows if isinstance(r, str) and r.startswith("wf_")))
-            if ours:
-                shown = name if where == schema else f"{quote(where or '')}.{quote(name)}"
-                found.append((shown, ours))
+    for where, name in candidates:
+        try:
+            rows = _versions(conn, True, name, where)
+        except DBAPIError as exc:
+            if not backend.refused(exc):
+                raise
+            return HOST_VERSION_TABLE, ()  # (PostgreSQL's transaction has failed: stop)
+        ours = tuple(sorted(r for r in rows if isinstance(r, str) and r.startswith("wf_")))
+        if ours:
+            shown = name if where == schema else f"{quote(where or '')}.{quote(name)}"
+            found.append((shown, ours))
     return found[0] if len(found) == 1 else (HOST_VERSION_TABLE, ())
 
 
-def _host_schemas(inspector: Any, backend: type[Backend], schema: str | None) -> list[str | None]:
-    """Where a host's version table may be: our tables' schema first, then (where a
-    database has schemas) every other one but the server's own and those holding tables
-    of ours (a version table there records those)."""
-    if not backend.supports_schemas:
-        return [schema]
-    ours = schema if schema is not None else inspector.default_schema_name
-    others = [
-        name
-        for name in inspector.get_schema_names()
-        if name != ours
-        and name != "information_schema"
-        and not name.startswith("pg_")
-        and not inspector.has_table(RUNS_TABLE, name)
-    ]
-    return [schema, *sorted(others)]
+def _elsewhere(conn: Connection, ours: str) -> list[tuple[str | None, str]]:
+    """One-column text ``version_num`` tables in the other schemas (one catalog query,
+    however many schemas a database has), but the server's own and those holding tables of
+    ours: a version table there records those."""
+    cols = table(
+        "columns",
+        column("table_schema"),
+        column("table_name"),
+        column("column_name"),
+        column("data_type"),
+        schema="information_schema",
+    )
+    tables = table(
+        "tables", column("table_schema"), column("table_name"), schema="information_schema"
+    )
+    holding_ours = select(tables.c.table_schema).where(tables.c.table_name == RUNS_TABLE)
+    found = conn.execute(
+        select(cols.c.table_schema, cols.c.table_name)
+        .where(
+            cols.c.table_schema != ours,
+            cols.c.table_schema != "information_schema",
+            ~cols.c.table_schema.startswith("pg_", autoescape=True),
+            cols.c.table_schema.not_in(holding_ours),
+        )
+        .group_by(cols.c.table_schema, cols.c.table_name)
+        .having(func.count() == 1)
+        .having(func.max(cols.c.column_name) == "version_num")
+        .having(func.max(cols.c.data_type).in_(("character varying", "text", "character")))
+        .order_by(cols.c.table_schema, cols.c.table_name)
+    ).all()
+    return [(str(where), str(name)) for where, name in found]
 
 
 def _versions(conn: Connection, exists: bool, name: str, schema: str | None) -> tuple[str, ...]:
