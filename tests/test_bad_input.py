@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from pydantic import BaseModel, field_validator
+from pydantic import BaseModel, Field, field_validator
 
 import wf_persist as wp
 from wf_persist import cli, migrate
@@ -87,7 +87,7 @@ def keep(value: Any) -> Any:
     return value
 
 
-@wp.step
+@wp.step(retry=wp.Retry(attempts=3, base=0.01))  # a result refused is not retried
 def produce(key: str) -> Any:
     CALLS["produce"] += 1
     return BAD[key]
@@ -1729,3 +1729,33 @@ def test_a_value_past_what_postgresqls_jsonb_parser_takes_is_refused_typed(
         runtime.client().start(limited_text_wf, "1," * (9 * 1024 * 1024))
     assert info.value.limit == 16 * 1024 * 1024 - 64 * 1024
     assert runtime.client().list("limited_text").items == []
+
+
+class Aliased(BaseModel):
+    user_id: int = Field(alias="userId")
+
+
+@wp.step(retry=wp.Retry(attempts=3, base=0.01))
+def aliased() -> Aliased:
+    CALLS["aliased"] += 1
+    return Aliased(userId=1)
+
+
+@wp.workflow(name="aliased-result", version=1)
+def aliased_wf(ctx: wp.Context) -> int:
+    return ctx.run(aliased).user_id
+
+
+def test_a_step_result_that_does_not_read_its_own_json_back_fails_the_step_once(
+    client: wp.WorkflowClient, tables: Tables
+) -> None:
+    """A model with an alias and no populate_by_name is written by field name and reads
+    only its alias: the read-back raised pydantic's raw error, and the step was retried,
+    its effects repeated for a value that could never be kept."""
+    CALLS["aliased"] = 0
+    handle = client.start(aliased_wf)
+    outcome = failed_once(client, tables, handle.execution_id)
+    assert outcome.error_type == "StepExecutionError"
+    assert outcome.error["cause"]["name"] == "NotSerializableError"
+    assert "populate_by_name" in outcome.error["cause"]["message"]
+    assert CALLS["aliased"] == 1

@@ -245,3 +245,32 @@ def test_sigterm_stops_a_worker_process_at_the_next_step_and_hands_the_run_over(
         if r.event["type"] == "step.completed"
     )
     assert completed == Counter({"hold#1": 1, "after#1": 1, "after#2": 1})
+
+
+def test_sigterm_stops_a_worker_process_whose_step_never_ends(
+    runtime: wp.Runtime, db_url: str, tmp_path: Path, procs: Processes
+) -> None:
+    """A step that does not end (it hangs): the worker process waited for it however long
+    it took, forever here, after SIGTERM. It waits as close() does (30 s), releases the
+    lease and exits; another worker takes the run over at once (the step runs again there:
+    it was in flight)."""
+    runtime.register(w.three_steps_wf)
+    client = runtime.client()
+    marks, hang = tmp_path / "marks", tmp_path / "hang"
+    hang.touch()
+    inp = w.CrashInput(marks=str(marks), hang_file=str(hang))
+    handle = client.start(w.three_steps_wf, inp)
+    worker = procs.worker(db_url, lease_ttl=300.0)
+    wait_for_mark(marks, "b-start")
+    began = time.monotonic()
+    worker.send(signal.SIGTERM)
+    assert worker.wait(60) == 0
+    assert time.monotonic() - began < 45, "bounded by close()'s wait"
+    assert "still inside a step" in worker.stderr()
+    with runtime.backend.read() as conn:
+        owner = conn.execute(
+            select(ex.c.lease_owner).where(ex.c.id == handle.execution_id)
+        ).scalar_one()
+    assert owner is None, "its lease released: not waited out (300 s)"
+    hang.unlink()
+    assert client.result(handle.execution_id, timeout=30).unwrap() == "abc"

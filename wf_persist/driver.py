@@ -526,7 +526,8 @@ class RunDriver(ChildDriving):
             if isinstance(halt.cause, LeaseLostError):
                 self.check_run()
             raise
-        self.finished = (ok, value)
+        # As any other process reads the outcome back (JSONB's key order on PostgreSQL).
+        self.finished = (ok, self.as_stored(value))
         self.over = True
         telemetry.run_ended(wf.name, wf.version, ok)
 

@@ -124,11 +124,13 @@ class ExactJSONB(TypeDecorator[Any]):
 
 def sqlite_json(value: Any) -> str | bytes:
     """A JSON column's value on SQLite, whose JSON columns have NUMERIC affinity: a text
-    that is a whole number (``1.0``, ``1e16``'s digits and ``.0``, ``-0.0``) is stored as an
-    INTEGER there and read back an int. Such a float, the whole document, is bound as a
-    BLOB of its text, which no affinity converts (read back as that text)."""
+    that is a number is converted, a whole one (``1.0``, ``1e16``'s digits and ``.0``,
+    ``-0.0``) to an INTEGER, read back an int, and any other to a REAL by SQLite's own
+    parsing, not exact at the far exponents (``-3.131546820234317e-307`` came back
+    ``-3.1315468202343167e-307``). A float, the whole document, is bound as a BLOB of its
+    text, which no affinity converts (read back as that text)."""
     text = json_text(value)
-    return text.encode() if isinstance(value, float) and value.is_integer() else text
+    return text.encode() if isinstance(value, float) else text
 
 
 class OwnJSON(TypeDecorator[Any]):

@@ -454,6 +454,12 @@ class Runtime(Registry, Notices, WorkerSide):
         if self._disposed:
             raise ClosedError("Workflow runtime")
 
+    def drives_in_flight(self) -> int:
+        """Runs being driven in this process now (after :meth:`close`: steps that outlived
+        its wait, their leases released)."""
+        with self._lock:
+            return len(self._driving)
+
     def close(self, timeout: float = 30.0) -> None:
         """Stop this runtime's worker, let runs in flight stop at their next step (waiting up
         to ``timeout`` seconds), then release every lease still held so other workers take

@@ -28,7 +28,7 @@ from .bridge import bridged, checked_first, checked_in_thread, in_thread, off_lo
 from .control import Suspended, interrupting
 from .driving import Driver
 from .error_documents import error_document, rebuild_error
-from .errors import InvalidPayloadError, StepExecutionError
+from .errors import InvalidPayloadError, NotSerializableError, StepExecutionError
 from .events import Activity, NewEvent
 from .logs import run_fields
 from .loops import check_can_await, settle
@@ -222,8 +222,11 @@ class StepRunner:
             traced = drive_telemetry.step_attempt(
                 self.execution_id, self.driver.workflow, call.activity, step.name, attempt
             )
+            called = False
             try:
-                result, stored = self._attempt(step, inputs)
+                returned = self._attempt(step, inputs)
+                called = True
+                result, stored = self._stored(step, returned)
             except BaseException as exc:
                 if interrupting(exc):  # control flow, a signal: this attempt just ends
                     if traced is not None:
@@ -231,7 +234,9 @@ class StepRunner:
                     watch.finish(quiet=True)
                     raise
                 terminal = step.is_terminal(exc)
-                final = terminal or failures + 1 >= step.retry.attempts
+                # A result that cannot be stored fails the step once: another attempt would
+                # repeat its effects for a value that again could not be kept.
+                final = terminal or called or failures + 1 >= step.retry.attempts
                 if traced is not None:
                     traced.end("failed" if final else "retrying", exc, self.redactor.scrub)
                 pending = watch.finish()
@@ -292,8 +297,8 @@ class StepRunner:
             ]
             raise InvalidPayloadError(f"arguments of step {step.name}", errors) from None
 
-    def _attempt(self, step: Step[Any], inputs: dict[str, Any]) -> tuple[Any, Any]:
-        """One attempt: resolve secrets, take a concurrency slot, run, validate the result."""
+    def _attempt(self, step: Step[Any], inputs: dict[str, Any]) -> Any:
+        """One attempt: resolve secrets, take a concurrency slot, run; what the step returned."""
         values = self._resolved(step, inputs)
         limit = step.concurrency
         with outside_body(), self.driver.user_code():
@@ -309,10 +314,24 @@ class StepRunner:
                     self.driver.check_lease()
                     # An attempt given up at its timeout runs on: it keeps the slot.
                     result = self._call(step, values, lambda: slot.pop_all().close, still_held)
+        return result
+
+    def _stored(self, step: Step[Any], result: Any) -> tuple[Any, Any]:
+        """The step's result as the body sees it (read back from what is stored, as a
+        replay reads it) and as it is stored."""
         what = f"result of step {step.name}"
         stored = self.driver.as_stored(to_json(step.output_adapter, result, what))
         self.driver.check_size(what, stored)
-        return step.output_adapter.validate_python(stored), stored
+        try:
+            return step.output_adapter.validate_python(stored), stored
+        except ValidationError as exc:  # a type whose JSON form it does not itself read
+            first = exc.errors(include_url=False)[0]
+            where = ".".join(str(p) for p in first["loc"]) or "the value"
+            raise NotSerializableError(
+                what,
+                f"its JSON form does not read back as its type ({where}: {first['msg']}); "
+                "a model with aliases needs populate_by_name=True",
+            ) from None
 
     def _call(
         self,

@@ -125,6 +125,8 @@ class Worker:
         self.poll_interval = interval
         self._wake = threading.Event()
         self._stopping = threading.Event()
+        #: How long the loop waits, once stopped, for the runs in flight (None: until done).
+        self._drain: float | None = None
         #: The change probe's interval (see :meth:`_rest`), the runs claimed so far, and
         #: how many had been when a change last ended a rest (None: none did since).
         self._probe = CHANGE_PROBE
@@ -178,6 +180,7 @@ class Worker:
         """Stop claiming; wait up to ``timeout`` for runs in flight (they stop at their next
         step once the runtime closes; their leases are released or lapse). ``join=False``:
         do not wait (a run in flight is asking, which its loop would wait for)."""
+        self._drain = timeout
         self._stopping.set()
         self._wake.set()
         thread = self._thread
@@ -301,11 +304,12 @@ class Worker:
 
     def _serve(self) -> None:
         rt = self.runtime
-        with ThreadPoolExecutor(self.concurrency, thread_name_prefix="wf-persist-run") as pool:
+        changes = rt.backend.changes()
+        pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="wf-persist-run")
+        try:
             with self._lock:
                 self._pool = pool
             look_at = reap_at = 0.0
-            changes = rt.backend.changes()
             while not self._stopping.is_set():
                 # Cleared only when set: a wake landing between the two is this look's too.
                 told = self._wake.is_set()
@@ -363,13 +367,17 @@ class Worker:
                     continue
                 self._outage.succeeded()
                 self._rest(look_at if not self._reaping() else min(look_at, reap_at), changes)
+        finally:
             with self._lock:
                 self._pool = None
                 inflight = list(self._inflight)
             if changes is not None:
                 changes.close()
             self._wake.set()
-            wait(inflight)  # the runs on the event loop too
+            # The runs on the event loop too; as long as stop() said (a step may never end:
+            # the runtime's close() then releases its lease, and the process may exit).
+            done, _ = wait(inflight, self._drain)
+            pool.shutdown(wait=len(done) == len(inflight))
 
     def _rest(self, until: float, changes: Changes | None) -> None:
         """Wait until ``until`` (monotonic) or a wake. Where the database has a change

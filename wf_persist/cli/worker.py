@@ -123,3 +123,16 @@ def worker(
         loop.run()
     finally:
         runtime.close()
+    left = runtime.drives_in_flight()
+    if left:
+        # A step that outlives close()'s wait would hold the process (its thread is joined
+        # at exit) for as long as it runs, forever if it hangs; its lease is released, and
+        # another worker takes the run (the step runs again there: at least once).
+        err.print(
+            f"worker {runtime.owner}: {left} run(s) still inside a step; their leases are "
+            "released: exiting"
+        )
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
