@@ -274,3 +274,26 @@ def test_sigterm_stops_a_worker_process_whose_step_never_ends(
     assert owner is None, "its lease released: not waited out (300 s)"
     hang.unlink()
     assert client.result(handle.execution_id, timeout=30).unwrap() == "abc"
+
+
+def test_sigterm_stops_an_async_worker_process_whose_step_never_ends(
+    runtime: wp.Runtime, db_url: str, tmp_path: Path, procs: Processes
+) -> None:
+    """The same on the async worker: its event loop, where the run's step hangs, is left
+    running for the step (closing it would have waited for, or cut, the step)."""
+    from .fixtures import asyncwf as a
+
+    runtime.register(a.crash_wf)
+    client = runtime.client()
+    marks, hang = tmp_path / "marks", tmp_path / "hang"
+    hang.touch()
+    handle = client.start(a.crash_wf, a.Job(marks=str(marks), hang=str(hang)))
+    worker = procs.worker(db_url, "--async", lease_ttl=300.0)
+    wait_for_mark(marks, "b-start")
+    began = time.monotonic()
+    worker.send(signal.SIGTERM)
+    assert worker.wait(60) == 0
+    assert time.monotonic() - began < 45, "bounded by close()'s wait"
+    assert "still inside a step" in worker.stderr()
+    hang.unlink()
+    assert client.result(handle.execution_id, timeout=30).unwrap() == "ab"

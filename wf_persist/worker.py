@@ -127,6 +127,8 @@ class Worker:
         self._stopping = threading.Event()
         #: How long the loop waits, once stopped, for the runs in flight (None: until done).
         self._drain: float | None = None
+        #: Runs outlived that wait: a thread of their own closes what they use.
+        self._finishing = False
         #: The change probe's interval (see :meth:`_rest`), the runs claimed so far, and
         #: how many had been when a change last ended a rest (None: none did since).
         self._probe = CHANGE_PROBE
@@ -299,7 +301,7 @@ class Worker:
         try:
             self._serve()
         finally:
-            if self._loop is not None:
+            if self._loop is not None and not self._finishing:
                 self._loop.close()
 
     def _serve(self) -> None:
@@ -374,10 +376,22 @@ class Worker:
             if changes is not None:
                 changes.close()
             self._wake.set()
-            # The runs on the event loop too; as long as stop() said (a step may never end:
-            # the runtime's close() then releases its lease, and the process may exit).
-            done, _ = wait(inflight, self._drain)
-            pool.shutdown(wait=len(done) == len(inflight))
+            # The runs on the event loop too, as long as stop() said: a step may never end
+            # (the runtime's close() then releases its lease, and the process may exit).
+            _, pending = wait(inflight, self._drain)
+            if pending:  # their threads and event loop are closed once they end
+                self._finishing = True
+                threading.Thread(
+                    target=self._finish, args=(pending, pool), name="wf-persist-finish", daemon=True
+                ).start()
+            else:
+                pool.shutdown()
+
+    def _finish(self, pending: set[Future[Any]], pool: ThreadPoolExecutor) -> None:
+        wait(pending)
+        pool.shutdown()
+        if self._loop is not None:
+            self._loop.close()
 
     def _rest(self, until: float, changes: Changes | None) -> None:
         """Wait until ``until`` (monotonic) or a wake. Where the database has a change
