@@ -143,7 +143,12 @@ def _renamed_host_versions(
         and isinstance(columns[0]["type"], String)
     ]
     if backend.supports_schemas:
-        candidates += _elsewhere(conn, schema or str(inspector.default_schema_name))
+        try:
+            candidates += _elsewhere(conn, schema or str(inspector.default_schema_name))
+        except DBAPIError as exc:
+            if not backend.refused(exc):
+                raise
+            return HOST_VERSION_TABLE, ()  # (the transaction has failed: stop)
     found: list[tuple[str, tuple[str, ...]]] = []
     for where, name in candidates:
         try:
@@ -162,7 +167,8 @@ def _renamed_host_versions(
 def _elsewhere(conn: Connection, ours: str) -> list[tuple[str | None, str]]:
     """One-column text ``version_num`` tables in the other schemas (one catalog query,
     however many schemas a database has), but the server's own and those holding tables of
-    ours: a version table there records those."""
+    ours: a version table there records those. The catalog lists only tables this user has
+    a privilege on: one it may not touch is not a candidate."""
     cols = table(
         "columns",
         column("table_schema"),

@@ -28,7 +28,12 @@ from .bridge import bridged, checked_first, checked_in_thread, in_thread, off_lo
 from .control import Suspended, interrupting
 from .driving import Driver
 from .error_documents import error_document, rebuild_error
-from .errors import InvalidPayloadError, NotSerializableError, StepExecutionError
+from .errors import (
+    InvalidPayloadError,
+    NotSerializableError,
+    StepExecutionError,
+    ValueTooLargeError,
+)
 from .events import Activity, NewEvent
 from .logs import run_fields
 from .loops import check_can_await, settle
@@ -234,9 +239,11 @@ class StepRunner:
                     watch.finish(quiet=True)
                     raise
                 terminal = step.is_terminal(exc)
-                # A result that cannot be stored fails the step once: another attempt would
-                # repeat its effects for a value that again could not be kept.
-                final = terminal or called or failures + 1 >= step.retry.attempts
+                # A result that cannot be kept fails the step once: another attempt would
+                # repeat its effects for a value that again could not be (one of the wrong
+                # shape, InvalidPayloadError, is retried as before).
+                unkept = called and isinstance(exc, NotSerializableError | ValueTooLargeError)
+                final = terminal or unkept or failures + 1 >= step.retry.attempts
                 if traced is not None:
                     traced.end("failed" if final else "retrying", exc, self.redactor.scrub)
                 pending = watch.finish()

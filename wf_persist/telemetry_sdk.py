@@ -67,6 +67,23 @@ def configure_from_environment(env: Mapping[str, str] | None = None) -> None:
         log.warning("OpenTelemetry refused its OTEL_* settings (%s): telemetry stays off", exc)
 
 
+def flush(timeout_millis: int = 5000) -> None:
+    """Export what the global providers hold (a process about to end without running its
+    exit handlers, which would have: ``wf-persist worker`` past a step that does not end)."""
+    try:
+        from opentelemetry import metrics as metrics_api
+        from opentelemetry import trace as trace_api
+    except ImportError:
+        return
+    for provider in (trace_api.get_tracer_provider(), metrics_api.get_meter_provider()):
+        force = getattr(provider, "force_flush", None)
+        if force is not None:
+            try:
+                force(timeout_millis=timeout_millis)
+            except Exception:  # an exporter that fails: the process ends regardless
+                log.warning("flushing telemetry failed", exc_info=True)
+
+
 def _protocol(env: Mapping[str, str], signal: str) -> str:
     return (
         env.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL")

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from .. import logs
+from .. import logs, telemetry_sdk
 from ..async_worker import ASYNC_CONCURRENCY
 from ..errors import InvalidArgumentError
 from ..runtime import Runtime
@@ -132,6 +132,7 @@ def worker(
             f"worker {runtime.owner}: {left} run(s) still inside a step; their leases are "
             "released: exiting"
         )
+        telemetry_sdk.flush()
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
