@@ -1424,23 +1424,25 @@ def test_a_run_driven_past_its_ttl_keeps_its_lease(
     the ``Runtime._drive`` and ``drive_for_outcome`` mutants that hold the lease under
     another id or claim it under no owner."""
     LONG_STEP.clear()
-    driving, other = make_runtime(lease_ttl=1.0), make_runtime(lease_ttl=1.0)
+    # A TTL of 2 s, renewed every 0.5 s: at 1 s a loaded machine (CI's, SQLite's write
+    # lock taken by the other runtime's tries every 50 ms) starved a renewal now and then.
+    driving, other = make_runtime(lease_ttl=2.0), make_runtime(lease_ttl=2.0)
     driving.register(longer_than_the_lease_wf)
     other.register(longer_than_the_lease_wf)
-    execution_id = driving.client().start(longer_than_the_lease_wf, 2.5).execution_id
+    execution_id = driving.client().start(longer_than_the_lease_wf, 5.0).execution_id
     thread = threading.Thread(target=driving.drive, args=(execution_id,))
     thread.start()
     try:
         assert LONG_STEP.wait(10)
         assert _row(driving, execution_id)["lease_owner"] == driving.owner
-        deadline = time.monotonic() + 2.4
+        deadline = time.monotonic() + 4.9
         while time.monotonic() < deadline:
             assert other.drive(execution_id) is False, "a live lease was taken over"
             time.sleep(0.05)
     finally:
         thread.join(20)
     outcome = driving.client().result(execution_id, timeout=10)
-    assert outcome.unwrap() == 2.5
+    assert outcome.unwrap() == 5.0
     assert history_types(driving.client(), execution_id).count("step.started") == 1
 
 
