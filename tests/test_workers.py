@@ -18,7 +18,7 @@ from wf_persist.models import executions_table as ex
 from wf_persist.models import history_table as hist
 
 from .fixtures import workflows as w
-from .helpers import Processes, wait_for_mark, wait_status, wait_until
+from .helpers import Child, Processes, wait_for_mark, wait_status, wait_until
 
 
 @pytest.fixture(autouse=True)
@@ -247,6 +247,17 @@ def test_sigterm_stops_a_worker_process_at_the_next_step_and_hands_the_run_over(
     assert completed == Counter({"hold#1": 1, "after#1": 1, "after#2": 1})
 
 
+def _stop_inside_a_hanging_step(worker: Child, marks: Path) -> None:
+    """SIGTERM once the run is inside its hanging step: the process exits within close()'s
+    wait (30 s), saying a run is still inside a step."""
+    wait_for_mark(marks, "b-start")
+    began = time.monotonic()
+    worker.send(signal.SIGTERM)
+    assert worker.wait(60) == 0
+    assert time.monotonic() - began < 45, "bounded by close()'s wait"
+    assert "still inside a step" in worker.stderr()
+
+
 def test_sigterm_stops_a_worker_process_whose_step_never_ends(
     runtime: wp.Runtime, db_url: str, tmp_path: Path, procs: Processes
 ) -> None:
@@ -261,12 +272,7 @@ def test_sigterm_stops_a_worker_process_whose_step_never_ends(
     inp = w.CrashInput(marks=str(marks), hang_file=str(hang))
     handle = client.start(w.three_steps_wf, inp)
     worker = procs.worker(db_url, lease_ttl=300.0)
-    wait_for_mark(marks, "b-start")
-    began = time.monotonic()
-    worker.send(signal.SIGTERM)
-    assert worker.wait(60) == 0
-    assert time.monotonic() - began < 45, "bounded by close()'s wait"
-    assert "still inside a step" in worker.stderr()
+    _stop_inside_a_hanging_step(worker, marks)
     with runtime.backend.read() as conn:
         owner = conn.execute(
             select(ex.c.lease_owner).where(ex.c.id == handle.execution_id)
@@ -289,11 +295,6 @@ def test_sigterm_stops_an_async_worker_process_whose_step_never_ends(
     hang.touch()
     handle = client.start(a.crash_wf, a.Job(marks=str(marks), hang=str(hang)))
     worker = procs.worker(db_url, "--async", lease_ttl=300.0)
-    wait_for_mark(marks, "b-start")
-    began = time.monotonic()
-    worker.send(signal.SIGTERM)
-    assert worker.wait(60) == 0
-    assert time.monotonic() - began < 45, "bounded by close()'s wait"
-    assert "still inside a step" in worker.stderr()
+    _stop_inside_a_hanging_step(worker, marks)
     hang.unlink()
     assert client.result(handle.execution_id, timeout=30).unwrap() == "ab"
