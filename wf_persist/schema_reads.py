@@ -15,7 +15,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 
 from . import backends
-from .models import metadata
+from .models import executions_table, metadata
 
 if TYPE_CHECKING:
     from .backends.base import Backend
@@ -24,8 +24,6 @@ if TYPE_CHECKING:
 VERSION_TABLE: Final = "wf_persist_alembic_version"
 #: The version table of a host that merged our revisions into its own chain.
 HOST_VERSION_TABLE: Final = "alembic_version"
-#: The table whose presence in a schema says our tables live there.
-RUNS_TABLE: Final = "wf_executions"
 #: The tables of our first revision, with the columns it gives them (CREATE TABLE is atomic:
 #: one an interrupted first revision left on MySQL has exactly these).
 FIRST_TABLES: Final = {
@@ -180,7 +178,7 @@ def _elsewhere(conn: Connection, ours: str) -> list[tuple[str | None, str]]:
     tables = table(
         "tables", column("table_schema"), column("table_name"), schema="information_schema"
     )
-    holding_ours = select(tables.c.table_schema).where(tables.c.table_name == RUNS_TABLE)
+    holding_ours = select(tables.c.table_schema).where(tables.c.table_name == executions_table.name)
     found = conn.execute(
         select(cols.c.table_schema, cols.c.table_name)
         .where(

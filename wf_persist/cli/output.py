@@ -311,7 +311,7 @@ def shell_word(word: str) -> str:
     if not ACTING.search(word):
         return shlex.quote(word)
     inner = word.replace("\\", "\\\\").replace("'", "\\'")
-    return "$'" + ACTING.sub(lambda m: f"\\u{ord(m.group()):04x}", inner) + "'"
+    return "$'" + visible(inner) + "'"
 
 
 def pending_table(waits: Iterable[PendingSignal]) -> Table:
